@@ -1,0 +1,19 @@
+# The two commands of the README. Each installs what it needs into the current Python first.
+PYTHON ?= python3
+
+.PHONY: install demo test bench
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build. A torch that
+# is already importable (a GPU machine's own build) is left alone.
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[server,test]"
+
+demo: install
+	pdserve demo
+
+test: install
+	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+bench: install
+	pdserve bench engine

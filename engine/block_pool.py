@@ -1,0 +1,146 @@
+"""Ref-counted KV block allocation with a prefix cache of full blocks.
+
+A block is in exactly one of three states:
+  free       refcount 0, no hash                 -> in `_free`
+  cached     refcount 0, hash, contents valid    -> in `_evictable` (LRU order), reusable by hash
+  in use     refcount > 0                        -> referenced by one or more block tables
+A cached block is counted as free: allocation takes plain free blocks first, then evicts the least
+recently used cached block. A block with refcount > 1 is shared read-only; only the request that
+owns a block alone (refcount 1, not yet full) ever writes into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of a full block: stable across processes, so workers can report it to a router."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\x00" * 16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.digest()
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every full block of `token_ids`, each chained on the one before."""
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free (callers check first)."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._block_hash: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # --- capacity -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation can take now (free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    # --- allocation -----------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} free")
+        blocks = [self._take_one() for _ in range(n)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    def _take_one(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_hash.pop(block)]
+        self.stats.evictions += 1
+        return block
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block. Freed in reverse so a request's tail is evicted first."""
+        for b in reversed(list(blocks)):
+            if self._refcount[b] <= 0:
+                raise RuntimeError(f"double free of KV block {b}")
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                if b in self._block_hash:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    # --- prefix cache ---------------------------------------------------------------------------
+    def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Take a reference on the longest run of cached blocks matching `block_hashes`."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in block_hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queried_blocks += len(block_hashes)
+        self.stats.hit_blocks += len(hits)
+        for b in hits:
+            if self._refcount[b] == 0:
+                del self._evictable[b]
+            self._refcount[b] += 1
+        return hits
+
+    def cache_block(self, block: int, block_hash: bytes) -> None:
+        """Publish a full, in-use block under its hash. A hash already cached keeps its first block."""
+        if not self.enable_prefix_caching or block_hash in self._cached or block in self._block_hash:
+            return
+        self._cached[block_hash] = block
+        self._block_hash[block] = block_hash
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash this pool can serve (what a worker reports to a prefix-aware router)."""
+        return list(self._cached)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request uses."""
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._block_hash.pop(block)]
+            self._free.append(block)

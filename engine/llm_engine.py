@@ -1,0 +1,288 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, tokens out.
+
+Besides serving requests end to end (the colocated mode), it can hand a request over to another
+engine: `add_request(..., prefill_only=True)` stops after the first token and holds the KV;
+`export_handoff` + `export_kv` read it out (all layers, or one layer at a time); on the receiving
+engine `begin_import` reserves blocks, `import_kv` writes them, and `commit_import` puts the request
+into the running batch. `abort_request` frees whatever a request holds, in any state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool, OutOfBlocks
+from engine.config import EngineConfig
+from engine.kv_cache import KVBlocks, PagedKVCache
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import RequestOutput, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class RequestHandoff:
+    """Everything but the KV that another engine needs to continue a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    num_computed_tokens: int  # tokens whose KV travels with the handoff
+    logprobs: list[float]
+
+
+@dataclass
+class StepStats:
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_preempted: int = 0
+    forward_s: float = 0.0
+    total_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(model_dir, config.torch_dtype, config.device, config.block_size, config.max_model_len)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.kv_layout = loaded.kv_layout
+
+        num_blocks = config.kv_memory_bytes // loaded.kv_layout.bytes_per_block
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_memory_bytes={config.kv_memory_bytes} holds {num_blocks} blocks of {config.block_size} "
+                f"tokens, fewer than one sequence of max_model_len={self.max_model_len} needs; raise the "
+                "budget or lower max_model_len"
+            )
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv_cache = PagedKVCache(loaded.kv_layout, num_blocks, config.device)
+        self.scheduler = Scheduler(config, self.pool)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.sampler = Sampler(config.device)
+        self.requests: dict[str, Sequence] = {}
+        self.last_step = StepStats()
+        self._ids = itertools.count()
+        self._import_targets: dict[str, int] = {}
+
+    # --- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
+        """Queue a request; raises ValueError (naming the problem) for bad input."""
+        seq = self._new_sequence(prompt, params or SamplingParams(), request_id, prefill_only=prefill_only)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+    ) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        total = len(token_ids) + len(output_token_ids or [])
+        if total >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {total} tokens but the context limit is {self.max_model_len} "
+                f"(max_model_len, which must leave room for at least one generated token)"
+            )
+        return Sequence(
+            request_id, token_ids, params, prefill_only=prefill_only,
+            output_token_ids=list(output_token_ids or []),
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks, whatever state it is in. False if it is unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._import_targets.pop(request_id, None)
+        if seq.status == SequenceStatus.HELD:
+            self.scheduler.release(seq)
+        else:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; return an output for every request that got a token."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            self.last_step = StepStats(num_preempted=len(plan.preempted))
+            return []
+        sampling = [c for c in plan.chunks if c.samples]
+        logits = self.runner.execute(plan.chunks)
+        seqs = [c.seq for c in sampling]
+        tokens, logprobs = self.sampler(logits, seqs) if seqs else ([], [])
+        for chunk in plan.chunks:
+            self.scheduler.mark_computed(chunk)
+        outputs = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append_token(token, logprob)
+            reason = self._stop_reason(seq)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                if seq.status == SequenceStatus.FINISHED:
+                    del self.requests[seq.request_id]
+            outputs.append(self._output(seq, [token]))
+        self.last_step = StepStats(
+            num_seqs=len(plan.chunks),
+            num_tokens=plan.num_tokens,
+            num_decode_seqs=sum(1 for c in plan.chunks if c.num_tokens == 1),
+            num_preempted=len(plan.preempted),
+            forward_s=self.runner.last_forward_s,
+            total_s=time.perf_counter() - t0,
+        )
+        return outputs
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        token = seq.output_token_ids[-1]
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._match_stop_string(seq):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return "prefilled" if seq.prefill_only else None
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if cuts:
+            seq.stop_text_len = min(cuts)
+        return bool(cuts)
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        finished = seq.is_finished
+        text = ""
+        if finished:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)[: seq.stop_text_len]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=new_tokens,
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # --- KV handoff: sending side ---------------------------------------------------------------
+    def _held(self, request_id: str) -> Sequence:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status != SequenceStatus.HELD:
+            raise KeyError(f"request {request_id!r} is not held for export (add it with prefill_only=True)")
+        return seq
+
+    def export_handoff(self, request_id: str) -> RequestHandoff:
+        seq = self._held(request_id)
+        return RequestHandoff(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=list(seq.output_token_ids),
+            params=seq.params,
+            num_computed_tokens=seq.num_computed_tokens,
+            logprobs=list(seq.logprobs),
+        )
+
+    def export_kv(self, request_id: str, block_indices: list[int] | None = None, layer: int | None = None) -> KVBlocks:
+        """KV of chosen blocks of a held request: every layer (layer=None) or one layer."""
+        seq = self._held(request_id)
+        indices = list(range(len(seq.block_table))) if block_indices is None else list(block_indices)
+        if layer is not None and not 0 <= layer < self.kv_layout.num_layers:
+            raise ValueError(f"layer must be in [0, {self.kv_layout.num_layers}), got {layer}")
+        data = self.kv_cache.read([seq.block_table[i] for i in indices], layer)
+        return KVBlocks(request_id, indices, layer, data, seq.num_computed_tokens, self.config.block_size)
+
+    def release(self, request_id: str) -> None:
+        """Free a held request's blocks once its KV has been handed over."""
+        seq = self._held(request_id)
+        del self.requests[request_id]
+        self.scheduler.release(seq)
+
+    # --- KV handoff: receiving side -------------------------------------------------------------
+    def begin_import(self, handoff: RequestHandoff) -> int:
+        """Reserve blocks for an incoming request; returns how many. Raises OutOfBlocks when full."""
+        seq = self._new_sequence(
+            handoff.prompt_token_ids, handoff.params, handoff.request_id,
+            output_token_ids=handoff.output_token_ids,
+        )
+        if not 0 < handoff.num_computed_tokens < seq.num_tokens:
+            raise ValueError(
+                f"handoff covers {handoff.num_computed_tokens} tokens of a {seq.num_tokens}-token request; "
+                "it must cover all but the last sampled token at most"
+            )
+        need = -(-handoff.num_computed_tokens // self.config.block_size)
+        if not self.pool.can_allocate(need):
+            raise OutOfBlocks(f"request {handoff.request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
+        seq.block_table = self.pool.allocate(need)
+        seq.logprobs = list(handoff.logprobs)
+        seq.status = SequenceStatus.IMPORTING
+        self.requests[seq.request_id] = seq
+        self._import_targets[seq.request_id] = handoff.num_computed_tokens
+        return need
+
+    def import_kv(self, kv: KVBlocks) -> None:
+        seq = self.requests.get(kv.request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING:
+            raise KeyError(f"request {kv.request_id!r} has no import in progress")
+        if kv.block_size != self.config.block_size:
+            raise ValueError(f"KV block size {kv.block_size} differs from this engine's {self.config.block_size}")
+        if any(not 0 <= i < len(seq.block_table) for i in kv.block_indices):
+            raise ValueError(f"block indices {kv.block_indices} outside the {len(seq.block_table)} reserved")
+        self.kv_cache.write([seq.block_table[i] for i in kv.block_indices], kv.data, kv.layer)
+
+    def commit_import(self, request_id: str) -> None:
+        """The KV is complete: put the request into the running batch."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING:
+            raise KeyError(f"request {request_id!r} has no import in progress")
+        seq.num_computed_tokens = self._import_targets.pop(request_id)
+        self.scheduler.publish_full_blocks(seq)
+        self.scheduler.add_running(seq)

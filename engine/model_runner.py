@@ -1,0 +1,96 @@
+"""Turns a scheduled step into one packed forward pass over the paged pool and returns logits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import DecodeBatch, PagedBatch, PrefillSpan
+from engine.kv_cache import PagedKVCache
+from engine.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, device: torch.device | str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.layout.block_size
+        self.device = torch.device(device)
+        self.last_forward_s = 0.0  # wall time of the model call alone, for the step-time split
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Compute KV for every chunk; return logits [num sampling chunks, vocab], in chunk order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_rows: list[tuple[int, list[int], int]] = []  # (token index, block table, context length)
+        keep: list[int] = []
+        bs = self.block_size
+        for chunk in chunks:
+            seq, n = chunk.seq, chunk.num_tokens
+            start, first = len(input_ids), seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[first : first + n])
+            positions.extend(range(first, first + n))
+            table = seq.block_table
+            if n == 1:
+                slots.append(table[first // bs] * bs + first % bs)
+                decode_rows.append((start, table, first + 1))
+            else:
+                pos = np.arange(first, first + n)
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                prefills.append(self._prefill_span(start, n, first, table))
+            if chunk.samples:
+                keep.append(start + n - 1)
+
+        dev = self.device
+        batch = PagedBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=prefills,
+            decode=self._decode_batch(decode_rows) if decode_rows else None,
+        )
+        ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
+        pos = torch.tensor([positions], dtype=torch.long, device=dev)
+        keep_index = torch.tensor(keep, dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        logits = self.model(
+            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_index, pdserve_batch=batch
+        ).logits[0]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.last_forward_s = time.perf_counter() - t0
+        return logits
+
+    def _prefill_span(self, start: int, n: int, first: int, table: list[int]) -> PrefillSpan:
+        context_len = first + n
+        if first == 0:
+            return PrefillSpan(start, n, context_len, block_ids=None, mask=None)
+        num_blocks = -(-context_len // self.block_size)
+        block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+        # Query i (absolute position first + i) sees keys 0 .. first + i.
+        mask = torch.arange(context_len, device=self.device)[None, :] <= (
+            first + torch.arange(n, device=self.device)[:, None]
+        )
+        return PrefillSpan(start, n, context_len, block_ids=block_ids, mask=mask)
+
+    def _decode_batch(self, rows: list[tuple[int, list[int], int]]) -> DecodeBatch:
+        max_blocks = max(-(-ctx // self.block_size) for _, _, ctx in rows)
+        tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        lengths = np.empty(len(rows), dtype=np.int64)
+        for i, (_, table, ctx) in enumerate(rows):
+            used = -(-ctx // self.block_size)
+            tables[i, :used] = table[:used]
+            lengths[i] = ctx
+        dev = self.device
+        key_pos = torch.arange(max_blocks * self.block_size, device=dev)
+        mask = key_pos[None, :] < torch.from_numpy(lengths).to(dev)[:, None]
+        return DecodeBatch(
+            token_index=torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev),
+            block_ids=torch.from_numpy(tables).to(dev),
+            mask=mask[:, None, None, :],
+        )

@@ -1,0 +1,132 @@
+"""Named small models with random weights, built locally and cached on disk.
+
+`make_model("llama-20m", dir)` writes a normal Hugging Face checkpoint directory (config.json,
+model.safetensors, tokenizer files) that any transformers code can load. Same preset and seed, same
+bytes. `resolve_model` turns either a directory or a preset name into such a directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from engine.tokenizer_builder import build_tokenizer
+
+BUILD_VERSION = 1  # bump when the build recipe changes, so cached models are rebuilt
+MARKER = "pdserve_preset.json"
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def hf_config(self, vocab_size: int) -> Any:
+        return AutoConfig.for_model(
+            self.model_type,
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **self.extra,
+        )
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset("llama", 1024, 64, 2, 4, 2, 192, 1024, description="~0.3M, Llama, GQA, for tests"),
+    "tiny-qwen2": Preset(
+        "qwen2", 1024, 64, 2, 4, 2, 192, 1024, tie_word_embeddings=True,
+        description="~0.2M, Qwen2, GQA, QKV biases, tied embeddings, for tests",
+    ),
+    "tiny-mistral": Preset(
+        "mistral", 1024, 64, 2, 4, 1, 192, 1024, extra={"sliding_window": None},
+        description="~0.3M, Mistral, multi-query attention, for tests",
+    ),
+    "llama-20m": Preset("llama", 8192, 384, 8, 6, 2, 1024, 2048, description="~19M, Llama, GQA 6:2"),
+    "qwen2-20m": Preset(
+        "qwen2", 8192, 384, 8, 6, 2, 1024, 2048, tie_word_embeddings=True,
+        description="~16M, Qwen2, QKV biases, tied embeddings",
+    ),
+    "llama-150m": Preset("llama", 8192, 1024, 12, 16, 4, 2816, 2048, description="~150M, Llama, GQA 16:4"),
+}
+
+DEFAULT_PRESET = "llama-20m"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "models"
+
+
+def make_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Build a preset's checkpoint into `out_dir` (replacing it). Deterministic in (preset, seed)."""
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; known presets: {', '.join(PRESETS)}")
+    preset = PRESETS[preset_name]
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(preset.vocab_size, seed)
+    config = preset.hf_config(vocab_size=len(tokenizer))
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Write into a temporary sibling, then rename: a crash never leaves a half-written model behind.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    info = {"preset": preset_name, "seed": seed, "build_version": BUILD_VERSION,
+            "parameters": sum(p.numel() for p in model.parameters())}
+    (staging / MARKER).write_text(json.dumps(info, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return out
+
+
+def preset_info(model_dir: str | Path) -> dict[str, Any] | None:
+    marker = Path(model_dir) / MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None) -> Path:
+    """A model directory for `spec`: an existing directory, or a preset name (built once, cached)."""
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    name = str(spec)
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: not a directory and not a preset ({', '.join(PRESETS)})")
+    target = (cache_dir or default_cache_dir()) / f"{name}-seed{seed}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers may resolve the same preset at once: one builds, the others wait and reuse it.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        info = preset_info(target)
+        if info is None or info.get("build_version") != BUILD_VERSION:
+            make_model(name, target, seed)
+    return target

@@ -1,0 +1,162 @@
+"""Continuous batching with a per-step token budget (Sarathi-Serve style chunked prefill).
+
+Every sequence is a list of tokens of which the first `num_computed_tokens` have KV in the pool. A
+step gives each scheduled sequence a number of new tokens to compute: one for a decoding sequence,
+a chunk for one still prefilling. Running sequences are served first, in admission order; waiting
+ones are admitted while the token budget, `max_num_seqs` and free blocks allow. When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the head of the queue, to be recomputed (cheaply, through the
+prefix cache, when its blocks were not evicted in the meantime).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, hash_block, hash_prompt_blocks
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the sequence, so the step samples its next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = config.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV is already in the pool (an import that was committed)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            n = min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
+            if not self._reserve_blocks_preempting(seq, n, out):
+                break  # `seq` itself was preempted; everything after it already was
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+            index += 1
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, out):
+                break
+            self.waiting.popleft()
+            budget -= out.chunks[-1].num_tokens
+        return out
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def _reserve_blocks_preempting(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        need = self._blocks_needed(seq, n)
+        while not self.pool.can_allocate(need):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        # Reuse cached full blocks, but always leave at least one token to compute: the step that
+        # computes it produces the logits to sample from, and it must not write into a shared block.
+        cacheable = (seq.num_tokens - 1) // self.block_size * self.block_size
+        hashes = hash_prompt_blocks(seq.token_ids[:cacheable], self.block_size)
+        hits = self.pool.lookup_prefix(hashes)
+        seq.block_table = list(hits)
+        seq.block_hashes = hashes[: len(hits)]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        n = min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
+        need = self._blocks_needed(seq, n)
+        if not self.pool.can_allocate(need):
+            self.pool.free(hits)
+            seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk(seq, n))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --- after the forward pass -----------------------------------------------------------------
+    def mark_computed(self, chunk: ScheduledChunk) -> None:
+        """Advance the sequence past the chunk and publish blocks it filled to the prefix cache."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_tokens
+        self.publish_full_blocks(seq)
+
+    def publish_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(h)
+            self.pool.cache_block(seq.block_table[i], h)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence; a prefill-only one keeps its blocks (HELD) until `release`."""
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.prefill_only and reason == "prefilled":
+            seq.status = SequenceStatus.HELD
+            return
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,60 @@
+"""One request's state inside an engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # holds no blocks; prefilled (or re-prefilled after preemption) when admitted
+    RUNNING = "running"  # in the batch; its first `num_computed_tokens` tokens have KV in its blocks
+    IMPORTING = "importing"  # blocks reserved for a KV import that is not committed yet
+    HELD = "held"  # finished a prefill-only pass; keeps its blocks until released (for export)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never 'equal'
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False  # stop after the first sampled token and hold the KV for export
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.HELD)
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)

@@ -1,0 +1,57 @@
+"""A byte-level BPE tokenizer the project trains itself, so no tokenizer is ever downloaded.
+
+The training text is made from a fixed syllable inventory by a seeded generator: English-looking
+words, sentences and a little code-like text. Training on it is deterministic, so the same
+(vocab_size, seed) always gives the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+
+_ONSETS = "b c d f g h j k l m n p r s t v w y z bl br ch cl cr dr fl fr gl gr pl pr sc sh sk sl sp st str th tr wh".split()
+_VOWELS = "a e i o u ai ea ee io oo ou".split()
+_CODAS = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck", "m"]
+_COMMON = (
+    "the of and to in is it that for was on are with as be this by from at or an not have which one you "
+    "all were can there use each word how said if will up other about out many then them these so some "
+    "would make like into time has look two more write see number way could people than first water been "
+    "def return class import self None True False for while print value list dict int str len range"
+).split()
+
+
+def _corpus(seed: int, num_sentences: int = 6000) -> list[str]:
+    rng = random.Random(seed)
+    lexicon = [
+        "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3)))
+        for _ in range(3000)
+    ]
+    lines = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_COMMON) if rng.random() < 0.4 else rng.choice(lexicon) for _ in range(rng.randint(4, 16))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", ".", "?", "!", ",", ":"])
+        if rng.random() < 0.1:
+            sentence += f" {rng.randint(0, 99999)} = {rng.choice(lexicon)}({rng.choice(lexicon)}, {rng.randint(0, 9)})"
+        lines.append(sentence)
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>"
+    )

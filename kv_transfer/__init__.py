@@ -1,0 +1,1 @@
+"""kv_transfer: see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""proto: see ARCHITECTURE.md."""

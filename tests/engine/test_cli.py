@@ -1,0 +1,39 @@
+"""The `pdserve` command line, run as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def pdserve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_make_model_writes_a_checkpoint(tmp_path):
+    result = pdserve("make-model", "tiny-qwen2", str(tmp_path / "m"), "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "m" / "pdserve_preset.json").read_text())["seed"] == 3
+    listing = pdserve("make-model", "--list")
+    assert "llama-150m" in listing.stdout
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path):
+    result = pdserve("make-model", "gpt-9", str(tmp_path / "x"))
+    assert result.returncode == 2 and "unknown preset 'gpt-9'" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_demo_serves_requests(tmp_path):
+    result = pdserve("demo", "--model", "tiny-llama", "--max-tokens", "5", env_extra={"PDSERVE_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("finish=length") == 6
+    assert "KV blocks free" in result.stdout
+    free, total = result.stdout.rsplit("KV blocks free ", 1)[1].split()[0].split("/")
+    assert free == total
