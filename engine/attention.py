@@ -13,6 +13,7 @@ context back through its block table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [total_tokens] pool slot of each new token
     prefills: list[PrefillSpan]
     decode: DecodeBatch | None
+    on_layer_written: Callable[[int], None] | None = None  # KV-transfer hook (save_kv_layer)
 
 
 def paged_attention_forward(
@@ -77,6 +79,8 @@ def paged_attention_forward(
     new_v = value[0].transpose(0, 1)
     cache.key_slots(layer).index_copy_(0, batch.slot_mapping, new_k)
     cache.value_slots(layer).index_copy_(0, batch.slot_mapping, new_v)
+    if batch.on_layer_written is not None:
+        batch.on_layer_written(layer)
 
     q = query[0]  # [heads, tokens, head_dim]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)

@@ -2,9 +2,10 @@
 
 Besides serving requests end to end (the colocated mode), it can hand a request over to another
 engine: `add_request(..., prefill_only=True)` stops after the first token and holds the KV;
-`export_handoff` + `export_kv` read it out (all layers, or one layer at a time); on the receiving
-engine `begin_import` reserves blocks, `import_kv` writes them, and `commit_import` puts the request
-into the running batch. `abort_request` frees whatever a request holds, in any state.
+`export_handoff` + `export_kv` read it out (all layers, or one layer at a time), and `layer_hook`
+sees each layer's KV the moment the forward pass has written it; on the receiving engine
+`begin_import` reserves blocks, `import_kv` writes them, and `commit_import(handoff)` puts the
+request into the running batch. `abort_request` frees whatever a request holds, in any state.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from engine.block_pool import BlockPool, OutOfBlocks
 from engine.config import EngineConfig
 from engine.kv_cache import KVBlocks, PagedKVCache
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import LayerHook, ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import RequestOutput, SamplingParams
 from engine.scheduler import Scheduler
@@ -214,6 +215,10 @@ class LLMEngine:
         )
 
     # --- KV handoff: sending side ---------------------------------------------------------------
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """Call `hook(layer, chunks)` during each forward pass as soon as a layer's KV is written."""
+        self.runner.layer_hook = hook
+
     def _held(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id)
         if seq is None or seq.status != SequenceStatus.HELD:
@@ -247,25 +252,22 @@ class LLMEngine:
         self.scheduler.release(seq)
 
     # --- KV handoff: receiving side -------------------------------------------------------------
-    def begin_import(self, handoff: RequestHandoff) -> int:
-        """Reserve blocks for an incoming request; returns how many. Raises OutOfBlocks when full."""
-        seq = self._new_sequence(
-            handoff.prompt_token_ids, handoff.params, handoff.request_id,
-            output_token_ids=handoff.output_token_ids,
-        )
-        if not 0 < handoff.num_computed_tokens < seq.num_tokens:
-            raise ValueError(
-                f"handoff covers {handoff.num_computed_tokens} tokens of a {seq.num_tokens}-token request; "
-                "it must cover all but the last sampled token at most"
-            )
-        need = -(-handoff.num_computed_tokens // self.config.block_size)
+    def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     num_kv_tokens: int) -> int:
+        """Reserve blocks for `num_kv_tokens` tokens of an incoming request; returns how many blocks.
+
+        Raises OutOfBlocks when the pool cannot hold them, ValueError for a bad request.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        if not 0 < num_kv_tokens <= seq.num_tokens:
+            raise ValueError(f"an import must carry 1..{seq.num_tokens} tokens of KV, got {num_kv_tokens}")
+        need = -(-num_kv_tokens // self.config.block_size)
         if not self.pool.can_allocate(need):
-            raise OutOfBlocks(f"request {handoff.request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
+            raise OutOfBlocks(f"request {request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
         seq.block_table = self.pool.allocate(need)
-        seq.logprobs = list(handoff.logprobs)
         seq.status = SequenceStatus.IMPORTING
         self.requests[seq.request_id] = seq
-        self._import_targets[seq.request_id] = handoff.num_computed_tokens
+        self._import_targets[seq.request_id] = num_kv_tokens
         return need
 
     def import_kv(self, kv: KVBlocks) -> None:
@@ -278,11 +280,21 @@ class LLMEngine:
             raise ValueError(f"block indices {kv.block_indices} outside the {len(seq.block_table)} reserved")
         self.kv_cache.write([seq.block_table[i] for i in kv.block_indices], kv.data, kv.layer)
 
-    def commit_import(self, request_id: str) -> None:
-        """The KV is complete: put the request into the running batch."""
-        seq = self.requests.get(request_id)
+    def commit_import(self, handoff: RequestHandoff) -> None:
+        """The KV is complete: add the tokens sampled so far and put the request into the batch."""
+        seq = self.requests.get(handoff.request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
-            raise KeyError(f"request {request_id!r} has no import in progress")
-        seq.num_computed_tokens = self._import_targets.pop(request_id)
+            raise KeyError(f"request {handoff.request_id!r} has no import in progress")
+        reserved = self._import_targets[handoff.request_id]
+        if handoff.num_computed_tokens != reserved or not handoff.output_token_ids:
+            raise ValueError(
+                f"handoff of {handoff.request_id!r} covers {handoff.num_computed_tokens} tokens with "
+                f"{len(handoff.output_token_ids)} sampled; {reserved} tokens were reserved and at least one "
+                "sampled token is needed"
+            )
+        del self._import_targets[handoff.request_id]
+        for token, logprob in itertools.zip_longest(handoff.output_token_ids, handoff.logprobs):
+            seq.append_token(token, logprob)
+        seq.num_computed_tokens = reserved
         self.scheduler.publish_full_blocks(seq)
         self.scheduler.add_running(seq)

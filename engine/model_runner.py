@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ from engine.attention import DecodeBatch, PagedBatch, PrefillSpan
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledChunk
 
+# Called with (layer index, the step's chunks) right after that layer's new KV is in the pool.
+LayerHook = Callable[[int, list[ScheduledChunk]], None]
+
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, device: torch.device | str) -> None:
@@ -20,6 +24,7 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.device = torch.device(device)
         self.last_forward_s = 0.0  # wall time of the model call alone, for the step-time split
+        self.layer_hook: LayerHook | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -54,6 +59,9 @@ class ModelRunner:
             prefills=prefills,
             decode=self._decode_batch(decode_rows) if decode_rows else None,
         )
+        hook = self.layer_hook
+        if hook is not None:
+            batch.on_layer_written = lambda layer: hook(layer, chunks)
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         keep_index = torch.tensor(keep, dtype=torch.long, device=dev)

@@ -93,7 +93,7 @@ def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_b
     for request_id in ids:
         handoff = prefill.export_handoff(request_id)
         assert len(handoff.output_token_ids) == 1
-        decode.begin_import(handoff)
+        decode.begin_import(request_id, handoff.prompt_token_ids, handoff.params, handoff.num_computed_tokens)
         if layer_by_layer:
             for layer in range(num_layers):
                 decode.import_kv(prefill.export_kv(request_id, layer=layer))
@@ -101,7 +101,7 @@ def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_b
             kv = prefill.export_kv(request_id)
             assert kv.data.shape[0] == num_layers
             decode.import_kv(kv)
-        decode.commit_import(request_id)
+        decode.commit_import(handoff)
         prefill.release(request_id)
     assert_pool_idle(prefill)
     done = {}
@@ -124,3 +124,24 @@ def test_abort_frees_blocks_in_every_state(model_dirs, hf_reference):
     assert_pool_idle(engine)
     # The engine keeps serving after the aborts.
     assert run_all(engine, prompts[:1], GREEDY)[0].token_ids == expected(hf_reference, arch, prompts[:1])[0]
+
+
+def test_layer_hook_sees_each_layer_as_it_is_written(model_dirs, hf_reference):
+    """Layer-wise export during the forward pass gives the same KV as exporting after it."""
+    arch = "tiny-llama"
+    prompt = random_prompts(1, hf_reference[arch].vocab_size, 50, 50, seed=13)[0]
+    engine = make_engine(model_dirs, arch)
+    seen: list[tuple[int, object]] = []
+
+    def hook(layer, chunks):
+        (chunk,) = chunks
+        seen.append((layer, engine.kv_cache.read(chunk.seq.block_table, layer)))
+
+    engine.set_layer_hook(hook)
+    request_id = engine.add_request(prompt, GREEDY, prefill_only=True)
+    engine.step()
+    assert [layer for layer, _ in seen] == list(range(engine.kv_layout.num_layers))
+    for layer, data in seen:
+        assert data.equal(engine.export_kv(request_id, layer=layer).data)
+    engine.release(request_id)
+    assert_pool_idle(engine)

@@ -1,0 +1,131 @@
+"""Decode side of the handoff: reserve blocks under a lease, take layer payloads, commit or abort."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.engine_loop import EngineLoop
+from engine.kv_cache import KVBlocks
+from engine.llm_engine import RequestHandoff
+from engine.sampling_params import SamplingParams
+from kv_transfer.codec import RawCodec, checksum
+from kv_transfer.state import Transfer, TransferState
+
+
+@dataclass(frozen=True)
+class Lease:
+    transfer_id: str
+    num_blocks: int
+    expires_at: float  # wall clock; the reservation is freed if no commit comes by then
+
+
+@dataclass
+class _Incoming:
+    transfer: Transfer
+    num_blocks: int
+    num_tokens: int
+    expires_at: float
+    layers: set[int]
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class KVReceiver:
+    def __init__(self, loop: EngineLoop, lease_s: float = 30.0) -> None:
+        self.loop = loop
+        self.lease_s = lease_s
+        layout = loop.engine.kv_layout
+        self.num_layers = layout.num_layers
+        self.block_size = layout.block_size
+        self._layer_shape = (1, 2, 0, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.dtype = layout.dtype
+        self._incoming: dict[str, _Incoming] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                num_kv_tokens: int) -> Lease:
+        transfer = Transfer(transfer_id, request_id)
+        try:
+            blocks = self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens))
+        except Exception as e:
+            transfer.fail(f"reserve failed: {e}")
+            raise TransferError(f"decode worker cannot take request {request_id!r}: {e}") from e
+        transfer.advance(TransferState.RESERVED)
+        lease = Lease(transfer_id, blocks, time.time() + self.lease_s)
+        with self._lock:
+            self._incoming[transfer_id] = _Incoming(transfer, blocks, num_kv_tokens, lease.expires_at, set())
+        return lease
+
+    def receive_layer(self, transfer_id: str, layer: int, payload: bytes | np.ndarray, crc: int) -> None:
+        incoming = self._get(transfer_id)
+        try:
+            if checksum(payload) != crc:
+                raise TransferError(f"checksum mismatch on layer {layer}")
+            if not 0 <= layer < self.num_layers:
+                raise TransferError(f"layer {layer} outside [0, {self.num_layers})")
+            shape = list(self._layer_shape)
+            shape[2] = incoming.num_blocks
+            data = RawCodec.decode(payload, self.dtype, tuple(shape))
+            kv = KVBlocks(incoming.transfer.request_id, list(range(incoming.num_blocks)), layer, data,
+                          incoming.num_tokens, self.block_size)
+            self.loop.call(lambda e: e.import_kv(kv))
+        except Exception as e:
+            self.abort(transfer_id, f"layer {layer}: {e}")
+            raise TransferError(str(e)) from e
+        incoming.transfer.advance(TransferState.TRANSFERRING)
+        incoming.transfer.bytes_moved += memoryview(payload).nbytes
+        incoming.layers.add(layer)
+
+    def commit(self, transfer_id: str, handoff: RequestHandoff) -> None:
+        incoming = self._get(transfer_id)
+        missing = set(range(self.num_layers)) - incoming.layers
+        if missing:
+            self.abort(transfer_id, f"commit with layers {sorted(missing)} missing")
+            raise TransferError(f"transfer {transfer_id}: layers {sorted(missing)} never arrived")
+        try:
+            self.loop.call(lambda e: e.commit_import(handoff))
+        except Exception as e:
+            self.abort(transfer_id, f"commit failed: {e}")
+            raise TransferError(str(e)) from e
+        incoming.transfer.advance(TransferState.SUCCESS)
+        with self._lock:
+            self._incoming.pop(transfer_id, None)
+
+    def abort(self, transfer_id: str, reason: str) -> bool:
+        """Free the reservation (idempotent). True if this call did it."""
+        with self._lock:
+            incoming = self._incoming.pop(transfer_id, None)
+        if incoming is None or not incoming.transfer.fail(reason):
+            return False
+        request_id = incoming.transfer.request_id
+        self.loop.call(lambda e: e.abort_request(request_id))
+        return True
+
+    def abort_request(self, request_id: str, reason: str) -> bool:
+        with self._lock:
+            ids = [t for t, inc in self._incoming.items() if inc.transfer.request_id == request_id]
+        return any([self.abort(t, reason) for t in ids])
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        with self._lock:
+            late = [t for t, inc in self._incoming.items() if inc.expires_at < now]
+        return [t for t in late if self.abort(t, "lease expired")]
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._incoming)
+
+    def _get(self, transfer_id: str) -> _Incoming:
+        with self._lock:
+            incoming = self._incoming.get(transfer_id)
+        if incoming is None:
+            raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
+        return incoming
