@@ -34,7 +34,8 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, self._on_outputs).start()
         self.receiver = KVReceiver(self.loop, lease_s=lease_s)
         self._kv_server, self.kv_address = start_kv_server(self.receiver) if transport == "grpc" else (None, None)
-        self._started: dict[str, float] = {}
+        self._started: dict[str, float] = {}  # request -> when decoding here began
+        self._prefilling: dict[str, float] = {}  # colocated requests before their first token
         self._stop = threading.Event()
         threading.Thread(target=self._expire_leases, name="lease-expiry", daemon=True).start()
 
@@ -65,12 +66,13 @@ class DecodeWorker:
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
         """Prefill and decode here (colocated mode). Raises ValueError for a request the engine refuses."""
-        self._started[work.request_id] = time.time()
+        self._prefilling[work.request_id] = time.time()
         self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
 
     def abort(self, request_id: str) -> bool:
         """Client went away: free whatever the request holds here (running, queued or mid-transfer)."""
         self._started.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
         in_transfer = self.receiver.abort_request(request_id, "aborted by the router")
         return self.loop.call(lambda e: e.abort_request(request_id)) or in_transfer
 
@@ -85,8 +87,12 @@ class DecodeWorker:
         now = time.time()
         for out in outputs:
             events = {}
+            prefill_start = self._prefilling.pop(out.request_id, None)
+            if prefill_start is not None:  # colocated: this step produced the first token
+                events = {"prefill_start": prefill_start, "prefill_end": now}
+                self._started[out.request_id] = now
             if out.finished:
-                events = {"decode_start": self._started.pop(out.request_id, now), "decode_end": now}
+                events |= {"decode_start": self._started.pop(out.request_id, now), "decode_end": now}
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
                            finish=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events, cached=out.num_cached_tokens)

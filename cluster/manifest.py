@@ -1,0 +1,133 @@
+"""Deployment manifests: YAML, validated in full before anything starts.
+
+Errors name the field (`pools.decode.replicas`) and the problem. `deploy/local.yaml` is the
+embedded default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently ignored
+
+
+class PoolSpec(_Strict):
+    replicas: int = Field(1, ge=0, le=64)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1}
+    threads: int = Field(1, ge=1, le=256)  # torch intra-op threads per worker
+
+
+class Pools(_Strict):
+    prefill: PoolSpec = PoolSpec()
+    decode: PoolSpec = PoolSpec()
+
+
+class RouterSpec(_Strict):
+    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+
+
+class KVTransferSpec(_Strict):
+    transport: Literal["ray", "grpc"] = "ray"  # ray: same-node object store; grpc: streaming, any node
+    codec: Literal["raw"] = "raw"
+    lease_s: float = Field(30.0, gt=0)
+
+
+class ServerSpec(_Strict):
+    address: str = "127.0.0.1:50051"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_token: str | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"must be HOST:PORT with a port in [0, 65535] (0 = any free port), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "ServerSpec":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        for f in (self.tls_cert, self.tls_key):
+            if f is not None and not f.is_file():
+                raise ValueError(f"TLS file {str(f)!r} does not exist")
+        return self
+
+
+class RaySpec(_Strict):
+    address: str = "local"  # local: start an embedded cluster; auto: join one started by `ray up`
+
+
+class Manifest(_Strict):
+    model: str = "llama-20m"  # a model directory or a preset name
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_memory_mb: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    pools: Pools = Pools()
+    router: RouterSpec = RouterSpec()
+    kv_transfer: KVTransferSpec = KVTransferSpec()
+    server: ServerSpec = ServerSpec()
+    ray: RaySpec = RaySpec()
+
+    @model_validator(mode="after")
+    def _pools_fit_the_mode(self) -> "Manifest":
+        if self.mode == "disaggregated" and (self.pools.prefill.replicas < 1 or self.pools.decode.replicas < 1):
+            raise ValueError("disaggregated mode needs pools.prefill.replicas >= 1 and pools.decode.replicas >= 1")
+        if self.mode == "colocated" and self.pools.prefill.replicas + self.pools.decode.replicas < 1:
+            raise ValueError("colocated mode needs at least one replica (in either pool)")
+        return self
+
+    def engine_config(self, pool: PoolSpec) -> dict:
+        return {
+            "dtype": self.dtype, "block_size": self.block_size, "kv_memory_bytes": self.kv_memory_mb * 2**20,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "num_threads": pool.threads,
+            "device": "cuda" if pool.num_gpus > 0 else "cpu",
+        }
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def load_manifest(source: str | Path | dict | None = None) -> Manifest:
+    """Read and validate a manifest (path, dict, or None for the default); raise ManifestError."""
+    if source is None:
+        source = DEFAULT_MANIFEST
+    if isinstance(source, dict):
+        data, where = source, "manifest"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ManifestError(f"manifest {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ManifestError(f"{path}: not valid YAML: {e}") from e
+        where = str(path)
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: the top level must be a mapping of fields")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            problems.append(f"  {field}: {err['msg']}")
+        raise ManifestError(f"{where} is invalid:\n" + "\n".join(problems)) from None

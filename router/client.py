@@ -1,0 +1,237 @@
+"""The pdserve client SDK. Needs only grpcio and protobuf (no torch, no ray).
+
+    from router.client import Client
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("The water was", max_tokens=16, temperature=0).text)
+        for chunk in client.generate("Hello", stream=True):
+            print(chunk.text_delta, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+_OPTIONS = [("grpc.max_send_message_length", 16 * 2**20), ("grpc.max_receive_message_length", 16 * 2**20)]
+
+
+# --- errors ---------------------------------------------------------------------------------------
+class PDServeError(Exception):
+    """A call failed; `code` is the gRPC status code, `message` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidArgument(PDServeError): pass  # noqa: E701
+class NotFound(PDServeError): pass  # noqa: E701
+class Unavailable(PDServeError): pass  # noqa: E701
+class ResourceExhausted(PDServeError): pass  # noqa: E701
+class DeadlineExceeded(PDServeError): pass  # noqa: E701
+class Cancelled(PDServeError): pass  # noqa: E701
+class Unauthenticated(PDServeError): pass  # noqa: E701
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable, grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded, grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+
+def _error(e: grpc.RpcError) -> PDServeError:
+    code = e.code()
+    return _ERRORS.get(code, PDServeError)(code, e.details() or "")
+
+
+# --- results --------------------------------------------------------------------------------------
+@dataclass
+class StreamChunk:
+    token_ids: list[int]
+    text_delta: str
+    logprobs: list[float]
+    finish_reason: str | None
+    timings: dict[str, float] | None
+    request_id: str
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, r: pdserve_pb2.GenerateResponse) -> StreamChunk:
+        self.request_id = self.request_id or r.request_id
+        self.token_ids += r.token_ids
+        self.text += r.text_delta
+        self.logprobs += r.logprobs
+        self.prompt_tokens = self.prompt_tokens or r.prompt_tokens
+        self.cached_tokens = self.cached_tokens or r.cached_tokens
+        timings = None
+        if r.finish_reason:
+            self.finish_reason = r.finish_reason
+            t = r.timings
+            timings = self.timings = {"queued": t.queued_s, "prefill": t.prefill_s, "kv_transfer": t.kv_transfer_s,
+                                      "decode": t.decode_s, "ttft": t.ttft_s, "e2e": t.e2e_s}
+        return StreamChunk(list(r.token_ids), r.text_delta, list(r.logprobs), r.finish_reason or None, timings,
+                           r.request_id)
+
+
+def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
+             top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int = 16,
+             stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+             logprobs: bool = False) -> pdserve_pb2.GenerateRequest:
+    """Build a GenerateRequest; unset temperature/top_p/seed keep the server's defaults (1.0, 1.0, none)."""
+    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop=list(stop),
+                                        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        params.top_p = top_p
+    if seed is not None:
+        params.seed = seed
+    req = pdserve_pb2.GenerateRequest(model=model, params=params, request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        if any(t < 0 for t in prompt):
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be >= 0")
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def _credentials(token: str | None, root_certificates: bytes | None) -> tuple[list, grpc.ChannelCredentials | None]:
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    creds = grpc.ssl_channel_credentials(root_certificates) if root_certificates is not None else None
+    return metadata, creds
+
+
+# --- sync client ----------------------------------------------------------------------------------
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        self._metadata, creds = _credentials(token, root_certificates)
+        self._channel = (grpc.secure_channel(target, creds, options=_OPTIONS) if creds
+                         else grpc.insecure_channel(target, options=_OPTIONS))
+        self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
+        self.timeout = timeout
+
+    def generate(self, prompt: str | Sequence[int], *, stream: bool = False, timeout: float | None = None,
+                 **params: Any) -> Completion | Iterator[StreamChunk]:
+        """Generate for one prompt: a Completion, or with stream=True an iterator of StreamChunks.
+
+        `params`: model, request_id, temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids,
+        ignore_eos, logprobs.
+        """
+        req = _request(prompt, **params)
+        call = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        return self._iterate(call) if stream else self._collect(call)
+
+    @staticmethod
+    def _iterate(call: Any) -> Iterator[StreamChunk]:
+        completion = Completion(request_id="")
+        try:
+            for response in call:
+                yield completion.add(response)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()  # closing the iterator early cancels the request (frees its KV)
+
+    @staticmethod
+    def _collect(call: Any) -> Completion:
+        completion = Completion(request_id="")
+        try:
+            for response in call:
+                completion.add(response)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return completion
+
+    def tokenize(self, text: str, model: str = "") -> list[int]:
+        return list(self._unary(self._stub.Tokenize, pdserve_pb2.TokenizeRequest(model=model, text=text)).token_ids)
+
+    def model_info(self) -> pdserve_pb2.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pdserve_pb2.GetModelInfoRequest())
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- asyncio client -------------------------------------------------------------------------------
+class AsyncClient:
+    """asyncio client with the same calls as Client."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        self._metadata, creds = _credentials(token, root_certificates)
+        self._channel = (grpc.aio.secure_channel(target, creds, options=_OPTIONS) if creds
+                         else grpc.aio.insecure_channel(target, options=_OPTIONS))
+        self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
+        self.timeout = timeout
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params: Any) -> Completion:
+        completion = Completion(request_id="")
+        async for _ in self._stream(prompt, completion, timeout, params):
+            pass
+        return completion
+
+    def generate_stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                        **params: Any) -> AsyncIterator[StreamChunk]:
+        return self._stream(prompt, Completion(request_id=""), timeout, params)
+
+    async def _stream(self, prompt: str | Sequence[int], completion: Completion, timeout: float | None,
+                      params: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        call = self._stub.Generate(_request(prompt, **params), timeout=timeout or self.timeout, metadata=self._metadata)
+        try:
+            async for response in call:
+                yield completion.add(response)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, text: str, model: str = "") -> list[int]:
+        try:
+            r = await self._stub.Tokenize(pdserve_pb2.TokenizeRequest(model=model, text=text), timeout=self.timeout,
+                                          metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return list(r.token_ids)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,224 @@
+"""The client-facing gRPC service: validate, tokenize, place, dispatch, stream tokens back.
+
+Each request is placed on healthy workers (UNAVAILABLE at once when a pool has none), dispatched
+with a Ray call that returns immediately, and then fed by token messages from the workers (pyzmq).
+A request ends in a completed stream or an explicit gRPC error; when the client cancels or its
+deadline passes, the request is aborted on every worker it touched, which frees its KV there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from router.placement import NoHealthyWorker, PlacementPolicy, WorkerRef
+from router.token_hub import TokenStreamHub
+from router.wire import WorkRequest
+
+log = logging.getLogger(__name__)
+HEALTH_CHECK_S = 0.5
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Any
+    info: pdserve_pb2.ModelInfo
+
+
+@dataclass
+class _Placed:
+    workers: list[WorkerRef] = field(default_factory=list)
+
+
+class RouterService(pdserve_pb2_grpc.PDServeServicer):
+    def __init__(self, model: ServedModel, mode: str, prefill_pool: list[WorkerRef], decode_pool: list[WorkerRef],
+                 policy: PlacementPolicy, hub: TokenStreamHub) -> None:
+        self.model = model
+        self.mode = mode
+        self.prefill_pool = prefill_pool
+        self.decode_pool = decode_pool
+        self.policy = policy
+        self.hub = hub
+
+    # --- RPCs -----------------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return self.model.info
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        await self._check_model(request.model, context)
+        return pdserve_pb2.TokenizeResponse(token_ids=self.model.tokenizer.encode(request.text, add_special_tokens=False))
+
+    async def Generate(self, request, context) -> AsyncIterator[pdserve_pb2.GenerateResponse]:  # noqa: N802
+        accepted = time.time()
+        await self._check_model(request.model, context)
+        try:
+            work = self._work_request(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        queue = self.hub.subscribe(work.request_id)
+        placed = _Placed()
+        finished = False
+        try:
+            try:
+                self._dispatch(work, placed)
+            except NoHealthyWorker as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            async for response in self._stream(work, queue, placed, accepted, context):
+                finished = bool(response.finish_reason)
+                yield response
+        finally:
+            self.hub.unsubscribe(work.request_id)
+            for worker in placed.workers:
+                worker.outstanding -= 1
+            if not finished:  # cancelled, deadline, or failed: free its KV wherever it is
+                for worker in placed.workers:
+                    worker.handle.abort.remote(work.request_id)
+
+    # --- steps ----------------------------------------------------------------------------------
+    async def _check_model(self, name: str, context) -> None:
+        if name and name != self.model.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown model {name!r}; this server serves {self.model.name!r}")
+
+    def _work_request(self, request: pdserve_pb2.GenerateRequest) -> WorkRequest:
+        p = request.params
+        params = SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_k=p.top_k,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            seed=p.seed if p.HasField("seed") else None,
+            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
+            stop_token_ids=tuple(p.stop_token_ids),
+            stop=tuple(p.stop),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+        )
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = self.model.tokenizer.encode(request.text, add_special_tokens=False)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            raise ValueError("prompt is missing: set text or token_ids")
+        vocab, limit = self.model.info.vocab_size, self.model.info.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context limit is {limit} "
+                             "(max_model_len, which must leave room for at least one generated token)")
+        return WorkRequest(request.request_id or uuid.uuid4().hex, ids, params)
+
+    def _dispatch(self, work: WorkRequest, placed: _Placed) -> None:
+        if self.mode == "colocated":
+            worker = self.policy.choose(self.decode_pool)
+            placed.workers.append(worker)
+            worker.outstanding += 1
+            worker.handle.generate.remote(work)
+            return
+        prefill = self.policy.choose(self.prefill_pool)
+        decode = self.policy.choose(self.decode_pool)
+        placed.workers += [prefill, decode]
+        prefill.outstanding += 1
+        decode.outstanding += 1
+        prefill.handle.prefill.remote(work, decode.handle, decode.kv_address)
+
+    async def _stream(self, work: WorkRequest, queue: asyncio.Queue, placed: _Placed, accepted: float,
+                      context) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        detok = _Detokenizer(self.model.tokenizer, work.params)
+        events: dict[str, float] = {}
+        first_at: float | None = None
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), HEALTH_CHECK_S)
+            except asyncio.TimeoutError:
+                dead = [w.name for w in placed.workers if not w.healthy]
+                if dead:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"worker {', '.join(dead)} stopped responding while serving the request")
+                continue
+            if msg["error"]:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, msg["error"])
+            events.update(msg["events"])
+            response = pdserve_pb2.GenerateResponse(
+                request_id=work.request_id, token_ids=msg["tokens"], logprobs=msg["logprobs"] or [],
+            )
+            if first_at is None:
+                first_at = time.time()
+                response.prompt_tokens = len(work.prompt_token_ids)
+                response.cached_tokens = msg["cached"]
+            if msg["finish"]:
+                response.text_delta = detok.finish(msg["tokens"], msg["text"] or "")
+                response.finish_reason = msg["finish"]
+                response.timings.CopyFrom(_timings(accepted, first_at, time.time(), events))
+                yield response
+                return
+            response.text_delta = detok.add(msg["tokens"])
+            yield response
+
+
+class _Detokenizer:
+    """Text deltas from token ids, holding back what a stop string could still cut off."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
+        stable = text[: len(text) - self.hold] if self.hold else text
+        if not stable.startswith(self.sent) or len(stable) <= len(self.sent):
+            return ""
+        delta, self.sent = stable[len(self.sent) :], stable
+        return delta
+
+    def finish(self, tokens: list[int], final_text: str) -> str:
+        self.ids += tokens
+        return final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
+
+
+def _timings(accepted: float, first_at: float | None, done: float, ev: dict[str, float]) -> pdserve_pb2.Timings:
+    prefill_start = ev.get("prefill_start", accepted)
+    prefill_end = ev.get("prefill_end", prefill_start)
+    decode_start = ev.get("decode_start", prefill_end)
+    return pdserve_pb2.Timings(
+        queued_s=max(0.0, prefill_start - accepted),
+        prefill_s=max(0.0, prefill_end - prefill_start),
+        kv_transfer_s=max(0.0, decode_start - prefill_end),
+        decode_s=max(0.0, ev.get("decode_end", done) - decode_start),
+        ttft_s=(first_at or done) - accepted,
+        e2e_s=done - accepted,
+    )
+
+
+async def monitor_health(workers: list[WorkerRef], on_change: Any = None, interval_s: float = HEALTH_CHECK_S) -> None:
+    """Ping every worker forever; a worker that fails or misses a ping for 1 s is unhealthy."""
+    while True:
+        async def check(w: WorkerRef) -> None:
+            try:
+                status = await asyncio.wait_for(w.handle.ping.remote(), 1.0)
+                w.healthy = bool(status.get("alive", False))
+            except Exception:
+                w.healthy = False
+
+        before = [w.healthy for w in workers]
+        await asyncio.gather(*(check(w) for w in workers))
+        if on_change is not None and before != [w.healthy for w in workers]:
+            on_change()
+        await asyncio.sleep(interval_s)
