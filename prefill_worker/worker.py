@@ -50,8 +50,10 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_outputs).start()
 
     def ping(self) -> dict:
-        return {"worker_id": self.worker_id, "free_blocks": self.engine.num_free_blocks,
-                "outgoing": len(self._outgoing), "alive": self.loop.fatal_error is None}
+        engine = self.engine
+        return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
+                "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
+                "transfers": len(self._outgoing), "alive": self.loop.fatal_error is None}
 
     def prefill(self, work: WorkRequest, decode: Any, decode_kv_address: str | None) -> None:
         """Start one request's prefill and handoff; the outcome reaches the router as token messages."""

@@ -1,0 +1,156 @@
+"""End to end on a real local Ray cluster with a real gRPC server on loopback, through the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from conftest import random_prompts
+
+from cluster.launcher import Cluster
+from cluster.manifest import load_manifest
+from router.client import (
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
+
+ARCH = "tiny-llama"
+NEW_TOKENS = 10
+
+
+def manifest(model_dir, mode="disaggregated", transport="ray", **extra):
+    data = {
+        "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
+        "kv_transfer": {"transport": transport, "lease_s": 5},
+        "server": {"address": "127.0.0.1:0", **extra.pop("server", {})},
+        "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
+        **extra,
+    }
+    return load_manifest(data)
+
+
+def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
+    """Poll the workers until every pool is fully free (bounded); return their last status."""
+    deadline = time.time() + timeout_s
+    while True:
+        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
+        idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
+                   for s in status)
+        if idle or time.time() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+def assert_idle(cluster: Cluster) -> None:
+    status = wait_until_idle(cluster)
+    for s in status:
+        assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
+        assert s["requests"] == 0 and s["transfers"] == 0, s
+
+
+@pytest.fixture(scope="module", params=[("disaggregated", "ray"), ("disaggregated", "grpc"), ("colocated", "ray")],
+                ids=lambda p: "-".join(p))
+def cluster(request, model_dirs):
+    mode, transport = request.param
+    c = Cluster(manifest(model_dirs[ARCH], mode, transport), log=lambda _: None)
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_concurrent_greedy_requests_match_generate(cluster, hf_reference):
+    prompts = random_prompts(36, hf_reference[ARCH].vocab_size, 1, 300, seed=17)
+
+    async def run_all():
+        async with AsyncClient(cluster.address, timeout=120) as client:
+            return await asyncio.gather(*(
+                client.generate(p, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, NEW_TOKENS) for p in prompts]
+    assert all(r.finish_reason == "length" and r.timings["e2e"] >= r.timings["ttft"] > 0 for r in results)
+    if cluster.manifest.mode == "disaggregated":
+        assert all(r.timings["kv_transfer"] > 0 for r in results)
+    assert_idle(cluster)
+
+
+def test_streaming_text_and_tokens(cluster, hf_reference):
+    with Client(cluster.address, timeout=60) as client:
+        prompt = client.tokenize("The water was first")
+        chunks = list(client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True))
+        full = client.generate(prompt, temperature=0, max_tokens=8, ignore_eos=True)
+    assert [t for c in chunks for t in c.token_ids] == hf_reference[ARCH].greedy(prompt, 8) == full.token_ids
+    assert "".join(c.text_delta for c in chunks) == full.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].timings is not None
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_cancel_mid_stream_frees_both_pools(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        stream = client.generate([7] * 200, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()  # cancels the RPC
+    assert_idle(cluster)
+
+
+def test_deadline_frees_the_request(cluster):
+    with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):
+        client.generate([9] * 100, timeout=0.3, temperature=0, max_tokens=480, ignore_eos=True)
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "message"),
+    [
+        ("hello", {"temperature": -1.0}, InvalidArgument, "temperature must be >= 0"),
+        ("hello", {"top_p": 1.5}, InvalidArgument, "top_p must be in"),
+        ("hello", {"top_k": 0, "max_tokens": 3, "stop": [""]}, InvalidArgument, "stop must be"),
+        ("", {}, InvalidArgument, "prompt is empty"),
+        ([5] * 600, {}, InvalidArgument, "context limit is 512"),
+        ([5, 99999], {}, InvalidArgument, "token ids must be in"),
+        ("hello", {"model": "gpt-9"}, NotFound, "unknown model 'gpt-9'"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(cluster, prompt, params, error, message):
+    with Client(cluster.address, timeout=30) as client:
+        with pytest.raises(error, match=message):
+            client.generate(prompt, **params)
+        assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
+
+
+def test_model_info_and_health(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    with Client(cluster.address) as client:
+        info = client.model_info()
+    assert info.vocab_size == 1024 and info.max_model_len == 512 and info.mode == cluster.manifest.mode
+    with grpc.insecure_channel(cluster.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unavailable_within_a_second_when_a_pool_has_no_healthy_worker(model_dirs):
+    with Cluster(manifest(model_dirs[ARCH], server={"auth_token": "sesame"}), log=lambda _: None) as cluster:
+        with Client(cluster.address, timeout=30) as anonymous, pytest.raises(Unauthenticated):
+            anonymous.generate("hello", max_tokens=2)
+        with Client(cluster.address, timeout=30, token="sesame") as client:
+            assert len(client.generate("hello", max_tokens=2).token_ids) == 2
+            decode = next(w for w in cluster.workers if w.pool == "decode")
+            ray.kill(decode.handle)
+            deadline = time.time() + 5
+            while decode.healthy and time.time() < deadline:  # the health monitor notices the death
+                time.sleep(0.05)
+            t0 = time.time()
+            with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
+                client.generate("hello", max_tokens=2)
+            assert time.time() - t0 < 1.0
