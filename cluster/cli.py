@@ -30,33 +30,82 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Offline engine demo: one engine, a few real prompts, continuous batching, a latency summary."""
-    from engine import LLM, SamplingParams
-    from engine.presets import resolve_model
+    """A local cluster on the default manifest, a few real requests streamed through the SDK."""
+    import concurrent.futures
+    import statistics
 
-    print(f"preparing model {args.model!r} (built once from its preset, then cached) ...", flush=True)
-    model_dir = resolve_model(args.model)
-    llm = LLM(model_dir, max_num_seqs=args.max_num_seqs)
-    engine = llm.engine
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=args.max_tokens)
-    arrival = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in DEMO_PROMPTS]
-    first_token: dict[str, float] = {}
-    finished: dict[str, object] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            first_token.setdefault(out.request_id, time.perf_counter() - arrival)
-            if out.finished:
-                finished[out.request_id] = (out, time.perf_counter() - arrival)
-    for prompt, rid in zip(DEMO_PROMPTS, ids):
-        out, latency = finished[rid]
-        print(f"\n[{rid}] {prompt!r} -> {out.text!r}")
-        print(f"    {len(out.token_ids)} tokens, finish={out.finish_reason}, "
-              f"ttft={first_token[rid] * 1e3:.0f} ms, e2e={latency * 1e3:.0f} ms")
-    total = sum(len(o.token_ids) for o, _ in finished.values())
-    wall = max(t for _, t in finished.values())
-    print(f"\n{len(ids)} requests, {total} output tokens in {wall:.2f} s ({total / wall:.0f} tok/s); "
-          f"KV blocks free {engine.num_free_blocks}/{engine.pool.num_blocks}")
+    from cluster.launcher import Cluster
+    from cluster.manifest import load_manifest
+    from router.client import Client
+
+    manifest = load_manifest(args.manifest)
+    manifest.server.address = "127.0.0.1:0"  # any free port: the demo must not clash with a running server
+    with Cluster(manifest) as cluster, Client(cluster.address, timeout=120) as client:
+        print(f"\nstreaming {len(DEMO_PROMPTS)} concurrent requests to {cluster.address} ...\n")
+        first = DEMO_PROMPTS[0]
+        print(f"[stream] {first!r} -> ", end="", flush=True)
+        for chunk in client.generate(first, stream=True, temperature=0.8, top_p=0.95, seed=0,
+                                     max_tokens=args.max_tokens):
+            print(chunk.text_delta, end="", flush=True)
+        print()
+        with concurrent.futures.ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
+            results = list(pool.map(lambda p: client.generate(p, temperature=0.8, top_p=0.95, seed=0,
+                                                              max_tokens=args.max_tokens), DEMO_PROMPTS))
+        for prompt, r in zip(DEMO_PROMPTS, results):
+            t = r.timings
+            print(f"\n{prompt!r} -> {r.text!r}\n    {len(r.token_ids)} tokens, finish={r.finish_reason}; "
+                  f"ttft {t['ttft'] * 1e3:.0f} ms = queue {t['queued'] * 1e3:.0f} + prefill {t['prefill'] * 1e3:.0f}"
+                  f" (+ kv transfer {t['kv_transfer'] * 1e3:.1f} before decode), e2e {t['e2e'] * 1e3:.0f} ms")
+        ttft = statistics.median(r.timings["ttft"] for r in results) * 1e3
+        e2e = statistics.median(r.timings["e2e"] for r in results) * 1e3
+        tpot = statistics.median((r.timings["e2e"] - r.timings["ttft"]) / max(1, len(r.token_ids) - 1)
+                                 for r in results) * 1e3
+        print(f"\nlatency summary ({manifest.mode}, {len(results)} requests): median TTFT {ttft:.0f} ms, "
+              f"median TPOT {tpot:.1f} ms, median e2e {e2e:.0f} ms")
+    print("cluster stopped")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from cluster.launcher import Cluster
+    from cluster.manifest import load_manifest
+
+    manifest = load_manifest(args.manifest)  # a bad manifest fails here, before anything starts
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(manifest)
+    try:
+        address = cluster.start()
+        print(f"ready: pdserve generate --address {address} \"hello\"   (Ctrl-C stops the cluster)", flush=True)
+        stop.wait()
+    finally:
+        print("shutting down ...", flush=True)
+        cluster.stop()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from router.client import Client, PDServeError
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    try:
+        with Client(args.address, timeout=args.timeout, token=args.token) as client:
+            if args.stream:
+                for chunk in client.generate(args.prompt, stream=True, **params):
+                    print(chunk.text_delta, end="", flush=True)
+                print()
+            else:
+                r = client.generate(args.prompt, **params)
+                print(r.text)
+                print(f"[{len(r.token_ids)} tokens, finish={r.finish_reason}, ttft {r.timings['ttft'] * 1e3:.0f} ms, "
+                      f"e2e {r.timings['e2e'] * 1e3:.0f} ms]", file=sys.stderr)
+    except PDServeError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -82,11 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--list", action="store_true", help="list the presets")
     mk.set_defaults(func=_make_model)
 
-    demo = sub.add_parser("demo", help="run a few real requests through the engine and print them")
-    demo.add_argument("--model", default="llama-20m", help="model directory or preset name")
+    demo = sub.add_parser("demo", help="start a local cluster, stream a few real requests, print them, stop")
+    demo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
     demo.add_argument("--max-tokens", type=int, default=24)
-    demo.add_argument("--max-num-seqs", type=int, default=64)
     demo.set_defaults(func=_demo)
+
+    up = sub.add_parser("up", help="start (or join) a cluster from a manifest and serve until interrupted")
+    up.add_argument("manifest", nargs="?", default=None, help="manifest (default: deploy/local.yaml)")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="send one request to a running cluster")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=60.0)
+    gen.add_argument("--token", default=None, help="auth token, when the server requires one")
+    gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,60 @@
+"""Manifests are validated in full before anything starts; errors name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster.manifest import DEFAULT_MANIFEST, ManifestError, load_manifest
+
+
+def test_default_manifest_is_valid():
+    m = load_manifest()
+    assert m.mode == "disaggregated" and m.kv_transfer.transport == "ray" and m.ray.address == "local"
+    assert load_manifest(DEFAULT_MANIFEST) == m
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"pools": {"decode": {"replicas": -1}}}, "pools.decode.replicas: Input should be greater than or equal to 0"),
+        ({"pools": {"prefill": {"num_gpus": -1}}}, "pools.prefill.num_gpus"),
+        ({"pools": {"prefill": {"replicas": 0}}}, "disaggregated mode needs pools.prefill.replicas >= 1"),
+        ({"modle": "llama-20m"}, "modle: Extra inputs are not permitted"),
+        ({"mode": "fast"}, "mode: Input should be 'disaggregated' or 'colocated'"),
+        ({"dtype": "int4"}, "dtype: Input should be"),
+        ({"block_size": 0}, "block_size: Input should be greater than or equal to 1"),
+        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport: Input should be 'ray' or 'grpc'"),
+        ({"router": {"policy": "random"}}, "router.policy"),
+        ({"server": {"address": "localhost"}}, "server.address: Value error, must be HOST:PORT"),
+        ({"server": {"tls_cert": "/nonexistent.pem"}}, "tls_cert and tls_key must be given together"),
+        ({"server": {"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}}, "does not exist"),
+        ({"pools": {"decode": {"resources": {"decode": "lots"}}}}, "pools.decode.resources.decode"),
+    ],
+)
+def test_invalid_manifests_name_the_field(data, message):
+    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_manifest(data)
+
+
+def test_yaml_problems(tmp_path):
+    with pytest.raises(ManifestError, match="does not exist"):
+        load_manifest(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        load_manifest(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ManifestError, match="top level must be a mapping"):
+        load_manifest(bad)
+
+
+def test_up_rejects_a_bad_manifest_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: disaggregated\npools:\n  decode:\n    replicas: many\n")
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(bad)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "pools.decode.replicas" in result.stderr and "preparing model" not in result.stdout
