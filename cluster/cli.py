@@ -120,6 +120,13 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from cluster.bench_cluster import ClusterBenchConfig, run
+
+    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, out=Path(args.out)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_bench_engine)
+    bc = bench_sub.add_parser("cluster", help="disaggregated (ray, grpc) vs colocated: TTFT breakdown, "
+                                              "streaming overhead, KV bytes/s")
+    bc.add_argument("--model", default="llama-20m")
+    bc.add_argument("--num-requests", type=int, default=24)
+    bc.add_argument("--out", default="bench-results/cluster.json")
+    bc.set_defaults(func=_bench_cluster)
     return parser
 
 

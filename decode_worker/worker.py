@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class DecodeWorker:
         self._started: dict[str, float] = {}  # request -> when decoding here began
         self._prefilling: dict[str, float] = {}  # colocated requests before their first token
         self._stop = threading.Event()
+        self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         threading.Thread(target=self._expire_leases, name="lease-expiry", daemon=True).start()
 
     def ping(self) -> dict:
@@ -44,6 +46,9 @@ class DecodeWorker:
         return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
                 "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
                 "transfers": self.receiver.num_in_flight, "alive": self.loop.fatal_error is None}
+
+    def stats(self) -> dict:
+        return {"steps": list(self.step_log)}
 
     def get_kv_address(self) -> str | None:
         return self.kv_address
@@ -85,6 +90,7 @@ class DecodeWorker:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
+        self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
         for out in outputs:
             events = {}
             prefill_start = self._prefilling.pop(out.request_id, None)

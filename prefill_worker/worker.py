@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.scheduler import ScheduledChunk
 from kv_transfer.receiver import TransferError
@@ -35,6 +37,7 @@ class _Outgoing:
     channel: LayerChannel
     decode: Any  # the decode worker's actor handle
     started: float
+    last_layer_at: float = 0.0
 
 
 class PrefillWorker:
@@ -46,6 +49,9 @@ class PrefillWorker:
         self.transport_name = transport
         self._grpc = GrpcTransport() if transport == "grpc" else None
         self._outgoing: dict[str, _Outgoing] = {}
+        self.transfer_log: deque[dict] = deque(maxlen=1024)  # completed transfers, for benchmarks
+        # One sender thread keeps layer pushes in order and off the forward pass's thread.
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         self._finishers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-commit")
         self.loop = EngineLoop(self.engine, self._on_outputs).start()
 
@@ -55,6 +61,31 @@ class PrefillWorker:
                 "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
                 "transfers": len(self._outgoing), "alive": self.loop.fatal_error is None}
 
+    def stats(self) -> dict:
+        return {"transfers": list(self.transfer_log)}
+
+    def probe_transfer(self, decode: Any, decode_kv_address: str | None, num_tokens: int) -> dict:
+        """Transport bandwidth alone: push every layer of `num_tokens` tokens of KV, then abort it."""
+        transfer_id = uuid.uuid4().hex
+        lease = ray.get(decode.reserve.remote(transfer_id, f"probe-{transfer_id}", [3] * num_tokens,
+                                              SamplingParams.greedy(max_tokens=1), num_tokens))
+        layout = self.engine.kv_layout
+        data = torch.randn(1, 2, lease.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim).to(
+            layout.dtype)
+        channel = self._open_channel(decode, decode_kv_address, transfer_id)
+        t0 = time.perf_counter()
+        for layer in range(layout.num_layers):
+            channel.push_layer(layer, data)
+        channel.finish(COMMIT_TIMEOUT_S)
+        seconds = time.perf_counter() - t0
+        ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"))
+        return {"bytes": channel.bytes_sent, "seconds": seconds}
+
+    def _open_channel(self, decode: Any, decode_kv_address: str | None, transfer_id: str) -> LayerChannel:
+        if self._grpc is not None:
+            return self._grpc.open(decode_kv_address, transfer_id)
+        return RayChannel(decode, transfer_id)
+
     def prefill(self, work: WorkRequest, decode: Any, decode_kv_address: str | None) -> None:
         """Start one request's prefill and handoff; the outcome reaches the router as token messages."""
         transfer = Transfer(uuid.uuid4().hex, work.request_id)
@@ -63,8 +94,7 @@ class PrefillWorker:
             lease = ray.get(decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
                                                   work.params, len(work.prompt_token_ids)))
             transfer.advance(TransferState.RESERVED)
-            channel = (self._grpc.open(decode_kv_address, transfer.transfer_id) if self._grpc
-                       else RayChannel(decode, transfer.transfer_id))
+            channel = self._open_channel(decode, decode_kv_address, transfer.transfer_id)
             self._outgoing[work.request_id] = _Outgoing(transfer, channel, decode, started)
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
@@ -80,6 +110,7 @@ class PrefillWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self._sender.shutdown(wait=False, cancel_futures=True)
         self._finishers.shutdown(wait=False, cancel_futures=True)
         self.sink.close()
         if self._grpc:
@@ -91,7 +122,14 @@ class PrefillWorker:
             outgoing = self._outgoing.get(chunk.seq.request_id)
             if chunk.samples and outgoing is not None:  # the chunk that completes the prompt
                 outgoing.transfer.advance(TransferState.TRANSFERRING)
-                outgoing.channel.push_layer(layer, self.engine.kv_cache.read(chunk.seq.block_table, layer))
+                # The blocks stay held until the commit, so reading them later on the sender is safe.
+                self._sender.submit(self._send_layer, outgoing, layer, list(chunk.seq.block_table))
+
+    def _send_layer(self, outgoing: _Outgoing, layer: int, block_ids: list[int]) -> None:
+        if outgoing.transfer.state.is_terminal:
+            return
+        outgoing.channel.push_layer(layer, self.engine.kv_cache.read(block_ids, layer))
+        outgoing.last_layer_at = time.time()
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
@@ -112,10 +150,14 @@ class PrefillWorker:
     # --- on a commit thread ---------------------------------------------------------------------
     def _commit(self, request_id: str, outgoing: _Outgoing, handoff: Any) -> None:
         try:
+            self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued layer is pushed
             outgoing.channel.finish(COMMIT_TIMEOUT_S)
             ray.get(outgoing.decode.commit.remote(outgoing.transfer.transfer_id, handoff), timeout=COMMIT_TIMEOUT_S)
             outgoing.transfer.bytes_moved = outgoing.channel.bytes_sent
             outgoing.transfer.advance(TransferState.SUCCESS)
+            ev = outgoing.transfer.events
+            self.transfer_log.append({"bytes": outgoing.channel.bytes_sent, "first_layer": ev["transferring"],
+                                      "last_layer": outgoing.last_layer_at, "committed": ev["success"]})
         except Exception as e:
             self._fail(request_id, outgoing.transfer, outgoing.decode, f"KV transfer failed: {_reason(e)}")
         finally:
