@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,3 +41,33 @@ def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
     assert result.stdout.count("finish=length") == 6
     assert "latency summary (disaggregated, 6 requests)" in result.stdout
     assert result.stdout.rstrip().endswith("cluster stopped")
+
+
+@pytest.mark.timeout(300)
+def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
+    manifest = tmp_path / "up.yaml"
+    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0'}}\n"
+                        "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
+    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        address = None
+        deadline = time.time() + 180
+        while address is None and time.time() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            if line.startswith("ready:"):
+                address = line.split("--address ")[1].split()[0]
+        assert address, "pdserve up never became ready"
+        result = pdserve("generate", "--address", address, "--max-tokens", "4", "--temperature", "0", "hello")
+        assert result.returncode == 0 and "finish=length" in result.stderr, result.stderr
+        bad = pdserve("generate", "--address", address, "--temperature", "-1", "hello")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature must be >= 0" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=120)[0]
+    assert up.returncode == 0, rest
+    assert "shutting down" in rest
+    raylets = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split()
+    assert not raylets, f"Ray still running after pdserve up stopped: {raylets}"

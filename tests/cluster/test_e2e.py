@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 import ray
 from conftest import random_prompts
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cluster.launcher import Cluster
 from cluster.manifest import load_manifest
@@ -127,16 +130,16 @@ def test_bad_input_gets_a_clear_error(cluster, prompt, params, error, message):
         assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
-def test_model_info_and_health(cluster):
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    import grpc
-
+def test_model_info_health_and_reflection(cluster):
     with Client(cluster.address) as client:
         info = client.model_info()
     assert info.vocab_size == 1024 and info.max_model_len == 512 and info.mode == cluster.manifest.mode
     with grpc.insecure_channel(cluster.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(cluster.address) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "pdserve.v1.PDServe" in services and "grpc.health.v1.Health" in services
 
 
 def test_unavailable_within_a_second_when_a_pool_has_no_healthy_worker(model_dirs):
