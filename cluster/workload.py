@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-# The traces live beside the checkout (../shared/traces); PDSERVE_TRACES overrides.
-TRACE_DIRS = (Path(__file__).resolve().parents[2] / "shared" / "traces",)
+# The traces live beside the checkout (../shared/traces); PDSERVE_TRACES names another folder.
+TRACE_DIRS = tuple(Path(p) for p in [os.environ.get("PDSERVE_TRACES")] if p) + (
+    Path(__file__).resolve().parents[2] / "shared" / "traces",)
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,6 @@ class KVBlocks:
     num_tokens: int  # tokens of KV the request has in total (the last block may be partial)
     block_size: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
 
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -22,7 +21,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     prefill_only: bool = False  # stop after the first sampled token and hold the KV for export
 
     status: SequenceStatus = SequenceStatus.WAITING

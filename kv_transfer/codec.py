@@ -29,5 +29,3 @@ class RawCodec:
 def checksum(payload: bytes | bytearray | memoryview | np.ndarray) -> int:
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
 
-
-CODECS = {RawCodec.name: RawCodec}

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,11 +34,6 @@ class ServedModel:
     name: str
     tokenizer: Any
     info: pdserve_pb2.ModelInfo
-
-
-@dataclass
-class _Placed:
-    workers: list[WorkerRef] = field(default_factory=list)
 
 
 class RouterService(pdserve_pb2_grpc.PDServeServicer):
@@ -67,7 +62,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         queue = self.hub.subscribe(work.request_id)
-        placed = _Placed()
+        placed: list[WorkerRef] = []  # every worker the request touched, to abort it there
         finished = False
         try:
             try:
@@ -79,10 +74,10 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                 yield response
         finally:
             self.hub.unsubscribe(work.request_id)
-            for worker in placed.workers:
+            for worker in placed:
                 worker.outstanding -= 1
             if not finished:  # cancelled, deadline, or failed: free its KV wherever it is
-                for worker in placed.workers:
+                for worker in placed:
                     worker.handle.abort.remote(work.request_id)
 
     # --- steps ----------------------------------------------------------------------------------
@@ -121,21 +116,21 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                              "(max_model_len, which must leave room for at least one generated token)")
         return WorkRequest(request.request_id or uuid.uuid4().hex, ids, params)
 
-    def _dispatch(self, work: WorkRequest, placed: _Placed) -> None:
+    def _dispatch(self, work: WorkRequest, placed: list[WorkerRef]) -> None:
         if self.mode == "colocated":
             worker = self.policy.choose(self.decode_pool)
-            placed.workers.append(worker)
+            placed.append(worker)
             worker.outstanding += 1
             worker.handle.generate.remote(work)
             return
         prefill = self.policy.choose(self.prefill_pool)
         decode = self.policy.choose(self.decode_pool)
-        placed.workers += [prefill, decode]
+        placed += [prefill, decode]
         prefill.outstanding += 1
         decode.outstanding += 1
         prefill.handle.prefill.remote(work, decode.handle, decode.kv_address)
 
-    async def _stream(self, work: WorkRequest, queue: asyncio.Queue, placed: _Placed, accepted: float,
+    async def _stream(self, work: WorkRequest, queue: asyncio.Queue, placed: list[WorkerRef], accepted: float,
                       context) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         detok = _Detokenizer(self.model.tokenizer, work.params)
         events: dict[str, float] = {}
@@ -144,7 +139,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             try:
                 msg = await asyncio.wait_for(queue.get(), HEALTH_CHECK_S)
             except asyncio.TimeoutError:
-                dead = [w.name for w in placed.workers if not w.healthy]
+                dead = [w.name for w in placed if not w.healthy]
                 if dead:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"worker {', '.join(dead)} stopped responding while serving the request")
