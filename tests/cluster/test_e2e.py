@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import time
 
 import grpc
@@ -142,11 +144,27 @@ def test_model_info_health_and_reflection(cluster):
     assert "pdserve.v1.PDServe" in services and "grpc.health.v1.Health" in services
 
 
-def test_unavailable_within_a_second_when_a_pool_has_no_healthy_worker(model_dirs):
-    with Cluster(manifest(model_dirs[ARCH], server={"auth_token": "sesame"}), log=lambda _: None) as cluster:
-        with Client(cluster.address, timeout=30) as anonymous, pytest.raises(Unauthenticated):
+def self_signed_cert(tmp_path):
+    """A certificate for 127.0.0.1, made here with openssl (no network, valid for one day)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    server = {"auth_token": "sesame", "tls_cert": str(cert), "tls_key": str(key)}
+    with Cluster(manifest(model_dirs[ARCH], server=server), log=lambda _: None) as cluster:
+        roots = cert.read_bytes()
+        with Client(cluster.address, timeout=30, root_certificates=roots) as anonymous, pytest.raises(Unauthenticated):
             anonymous.generate("hello", max_tokens=2)
-        with Client(cluster.address, timeout=30, token="sesame") as client:
+        with Client(cluster.address, timeout=5) as plaintext, pytest.raises(Unavailable):
+            plaintext.generate("hello", max_tokens=2)  # the server speaks TLS only
+        with Client(cluster.address, timeout=30, token="sesame", root_certificates=roots) as client:
             assert len(client.generate("hello", max_tokens=2).token_ids) == 2
             decode = next(w for w in cluster.workers if w.pool == "decode")
             ray.kill(decode.handle)
