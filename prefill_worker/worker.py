@@ -91,8 +91,9 @@ class PrefillWorker:
         transfer = Transfer(uuid.uuid4().hex, work.request_id)
         started = time.time()
         try:
-            lease = ray.get(decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                  work.params, len(work.prompt_token_ids)))
+            # Raises when the decode worker refuses; the lease itself stays on the decode side.
+            ray.get(decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
+                                          work.params, len(work.prompt_token_ids)))
             transfer.advance(TransferState.RESERVED)
             channel = self._open_channel(decode, decode_kv_address, transfer.transfer_id)
             self._outgoing[work.request_id] = _Outgoing(transfer, channel, decode, started)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import random_prompts
-from helpers import assert_pool_idle, run_all
+from helpers import assert_pool_idle
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
