@@ -23,12 +23,12 @@ from pathlib import Path
 
 import ray
 
-from cluster.launcher import Cluster
-from cluster.manifest import load_manifest
-from cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
-from engine.model_loader import load_tokenizer
-from engine.presets import resolve_model
-from router.client import Client
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+from pdserve.cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
+from pdserve.engine.model_loader import load_tokenizer
+from pdserve.engine.presets import resolve_model
+from pdserve.router.client import Client
 
 DEPLOYMENTS = (("disaggregated", "ray"), ("disaggregated", "grpc"), ("colocated", "ray"))
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
-from engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
+from pdserve.cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
 
 @dataclass

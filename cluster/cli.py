@@ -17,7 +17,7 @@ DEMO_PROMPTS = [
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.presets import PRESETS, make_model
+    from pdserve.engine.presets import PRESETS, make_model
 
     if args.list or not args.preset:
         for name, preset in PRESETS.items():
@@ -33,9 +33,9 @@ def _demo(args: argparse.Namespace) -> int:
     import concurrent.futures
     import statistics
 
-    from cluster.launcher import Cluster
-    from cluster.manifest import load_manifest
-    from router.client import Client
+    from pdserve.cluster.launcher import Cluster
+    from pdserve.cluster.manifest import load_manifest
+    from pdserve.router.client import Client
 
     manifest = load_manifest(args.manifest)
     manifest.server.address = "127.0.0.1:0"  # any free port: the demo must not clash with a running server
@@ -69,8 +69,8 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cluster.launcher import Cluster
-    from cluster.manifest import load_manifest
+    from pdserve.cluster.launcher import Cluster
+    from pdserve.cluster.manifest import load_manifest
 
     manifest = load_manifest(args.manifest)  # a bad manifest fails here, before anything starts
     stop = threading.Event()
@@ -88,7 +88,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from router.client import Client, PDServeError
+    from pdserve.router.client import Client, PDServeError
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     try:
@@ -109,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from cluster.bench_engine import EngineBenchConfig, run
+    from pdserve.cluster.bench_engine import EngineBenchConfig, run
 
     cfg = EngineBenchConfig(
         model=args.model, num_prompts=args.num_prompts, repeats=args.repeats, threads=args.threads,
@@ -120,7 +120,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_cluster(args: argparse.Namespace) -> int:
-    from cluster.bench_cluster import ClusterBenchConfig, run
+    from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
     run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, out=Path(args.out)))
     return 0

@@ -13,16 +13,17 @@ from typing import Any
 import ray
 from transformers import AutoConfig
 
-from cluster.manifest import Manifest, PoolSpec
-from decode_worker.worker import DecodeWorker
-from engine.model_loader import load_tokenizer
-from engine.presets import resolve_model
-from prefill_worker.worker import PrefillWorker
-from proto.pdserve.v1 import pdserve_pb2
-from router.placement import POLICIES, WorkerRef
-from router.server import RouterServer
-from router.service import RouterService, ServedModel
-from router.token_hub import TokenStreamHub
+from pdserve.cluster.manifest import Manifest, PoolSpec
+from pdserve.cluster.supervisor import Supervisor
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.model_loader import context_limit, load_tokenizer
+from pdserve.engine.presets import resolve_model
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.placement import POLICIES, WorkerRef
+from pdserve.router.server import RouterServer
+from pdserve.router.service import RouterService, ServedModel
+from pdserve.router.token_hub import TokenStreamHub
 
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
 
@@ -36,6 +37,7 @@ class Cluster:
         self._started_ray = False
         self._hub: TokenStreamHub | None = None
         self._server: RouterServer | None = None
+        self._supervisor: Supervisor | None = None
 
     # --- up -------------------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 300.0) -> str:
@@ -73,8 +75,9 @@ class Cluster:
         tls = None
         if m.server.tls_cert is not None:
             tls = (Path(m.server.tls_cert).read_bytes(), Path(m.server.tls_key).read_bytes())
-        self._server = RouterServer(service, m.server.address, self.workers, tls=tls, auth_token=m.server.auth_token)
+        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token)
         self.address = self._server.start()
+        self._supervisor = Supervisor(self.workers, on_change=self._server.health_changed).start()
         self.log(f"serving {m.model!r} on {self.address} ({m.mode}, transport {m.kv_transfer.transport}) "
                  f"after {time.time() - t0:.1f} s")
         return self.address
@@ -124,17 +127,19 @@ class Cluster:
         m = self.manifest
         config = AutoConfig.from_pretrained(model_dir)
         tokenizer = load_tokenizer(model_dir)
-        native = int(getattr(config, "max_position_embeddings", 2048))
         eos = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         info = pdserve_pb2.ModelInfo(
             name=m.model, model_type=config.model_type, vocab_size=config.vocab_size,
-            max_model_len=min(m.max_model_len or native, native), mode=m.mode, dtype=m.dtype,
+            max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
             block_size=m.block_size, eos_token_id=eos,
         )
         return ServedModel(m.model, tokenizer, info)
 
     # --- down -----------------------------------------------------------------------------------
     def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
         if self._server is not None:
             self._server.stop()
             self._server = None

@@ -15,13 +15,14 @@ from collections import deque
 
 import numpy as np
 
-from engine import EngineConfig, LLMEngine, RequestOutput
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import RequestHandoff
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_server import start_kv_server
-from kv_transfer.receiver import KVReceiver, Lease
-from router.wire import TokenSink, WorkRequest
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.grpc_server import start_kv_server
+from pdserve.kv_transfer.interface import Lease
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.wire import TokenSink, WorkRequest
 
 LEASE_CHECK_S = 1.0
 
@@ -100,8 +101,9 @@ class DecodeWorker:
             if out.finished:
                 events |= {"decode_start": self._started.pop(out.request_id, now), "decode_end": now}
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
-                           finish=out.finish_reason if out.finished else None,
-                           text=out.text if out.finished else None, events=events, cached=out.num_cached_tokens)
+                           finish_reason=out.finish_reason if out.finished else None,
+                           text=out.text if out.finished else None, events=events,
+                           cached_tokens=out.num_cached_tokens)
 
     def _expire_leases(self) -> None:
         while not self._stop.wait(LEASE_CHECK_S):

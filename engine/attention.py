@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "pdserve_paged"
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import RequestOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

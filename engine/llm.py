@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.presets import resolve_model
-from engine.sampling_params import RequestOutput, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.presets import resolve_model
+from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 
 
 class LLM:

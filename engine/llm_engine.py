@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from engine.block_pool import BlockPool, OutOfBlocks
-from engine.config import EngineConfig
-from engine.kv_cache import KVBlocks, PagedKVCache
-from engine.model_loader import load_model
-from engine.model_runner import LayerHook, ModelRunner
-from engine.sampler import Sampler
-from engine.sampling_params import RequestOutput, SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_pool import BlockPool, OutOfBlocks
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_runner import LayerHook, ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_prompt
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -111,17 +111,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
-        total = len(token_ids) + len(output_token_ids or [])
-        if total >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {total} tokens but the context limit is {self.max_model_len} "
-                f"(max_model_len, which must leave room for at least one generated token)"
-            )
+        check_prompt(token_ids, self.vocab_size, self.max_model_len, len(output_token_ids or []))
         return Sequence(
             request_id, token_ids, params, prefill_only=prefill_only,
             output_token_ids=list(output_token_ids or []),

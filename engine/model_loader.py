@@ -11,14 +11,15 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 from transformers.utils import logging as hf_logging
 
-from engine.attention import register_paged_attention
-from engine.kv_cache import KVLayout
+from pdserve.engine.attention import register_paged_attention
+from pdserve.engine.kv_cache import KVLayout
 
 # Model types whose attention is plain (GQA, RoPE, optional QKV bias) and therefore runs unchanged
 # over the paged pool. Others may work but are refused until a test covers them.
@@ -50,8 +51,7 @@ def load_model(
         raise ValueError(
             f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    native_len = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
-    max_len = min(max_model_len or native_len, native_len)
+    max_len = context_limit(config, max_model_len)
     window = getattr(config, "sliding_window", None)
     if window is not None and (getattr(config, "use_sliding_window", True)) and window < max_len:
         raise ValueError(
@@ -82,6 +82,12 @@ def load_model(
         eos_token_ids=_eos_ids(config, tokenizer),
         vocab_size=config.vocab_size,
     )
+
+
+def context_limit(config: PretrainedConfig, requested: int | None) -> int:
+    """The context limit served: the requested max_model_len, capped by the model's own."""
+    native = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
+    return min(requested or native, native)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import DecodeBatch, PagedBatch, PrefillSpan
-from engine.kv_cache import PagedKVCache
-from engine.scheduler import ScheduledChunk
+from pdserve.engine.attention import DecodeBatch, PagedBatch, PrefillSpan
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.scheduler import ScheduledChunk
 
 # Called with (layer index, the step's chunks) right after that layer's new KV is in the pool.
 LayerHook = Callable[[int, list[ScheduledChunk]], None]

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from engine.tokenizer_builder import build_tokenizer
+from pdserve.engine.tokenizer_builder import build_tokenizer
 
 BUILD_VERSION = 1  # bump when the build recipe changes, so cached models are rebuilt
 MARKER = "pdserve_preset.json"

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 _GOLDEN = 0x9E3779B97F4A7C15
 

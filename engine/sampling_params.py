@@ -1,7 +1,13 @@
-"""Per-request sampling parameters and their validation."""
+"""Per-request parameters (sampling, prompt) and their validation: the one place these rules live.
+
+Plain Python on purpose (no torch): the router validates requests with the same rules before they
+reach a worker.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -39,9 +45,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed range."""
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
@@ -53,6 +59,24 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+
+
+def _is_real(x: object) -> bool:
+    """A finite int or float (bool, NaN and infinity are not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, num_output_tokens: int = 0) -> None:
+    """Raise ValueError unless `token_ids` is a prompt the model can continue by at least one token."""
+    if not token_ids:
+        raise ValueError("prompt is empty: it must have at least one token")
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    total = len(token_ids) + num_output_tokens
+    if total >= max_model_len:
+        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
+                         "(max_model_len, which must leave room for at least one generated token)")
 
 
 @dataclass

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, hash_block, hash_prompt_blocks
-from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_pool import BlockPool, hash_block, hash_prompt_blocks
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

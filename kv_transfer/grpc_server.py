@@ -6,9 +6,9 @@ from concurrent import futures
 
 import grpc
 
-from kv_transfer.receiver import KVReceiver, TransferError
-from kv_transfer.transports import GRPC_OPTIONS
-from proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.kv_transfer.interface import GRPC_OPTIONS, TransferError
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
 class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):

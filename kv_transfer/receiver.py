@@ -8,19 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.engine_loop import EngineLoop
-from engine.kv_cache import KVBlocks
-from engine.llm_engine import RequestHandoff
-from engine.sampling_params import SamplingParams
-from kv_transfer.codec import RawCodec, checksum
-from kv_transfer.state import Transfer, TransferState
-
-
-@dataclass(frozen=True)
-class Lease:
-    transfer_id: str
-    num_blocks: int
-    expires_at: float  # wall clock; the reservation is freed if no commit comes by then
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.kv_cache import KVBlocks
+from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.codec import RawCodec, checksum
+from pdserve.kv_transfer.interface import Lease, TransferError
+from pdserve.kv_transfer.state import Transfer, TransferState
 
 
 @dataclass
@@ -30,10 +24,6 @@ class _Incoming:
     num_tokens: int
     expires_at: float
     layers: set[int]
-
-
-class TransferError(RuntimeError):
-    pass
 
 
 class KVReceiver:

@@ -1,4 +1,4 @@
-"""Sending side of the data plane: one channel per transfer carries layer payloads to the receiver.
+"""Sending halves of the data plane: one channel per transfer carries layer payloads to the receiver.
 
   ray   same node: payloads go through the Ray object store as numpy buffers (zero-copy reads on the
         receiving side) in `receive_layer` actor calls.
@@ -11,27 +11,20 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import torch
 
-from kv_transfer.codec import RawCodec, checksum
-from kv_transfer.receiver import TransferError
-from proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-
-MAX_MESSAGE_BYTES = 8 * 2**20
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-
-
-class LayerChannel(Protocol):
-    bytes_sent: int
-
-    def push_layer(self, layer: int, tensor: torch.Tensor) -> None: ...
-
-    def finish(self, timeout: float) -> None:
-        """Wait until every pushed layer is delivered; raise TransferError if any was not."""
+from pdserve.kv_transfer.codec import RawCodec, checksum
+from pdserve.kv_transfer.interface import (
+    GRPC_CHUNK_BYTES,
+    GRPC_MAX_CHUNK_BYTES,
+    GRPC_MIN_CHUNK_BYTES,
+    GRPC_OPTIONS,
+    TransferError,
+)
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
 class RayChannel:
@@ -90,9 +83,10 @@ class GrpcChannel:
 class GrpcTransport:
     """Keeps one gRPC channel per decode worker address."""
 
-    def __init__(self, chunk_bytes: int = 512 * 1024) -> None:
-        if not 256 * 1024 <= chunk_bytes <= 1024 * 1024:
-            raise ValueError(f"chunk_bytes must be in [256 KiB, 1 MiB], got {chunk_bytes}")
+    def __init__(self, chunk_bytes: int = GRPC_CHUNK_BYTES) -> None:
+        if not GRPC_MIN_CHUNK_BYTES <= chunk_bytes <= GRPC_MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{GRPC_MIN_CHUNK_BYTES}, {GRPC_MAX_CHUNK_BYTES}], "
+                             f"got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self._stubs: dict[str, kv_transfer_pb2_grpc.KVTransferStub] = {}
         self._channels: list[grpc.Channel] = []

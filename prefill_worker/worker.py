@@ -19,13 +19,13 @@ from typing import Any
 import ray
 import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.engine_loop import EngineLoop
-from engine.scheduler import ScheduledChunk
-from kv_transfer.receiver import TransferError
-from kv_transfer.state import Transfer, TransferState
-from kv_transfer.transports import GrpcTransport, LayerChannel, RayChannel
-from router.wire import TokenSink, WorkRequest
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.kv_transfer.interface import LayerChannel, TransferError
+from pdserve.kv_transfer.state import Transfer, TransferState
+from pdserve.kv_transfer.transports import GrpcTransport, RayChannel
+from pdserve.wire import TokenSink, WorkRequest
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
@@ -139,12 +139,13 @@ class PrefillWorker:
             events = {"prefill_start": outgoing.started if outgoing else now, "prefill_end": now}
             if out.finish_reason == "prefilled" and outgoing is not None:
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
-                               cached=out.num_cached_tokens)
+                               cached_tokens=out.num_cached_tokens)
                 handoff = self.engine.export_handoff(out.request_id)
                 self._finishers.submit(self._commit, out.request_id, outgoing, handoff)
             else:  # finished on its first token (stop, length, abort): nothing to hand over
-                self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, finish=out.finish_reason,
-                               text=out.text, events=events, cached=out.num_cached_tokens)
+                self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
+                               finish_reason=out.finish_reason, text=out.text, events=events,
+                               cached_tokens=out.num_cached_tokens)
                 if outgoing is not None:
                     self._drop_transfer(out.request_id, outgoing, "request finished at prefill")
 

@@ -1,7 +1,7 @@
-"""The pdserve client SDK. Needs only grpcio and protobuf (no torch, no ray).
+"""The pdserve client SDK, exported as `import pdserve`. Needs only grpcio and protobuf (no torch, no ray).
 
-    from router.client import Client
-    with Client("127.0.0.1:50051") as client:
+    import pdserve
+    with pdserve.Client("127.0.0.1:50051") as client:
         print(client.generate("The water was", max_tokens=16, temperature=0).text)
         for chunk in client.generate("Hello", stream=True):
             print(chunk.text_delta, end="")
@@ -15,9 +15,12 @@ from typing import Any
 
 import grpc
 
-from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
-_OPTIONS = [("grpc.max_send_message_length", 16 * 2**20), ("grpc.max_receive_message_length", 16 * 2**20)]
+# The API's message-size limit, for both ends (the router's server imports it from here).
+MAX_MESSAGE_BYTES = 16 * 2**20
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -127,8 +130,8 @@ class Client:
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
                  root_certificates: bytes | None = None) -> None:
         self._metadata, creds = _credentials(token, root_certificates)
-        self._channel = (grpc.secure_channel(target, creds, options=_OPTIONS) if creds
-                         else grpc.insecure_channel(target, options=_OPTIONS))
+        self._channel = (grpc.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
+                         else grpc.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
         self.timeout = timeout
 
@@ -193,8 +196,8 @@ class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
                  root_certificates: bytes | None = None) -> None:
         self._metadata, creds = _credentials(token, root_certificates)
-        self._channel = (grpc.aio.secure_channel(target, creds, options=_OPTIONS) if creds
-                         else grpc.aio.insecure_channel(target, options=_OPTIONS))
+        self._channel = (grpc.aio.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
+                         else grpc.aio.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
         self.timeout = timeout
 

@@ -10,11 +10,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from router.placement import WorkerRef
-from router.service import RouterService, monitor_health
+from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.client import GRPC_OPTIONS
+from pdserve.router.service import RouterService
 
-MAX_MESSAGE_BYTES = 16 * 2**20
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
 
 
@@ -39,18 +38,17 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 
 class RouterServer:
-    def __init__(self, service: RouterService, address: str, workers: list[WorkerRef],
-                 tls: tuple[bytes, bytes] | None = None, auth_token: str | None = None) -> None:
+    def __init__(self, service: RouterService, address: str, tls: tuple[bytes, bytes] | None = None,
+                 auth_token: str | None = None) -> None:
         self.service = service
         self.requested_address = address
-        self.workers = workers
         self.tls = tls
         self.auth_token = auth_token
         self.address: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-grpc", daemon=True)
         self._server: grpc.aio.Server | None = None
-        self._monitor: asyncio.Task | None = None
+        self._health: health.aio.HealthServicer | None = None
 
     def start(self, timeout: float = 30.0) -> str:
         self._thread.start()
@@ -65,13 +63,10 @@ class RouterServer:
 
     async def _start(self) -> str:
         interceptors = [TokenAuth(self.auth_token)] if self.auth_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ])
+        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         pdserve_pb2_grpc.add_PDServeServicer_to_server(self.service, server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         host = self.requested_address.rpartition(":")[0]
@@ -82,22 +77,19 @@ class RouterServer:
             port = server.add_insecure_port(self.requested_address)
         await server.start()
         self._server = server
-
-        async def publish_health() -> None:
-            serving = all(any(w.healthy for w in pool) for pool in self._pools() if pool)
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
-
-        await publish_health()
-        self._monitor = asyncio.create_task(
-            monitor_health(self.workers, on_change=lambda: asyncio.ensure_future(publish_health())))
+        await self._publish_health()
         return f"{host}:{port}"
 
-    def _pools(self) -> list[list[WorkerRef]]:
-        return [self.service.prefill_pool, self.service.decode_pool]
+    def health_changed(self) -> None:
+        """Workers' health changed (called by the cluster's supervisor, from any thread)."""
+        asyncio.run_coroutine_threadsafe(self._publish_health(), self._loop)
+
+    async def _publish_health(self) -> None:
+        pools = [self.service.prefill_pool, self.service.decode_pool]
+        serving = all(any(w.healthy for w in pool) for pool in pools if pool)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
 
     async def _stop(self, grace: float) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
         await self._server.stop(grace)

@@ -18,15 +18,14 @@ from typing import Any
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from router.placement import NoHealthyWorker, PlacementPolicy, WorkerRef
-from router.token_hub import TokenStreamHub
-from router.wire import WorkRequest
+from pdserve.engine.sampling_params import SamplingParams, check_prompt
+from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.placement import NoHealthyWorker, PlacementPolicy, WorkerRef
+from pdserve.router.token_hub import TokenStreamHub
+from pdserve.wire import TokenMessage, WorkRequest
 
 log = logging.getLogger(__name__)
-HEALTH_CHECK_S = 0.5
-DEFAULT_MAX_TOKENS = 16
+DEAD_WORKER_CHECK_S = 0.5  # how often a waiting stream looks whether its workers are still healthy
 
 
 @dataclass
@@ -88,17 +87,12 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
 
     def _work_request(self, request: pdserve_pb2.GenerateRequest) -> WorkRequest:
         p = request.params
-        params = SamplingParams(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_k=p.top_k,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            seed=p.seed if p.HasField("seed") else None,
-            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
-            stop_token_ids=tuple(p.stop_token_ids),
-            stop=tuple(p.stop),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-        )
+        # Unset optional fields (and max_tokens 0) take SamplingParams' own defaults.
+        optional = {name: getattr(p, name) for name in ("temperature", "top_p", "seed") if p.HasField(name)}
+        if p.max_tokens:
+            optional["max_tokens"] = p.max_tokens
+        params = SamplingParams(top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
+                                ignore_eos=p.ignore_eos, logprobs=p.logprobs, **optional)
         kind = request.WhichOneof("prompt")
         if kind == "text":
             ids = self.model.tokenizer.encode(request.text, add_special_tokens=False)
@@ -106,14 +100,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             ids = list(request.token_ids.ids)
         else:
             raise ValueError("prompt is missing: set text or token_ids")
-        vocab, limit = self.model.info.vocab_size, self.model.info.max_model_len
-        if not ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        if any(t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens but the context limit is {limit} "
-                             "(max_model_len, which must leave room for at least one generated token)")
+        check_prompt(ids, self.model.info.vocab_size, self.model.info.max_model_len)
         return WorkRequest(request.request_id or uuid.uuid4().hex, ids, params)
 
     def _dispatch(self, work: WorkRequest, placed: list[WorkerRef]) -> None:
@@ -137,30 +124,30 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
         first_at: float | None = None
         while True:
             try:
-                msg = await asyncio.wait_for(queue.get(), HEALTH_CHECK_S)
+                msg: TokenMessage = await asyncio.wait_for(queue.get(), DEAD_WORKER_CHECK_S)
             except asyncio.TimeoutError:
                 dead = [w.name for w in placed if not w.healthy]
                 if dead:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"worker {', '.join(dead)} stopped responding while serving the request")
                 continue
-            if msg["error"]:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, msg["error"])
-            events.update(msg["events"])
-            response = pdserve_pb2.GenerateResponse(
-                request_id=work.request_id, token_ids=msg["tokens"], logprobs=msg["logprobs"] or [],
-            )
+            if msg.error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
+            events.update(msg.events)
+            tokens = list(msg.token_ids)
+            response = pdserve_pb2.GenerateResponse(request_id=work.request_id, token_ids=tokens,
+                                                    logprobs=msg.logprobs)
             if first_at is None:
                 first_at = time.time()
                 response.prompt_tokens = len(work.prompt_token_ids)
-                response.cached_tokens = msg["cached"]
-            if msg["finish"]:
-                response.text_delta = detok.finish(msg["tokens"], msg["text"] or "")
-                response.finish_reason = msg["finish"]
+                response.cached_tokens = msg.cached_tokens
+            if msg.finish_reason:
+                response.text_delta = detok.finish(tokens, msg.text)
+                response.finish_reason = msg.finish_reason
                 response.timings.CopyFrom(_timings(accepted, first_at, time.time(), events))
                 yield response
                 return
-            response.text_delta = detok.add(msg["tokens"])
+            response.text_delta = detok.add(tokens)
             yield response
 
 
@@ -200,20 +187,3 @@ def _timings(accepted: float, first_at: float | None, done: float, ev: dict[str,
         ttft_s=(first_at or done) - accepted,
         e2e_s=done - accepted,
     )
-
-
-async def monitor_health(workers: list[WorkerRef], on_change: Any = None, interval_s: float = HEALTH_CHECK_S) -> None:
-    """Ping every worker forever; a worker that fails or misses a ping for 1 s is unhealthy."""
-    while True:
-        async def check(w: WorkerRef) -> None:
-            try:
-                status = await asyncio.wait_for(w.handle.ping.remote(), 1.0)
-                w.healthy = bool(status.get("alive", False))
-            except Exception:
-                w.healthy = False
-
-        before = [w.healthy for w in workers]
-        await asyncio.gather(*(check(w) for w in workers))
-        if on_change is not None and before != [w.healthy for w in workers]:
-            on_change()
-        await asyncio.sleep(interval_s)

@@ -1,30 +1,38 @@
-"""The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues."""
+"""The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues.
+
+Messages are `pdserve.wire.TokenMessage`s. One that does not parse is dropped and counted
+(`malformed`), never fatal: the hub serves every other request on.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from typing import Any
 
 import zmq
+
+from pdserve.wire import MalformedMessage, TokenMessage, parse_token_message
+
+log = logging.getLogger(__name__)
 
 
 class TokenStreamHub:
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self._context = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.PULL)
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.malformed = 0
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenMessage]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="token-hub", daemon=True)
         self._thread.start()
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
+    def subscribe(self, request_id: str) -> asyncio.Queue[TokenMessage]:
         """Messages for `request_id` arrive on the returned queue (call from the consuming event loop)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
         with self._lock:
             self._subscribers[request_id] = (asyncio.get_running_loop(), queue)
         return queue
@@ -46,11 +54,20 @@ class TokenStreamHub:
                 continue
             while True:
                 try:
-                    message: dict[str, Any] = self._socket.recv_json(zmq.NOBLOCK)
+                    data = self._socket.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                with self._lock:
-                    target = self._subscribers.get(message["rid"])
-                if target is not None:  # messages of requests nobody waits for (cancelled) are dropped
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, message)
+                self._deliver(data)
+
+    def _deliver(self, data: bytes) -> None:
+        try:
+            message = parse_token_message(data)
+        except MalformedMessage as e:
+            self.malformed += 1
+            log.warning("dropped a malformed token message (%d so far): %s", self.malformed, e)
+            return
+        with self._lock:
+            target = self._subscribers.get(message.request_id)
+        if target is not None:  # messages of requests nobody waits for (cancelled) are dropped
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, message)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.presets import make_model
+from pdserve.engine.presets import make_model
 
 TEST_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
 

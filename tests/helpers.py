@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 
 
 def run_all(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -14,7 +14,7 @@ import pytest
 
 def pdserve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 
@@ -48,7 +48,7 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
     manifest = tmp_path / "up.yaml"
     manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0'}}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
-    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
         address = None
@@ -63,7 +63,7 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
         result = pdserve("generate", "--address", address, "--max-tokens", "4", "--temperature", "0", "hello")
         assert result.returncode == 0 and "finish=length" in result.stderr, result.stderr
         bad = pdserve("generate", "--address", address, "--temperature", "-1", "hello")
-        assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature must be >= 0" in bad.stderr
+        assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature must be a finite number >= 0" in bad.stderr
     finally:
         up.send_signal(signal.SIGINT)
         rest = up.communicate(timeout=120)[0]

@@ -14,9 +14,9 @@ from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cluster.launcher import Cluster
-from cluster.manifest import load_manifest
-from router.client import (
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+from pdserve.router.client import (
     AsyncClient,
     Client,
     DeadlineExceeded,
@@ -116,12 +116,13 @@ def test_deadline_frees_the_request(cluster):
 @pytest.mark.parametrize(
     ("prompt", "params", "error", "message"),
     [
-        ("hello", {"temperature": -1.0}, InvalidArgument, "temperature must be >= 0"),
+        ("hello", {"temperature": -1.0}, InvalidArgument, "temperature must be a finite number >= 0"),
+        ("hello", {"temperature": float("nan")}, InvalidArgument, "temperature must be a finite number"),
         ("hello", {"top_p": 1.5}, InvalidArgument, "top_p must be in"),
         ("hello", {"top_k": 0, "max_tokens": 3, "stop": [""]}, InvalidArgument, "stop must be"),
         ("", {}, InvalidArgument, "prompt is empty"),
         ([5] * 600, {}, InvalidArgument, "context limit is 512"),
-        ([5, 99999], {}, InvalidArgument, "token ids must be in"),
+        ([5, 99999], {}, InvalidArgument, "token ids must be integers in"),
         ("hello", {"model": "gpt-9"}, NotFound, "unknown model 'gpt-9'"),
     ],
 )

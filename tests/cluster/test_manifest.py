@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cluster.manifest import DEFAULT_MANIFEST, ManifestError, load_manifest
+from pdserve.cluster.manifest import DEFAULT_MANIFEST, ManifestError, load_manifest
 
 
 def test_default_manifest_is_valid():
@@ -54,7 +54,7 @@ def test_yaml_problems(tmp_path):
 def test_up_rejects_a_bad_manifest_before_starting_anything(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: disaggregated\npools:\n  decode:\n    replicas: many\n")
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(bad)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "up", str(bad)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2
     assert "pools.decode.replicas" in result.stderr and "preparing model" not in result.stdout

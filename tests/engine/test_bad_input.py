@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts
 from helpers import assert_pool_idle
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 ARCH = "tiny-llama"
 
@@ -14,7 +14,10 @@ ARCH = "tiny-llama"
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, OutOfBlocks, hash_block, hash_prompt_blocks
+from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block, hash_prompt_blocks
 
 
 def test_allocate_and_free_round_trip():

@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts
 from helpers import assert_pool_idle, run_all
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True)

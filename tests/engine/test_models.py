@@ -10,9 +10,9 @@ from conftest import random_prompts
 from helpers import assert_pool_idle, run_all
 from transformers import AutoModelForCausalLM
 
-from engine import PRESETS, EngineConfig, LLMEngine, SamplingParams, make_model, resolve_model
-from engine.model_loader import load_tokenizer
-from engine.presets import preset_info
+from pdserve.engine import PRESETS, EngineConfig, LLMEngine, SamplingParams, make_model, resolve_model
+from pdserve.engine.model_loader import load_tokenizer
+from pdserve.engine.presets import preset_info
 
 
 def digest(path):

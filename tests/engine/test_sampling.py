@@ -7,7 +7,7 @@ import torch
 from conftest import random_prompts
 from helpers import assert_pool_idle, run_all
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 ARCH = "tiny-llama"
 

@@ -8,11 +8,12 @@ import pytest
 from conftest import random_prompts
 from helpers import assert_pool_idle
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine_loop import EngineLoop
-from kv_transfer.codec import RawCodec, checksum
-from kv_transfer.receiver import KVReceiver, TransferError
-from kv_transfer.state import IllegalTransition, Transfer, TransferState
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kv_transfer.codec import RawCodec, checksum
+from pdserve.kv_transfer.interface import TransferError
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.state import IllegalTransition, Transfer, TransferState
 
 ARCH = "tiny-llama"
 GREEDY = SamplingParams.greedy(max_tokens=6, ignore_eos=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import kv_transfer_pb2 as proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2 as pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class KVTransferStub:
         """
         self.PushKV = channel.stream_unary(
                 '/pdserve.v1.KVTransfer/PushKV',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/pdserve.v1.KVTransfer/PushKV',
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
             options,
             channel_credentials,
             insecure,

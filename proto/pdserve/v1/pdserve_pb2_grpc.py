@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import pdserve_pb2 as proto_dot_pdserve_dot_v1_dot_pdserve__pb2
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve/v1/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve/v1/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class PDServeStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.PDServe/Generate',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pdserve.v1.PDServe/Tokenize',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdserve.v1.PDServe/GetModelInfo',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -78,18 +78,18 @@ def add_PDServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,8 +117,8 @@ class PDServe:
             request,
             target,
             '/pdserve.v1.PDServe/Generate',
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -144,8 +144,8 @@ class PDServe:
             request,
             target,
             '/pdserve.v1.PDServe/Tokenize',
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.FromString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -171,8 +171,8 @@ class PDServe:
             request,
             target,
             '/pdserve.v1.PDServe/GetModelInfo',
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.FromString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_pdserve__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

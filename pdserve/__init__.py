@@ -1,0 +1,31 @@
+"""pdserve: a disaggregated prefill/decode serving runtime. `import pdserve` is the client SDK.
+
+    import pdserve
+
+    with pdserve.Client("127.0.0.1:50051") as client:
+        print(client.generate("The water was", max_tokens=16, temperature=0).text)
+
+The SDK needs only grpcio and protobuf. The server side lives in the subpackages (`pdserve.engine`
+for the offline engine, `pdserve.cluster` for the cluster and the `pdserve` command) and needs the
+`server` extra.
+"""
+
+from pdserve.router.client import (
+    AsyncClient,
+    Cancelled,
+    Client,
+    Completion,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    PDServeError,
+    ResourceExhausted,
+    StreamChunk,
+    Unauthenticated,
+    Unavailable,
+)
+
+__all__ = [
+    "Client", "AsyncClient", "Completion", "StreamChunk", "PDServeError", "InvalidArgument", "NotFound",
+    "Unavailable", "ResourceExhausted", "DeadlineExceeded", "Cancelled", "Unauthenticated",
+]
