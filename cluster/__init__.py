@@ -1,1 +1,1 @@
-"""cluster: see ARCHITECTURE.md."""
+"""cluster: see ../shared/ARCHITECTURE.md and the README's layout."""

@@ -2,7 +2,8 @@
 
 A worker whose ping fails or misses its deadline is marked unhealthy, so placement skips it and
 streams waiting on it end with UNAVAILABLE; `on_change` hears of every change (the router server
-publishes it on the standard gRPC health service).
+publishes it on the standard gRPC health service). A worker whose last ping is still unanswered gets
+no new one, so a stalled actor does not pile pings up in its threads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Supervisor:
         self.on_change = on_change
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self._pending: dict[str, ray.ObjectRef] = {}  # worker name -> its unanswered ping
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
@@ -39,12 +41,20 @@ class Supervisor:
         self._thread.join(self.timeout_s + 5)
 
     def check_once(self) -> None:
-        """Ping every worker once, concurrently; update their health; report a change."""
-        pings = {w.handle.ping.remote(): w for w in self.workers}
-        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=self.timeout_s)
+        """Ping every worker (concurrently), wait up to the timeout, update health, report a change."""
+        for w in self.workers:
+            if w.name not in self._pending:
+                self._pending[w.name] = w.handle.ping.remote()
+        ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=self.timeout_s)
+        answered = set(ready)
         before = [w.healthy for w in self.workers]
-        for ref, worker in pings.items():
-            worker.healthy = ref in ready and self._alive(ref, worker)
+        for w in self.workers:
+            ref = self._pending[w.name]
+            if ref in answered:
+                del self._pending[w.name]
+                w.healthy = self._alive(ref, w)
+            else:
+                w.healthy = False
         if before != [w.healthy for w in self.workers]:
             self.on_change()
 
@@ -57,8 +67,9 @@ class Supervisor:
             return False
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
             try:
                 self.check_once()
             except Exception:  # keep supervising; a broken round must not end supervision silently
                 log.exception("health check round failed")
+            self._stop.wait(self.interval_s)

@@ -1,1 +1,1 @@
-"""decode_worker: see ARCHITECTURE.md."""
+"""decode_worker: see ../shared/ARCHITECTURE.md and the README's layout."""

@@ -35,4 +35,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return sorted(set(globals()) | set(__all__))

@@ -9,12 +9,18 @@ context back through its block table.
   - a chunk that continues earlier context (chunked prefill, prefix-cache hit) gathers its blocks and
     uses a causal mask shifted by the context length;
   - all single-token (decode) rows run as one padded batch over their gathered blocks.
+
+Each layer's own attention arguments are honoured: `sliding_window` (a query at position i sees keys
+j with i - window < j <= i, transformers' definition; Mistral, Qwen2, Gemma's local layers) narrows
+the mask, built once per step for each window size; `softcap` (Gemma 2) caps the logits. Before a
+model is served, an `AttentionProbe` runs one tiny forward through this same function to check that
+every layer comes here and asks for nothing this function cannot do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,8 @@ from transformers import AttentionInterface
 from pdserve.engine.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "pdserve_paged"
+# Arguments some models pass that this attention cannot honour, with what they are.
+UNSUPPORTED_ARGUMENTS = {"s_aux": "attention sinks (s_aux)"}
 
 
 @dataclass
@@ -33,7 +41,23 @@ class PrefillSpan:
     length: int  # number of query tokens
     context_len: int  # tokens of KV after this step, including the query tokens
     block_ids: torch.Tensor | None  # blocks to gather, None when the span has no earlier context
-    mask: torch.Tensor | None  # [length, context_len] bool, None for the plain causal case
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[length, context_len] bool, True where a query sees a key; None for plain causal."""
+        if window is not None and window >= self.context_len:
+            window = None  # the window reaches past the first token: plain causal
+        if window is None and self.block_ids is None:
+            return None
+        if window not in self._masks:
+            device = self.block_ids.device if self.block_ids is not None else None
+            keys = torch.arange(self.context_len, device=device)[None, :]
+            queries = self.context_len - self.length + torch.arange(self.length, device=device)[:, None]
+            visible = keys <= queries
+            if window is not None:
+                visible &= keys > queries - window
+            self._masks[window] = visible
+        return self._masks[window]
 
 
 @dataclass
@@ -42,7 +66,20 @@ class DecodeBatch:
 
     token_index: torch.Tensor  # [B] positions of the query tokens in the packed row
     block_ids: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True where a key is valid
+    context_lens: torch.Tensor  # [B] keys of each row, its own query token included
+    block_size: int
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] bool, True where a key is visible to the row's query."""
+        if window not in self._masks:
+            keys = torch.arange(self.block_ids.shape[1] * self.block_size, device=self.block_ids.device)[None, :]
+            lengths = self.context_lens[:, None]
+            visible = keys < lengths
+            if window is not None:
+                visible &= keys >= lengths - window  # the query sits at position length - 1
+            self._masks[window] = visible[:, None, None, :]
+        return self._masks[window]
 
 
 @dataclass
@@ -56,6 +93,35 @@ class PagedBatch:
     on_layer_written: Callable[[int], None] | None = None  # KV-transfer hook (save_kv_layer)
 
 
+@dataclass
+class LayerAttention:
+    """What one layer's attention call looked like during a probe."""
+
+    layer: int | None  # the module's layer_idx (None: it has none)
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    causal: bool
+    unsupported: list[str]
+
+
+@dataclass
+class AttentionProbe:
+    """Passed instead of a PagedBatch: records each layer's call and returns a dummy output."""
+
+    calls: list[LayerAttention] = field(default_factory=list)
+
+    def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kwargs: dict[str, object]) -> tuple[torch.Tensor, None]:
+        self.calls.append(LayerAttention(
+            layer=getattr(module, "layer_idx", None), kv_heads=key.shape[1], key_dim=key.shape[-1],
+            value_dim=value.shape[-1], causal=bool(getattr(module, "is_causal", True)),
+            unsupported=[what for name, what in UNSUPPORTED_ARGUMENTS.items() if kwargs.get(name) is not None],
+        ))
+        batch, heads, tokens = query.shape[:3]
+        return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, tokens, head_dim]
@@ -64,9 +130,13 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    pdserve_batch: PagedBatch | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    pdserve_batch: PagedBatch | AttentionProbe | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
+    if isinstance(pdserve_batch, AttentionProbe):
+        return pdserve_batch.record(module, query, key, value, kwargs)
     if pdserve_batch is None:
         raise RuntimeError(
             f"attention '{ATTENTION_NAME}' needs the engine's batch metadata; run the model through "
@@ -91,10 +161,7 @@ def paged_attention_forward(
         else:
             k = _gather(cache.key_blocks(layer), span.block_ids, span.context_len)
             v = _gather(cache.value_blocks(layer), span.block_ids, span.context_len)
-        o = F.scaled_dot_product_attention(
-            q[None, :, span.start : stop], k, v,
-            attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True,
-        )
+        o = _attend(q[None, :, span.start : stop], k, v, span.mask(sliding_window), scaling, softcap)
         out[span.start : stop] = o[0].transpose(0, 1)
 
     if batch.decode is not None:
@@ -102,9 +169,26 @@ def paged_attention_forward(
         qd = q[:, d.token_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, head_dim]
         kd = _gather_padded(cache.key_blocks(layer), d.block_ids)
         vd = _gather_padded(cache.value_blocks(layer), d.block_ids)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scaling, enable_gqa=True)
+        o = _attend(qd, kd, vd, d.mask(sliding_window), scaling, softcap)
         out[d.token_index] = o[:, :, 0]
     return out.unsqueeze(0), None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D]; mask None means causal with Lq == Lk."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    # Capped logits (tanh(s / cap) * cap) are not something SDPA can do: the explicit computation.
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

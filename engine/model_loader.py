@@ -18,12 +18,15 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.attention import register_paged_attention
+from pdserve.engine.attention import AttentionProbe, register_paged_attention
 from pdserve.engine.kv_cache import KVLayout
 
-# Model types whose attention is plain (GQA, RoPE, optional QKV bias) and therefore runs unchanged
-# over the paged pool. Others may work but are refused until a test covers them.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Per-layer kinds whose layers attend with plain (optionally windowed) softmax attention.
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# RoPE variants whose frequencies depend on the length of the whole batch (transformers takes it from
+# the largest position in the forward pass): over a packed row of many sequences they would differ
+# from a run of each sequence alone.
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
 @dataclass
@@ -43,45 +46,100 @@ def load_model(
     block_size: int,
     max_model_len: int | None = None,
 ) -> LoadedModel:
+    """Load a causal LM the engine can serve exactly, or raise ValueError saying what it lacks.
+
+    Support is decided by what the model does, not by its name: its config must describe a text-only
+    decoder, and one probing forward pass must show every layer attending through transformers'
+    attention interface with one K/V shape and no argument the paged attention cannot honour.
+    """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json (make one with `pdserve make-model`)")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    _check_config(config)
     max_len = context_limit(config, max_model_len)
-    window = getattr(config, "sliding_window", None)
-    if window is not None and (getattr(config, "use_sliding_window", True)) and window < max_len:
-        raise ValueError(
-            f"model uses sliding-window attention (window {window}) below the context limit {max_len}; "
-            f"set max_model_len <= {window}"
-        )
 
     hf_logging.disable_progress_bar()  # a per-shard bar per worker start is noise in server logs
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=register_paged_attention()
-    ).to(device)
-    model.eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_paged_attention())
+    except ValueError as e:  # no causal-LM class, or a class that refuses custom attention functions
+        raise ValueError(f"model type {config.model_type!r} cannot be served: {e}") from None
+    model.to(device).eval()
     tokenizer = load_tokenizer(path)
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layout = KVLayout(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-    )
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        kv_layout=layout,
+        kv_layout=_probe_kv_layout(model, config, block_size, dtype),
         max_model_len=max_len,
         eos_token_ids=_eos_ids(config, tokenizer),
         vocab_size=config.vocab_size,
     )
+
+
+def _check_config(config: PretrainedConfig) -> None:
+    """Refuse, before any weight is read, what the config already says the engine cannot serve."""
+    name = repr(config.model_type)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"model type {name} is an encoder-decoder model (config.is_encoder_decoder); "
+                         "the engine serves decoder-only causal LMs")
+    towers = [key for key in ("vision_config", "audio_config", "speech_config") if getattr(config, key, None)]
+    if towers:
+        raise ValueError(f"model type {name} is multimodal ({', '.join(towers)}); the engine serves text-only "
+                         "decoder models (load the text model alone, e.g. a *_text model type)")
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(f"model type {name} uses multi-head latent attention (kv_lora_rank), which the paged "
+                         "pool does not store")
+    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES)
+    if other:
+        raise ValueError(f"model type {name} has layers of type {', '.join(other)}; the engine serves models "
+                         f"whose layers are all {' or '.join(sorted(ATTENTION_LAYER_TYPES))}")
+    for rope in _rope_settings(config):
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"model type {name} uses RoPE scaling {kind!r}, whose frequencies depend on the "
+                             "length of the whole batch; packed batches would change its outputs")
+
+
+def _rope_settings(config: PretrainedConfig) -> list[dict]:
+    """Every RoPE parameter set of the config (transformers 5 may keep one per layer type)."""
+    found = []
+    for value in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            found += nested or [value]
+    return found
+
+
+def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_size: int,
+                     dtype: torch.dtype) -> KVLayout:
+    """One forward over a few tokens with an AttentionProbe: the layout of the KV every layer writes."""
+    probe = AttentionProbe()
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 4, device=device)[None, :] % config.vocab_size
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
+              logits_to_keep=1, pdserve_batch=probe)
+    name = repr(config.model_type)
+    num_layers = config.num_hidden_layers
+    seen = sorted(c.layer for c in probe.calls if c.layer is not None)
+    if seen != list(range(num_layers)) or len(probe.calls) != num_layers:
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise ValueError(f"model type {name}: layers {missing or '(some)'} of {num_layers} do not run their "
+                         "attention once each through transformers' attention interface with a layer_idx "
+                         "(state-space, linear-attention or custom attention layers)")
+    problems = sorted({what for c in probe.calls for what in c.unsupported})
+    if not all(c.causal for c in probe.calls):
+        problems.append("bidirectional (non-causal) attention")
+    shapes = {(c.kv_heads, c.key_dim, c.value_dim) for c in probe.calls}
+    if len(shapes) > 1:
+        problems.append(f"layers that differ in K/V shape (kv heads, key size, value size): {sorted(shapes)}")
+    kv_heads, key_dim, value_dim = min(shapes)
+    if key_dim != value_dim:
+        problems.append(f"keys ({key_dim}) and values ({value_dim}) of different head sizes")
+    if problems:
+        raise ValueError(f"model type {name} cannot be served exactly: it uses {'; '.join(problems)}")
+    return KVLayout(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=key_dim, block_size=block_size,
+                    dtype=dtype)
 
 
 def context_limit(config: PretrainedConfig, requested: int | None) -> int:

@@ -77,14 +77,10 @@ class ModelRunner:
     def _prefill_span(self, start: int, n: int, first: int, table: list[int]) -> PrefillSpan:
         context_len = first + n
         if first == 0:
-            return PrefillSpan(start, n, context_len, block_ids=None, mask=None)
+            return PrefillSpan(start, n, context_len, block_ids=None)
         num_blocks = -(-context_len // self.block_size)
         block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
-        # Query i (absolute position first + i) sees keys 0 .. first + i.
-        mask = torch.arange(context_len, device=self.device)[None, :] <= (
-            first + torch.arange(n, device=self.device)[:, None]
-        )
-        return PrefillSpan(start, n, context_len, block_ids=block_ids, mask=mask)
+        return PrefillSpan(start, n, context_len, block_ids=block_ids)
 
     def _decode_batch(self, rows: list[tuple[int, list[int], int]]) -> DecodeBatch:
         max_blocks = max(-(-ctx // self.block_size) for _, _, ctx in rows)
@@ -95,10 +91,9 @@ class ModelRunner:
             tables[i, :used] = table[:used]
             lengths[i] = ctx
         dev = self.device
-        key_pos = torch.arange(max_blocks * self.block_size, device=dev)
-        mask = key_pos[None, :] < torch.from_numpy(lengths).to(dev)[:, None]
         return DecodeBatch(
             token_index=torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev),
             block_ids=torch.from_numpy(tables).to(dev),
-            mask=mask[:, None, None, :],
+            context_lens=torch.from_numpy(lengths).to(dev),
+            block_size=self.block_size,
         )

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from pdserve.engine.tokenizer_builder import build_tokenizer
 
-BUILD_VERSION = 1  # bump when the build recipe changes, so cached models are rebuilt
+BUILD_VERSION = 2  # bump when the build recipe changes, so cached models are rebuilt
 MARKER = "pdserve_preset.json"
 
 
@@ -65,8 +65,35 @@ PRESETS: dict[str, Preset] = {
         description="~0.2M, Qwen2, GQA, QKV biases, tied embeddings, for tests",
     ),
     "tiny-mistral": Preset(
-        "mistral", 1024, 64, 2, 4, 1, 192, 1024, extra={"sliding_window": None},
-        description="~0.3M, Mistral, multi-query attention, for tests",
+        "mistral", 1024, 64, 2, 4, 1, 192, 1024, extra={"sliding_window": 40},
+        description="~0.3M, Mistral, multi-query attention, 40-token sliding window, for tests",
+    ),
+    # Windows are deliberately not multiples of the 16-token block, and shorter than test prompts.
+    "tiny-qwen2-swa": Preset(
+        "qwen2", 1024, 64, 2, 4, 2, 192, 1024, tie_word_embeddings=True,
+        extra={"use_sliding_window": True, "sliding_window": 56, "max_window_layers": 1},
+        description="~0.2M, Qwen2, full attention then a 56-token window, for tests",
+    ),
+    "tiny-qwen3": Preset(
+        "qwen3", 1024, 64, 2, 4, 2, 192, 1024, extra={"head_dim": 16},
+        description="~0.3M, Qwen3, QK-norm, for tests",
+    ),
+    "tiny-gemma2": Preset(
+        "gemma2", 1024, 64, 2, 4, 2, 192, 1024, tie_word_embeddings=True,
+        extra={"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24},
+        description="~0.2M, Gemma 2, local (24-token window) and global layers, logit soft-capping, for tests",
+    ),
+    "tiny-gemma3": Preset(
+        "gemma3_text", 1024, 64, 2, 4, 1, 192, 1024, tie_word_embeddings=True,
+        extra={"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24,
+               "layer_types": ["sliding_attention", "full_attention"]},
+        description="~0.2M, Gemma 3, QK-norm, local (24-token window) and global layers, for tests",
+    ),
+    "tiny-phi3": Preset(
+        "phi3", 1024, 64, 2, 4, 2, 192, 1024, description="~0.3M, Phi-3, fused QKV and MLP, for tests",
+    ),
+    "tiny-olmo2": Preset(
+        "olmo2", 1024, 64, 2, 4, 4, 192, 1024, description="~0.3M, OLMo 2, QK-norm, post-norm, for tests",
     ),
     "llama-20m": Preset("llama", 8192, 384, 8, 6, 2, 1024, 2048, description="~19M, Llama, GQA 6:2"),
     "qwen2-20m": Preset(

@@ -8,9 +8,10 @@ transfer and pushes layers into it. Both raise `TransferError` for anything that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # gRPC data plane: layers travel in messages of GRPC_CHUNK_BYTES (at most GRPC_MAX_CHUNK_BYTES); the
 # message limit on both ends leaves room for the chunk's header fields.

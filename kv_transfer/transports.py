@@ -3,7 +3,7 @@
   ray   same node: payloads go through the Ray object store as numpy buffers (zero-copy reads on the
         receiving side) in `receive_layer` actor calls.
   grpc  any node: one client stream per transfer to the decode worker's KVTransfer server, layers
-        cut into messages of `chunk_bytes` (256 KiB - 1 MiB), message limits raised on both ends.
+        cut into messages of `chunk_bytes` (limits in `interface`), message limits raised on both ends.
 Both deliver into the same KVReceiver, which checks each layer's checksum.
 """
 

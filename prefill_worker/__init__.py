@@ -1,1 +1,1 @@
-"""prefill_worker: see ARCHITECTURE.md."""
+"""prefill_worker: see ../shared/ARCHITECTURE.md and the README's layout."""

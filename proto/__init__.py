@@ -1,1 +1,1 @@
-"""proto: see ARCHITECTURE.md."""
+"""proto: see ../shared/ARCHITECTURE.md and the README's layout."""

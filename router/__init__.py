@@ -1,1 +1,1 @@
-"""router: see ARCHITECTURE.md."""
+"""router: see ../shared/ARCHITECTURE.md and the README's layout."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,7 +16,13 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.client import GRPC_OPTIONS
 from pdserve.router.service import RouterService
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("publishing health failed", exc_info=future.exception())
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -82,7 +90,8 @@ class RouterServer:
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""
-        asyncio.run_coroutine_threadsafe(self._publish_health(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._publish_health(), self._loop)
+        future.add_done_callback(_log_failure)
 
     async def _publish_health(self) -> None:
         pools = [self.service.prefill_pool, self.service.decode_pool]

@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.engine.presets import make_model
+from pdserve.engine.presets import PRESETS, make_model
 
-TEST_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+# Every family the engine is tested on: Llama, Qwen2 (with and without a window), Qwen3, Mistral
+# (window shorter than the prompts), Gemma 2 and 3 (local/global layers; soft-capping), Phi-3, OLMo 2.
+TEST_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +26,8 @@ class HFReference:
     """Greedy continuations from transformers' own `generate` (the ground truth), memoised."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        # eager: transformers' literal attention, the one every family supports (Gemma 2 has no SDPA path).
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
         self.model.eval()
         self.vocab_size = self.model.config.vocab_size
         self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}

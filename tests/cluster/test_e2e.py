@@ -170,9 +170,35 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
             decode = next(w for w in cluster.workers if w.pool == "decode")
             ray.kill(decode.handle)
             deadline = time.time() + 5
-            while decode.healthy and time.time() < deadline:  # the health monitor notices the death
+            while decode.healthy and time.time() < deadline:  # the cluster supervisor notices the death
                 time.sleep(0.05)
             t0 = time.time()
             with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
                 client.generate("hello", max_tokens=2)
             assert time.time() - t0 < 1.0
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-gemma2"])
+def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs, hf_reference, arch):
+    """The equivalence matrix across the pools: concurrent prompts across block boundaries, prompts
+    chunked by a 64-token step budget, shared prefixes hitting the prefill worker's cache; Gemma 2 also
+    brings its 24-token windows and soft-capping through the KV handoff."""
+    vocab = hf_reference[arch].vocab_size
+    shared = random_prompts(1, vocab, 70, 70, seed=21)[0]
+    with_prefix = [shared + tail for tail in random_prompts(4, vocab, 1, 30, seed=29)]
+    prompts = random_prompts(12, vocab, 1, 300, seed=23) + with_prefix
+
+    async def run(address):
+        async with AsyncClient(address, timeout=120) as client:
+            warm = await client.generate(shared, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            rest = await asyncio.gather(*(
+                client.generate(p, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts))
+            return [warm, *rest]
+
+    with Cluster(manifest(model_dirs[arch], "disaggregated", "grpc", max_num_batched_tokens=64),
+                 log=lambda _: None) as cluster:
+        results = asyncio.run(run(cluster.address))
+        assert [r.token_ids for r in results] == [hf_reference[arch].greedy(p, NEW_TOKENS)
+                                                  for p in [shared, *prompts]]
+        assert all(r.cached_tokens >= 64 for r in results[-len(with_prefix):])  # 4 shared blocks
+        assert_idle(cluster)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import TEST_PRESETS, random_prompts
 from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -21,7 +21,7 @@ def make_engine(model_dirs, arch, **kwargs) -> LLMEngine:
     return LLMEngine(model_dirs[arch], EngineConfig(**kwargs))
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("arch", TEST_PRESETS)
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_batched_greedy_matches_generate(model_dirs, hf_reference, arch, batch):
     prompts = random_prompts(batch, hf_reference[arch].vocab_size, 1, 320, seed=batch)
@@ -34,7 +34,7 @@ def test_batched_greedy_matches_generate(model_dirs, hf_reference, arch, batch):
     assert_pool_idle(engine)
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("arch", TEST_PRESETS)
 def test_prefix_cache_hits_keep_outputs_exact(model_dirs, hf_reference, arch):
     vocab = hf_reference[arch].vocab_size
     shared = random_prompts(1, vocab, 70, 70, seed=7)[0]  # 4 full blocks + 6 tokens
@@ -52,9 +52,9 @@ def test_prefix_cache_hits_keep_outputs_exact(model_dirs, hf_reference, arch):
     assert engine.pool.num_cached > 0  # cached blocks survive as free-and-evictable
 
 
+@pytest.mark.parametrize("arch", TEST_PRESETS)
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_chunked_prefill_matches_generate(model_dirs, hf_reference, chunk):
-    arch = "tiny-llama"
+def test_chunked_prefill_matches_generate(model_dirs, hf_reference, arch, chunk):
     prompts = random_prompts(10, hf_reference[arch].vocab_size, 1, 310, seed=chunk)
     engine = make_engine(model_dirs, arch, prefill_chunk_size=chunk, max_num_batched_tokens=96)
     outputs = run_all(engine, prompts, GREEDY)
@@ -80,7 +80,7 @@ def test_preemption_under_a_tiny_pool(model_dirs, hf_reference, prefix_caching):
     assert_pool_idle(engine_small)
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-mistral"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-mistral", "tiny-gemma2"])
 @pytest.mark.parametrize("layer_by_layer", [False, True])
 def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_by_layer):
     prompts = random_prompts(6, hf_reference[arch].vocab_size, 1, 200, seed=11)

@@ -1,0 +1,75 @@
+"""Support is decided by what a model does: what the engine cannot serve exactly is refused at load
+with an error naming the missing property (the families it serves: test_equivalence.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.tokenizer_builder import build_tokenizer
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "intermediate_size": 64}
+
+
+class BypassConfig(LlamaConfig):
+    model_type = "pdserve-test-bypass"
+
+
+class BypassForCausalLM(LlamaForCausalLM):
+    """A Llama whose second layer mixes tokens without transformers' attention interface."""
+
+    config_class = BypassConfig
+
+    def __init__(self, config: BypassConfig) -> None:
+        super().__init__(config)
+        attention = self.model.layers[1].self_attn
+        attention.forward = lambda hidden_states, *args, **kwargs: (
+            attention.o_proj(torch.cumsum(hidden_states, dim=1)), None)
+
+
+AutoConfig.register(BypassConfig.model_type, BypassConfig)
+AutoModelForCausalLM.register(BypassConfig, BypassForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(256, 0)
+
+
+def checkpoint(root: Path, tokenizer, model_type: str, weights: bool, **config) -> Path:
+    """A directory with config.json and a tokenizer; with random weights when the check needs them."""
+    directory = root / model_type
+    hf_config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **config)
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(hf_config).save_pretrained(directory)
+    else:
+        hf_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("model_type", "weights", "config", "message"), [
+    ("t5", False, {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "d_kv": 16},
+     r"encoder-decoder model \(config.is_encoder_decoder\)"),
+    ("llava", False, {}, r"is multimodal \(vision_config\)"),
+    ("deepseek_v3", False, {**SMALL, "kv_lora_rank": 16, "q_lora_rank": 16},
+     r"multi-head latent attention \(kv_lora_rank\)"),
+    ("qwen3_next", False, SMALL, "has layers of type linear_attention"),
+    ("llama", False, {**SMALL, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "RoPE scaling 'dynamic'"),
+    ("gpt_oss", True, {**SMALL, "head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1},
+     r"attention sinks \(s_aux\)"),
+    (BypassConfig.model_type, True, SMALL,
+     r"layers \[1\] of 2 do not run their attention once each through transformers' attention interface"),
+])
+def test_a_model_the_engine_cannot_serve_exactly_is_refused_by_property(
+        tmp_path, tokenizer, model_type, weights, config, message):
+    directory = checkpoint(tmp_path, tokenizer, model_type, weights, **config)
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(directory, EngineConfig(kv_memory_bytes=4 * 2**20))
