@@ -3,11 +3,14 @@ PYTHON ?= python3
 
 .PHONY: install demo test bench
 
+# Editable in strict mode: the installed `pdserve` tree is links to the repository's files, laid out as
+# installed, so tools that walk the package on disk (import-linter) see every subpackage. A module
+# added later needs `make install` again to be linked in.
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build. A torch that
 # is already importable (a GPU machine's own build) is left alone.
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[server,test]"
+	$(PYTHON) -m pip install -q -e ".[server,test]" --config-settings editable_mode=strict
 
 demo: install
 	pdserve demo
