@@ -43,14 +43,13 @@ class PrefillSpan:
     block_ids: torch.Tensor | None  # blocks to gather, None when the span has no earlier context
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
         """[length, context_len] bool, True where a query sees a key; None for plain causal."""
         if window is not None and window >= self.context_len:
             window = None  # the window reaches past the first token: plain causal
         if window is None and self.block_ids is None:
             return None
         if window not in self._masks:
-            device = self.block_ids.device if self.block_ids is not None else None
             keys = torch.arange(self.context_len, device=device)[None, :]
             queries = self.context_len - self.length + torch.arange(self.length, device=device)[:, None]
             visible = keys <= queries
@@ -161,7 +160,7 @@ def paged_attention_forward(
         else:
             k = _gather(cache.key_blocks(layer), span.block_ids, span.context_len)
             v = _gather(cache.value_blocks(layer), span.block_ids, span.context_len)
-        o = _attend(q[None, :, span.start : stop], k, v, span.mask(sliding_window), scaling, softcap)
+        o = _attend(q[None, :, span.start : stop], k, v, span.mask(sliding_window, q.device), scaling, softcap)
         out[span.start : stop] = o[0].transpose(0, 1)
 
     if batch.decode is not None:
