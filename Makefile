@@ -10,7 +10,7 @@ PYTHON ?= python3
 # is already importable (a GPU machine's own build) is left alone.
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[server,test]" --config-settings editable_mode=strict
+	$(PYTHON) -m pip install -q -e ".[server,test,bench]" --config-settings editable_mode=strict
 
 demo: install
 	pdserve demo

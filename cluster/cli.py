@@ -126,6 +126,33 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_overload(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench_overload import OverloadConfig, run
+
+    result = run(OverloadConfig(manifest=args.manifest, num_requests=args.num_requests, burst_s=args.burst_s,
+                                deadline_s=args.deadline_s, max_tokens=args.max_tokens, out=Path(args.out)))
+    failed = set(result["outcomes"]) - {"ok", "RESOURCE_EXHAUSTED"}
+    return 1 if failed or result["past_deadline"] or result["reference_mismatches"] or not result[
+        "pools_free_afterwards"] else 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench_serve import DEFAULT_CONFIGS, ServeBenchConfig, run
+
+    cfg = ServeBenchConfig(
+        model=args.model, configs=tuple(args.configs or DEFAULT_CONFIGS), requests_per_rate=args.requests_per_rate,
+        start_rate=args.start_rate, min_rate=args.min_rate, max_rate=args.max_rate, rel_tol=args.rel_tol,
+        max_runs=args.max_runs, seed=args.seed, trace=args.trace, trace_arrivals=args.trace_arrivals,
+        input_scale=args.input_scale, output_scale=args.output_scale, max_output=args.max_output,
+        max_model_len=args.max_model_len, calibration_requests=args.calibration_requests,
+        tight=tuple(args.tight) if args.tight else None, loose=tuple(args.loose) if args.loose else None,
+        cdf_rate=args.cdf_rate, timeout_s=args.timeout, baseline_threads=args.baseline_threads,
+        out_dir=Path(args.out_dir), progress=not args.no_progress,
+    )
+    run(cfg.quick() if args.quick else cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +200,48 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--num-requests", type=int, default=24)
     bc.add_argument("--out", default="bench-results/cluster.json")
     bc.set_defaults(func=_bench_cluster)
+    bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "
+                                               "RESOURCE_EXHAUSTED; memory and pools checked")
+    bo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
+    bo.add_argument("--num-requests", type=int, default=1000)
+    bo.add_argument("--burst-s", type=float, default=2.0, help="the requests are spread over this many seconds")
+    bo.add_argument("--deadline-s", type=float, default=120.0)
+    bo.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
+    bo.add_argument("--out", default="bench-results/overload.json")
+    bo.set_defaults(func=_bench_overload)
+    bs = bench_sub.add_parser("serve", help="open-loop serving benchmark: SLO attainment and goodput of "
+                                            "pdserve configurations and transformers serve")
+    bs.add_argument("--configs", nargs="+", default=None, help="any of disaggregated, colocated-chunked, "
+                    "colocated, transformers-serve, disaggregated-1p2d (default: the first four)")
+    bs.add_argument("--model", default="llama-20m")
+    bs.add_argument("--requests-per-rate", type=int, default=64, help="requests in each rate's run")
+    bs.add_argument("--start-rate", type=float, default=None,
+                    help="first rate of the search, req/s (default: 1 / idle e2e latency)")
+    bs.add_argument("--min-rate", type=float, default=0.05)
+    bs.add_argument("--max-rate", type=float, default=64.0)
+    bs.add_argument("--rel-tol", type=float, default=0.1, help="bisection stops at this relative bracket")
+    bs.add_argument("--max-runs", type=int, default=10, help="runs per configuration, over all objective pairs")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--trace", default="azure2023_conv.csv", help="Azure CSV trace in ../shared/traces")
+    bs.add_argument("--trace-arrivals", action="store_true",
+                    help="replay the trace's timestamps (scaled to each rate) instead of Poisson arrivals")
+    bs.add_argument("--input-scale", type=float, default=0.25, help="prompt length factor")
+    bs.add_argument("--output-scale", type=float, default=0.25, help="output length factor")
+    bs.add_argument("--max-output", type=int, default=None, help="cap on output tokens")
+    bs.add_argument("--max-model-len", type=int, default=1024)
+    bs.add_argument("--calibration-requests", type=int, default=8, help="idle requests that set the objectives")
+    bs.add_argument("--tight", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
+                    help="tight objective pair (default: 2 x idle p90 TTFT, 1.5 x idle TPOT)")
+    bs.add_argument("--loose", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
+                    help="loose objective pair (default: 5 x idle p90 TTFT, 3 x idle TPOT)")
+    bs.add_argument("--cdf-rate", type=float, default=None,
+                    help="rate of the latency CDFs (default: the highest rate every configuration ran)")
+    bs.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")
+    bs.add_argument("--baseline-threads", type=int, default=2, help="torch threads of transformers serve")
+    bs.add_argument("--out-dir", default="bench-results/serve")
+    bs.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bs.add_argument("--quick", action="store_true", help="a tiny smoke run (6 requests a rate, 2 runs each)")
+    bs.set_defaults(func=_bench_serve)
     return parser
 
 

@@ -14,7 +14,7 @@ import ray
 from transformers import AutoConfig
 
 from pdserve.cluster.manifest import Manifest, PoolSpec
-from pdserve.cluster.supervisor import Supervisor
+from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.model_loader import context_limit, load_tokenizer
 from pdserve.engine.presets import resolve_model
@@ -26,6 +26,8 @@ from pdserve.router.service import RouterService, ServedModel
 from pdserve.router.token_hub import TokenStreamHub
 
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
+# Pings get their own thread, so blocking calls on the other threads cannot delay them.
+CONCURRENCY_GROUPS = {HEALTH_GROUP: 2}
 
 
 class Cluster:
@@ -71,7 +73,9 @@ class Cluster:
                 w.kv_address = ray.get(w.handle.get_kv_address.remote())
 
         service = RouterService(self._served_model(model_dir), m.mode, prefill_refs, decode_refs,
-                                POLICIES[m.router.policy](), self._hub)
+                                POLICIES[m.router.policy](), self._hub,
+                                max_queued_prefills=m.router.max_queued_prefills,
+                                max_active_decodes=m.router.max_active_decodes)
         tls = None
         if m.server.tls_cert is not None:
             tls = (Path(m.server.tls_cert).read_bytes(), Path(m.server.tls_key).read_bytes())
@@ -102,14 +106,28 @@ class Cluster:
     def _spawn(self, role: str, name: str, spec: PoolSpec, model_dir: str) -> WorkerRef:
         m = self.manifest
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        actor = ray.remote(cls).options(
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls).options(
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
-            max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+            max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
         args: list[Any] = [name, model_dir, m.engine_config(spec), self._hub.address, m.kv_transfer.transport]
         if cls is DecodeWorker:
-            args.append(m.kv_transfer.lease_s)
-        return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode", handle=actor.remote(*args))
+            kwargs = {"lease_s": m.kv_transfer.lease_s, "reserve_wait_s": m.kv_transfer.reserve_wait_s}
+        else:
+            kwargs = {"max_queued": m.router.max_queued_prefills, "reserve_wait_s": m.kv_transfer.reserve_wait_s}
+        return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode",
+                         handle=actor.remote(*args, **kwargs))
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How often the supervisor had Ray restart each worker (after a fault it reported)."""
+        return dict(self._supervisor.restarts) if self._supervisor else {}
+
+    def worker_stats(self) -> dict[str, dict]:
+        """Each worker's cumulative figures: engine-loop busy time (`loop`: wall_s, forward_s, kv_s,
+        other_s, steps), peak resident memory (`peak_rss_bytes`), and its role's own records."""
+        stats = ray.get([w.handle.stats.remote() for w in self.workers])
+        return {w.name: s for w, s in zip(self.workers, stats)}
 
     def _wait_ready(self, timeout_s: float) -> None:
         pending = {w.handle.ping.remote(): w for w in self.workers}

@@ -16,7 +16,8 @@ DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.ya
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently ignored
+    # A misspelt field is an error, not silently ignored; NaN and infinity are no numbers here.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class PoolSpec(_Strict):
@@ -25,6 +26,7 @@ class PoolSpec(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1}
     threads: int = Field(1, ge=1, le=256)  # torch intra-op threads per worker
+    max_restarts: int = Field(3, ge=0)  # how often Ray restarts a worker that died or reported a fault
 
 
 class Pools(_Strict):
@@ -34,12 +36,18 @@ class Pools(_Strict):
 
 class RouterSpec(_Strict):
     policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    # Admission control: per worker, at most this many requests waiting for or in their prompt pass
+    # (prefill workers) / placed and not finished (decode and colocated workers). Past it, a request
+    # gets RESOURCE_EXHAUSTED with a retry-after hint at once.
+    max_queued_prefills: int = Field(64, ge=1)
+    max_active_decodes: int = Field(128, ge=1)
 
 
 class KVTransferSpec(_Strict):
     transport: Literal["ray", "grpc"] = "ray"  # ray: same-node object store; grpc: streaming, any node
     codec: Literal["raw"] = "raw"
-    lease_s: float = Field(30.0, gt=0)
+    lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every layer that arrives
+    reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks
 
 
 class ServerSpec(_Strict):

@@ -1,9 +1,14 @@
 """Supervision of the worker actors: a thread that pings every worker and keeps `WorkerRef.healthy`.
 
-A worker whose ping fails or misses its deadline is marked unhealthy, so placement skips it and
-streams waiting on it end with UNAVAILABLE; `on_change` hears of every change (the router server
-publishes it on the standard gRPC health service). A worker whose last ping is still unanswered gets
-no new one, so a stalled actor does not pile pings up in its threads.
+Liveness is not load: pings run in the actors' own `health` concurrency group, so no amount of
+blocking work on a worker's other threads delays them. A worker is unhealthy when its ping fails or
+goes unanswered for MISSES_TO_FAIL rounds (the actor died or hangs) or when it reports itself dead (its engine loop or
+another of its threads failed: it has already failed its requests with an explicit error). Such a
+worker is killed so that Ray restarts it (`max_restarts`); it is healthy again once a ping answers
+alive. Placement skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and
+`on_change` hears of every change (the router server publishes it on the standard gRPC health
+service). A worker whose last ping is still unanswered gets no new one, so a stalled actor does not
+pile pings up.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pdserve.router.placement import WorkerRef
 log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.5
 PING_TIMEOUT_S = 1.0
+MISSES_TO_FAIL = 2  # rounds in a row without an answer before a worker counts as hung
+HEALTH_GROUP = "health"  # the actors' concurrency group for pings (see launcher)
 
 
 class Supervisor:
@@ -28,7 +35,10 @@ class Supervisor:
         self.on_change = on_change
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.restarts: dict[str, int] = {}  # worker name -> restarts the supervisor asked Ray for
         self._pending: dict[str, ray.ObjectRef] = {}  # worker name -> its unanswered ping
+        self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
+        self._restarting: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
@@ -44,7 +54,7 @@ class Supervisor:
         """Ping every worker (concurrently), wait up to the timeout, update health, report a change."""
         for w in self.workers:
             if w.name not in self._pending:
-                self._pending[w.name] = w.handle.ping.remote()
+                self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
         ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=self.timeout_s)
         answered = set(ready)
         before = [w.healthy for w in self.workers]
@@ -52,19 +62,31 @@ class Supervisor:
             ref = self._pending[w.name]
             if ref in answered:
                 del self._pending[w.name]
+                self._missed[w.name] = 0
                 w.healthy = self._alive(ref, w)
-            else:
-                w.healthy = False
+            else:  # one slow answer (a starved core) is not death; MISSES_TO_FAIL in a row are
+                self._missed[w.name] = self._missed.get(w.name, 0) + 1
+                w.healthy = w.healthy and self._missed[w.name] < MISSES_TO_FAIL
         if before != [w.healthy for w in self.workers]:
             self.on_change()
 
     def _alive(self, ref: ray.ObjectRef, worker: WorkerRef) -> bool:
         try:
-            return bool(ray.get(ref).get("alive", False))
-        except Exception as e:  # the actor died, or its ping raised
+            status = ray.get(ref)
+        except Exception as e:  # the actor died (or is restarting), or its ping raised
             if worker.healthy:
                 log.warning("worker %s failed its health check: %s", worker.name, e)
             return False
+        if status.get("alive"):
+            self._restarting.discard(worker.name)
+            worker.kv_address = status.get("kv_address") or worker.kv_address  # a restart moves it
+            return True
+        if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
+            log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))
+            self._restarting.add(worker.name)
+            self.restarts[worker.name] = self.restarts.get(worker.name, 0) + 1
+            ray.kill(worker.handle, no_restart=False)
+        return False
 
     def _run(self) -> None:
         while not self._stop.is_set():

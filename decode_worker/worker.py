@@ -1,14 +1,18 @@
 """The decode worker: takes KV handoffs into its pool and decodes in one continuous batch.
 
-The receiving half of the KV-transfer protocol (`reserve`, `receive_layer`, `commit`,
+The receiving half of the KV-transfer protocol (`reserve`, `receive_layer`, `renew_lease`, `commit`,
 `abort_transfer`) is exposed as actor methods (control plane and the `ray` data plane) and, with
 the `grpc` transport, as a KVTransfer gRPC server. Tokens go to the router over pyzmq, one message
 per request per step. `generate` runs a whole request here: the colocated mode, and the declared
 fallback for prompts that are not worth a transfer.
+
+A fault in the engine loop or the lease thread fails every request the worker holds with an
+explicit INTERNAL error and makes `ping` report the worker dead, so the supervisor restarts it.
 """
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections import deque
@@ -20,36 +24,41 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.grpc_server import start_kv_server
-from pdserve.kv_transfer.interface import Lease
+from pdserve.kv_transfer.interface import Lease, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
-from pdserve.wire import TokenSink, WorkRequest
+from pdserve.threads import start_guarded
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, TokenSink, WorkRequest
 
-LEASE_CHECK_S = 1.0
+LEASE_CHECK_S = 0.5
 
 
 class DecodeWorker:
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str, transport: str,
-                 lease_s: float = 30.0) -> None:
+                 lease_s: float = 30.0, reserve_wait_s: float = 10.0) -> None:
         self.worker_id = worker_id
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self.sink = TokenSink(token_sink)
-        self.loop = EngineLoop(self.engine, self._on_outputs).start()
-        self.receiver = KVReceiver(self.loop, lease_s=lease_s)
+        self.fault: str | None = None
+        self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
+        self.receiver = KVReceiver(self.loop, lease_s=lease_s, reserve_wait_s=reserve_wait_s)
         self._kv_server, self.kv_address = start_kv_server(self.receiver) if transport == "grpc" else (None, None)
         self._started: dict[str, float] = {}  # request -> when decoding here began
         self._prefilling: dict[str, float] = {}  # colocated requests before their first token
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
-        threading.Thread(target=self._expire_leases, name="lease-expiry", daemon=True).start()
+        start_guarded("lease-expiry", self._expire_leases,
+                      lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
     def ping(self) -> dict:
         engine = self.engine
         return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
                 "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
-                "transfers": self.receiver.num_in_flight, "alive": self.loop.fatal_error is None}
+                "transfers": self.receiver.num_in_flight, "kv_address": self.kv_address,
+                "alive": self.fault is None and self.loop.running, "fault": self.fault}
 
     def stats(self) -> dict:
-        return {"steps": list(self.step_log)}
+        return {"steps": list(self.step_log), "loop": vars(self.loop.busy),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def get_kv_address(self) -> str | None:
         return self.kv_address
@@ -57,29 +66,54 @@ class DecodeWorker:
     # --- KV transfer, receiving side ------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int) -> Lease:
+        if self.fault is not None:
+            raise TransferError(self.fault)
         return self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens)
 
     def receive_layer(self, transfer_id: str, layer: int, payload: np.ndarray, crc: int) -> None:
         self.receiver.receive_layer(transfer_id, layer, payload, crc)
 
+    def renew_lease(self, transfer_id: str) -> Lease:
+        return self.receiver.renew(transfer_id)
+
     def commit(self, transfer_id: str, handoff: RequestHandoff) -> None:
         self._started[handoff.request_id] = time.time()
-        self.receiver.commit(transfer_id, handoff)
+        try:
+            self.receiver.commit(transfer_id, handoff)
+        finally:
+            if handoff.request_id in self.receiver.aborted or handoff.request_id not in self.engine.requests:
+                self._started.pop(handoff.request_id, None)  # failed, or cancelled meanwhile
 
     def abort_transfer(self, transfer_id: str, reason: str) -> bool:
         return self.receiver.abort(transfer_id, reason)
 
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
-        """Prefill and decode here (colocated mode). Raises ValueError for a request the engine refuses."""
+        """Prefill and decode here (colocated mode); a refusal reaches the router as an error message."""
+        if work.request_id in self.receiver.aborted:  # cancelled before this call ran
+            return
+        if self.fault is not None:
+            self.sink.send(work.request_id, error=self.fault, error_code=INTERNAL)
+            return
         self._prefilling[work.request_id] = time.time()
-        self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
+        try:
+            self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
+        except Exception as e:
+            self._prefilling.pop(work.request_id, None)
+            code = INVALID_ARGUMENT if isinstance(e, ValueError) else UNAVAILABLE
+            self.sink.send(work.request_id, error=f"{self.worker_id} cannot take the request: {e}", error_code=code)
+            return
+        if work.request_id in self.receiver.aborted:  # the abort ran while the request was being added
+            self._prefilling.pop(work.request_id, None)
+            self.loop.submit(lambda e: e.abort_request(work.request_id))
 
     def abort(self, request_id: str) -> bool:
-        """Client went away: free whatever the request holds here (running, queued or mid-transfer)."""
+        """Client went away: free whatever the request holds here (queued, running or mid-transfer)."""
         self._started.pop(request_id, None)
         self._prefilling.pop(request_id, None)
         in_transfer = self.receiver.abort_request(request_id, "aborted by the router")
+        if not self.loop.running:
+            return in_transfer
         return self.loop.call(lambda e: e.abort_request(request_id)) or in_transfer
 
     def shutdown(self) -> None:
@@ -89,6 +123,7 @@ class DecodeWorker:
         self.loop.stop()
         self.sink.close()
 
+    # --- on the engine loop thread --------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
@@ -104,6 +139,21 @@ class DecodeWorker:
                            finish_reason=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events,
                            cached_tokens=out.num_cached_tokens)
+
+    def _on_loop_fatal(self, error: BaseException) -> None:
+        self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
+
+    # --- faults ---------------------------------------------------------------------------------
+    def _on_fault(self, reason: str) -> None:
+        """Fail every request held here with an explicit error; `ping` now reports the worker dead."""
+        self.fault = self.fault or f"{self.worker_id}: {reason}"
+        held = set(self.receiver.abort_all(reason))
+        if self.loop.running:  # the lease thread died, the loop did not: free what the requests hold
+            held |= set(self.loop.call(lambda e: [r for r in list(e.requests) if e.abort_request(r)]))
+        else:  # on the dead loop's own thread (or after it): nothing else touches the engine now
+            held |= set(self.engine.requests)
+        for request_id in held:
+            self.sink.send(request_id, error=self.fault, error_code=INTERNAL)
 
     def _expire_leases(self) -> None:
         while not self._stop.wait(LEASE_CHECK_S):

@@ -1,8 +1,15 @@
-"""Runs an LLMEngine on its own thread; other threads reach it only through `call`.
+"""Runs an LLMEngine on its own thread; other threads reach it only through `submit` / `call`.
 
 The engine is single-threaded by design. Workers get requests, KV imports and aborts from other
 threads (Ray method calls, gRPC handlers); each becomes a command that the loop runs between two
 steps, so nothing touches the block pool while a step is in flight.
+
+The loop never dies silently: an exception in a step or in the output callback is logged with its
+traceback, handed to `on_fatal` (the worker fails every request it holds), and stops the loop;
+`fatal_error` then says why, and the worker reports itself unhealthy. When no request can be
+scheduled (nothing to do, or waiting requests that do not fit), the loop sleeps until a command
+arrives instead of spinning. It keeps a busy-time account (`busy`): forward pass, KV
+import/export commands and everything else, against wall time.
 """
 
 from __future__ import annotations
@@ -10,29 +17,52 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
+from typing import Literal, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput
 
 T = TypeVar("T")
+CommandKind = Literal["kv", "other"]
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BusyTime:
+    """Seconds of the loop thread's time, cumulative since the loop started."""
+
+    wall_s: float = 0.0
+    forward_s: float = 0.0  # the model's forward pass
+    kv_s: float = 0.0  # KV import/export commands
+    other_s: float = 0.0  # scheduling, sampling, other commands, output callbacks
+    steps: int = 0
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 idle_wait_s: float = 0.05) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
+        self._on_fatal = on_fatal
         self._idle_wait_s = idle_wait_s
-        self._commands: queue.Queue[tuple[Callable[[LLMEngine], object], Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], object], Future, CommandKind]] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._busy = BusyTime()
+        self._started_at = 0.0
+        # Bumped after every pass of the loop: threads waiting for the engine to move on (a
+        # reservation waiting for free blocks, the prefill feeder waiting for room) wait on it.
+        self._progress = threading.Condition()
+        self._generation = 0
         self.fatal_error: BaseException | None = None
 
     def start(self) -> "EngineLoop":
+        self._started_at = time.perf_counter()
         self._thread.start()
         return self
 
@@ -40,54 +70,115 @@ class EngineLoop:
         self._stopping.set()
         self._thread.join(timeout)
 
-    def submit(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None and not self._stopping.is_set()
+
+    def submit(self, fn: Callable[[LLMEngine], T], kind: CommandKind = "other") -> "Future[T]":
         """Run `fn(engine)` on the loop thread before the next step."""
         future: Future[T] = Future()
-        if self.fatal_error is not None or self._stopping.is_set():
+        if not self.running:
             future.set_exception(RuntimeError(f"engine loop is not running ({self.fatal_error or 'stopped'})"))
             return future
-        self._commands.put((fn, future))
+        self._commands.put((fn, future, kind))
+        if not self._thread.is_alive():  # the loop ended between the check and the put
+            self._fail_pending()
         return future
 
-    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 60.0) -> T:
-        return self.submit(fn).result(timeout)
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 60.0, kind: CommandKind = "other") -> T:
+        """`submit` and wait. On timeout the command is withdrawn, so it never runs later; one that
+        has already started is waited for (it runs between steps, so it ends soon)."""
+        future = self.submit(fn, kind)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            if future.cancel():
+                raise TimeoutError(f"engine loop did not run the command within {timeout} s") from None
+            return future.result()
 
+    def wait_progress(self, timeout: float) -> None:
+        """Block until the loop's next pass (a step, a command batch, or an idle wait of at most
+        `idle_wait_s`) or `timeout`: callers re-check their condition about every idle interval."""
+        with self._progress:
+            seen = self._generation
+            self._progress.wait_for(lambda: self._generation != seen or not self.running, timeout)
+
+    @property
+    def busy(self) -> BusyTime:
+        snapshot = BusyTime(**asdict(self._busy))
+        snapshot.wall_s = time.perf_counter() - self._started_at if self._started_at else 0.0
+        return snapshot
+
+    # --- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        while not self._stopping.is_set():
-            self._run_commands(block=not engine.has_unfinished_requests())
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step()
-            except BaseException as e:  # a broken step must not hang callers: fail loudly and stop
-                log.exception("engine step failed")
-                self.fatal_error = e
-                break
-            if outputs:
-                self._on_outputs(outputs)
-        self._fail_pending()
+        idle = True
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=idle)
+                idle = not engine.has_unfinished_requests() or not self._step()
+                self._notify_progress()
+        except BaseException as e:  # noqa: BLE001 (anything that ends the loop must be reported)
+            self.fatal_error = e
+            log.exception("engine loop failed; failing its requests")
+            self._report_fatal(e)
+        finally:
+            self._notify_progress()
+            self._fail_pending()
+
+    def _step(self) -> bool:
+        """One engine step and its callback; False when nothing could be scheduled."""
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        stats = self.engine.last_step
+        if outputs:
+            self._on_outputs(outputs)
+        self._busy.forward_s += stats.forward_s
+        self._busy.other_s += time.perf_counter() - t0 - stats.forward_s
+        self._busy.steps += 1
+        return stats.num_seqs > 0
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, future = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
+            fn, future, kind = item
             if future.set_running_or_notify_cancel():
+                t0 = time.perf_counter()
                 try:
                     future.set_result(fn(self.engine))
-                except BaseException as e:
+                except BaseException as e:  # noqa: BLE001 (the caller gets the error)
                     future.set_exception(e)
+                spent = time.perf_counter() - t0
+                if kind == "kv":
+                    self._busy.kv_s += spent
+                else:
+                    self._busy.other_s += spent
             try:
-                fn, future = self._commands.get_nowait()
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _notify_progress(self) -> None:
+        with self._progress:
+            self._generation += 1
+            self._progress.notify_all()
+
+    def _report_fatal(self, error: BaseException) -> None:
+        if self._on_fatal is None:
+            return
+        try:
+            self._on_fatal(error)
+        except Exception:
+            log.exception("reporting the engine loop's failure failed too")
 
     def _fail_pending(self) -> None:
         while True:
             try:
-                _, future = self._commands.get_nowait()
+                _, future, _ = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(RuntimeError(f"engine loop stopped ({self.fatal_error or 'shutdown'})"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(f"engine loop stopped ({self.fatal_error or 'shutdown'})"))

@@ -61,6 +61,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute for every queued and running sequence (the work ahead)."""
+        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(s.num_uncomputed_tokens for s in self.running)
+
     # --- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -27,11 +27,15 @@ class TransferError(RuntimeError):
     pass
 
 
+class KVMemoryFull(TransferError):
+    """The receiver had no free blocks for the reservation within its bounded wait: retry later."""
+
+
 @dataclass(frozen=True)
 class Lease:
     transfer_id: str
     num_blocks: int
-    expires_at: float  # wall clock; the reservation is freed if no commit comes by then
+    expires_at: float  # wall clock; freed if no commit comes by then (each layer or renewal extends it)
 
 
 class LayerChannel(Protocol):
@@ -43,3 +47,6 @@ class LayerChannel(Protocol):
 
     def finish(self, timeout: float) -> None:
         """Wait until every pushed layer is delivered; raise TransferError if any was not."""
+
+    def close(self) -> None:
+        """Release the channel's resources (idempotent; ends an unfinished stream). Called on every path."""

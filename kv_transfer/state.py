@@ -60,6 +60,13 @@ class Transfer:
             self.events[new.value] = time.time()
             return True
 
+    def advance_unless_finished(self, new: TransferState) -> bool:
+        """`advance`, but a transfer that already ended (aborted meanwhile) stays as it is: False."""
+        try:
+            return self.advance(new)
+        except IllegalTransition:  # it ended between the check and the move
+            return False
+
     def fail(self, error: str) -> bool:
         """Fail unless already finished; True when this call did it (so cleanup runs once)."""
         with self._lock:

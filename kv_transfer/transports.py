@@ -47,6 +47,9 @@ class RayChannel:
         except Exception as e:  # RayTaskError wraps the receiver's TransferError
             raise TransferError(f"KV delivery over ray failed: {e}") from e
 
+    def close(self) -> None:
+        self._refs.clear()  # nothing is held open: each layer was its own actor call
+
 
 class GrpcChannel:
     def __init__(self, stub: kv_transfer_pb2_grpc.KVTransferStub, transfer_id: str, chunk_bytes: int) -> None:
@@ -55,9 +58,12 @@ class GrpcChannel:
         self.bytes_sent = 0
         self._queue: queue.Queue[kv_transfer_pb2.KVChunk | None] = queue.Queue()
         self._layers = 0
+        self._closed = False
         self._call = stub.PushKV.future(iter(self._queue.get, None))
 
     def push_layer(self, layer: int, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise TransferError(f"transfer {self.transfer_id}: the stream is closed")
         payload = RawCodec.encode(tensor)
         crc, total = checksum(payload), payload.nbytes
         for offset in range(0, total, self.chunk_bytes):
@@ -71,13 +77,24 @@ class GrpcChannel:
         self._layers += 1
 
     def finish(self, timeout: float) -> None:
-        self._queue.put(None)
+        self._end_stream()
         try:
             ack = self._call.result(timeout=timeout)
         except grpc.RpcError as e:
             raise TransferError(f"KV stream failed: {e.code().name}: {e.details()}") from e
+        except grpc.FutureCancelledError as e:
+            raise TransferError("KV stream was closed before it finished") from e
         if ack.error or ack.layers_received != self._layers:
             raise TransferError(f"KV stream: receiver took {ack.layers_received}/{self._layers} layers: {ack.error}")
+
+    def close(self) -> None:
+        self._end_stream()
+        self._call.cancel()  # no-op once the call has finished
+
+    def _end_stream(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
 
 
 class GrpcTransport:

@@ -1,14 +1,28 @@
 """The prefill worker: computes prompts, samples the first token, streams KV to a decode worker.
 
-Per request (`prefill`): reserve blocks on the chosen decode worker (a lease), run the prompt with
-`prefill_only`, push each layer's KV the moment the forward pass writes it (the engine's layer hook),
-then commit the handoff (first token included) and free the local blocks. Every failure aborts the
-transfer on both sides and reports an error for the request to the router.
+Each request is a job that moves through
+
+    queued -> reserving -> prefilling -> committing -> done
+       \\__________\\_____________\\____________\\______> done (cancelled or failed)
+
+`prefill` only queues the job (a bounded queue: past `max_queued` the request fails at once with
+RESOURCE_EXHAUSTED). One feeder thread takes jobs in order, waits until the engine has less than
+one step's budget of work ahead (so a reservation is made just before the prompt pass, not while
+the job queues), reserves blocks on the chosen decode worker (the lease; the decode side waits a
+bounded time for free blocks), and adds the prompt to the engine with `prefill_only`. During the
+forward pass the engine's layer hook hands each finished layer to a sender thread, which pushes it;
+a chunked prompt's earlier steps renew the lease. After the last layer a commit thread commits the
+handoff (first token included). `_finish` ends every job, on every path: it closes the channel,
+aborts the transfer on both sides unless it committed, frees the local blocks and, for a failure,
+tells the router why. A cancel (`abort`) is honoured in every state.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import resource
+import threading
 import time
 import uuid
 from collections import deque
@@ -22,47 +36,71 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.interface import LayerChannel, TransferError
+from pdserve.kv_transfer.interface import KVMemoryFull, LayerChannel, TransferError
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.kv_transfer.transports import GrpcTransport, RayChannel
-from pdserve.wire import TokenSink, WorkRequest
+from pdserve.threads import start_guarded
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, Tombstones, TokenSink, WorkRequest
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
+RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
+_BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 
 
-@dataclass
-class _Outgoing:
-    transfer: Transfer
-    channel: LayerChannel
+@dataclass(eq=False)
+class _Job:
+    work: WorkRequest
     decode: Any  # the decode worker's actor handle
-    started: float
+    decode_kv_address: str | None
+    state: str = "queued"
+    cancelled: bool = False
+    transfer: Transfer | None = None
+    channel: LayerChannel | None = None
+    prefill_started: float = 0.0
     last_layer_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.work.request_id
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str, transport: str) -> None:
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str, transport: str,
+                 max_queued: int = 64, reserve_wait_s: float = 10.0) -> None:
         self.worker_id = worker_id
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self.engine.set_layer_hook(self._push_layer)
         self.sink = TokenSink(token_sink)
-        self.transport_name = transport
+        self.max_queued = max_queued
+        self.reserve_wait_s = reserve_wait_s
         self._grpc = GrpcTransport() if transport == "grpc" else None
-        self._outgoing: dict[str, _Outgoing] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self.aborted = Tombstones()
+        self.fault: str | None = None
         self.transfer_log: deque[dict] = deque(maxlen=1024)  # completed transfers, for benchmarks
+        self._send_busy_s = 0.0  # the sender thread's time reading and pushing KV
         # One sender thread keeps layer pushes in order and off the forward pass's thread.
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         self._finishers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-commit")
-        self.loop = EngineLoop(self.engine, self._on_outputs).start()
+        self._stop = threading.Event()
+        self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
+        start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
 
     def ping(self) -> dict:
         engine = self.engine
+        with self._lock:
+            jobs = len(self._jobs)
+            transfers = sum(1 for j in self._jobs.values() if j.transfer is not None)
         return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
-                "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
-                "transfers": len(self._outgoing), "alive": self.loop.fatal_error is None}
+                "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests), "jobs": jobs,
+                "transfers": transfers, "alive": self.fault is None and self.loop.running, "fault": self.fault}
 
     def stats(self) -> dict:
-        return {"transfers": list(self.transfer_log)}
+        return {"transfers": list(self.transfer_log), "loop": vars(self.loop.busy), "kv_send_s": self._send_busy_s,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def probe_transfer(self, decode: Any, decode_kv_address: str | None, num_tokens: int) -> dict:
         """Transport bandwidth alone: push every layer of `num_tokens` tokens of KV, then abort it."""
@@ -73,12 +111,15 @@ class PrefillWorker:
         data = torch.randn(1, 2, lease.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim).to(
             layout.dtype)
         channel = self._open_channel(decode, decode_kv_address, transfer_id)
-        t0 = time.perf_counter()
-        for layer in range(layout.num_layers):
-            channel.push_layer(layer, data)
-        channel.finish(COMMIT_TIMEOUT_S)
-        seconds = time.perf_counter() - t0
-        ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"))
+        try:
+            t0 = time.perf_counter()
+            for layer in range(layout.num_layers):
+                channel.push_layer(layer, data)
+            channel.finish(COMMIT_TIMEOUT_S)
+            seconds = time.perf_counter() - t0
+        finally:
+            channel.close()
+            ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"))
         return {"bytes": channel.bytes_sent, "seconds": seconds}
 
     def _open_channel(self, decode: Any, decode_kv_address: str | None, transfer_id: str) -> LayerChannel:
@@ -86,30 +127,40 @@ class PrefillWorker:
             return self._grpc.open(decode_kv_address, transfer_id)
         return RayChannel(decode, transfer_id)
 
+    # --- requests -------------------------------------------------------------------------------
     def prefill(self, work: WorkRequest, decode: Any, decode_kv_address: str | None) -> None:
-        """Start one request's prefill and handoff; the outcome reaches the router as token messages."""
-        transfer = Transfer(uuid.uuid4().hex, work.request_id)
-        started = time.time()
-        try:
-            # Raises when the decode worker refuses; the lease itself stays on the decode side.
-            ray.get(decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                          work.params, len(work.prompt_token_ids)))
-            transfer.advance(TransferState.RESERVED)
-            channel = self._open_channel(decode, decode_kv_address, transfer.transfer_id)
-            self._outgoing[work.request_id] = _Outgoing(transfer, channel, decode, started)
-            self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
-                                                   prefill_only=True))
-        except Exception as e:
-            self._fail(work.request_id, transfer, decode, f"prefill could not start: {_reason(e)}")
+        """Queue one request's prefill and handoff; the outcome reaches the router as token messages."""
+        with self._lock:  # the lock `abort` takes too: a cancel lands before or after, never between
+            refusal = None
+            waiting = sum(1 for j in self._jobs.values() if j.state in _BEFORE_FIRST_TOKEN)
+            if work.request_id in self.aborted:  # cancelled before this call ran
+                return
+            if self.fault is not None:
+                refusal = (self.fault, INTERNAL)
+            elif waiting >= self.max_queued:  # counted as the router counts: until the first token
+                refusal = (f"prefill worker {self.worker_id} has {waiting} requests waiting for their prompt "
+                           f"pass (max_queued {self.max_queued})", RESOURCE_EXHAUSTED)
+            else:
+                job = self._jobs[work.request_id] = _Job(work, decode, decode_kv_address)
+        if refusal is not None:
+            self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
+            return
+        self._queue.put(job)
 
     def abort(self, request_id: str) -> bool:
-        outgoing = self._outgoing.pop(request_id, None)
-        if outgoing is not None:
-            outgoing.transfer.fail("aborted")
-            outgoing.decode.abort_transfer.remote(outgoing.transfer.transfer_id, "aborted by the router")
-        return self.loop.call(lambda e: e.abort_request(request_id))
+        """Cancel a request in whatever state it is; frees what it holds here and on its decode worker."""
+        with self._lock:
+            self.aborted.add(request_id)
+            job = self._jobs.get(request_id)
+            if job is not None:
+                job.cancelled = True
+        if job is None:
+            return False
+        self._finish(job, reason="aborted by the router")
+        return True
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self._finishers.shutdown(wait=False, cancel_futures=True)
@@ -117,67 +168,166 @@ class PrefillWorker:
         if self._grpc:
             self._grpc.close()
 
+    # --- the feeder thread ----------------------------------------------------------------------
+    def _feed(self) -> None:
+        while not self._stop.is_set() and self.fault is None:
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job.cancelled:
+                continue
+            self._wait_for_room()
+            self._start(job)
+
+    def _wait_for_room(self) -> None:
+        """Until the engine has less than one step's budget of tokens ahead (or the worker stops)."""
+        budget = self.engine.config.max_num_batched_tokens
+        while not self._stop.is_set() and self.loop.running:
+            if self.loop.call(lambda e: e.scheduler.num_pending_tokens) < budget:
+                return
+            self.loop.wait_progress(0.1)
+
+    def _owns(self, job: _Job) -> bool:
+        """Whether `job` is still running here (not finished by a cancel or a fault). Call under the lock."""
+        return self._jobs.get(job.request_id) is job
+
+    def _start(self, job: _Job) -> None:
+        work = job.work
+        transfer = Transfer(uuid.uuid4().hex, work.request_id)
+        with self._lock:
+            if not self._owns(job):
+                return
+            job.state, job.transfer = "reserving", transfer
+        try:
+            ray.get(job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
+                                              work.params, len(work.prompt_token_ids)),
+                    timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
+                owned = self._owns(job)
+                if owned:
+                    transfer.advance(TransferState.RESERVED)
+                    job.channel = self._open_channel(job.decode, job.decode_kv_address, transfer.transfer_id)
+                    job.state, job.prefill_started = "prefilling", time.time()
+            if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
+                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
+                return
+            self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
+                                                   prefill_only=True))
+            with self._lock:
+                owned = self._owns(job)
+            if not owned:  # `_finish`'s own engine command may have run before the add
+                self.loop.submit(lambda e: e.abort_request(work.request_id))
+        except Exception as e:
+            self._finish(job, error=f"prefill could not start: {_reason(e)}", code=_code(e))
+
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
-            outgoing = self._outgoing.get(chunk.seq.request_id)
-            if chunk.samples and outgoing is not None:  # the chunk that completes the prompt
-                outgoing.transfer.advance(TransferState.TRANSFERRING)
-                # The blocks stay held until the commit, so reading them later on the sender is safe.
-                self._sender.submit(self._send_layer, outgoing, layer, list(chunk.seq.block_table))
-
-    def _send_layer(self, outgoing: _Outgoing, layer: int, block_ids: list[int]) -> None:
-        if outgoing.transfer.state.is_terminal:
-            return
-        outgoing.channel.push_layer(layer, self.engine.kv_cache.read(block_ids, layer))
-        outgoing.last_layer_at = time.time()
+            job = self._jobs.get(chunk.seq.request_id)
+            if job is None or job.transfer is None:
+                continue
+            if chunk.samples:  # the chunk that completes the prompt: this layer's KV is final
+                if layer == 0:
+                    job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+                # The blocks stay held until the job ends, so reading them later on the sender is safe.
+                self._sender.submit(self._send_layer, job, layer, list(chunk.seq.block_table))
+            elif layer == 0:  # an earlier chunk of a long prompt: the transfer is making progress
+                self._sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         for out in outputs:
-            outgoing = self._outgoing.get(out.request_id)
-            events = {"prefill_start": outgoing.started if outgoing else now, "prefill_end": now}
-            if out.finish_reason == "prefilled" and outgoing is not None:
+            job = self._jobs.get(out.request_id)
+            if job is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
+                continue
+            events = {"prefill_start": job.prefill_started, "prefill_end": now}
+            if out.finish_reason == "prefilled":
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens)
                 handoff = self.engine.export_handoff(out.request_id)
-                self._finishers.submit(self._commit, out.request_id, outgoing, handoff)
-            else:  # finished on its first token (stop, length, abort): nothing to hand over
+                job.state = "committing"
+                self._finishers.submit(self._commit, job, handoff)
+            else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                finish_reason=out.finish_reason, text=out.text, events=events,
                                cached_tokens=out.num_cached_tokens)
-                if outgoing is not None:
-                    self._drop_transfer(out.request_id, outgoing, "request finished at prefill")
+                self._finish(job, reason="request finished at prefill")
 
-    # --- on a commit thread ---------------------------------------------------------------------
-    def _commit(self, request_id: str, outgoing: _Outgoing, handoff: Any) -> None:
+    def _on_loop_fatal(self, error: BaseException) -> None:
+        self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
+
+    # --- on the sender and commit threads -------------------------------------------------------
+    def _send_layer(self, job: _Job, layer: int, block_ids: list[int]) -> None:
+        if job.transfer.state.is_terminal:
+            return
+        t0 = time.perf_counter()
+        try:
+            job.channel.push_layer(layer, self.engine.kv_cache.read(block_ids, layer))
+            job.last_layer_at = time.time()
+        except Exception as e:
+            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+        finally:
+            self._send_busy_s += time.perf_counter() - t0
+
+    def _renew_lease(self, job: _Job) -> None:
+        if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
+            job.decode.renew_lease.remote(job.transfer.transfer_id)  # the commit reports that
+
+    def _commit(self, job: _Job, handoff: Any) -> None:
+        transfer = job.transfer
         try:
             self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued layer is pushed
-            outgoing.channel.finish(COMMIT_TIMEOUT_S)
-            ray.get(outgoing.decode.commit.remote(outgoing.transfer.transfer_id, handoff), timeout=COMMIT_TIMEOUT_S)
-            outgoing.transfer.bytes_moved = outgoing.channel.bytes_sent
-            outgoing.transfer.advance(TransferState.SUCCESS)
-            ev = outgoing.transfer.events
-            self.transfer_log.append({"bytes": outgoing.channel.bytes_sent, "first_layer": ev["transferring"],
-                                      "last_layer": outgoing.last_layer_at, "committed": ev["success"]})
+            job.channel.finish(COMMIT_TIMEOUT_S)
+            ray.get(job.decode.commit.remote(transfer.transfer_id, handoff), timeout=COMMIT_TIMEOUT_S)
+            if not transfer.advance_unless_finished(TransferState.SUCCESS):
+                return  # cancelled during the commit: the router aborts the request on the decode worker
+            transfer.bytes_moved = job.channel.bytes_sent
+            ev = transfer.events
+            self.transfer_log.append({"bytes": job.channel.bytes_sent, "first_layer": ev["transferring"],
+                                      "last_layer": job.last_layer_at, "committed": ev["success"]})
+            self._finish(job)
         except Exception as e:
-            self._fail(request_id, outgoing.transfer, outgoing.decode, f"KV transfer failed: {_reason(e)}")
-        finally:
-            self._outgoing.pop(request_id, None)
-            self.loop.submit(lambda eng: eng.abort_request(request_id))  # frees the held blocks
+            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
 
-    def _drop_transfer(self, request_id: str, outgoing: _Outgoing, reason: str) -> None:
-        self._outgoing.pop(request_id, None)
-        if outgoing.transfer.fail(reason):
-            outgoing.decode.abort_transfer.remote(outgoing.transfer.transfer_id, reason)
+    # --- every job ends here --------------------------------------------------------------------
+    def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> None:
+        """End a job once (later calls do nothing): release everything, report a failure."""
+        with self._lock:
+            if self._jobs.get(job.request_id) is not job:
+                return
+            del self._jobs[job.request_id]
+            job.state = "done"
+        if error is not None:
+            log.warning("request %s: %s", job.request_id, error)
+        if job.channel is not None:
+            job.channel.close()
+        if job.transfer is not None and job.transfer.fail(error or reason):
+            job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
+        request_id = job.request_id
+        self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
+        if error is not None:
+            self.sink.send(request_id, error=error, error_code=code)
 
-    def _fail(self, request_id: str, transfer: Transfer, decode: Any, reason: str) -> None:
-        log.warning("request %s: %s", request_id, reason)
-        self._outgoing.pop(request_id, None)
-        if transfer.fail(reason):
-            decode.abort_transfer.remote(transfer.transfer_id, reason)
-        self.loop.submit(lambda e: e.abort_request(request_id))
-        self.sink.send(request_id, error=reason)
+    def _on_fault(self, reason: str) -> None:
+        """Fail every job with an explicit error; `ping` now reports the worker dead (it gets restarted)."""
+        self.fault = self.fault or f"{self.worker_id}: {reason}"
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            self._finish(job, error=self.fault, code=INTERNAL)
+
+
+def _code(e: BaseException) -> str:
+    """The status a failed start gets: busy (decode memory full, or its answer late) is not broken."""
+    if _is(e, KVMemoryFull) or isinstance(e, ray.exceptions.GetTimeoutError):
+        return RESOURCE_EXHAUSTED
+    return INVALID_ARGUMENT if _is(e, ValueError) else UNAVAILABLE
+
+
+def _is(e: BaseException, cls: type) -> bool:
+    """Whether `e`, or the error a Ray call wrapped in it, is a `cls`."""
+    return isinstance(e, cls) or isinstance(getattr(e, "cause", None), cls)
 
 
 def _reason(e: BaseException) -> str:

@@ -36,7 +36,14 @@ class PDServeError(Exception):
 class InvalidArgument(PDServeError): pass  # noqa: E701
 class NotFound(PDServeError): pass  # noqa: E701
 class Unavailable(PDServeError): pass  # noqa: E701
-class ResourceExhausted(PDServeError): pass  # noqa: E701
+class ResourceExhausted(PDServeError):
+    """The cluster is at capacity; `retry_after_s` is the server's hint for when to try again."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(code, message)
+        self.retry_after_s = retry_after_s
+
+
 class DeadlineExceeded(PDServeError): pass  # noqa: E701
 class Cancelled(PDServeError): pass  # noqa: E701
 class Unauthenticated(PDServeError): pass  # noqa: E701
@@ -52,6 +59,9 @@ _ERRORS = {
 
 def _error(e: grpc.RpcError) -> PDServeError:
     code = e.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        hint = dict(e.trailing_metadata() or ()).get("retry-after-ms")
+        return ResourceExhausted(code, e.details() or "", int(hint) / 1000 if hint and hint.isdigit() else None)
     return _ERRORS.get(code, PDServeError)(code, e.details() or "")
 
 
@@ -64,6 +74,8 @@ class StreamChunk:
     finish_reason: str | None
     timings: dict[str, float] | None
     request_id: str
+    prompt_tokens: int = 0  # set on the first chunk
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (first chunk)
 
 
 @dataclass
@@ -76,9 +88,11 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    server_request_id: str = ""  # unique per request (request_id echoes the client's own label)
 
     def add(self, r: pdserve_pb2.GenerateResponse) -> StreamChunk:
         self.request_id = self.request_id or r.request_id
+        self.server_request_id = self.server_request_id or r.server_request_id
         self.token_ids += r.token_ids
         self.text += r.text_delta
         self.logprobs += r.logprobs
@@ -91,7 +105,7 @@ class Completion:
             timings = self.timings = {"queued": t.queued_s, "prefill": t.prefill_s, "kv_transfer": t.kv_transfer_s,
                                       "decode": t.decode_s, "ttft": t.ttft_s, "e2e": t.e2e_s}
         return StreamChunk(list(r.token_ids), r.text_delta, list(r.logprobs), r.finish_reason or None, timings,
-                           r.request_id)
+                           r.request_id, r.prompt_tokens, r.cached_tokens)
 
 
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,

@@ -14,7 +14,7 @@ class WorkerRef:
     handle: Any  # Ray actor handle
     kv_address: str | None = None
     healthy: bool = True
-    outstanding: int = 0  # requests placed here and not finished
+    outstanding: int = 0  # requests holding an admission slot here (`router.admission`)
 
 
 class NoHealthyWorker(RuntimeError):
@@ -22,7 +22,8 @@ class NoHealthyWorker(RuntimeError):
 
 
 class PlacementPolicy(Protocol):
-    def choose(self, workers: list[WorkerRef]) -> WorkerRef: ...
+    def choose(self, workers: list[WorkerRef]) -> WorkerRef:
+        """One of `workers` (non-empty: healthy ones with room)."""
 
 
 class RoundRobin:
@@ -30,16 +31,22 @@ class RoundRobin:
         self._counter = itertools.count()
 
     def choose(self, workers: list[WorkerRef]) -> WorkerRef:
-        healthy = _healthy(workers)
-        return healthy[next(self._counter) % len(healthy)]
+        return workers[next(self._counter) % len(workers)]
 
 
 class LeastLoaded:
+    """The worker holding the fewest requests; ties go round-robin, so an idle pool shares the work."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
     def choose(self, workers: list[WorkerRef]) -> WorkerRef:
-        return min(_healthy(workers), key=lambda w: w.outstanding)
+        start = next(self._counter) % len(workers)
+        return min(workers[start:] + workers[:start], key=lambda w: w.outstanding)
 
 
-def _healthy(workers: list[WorkerRef]) -> list[WorkerRef]:
+def healthy_workers(workers: list[WorkerRef]) -> list[WorkerRef]:
+    """The healthy ones; raises NoHealthyWorker when there is none."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
         pool = workers[0].pool if workers else "unknown"

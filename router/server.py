@@ -85,6 +85,7 @@ class RouterServer:
             port = server.add_insecure_port(self.requested_address)
         await server.start()
         self._server = server
+        self.service.hub.on_error = self.health_changed
         await self._publish_health()
         return f"{host}:{port}"
 
@@ -95,7 +96,7 @@ class RouterServer:
 
     async def _publish_health(self) -> None:
         pools = [self.service.prefill_pool, self.service.decode_pool]
-        serving = all(any(w.healthy for w in pool) for pool in pools if pool)
+        serving = self.service.hub.error is None and all(any(w.healthy for w in pool) for pool in pools if pool)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, status)

@@ -1,9 +1,12 @@
 """The client-facing gRPC service: validate, tokenize, place, dispatch, stream tokens back.
 
-Each request is placed on healthy workers (UNAVAILABLE at once when a pool has none), dispatched
-with a Ray call that returns immediately, and then fed by token messages from the workers (pyzmq).
-A request ends in a completed stream or an explicit gRPC error; when the client cancels or its
-deadline passes, the request is aborted on every worker it touched, which frees its KV there.
+Each request gets its own server id (the client's `request_id` is only echoed back), is placed on
+healthy workers with room (UNAVAILABLE at once when a pool has no live worker, RESOURCE_EXHAUSTED
+with a `retry-after-ms` hint when every live one is at its limit: `admission`), dispatched with a
+Ray call that returns immediately, and then fed by token messages from the workers (pyzmq). A
+request ends in a completed stream or an explicit gRPC error (a worker's error carries its status
+code); when the client cancels or its deadline passes, the request is aborted on every worker it
+touched, which frees its KV there.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams, check_prompt
 from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.placement import NoHealthyWorker, PlacementPolicy, WorkerRef
+from pdserve.router.admission import Overloaded, PoolAdmission
+from pdserve.router.placement import NoHealthyWorker, PlacementPolicy, WorkerRef, healthy_workers
 from pdserve.router.token_hub import TokenStreamHub
 from pdserve.wire import TokenMessage, WorkRequest
 
@@ -37,13 +41,16 @@ class ServedModel:
 
 class RouterService(pdserve_pb2_grpc.PDServeServicer):
     def __init__(self, model: ServedModel, mode: str, prefill_pool: list[WorkerRef], decode_pool: list[WorkerRef],
-                 policy: PlacementPolicy, hub: TokenStreamHub) -> None:
+                 policy: PlacementPolicy, hub: TokenStreamHub, max_queued_prefills: int = 64,
+                 max_active_decodes: int = 128) -> None:
         self.model = model
         self.mode = mode
         self.prefill_pool = prefill_pool
         self.decode_pool = decode_pool
         self.policy = policy
         self.hub = hub
+        self.prefill_admission = PoolAdmission("prefill", max_queued_prefills)
+        self.decode_admission = PoolAdmission("decode", max_active_decodes)
 
     # --- RPCs -----------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):  # noqa: N802
@@ -60,23 +67,28 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             work = self._work_request(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.hub.error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router's token stream failed: {self.hub.error}")
         queue = self.hub.subscribe(work.request_id)
-        placed: list[WorkerRef] = []  # every worker the request touched, to abort it there
+        placement = _Placement()
         finished = False
         try:
             try:
-                self._dispatch(work, placed)
+                self._dispatch(work, placement)
             except NoHealthyWorker as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            async for response in self._stream(work, queue, placed, accepted, context):
+            except Overloaded as e:
+                await _abort_overloaded(context, str(e), e.retry_after_s)
+            client_id = request.request_id or work.request_id
+            async for response in self._stream(work, queue, placement, accepted, context):
                 finished = bool(response.finish_reason)
+                response.request_id = client_id
                 yield response
         finally:
             self.hub.unsubscribe(work.request_id)
-            for worker in placed:
-                worker.outstanding -= 1
+            self._release(placement, prefill_done=True)
             if not finished:  # cancelled, deadline, or failed: free its KV wherever it is
-                for worker in placed:
+                for worker in placement.touched:
                     worker.handle.abort.remote(work.request_id)
 
     # --- steps ----------------------------------------------------------------------------------
@@ -101,23 +113,36 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
         else:
             raise ValueError("prompt is missing: set text or token_ids")
         check_prompt(ids, self.model.info.vocab_size, self.model.info.max_model_len)
-        return WorkRequest(request.request_id or uuid.uuid4().hex, ids, params)
+        return WorkRequest(uuid.uuid4().hex, ids, params)  # unique, whatever the client calls it
 
-    def _dispatch(self, work: WorkRequest, placed: list[WorkerRef]) -> None:
+    def _choose(self, pool: list[WorkerRef], admission: PoolAdmission) -> WorkerRef:
+        return self.policy.choose(admission.open_workers(healthy_workers(pool)))
+
+    def _dispatch(self, work: WorkRequest, placement: "_Placement") -> None:
+        decode = self._choose(self.decode_pool, self.decode_admission)
         if self.mode == "colocated":
-            worker = self.policy.choose(self.decode_pool)
-            placed.append(worker)
-            worker.outstanding += 1
-            worker.handle.generate.remote(work)
+            placement.hold(decode=decode)
+            decode.handle.generate.remote(work)
             return
-        prefill = self.policy.choose(self.prefill_pool)
-        decode = self.policy.choose(self.decode_pool)
-        placed += [prefill, decode]
-        prefill.outstanding += 1
-        decode.outstanding += 1
+        prefill = self._choose(self.prefill_pool, self.prefill_admission)
+        placement.hold(prefill=prefill, decode=decode)
         prefill.handle.prefill.remote(work, decode.handle, decode.kv_address)
 
-    async def _stream(self, work: WorkRequest, queue: asyncio.Queue, placed: list[WorkerRef], accepted: float,
+    def _release(self, placement: "_Placement", prefill_done: bool) -> None:
+        """Give back the admission slots the request holds: the prefill one after its first token
+        (`prefill_done`), the decode one when it ends."""
+        if placement.prefill is not None:
+            placement.prefill.outstanding -= 1
+            self.prefill_admission.left()
+            placement.prefill = None
+        if not prefill_done:
+            return
+        if placement.decode is not None:
+            placement.decode.outstanding -= 1
+            self.decode_admission.left()
+            placement.decode = None
+
+    async def _stream(self, work: WorkRequest, queue: asyncio.Queue, placement: "_Placement", accepted: float,
                       context) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         detok = _Detokenizer(self.model.tokenizer, work.params)
         events: dict[str, float] = {}
@@ -126,21 +151,24 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             try:
                 msg: TokenMessage = await asyncio.wait_for(queue.get(), DEAD_WORKER_CHECK_S)
             except asyncio.TimeoutError:
-                dead = [w.name for w in placed if not w.healthy]
+                dead = [w.name for w in placement.depends_on if not w.healthy]
                 if dead:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"worker {', '.join(dead)} stopped responding while serving the request")
                 continue
             if msg.error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
+                await self._abort_failed(context, msg)
             events.update(msg.events)
             tokens = list(msg.token_ids)
-            response = pdserve_pb2.GenerateResponse(request_id=work.request_id, token_ids=tokens,
+            response = pdserve_pb2.GenerateResponse(server_request_id=work.request_id, token_ids=tokens,
                                                     logprobs=msg.logprobs)
             if first_at is None:
                 first_at = time.time()
                 response.prompt_tokens = len(work.prompt_token_ids)
                 response.cached_tokens = msg.cached_tokens
+                self._release(placement, prefill_done=False)  # its prompt pass is over
+            else:  # later tokens come from the decode worker alone: the prefill side is done
+                placement.depends_on = placement.touched[-1:]
             if msg.finish_reason:
                 response.text_delta = detok.finish(tokens, msg.text)
                 response.finish_reason = msg.finish_reason
@@ -149,6 +177,36 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                 return
             response.text_delta = detok.add(tokens)
             yield response
+
+    async def _abort_failed(self, context, msg: TokenMessage) -> None:
+        code = getattr(grpc.StatusCode, msg.error_code or "UNAVAILABLE", grpc.StatusCode.UNAVAILABLE)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a worker's queue or KV memory: either pool's pace
+            hint = max(self.prefill_admission.retry_after_s(), self.decode_admission.retry_after_s())
+            await _abort_overloaded(context, msg.error, hint)
+        await context.abort(code, msg.error)
+
+
+@dataclass(eq=False)
+class _Placement:
+    """The workers one request holds admission slots on, touched, and currently depends on."""
+
+    prefill: WorkerRef | None = None
+    decode: WorkerRef | None = None
+    touched: list[WorkerRef] = field(default_factory=list)
+    depends_on: list[WorkerRef] = field(default_factory=list)
+
+    def hold(self, decode: WorkerRef, prefill: WorkerRef | None = None) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.touched = [w for w in (prefill, decode) if w is not None]
+        self.depends_on = list(self.touched)
+        for w in self.touched:
+            w.outstanding += 1
+
+
+async def _abort_overloaded(context, message: str, retry_after_s: float) -> None:
+    ms = max(1, round(retry_after_s * 1000))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message} (retry after {ms} ms)",
+                        trailing_metadata=(("retry-after-ms", str(ms)),))
 
 
 class _Detokenizer:

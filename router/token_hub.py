@@ -1,7 +1,9 @@
 """The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues.
 
 Messages are `pdserve.wire.TokenMessage`s. One that does not parse is dropped and counted
-(`malformed`), never fatal: the hub serves every other request on.
+(`malformed`), never fatal: the hub serves every other request on. If the hub's thread itself fails,
+every waiting request gets an INTERNAL error naming the cause and `error` is set (the router then
+refuses new requests and reports NOT_SERVING) instead of leaving streams waiting forever.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 import zmq
 
-from pdserve.wire import MalformedMessage, TokenMessage, parse_token_message
+from pdserve.threads import start_guarded
+from pdserve.wire import INTERNAL, MalformedMessage, TokenMessage, parse_token_message
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +28,19 @@ class TokenStreamHub:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.malformed = 0
+        self.error: str | None = None
+        self.on_error: Callable[[], None] = lambda: None  # the router server publishes NOT_SERVING
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenMessage]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="token-hub", daemon=True)
-        self._thread.start()
+        self._thread = start_guarded("token-hub", self._run, self._crashed)
 
     def subscribe(self, request_id: str) -> asyncio.Queue[TokenMessage]:
         """Messages for `request_id` arrive on the returned queue (call from the consuming event loop)."""
         queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
         with self._lock:
+            if self.error is not None:  # checked under the lock `_crashed` sets it under: no stream is missed
+                queue.put_nowait(self._failure(request_id))
             self._subscribers[request_id] = (asyncio.get_running_loop(), queue)
         return queue
 
@@ -45,6 +52,21 @@ class TokenStreamHub:
         self._stop.set()
         self._thread.join(2.0)
         self._socket.close()
+
+    def _crashed(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = f"{type(error).__name__}: {error}"
+            waiting = list(self._subscribers.items())
+        for request_id, (loop, queue) in waiting:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, self._failure(request_id))
+            except RuntimeError:  # that stream's event loop is closed: nobody is waiting there
+                pass
+        self.on_error()
+
+    def _failure(self, request_id: str) -> TokenMessage:
+        return TokenMessage(request_id=request_id, error=f"the router's token stream failed: {self.error}",
+                            error_code=INTERNAL)
 
     def _run(self) -> None:
         poller = zmq.Poller()

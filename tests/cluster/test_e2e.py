@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 import ray
+from cluster_helpers import assert_idle, manifest
 from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -28,36 +29,6 @@ from pdserve.router.client import (
 
 ARCH = "tiny-llama"
 NEW_TOKENS = 10
-
-
-def manifest(model_dir, mode="disaggregated", transport="ray", **extra):
-    data = {
-        "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
-        "kv_transfer": {"transport": transport, "lease_s": 5},
-        "server": {"address": "127.0.0.1:0", **extra.pop("server", {})},
-        "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
-        **extra,
-    }
-    return load_manifest(data)
-
-
-def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
-    """Poll the workers until every pool is fully free (bounded); return their last status."""
-    deadline = time.time() + timeout_s
-    while True:
-        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
-        idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
-                   for s in status)
-        if idle or time.time() > deadline:
-            return status
-        time.sleep(0.1)
-
-
-def assert_idle(cluster: Cluster) -> None:
-    status = wait_until_idle(cluster)
-    for s in status:
-        assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
-        assert s["requests"] == 0 and s["transfers"] == 0, s
 
 
 @pytest.fixture(scope="module", params=[("disaggregated", "ray"), ("disaggregated", "grpc"), ("colocated", "ray")],
@@ -118,6 +89,9 @@ def test_deadline_frees_the_request(cluster):
     [
         ("hello", {"temperature": -1.0}, InvalidArgument, "temperature must be a finite number >= 0"),
         ("hello", {"temperature": float("nan")}, InvalidArgument, "temperature must be a finite number"),
+        ("hello", {"temperature": float("inf")}, InvalidArgument, "temperature must be a finite number"),
+        ("hello", {"top_p": float("nan")}, InvalidArgument, "top_p must be in"),
+        ("hello", {"top_p": float("-inf")}, InvalidArgument, "top_p must be in"),
         ("hello", {"top_p": 1.5}, InvalidArgument, "top_p must be in"),
         ("hello", {"top_k": 0, "max_tokens": 3, "stop": [""]}, InvalidArgument, "stop must be"),
         ("", {}, InvalidArgument, "prompt is empty"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from helpers import assert_pool_idle
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kv_transfer.codec import RawCodec, checksum
-from pdserve.kv_transfer.interface import TransferError
+from pdserve.kv_transfer.interface import KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.state import IllegalTransition, Transfer, TransferState
 
@@ -94,17 +95,72 @@ def test_lease_expiry_frees_the_reservation(sides, hf_reference):
     assert not receiver.abort("t1", "again")  # idempotent
 
 
-def test_reserve_refused_when_the_pool_is_full(sides):
-    _, decode, receiver, _ = sides
-    held = [receiver.reserve(f"t{i}", f"r{i}", [5] * 1000, GREEDY, 1000) for i in range(2)]
+def fill_pool(receiver, decode) -> list:
+    """Reserve until another 1000-token reservation no longer fits."""
+    held = []
     while receiver.loop.call(lambda e: e.num_free_blocks) >= 1000 // decode.config.block_size + 1:
         held.append(receiver.reserve(f"t{len(held)}", f"r{len(held)}", [5] * 1000, GREEDY, 1000))
-    with pytest.raises(TransferError, match="cannot take request 'big'.*KV blocks"):
+    return held
+
+
+def test_reserve_waits_a_bounded_time_then_says_memory_is_full(sides):
+    _, decode, receiver, _ = sides
+    receiver.reserve_wait_s = 0.3
+    held = fill_pool(receiver, decode)
+    t0 = time.monotonic()
+    with pytest.raises(KVMemoryFull, match="stayed full for 0.3 s: request 'big' needs 63 KV blocks"):
         receiver.reserve("big-t", "big", [5] * 1000, GREEDY, 1000)
+    assert 0.3 <= time.monotonic() - t0 < 5
     for lease in held:
         receiver.abort(lease.transfer_id, "test over")
     assert receiver.num_in_flight == 0
     assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
+
+
+def test_a_waiting_reservation_is_granted_when_blocks_free_up(sides):
+    _, decode, receiver, _ = sides
+    receiver.reserve_wait_s = 10
+    held = fill_pool(receiver, decode)
+    release = threading.Timer(0.3, receiver.abort, args=(held[0].transfer_id, "make room"))
+    release.start()
+    t0 = time.monotonic()
+    lease = receiver.reserve("big-t", "big", [5] * 1000, GREEDY, 1000)
+    assert 0.2 < time.monotonic() - t0 < 5 and lease.num_blocks == 63
+    release.join()
+    for lease in held[1:] + [lease]:
+        receiver.abort(lease.transfer_id, "test over")
+    assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
+
+
+def test_an_abort_that_overtakes_its_reservation_wins(sides):
+    _, decode, receiver, _ = sides
+    assert not receiver.abort_request("early", "cancelled before the reservation arrived")
+    with pytest.raises(TransferError, match="was aborted"):
+        receiver.reserve("t-early", "early", [5] * 40, GREEDY, 40)
+    assert receiver.num_in_flight == 0
+    assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
+
+
+def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
+    prefill, decode, receiver, outputs = sides  # lease_s = 0.2
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    reserved_at = time.time()
+    for layer in range(decode.kv_layout.num_layers):
+        time.sleep(0.1)
+        payload = RawCodec.encode(prefill.export_kv(request_id, layer=layer).data)
+        receiver.receive_layer("t1", layer, payload, checksum(payload))
+        # The reservation's own lease ended at reserved_at + 0.2; this layer's runs 0.2 s from now.
+        assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
+    renewed = receiver.renew("t1")  # a renewal extends it the same way
+    assert renewed.expires_at >= reserved_at + 0.1 * decode.kv_layout.num_layers + 0.2
+    assert receiver.expire_leases(now=renewed.expires_at - 0.01) == []
+    receiver.commit("t1", handoff)
+    deadline = time.time() + 10
+    while not any(o.finished for o in outputs) and time.time() < deadline:
+        time.sleep(0.01)
+    assert outputs[-1].token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
 def test_state_machine_rejects_illegal_moves():

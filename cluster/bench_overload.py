@@ -1,0 +1,145 @@
+"""`pdserve bench overload`: a burst far past the cluster's capacity, and what becomes of every request.
+
+Sends `num_requests` greedy requests (Azure conversation lengths scaled to the model) spread evenly
+over `burst_s` seconds against a cluster it starts from the manifest (default: deploy/local.yaml),
+each with a deadline. Every request must end completed or RESOURCE_EXHAUSTED (never UNAVAILABLE,
+never past its deadline); a sample of the completed outputs is compared with transformers'
+`generate`; peak resident memory of the router's process (which also runs this load generator) and
+of every worker is reported; afterwards every pool must be fully free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+from pdserve.cluster.workload import azure_conv_shapes, random_token_prompts
+from pdserve.engine.presets import resolve_model
+from pdserve.router.client import AsyncClient, PDServeError, ResourceExhausted
+
+
+@dataclass
+class OverloadConfig:
+    manifest: str | None = None
+    num_requests: int = 1000
+    burst_s: float = 2.0
+    deadline_s: float = 120.0
+    max_tokens: int = 32
+    reference_sample: int = 40
+    seed: int = 0
+    out: Path = Path("bench-results/overload.json")
+
+
+@dataclass
+class Outcome:
+    index: int
+    status: str  # "ok" | a gRPC status name
+    seconds: float
+    retry_after_s: float | None = None
+    token_ids: list[int] | None = None
+
+
+async def _one(client: AsyncClient, index: int, prompt: list[int], max_tokens: int, delay: float,
+               deadline_s: float) -> Outcome:
+    await asyncio.sleep(delay)
+    t0 = time.perf_counter()
+    try:
+        r = await client.generate(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True, timeout=deadline_s)
+        return Outcome(index, "ok", time.perf_counter() - t0, token_ids=r.token_ids)
+    except ResourceExhausted as e:
+        return Outcome(index, e.code.name, time.perf_counter() - t0, retry_after_s=e.retry_after_s)
+    except PDServeError as e:
+        return Outcome(index, e.code.name, time.perf_counter() - t0)
+
+
+async def _burst(address: str, prompts: list[list[int]], max_tokens: list[int], cfg: OverloadConfig) -> list[Outcome]:
+    gap = cfg.burst_s / max(1, len(prompts))
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(_one(client, i, p, n, i * gap, cfg.deadline_s)
+                                      for i, (p, n) in enumerate(zip(prompts, max_tokens))))
+
+
+def _wait_idle(cluster: Cluster, timeout_s: float = 30.0) -> tuple[bool, float]:
+    import ray
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
+        if all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
+               and s.get("jobs", 0) == 0 for s in status):
+            return True, time.time() - t0
+        time.sleep(0.1)
+    return False, timeout_s
+
+
+def run(cfg: OverloadConfig) -> dict:
+    manifest = load_manifest(cfg.manifest)
+    manifest.server.address = "127.0.0.1:0"
+    model_dir = resolve_model(manifest.model)
+    limit = manifest.max_model_len or 1024
+    shapes, source = azure_conv_shapes(cfg.num_requests, 0.25, 1.0, limit - cfg.max_tokens, cfg.max_tokens)
+    prompts = random_token_prompts(shapes, AutoConfig.from_pretrained(model_dir).vocab_size, seed=cfg.seed)
+    max_tokens = [s.output_len for s in shapes]
+    rss_mb = lambda b: round(b / 2**20, 1)  # noqa: E731
+    router_rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with Cluster(manifest) as cluster:
+        workers_before = {n: s["peak_rss_bytes"] for n, s in cluster.worker_stats().items()}
+        print(f"sending {cfg.num_requests} requests over {cfg.burst_s:g} s (deadline {cfg.deadline_s:g} s) ...",
+              flush=True)
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(_burst(cluster.address, prompts, max_tokens, cfg))
+        elapsed = time.perf_counter() - t0
+        workers_after = {n: s["peak_rss_bytes"] for n, s in cluster.worker_stats().items()}
+        idle, idle_after_s = _wait_idle(cluster)
+    router_rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    counts = Counter(o.status for o in outcomes)
+    ok = [o for o in outcomes if o.status == "ok"]
+    sample = random.Random(cfg.seed).sample(ok, min(cfg.reference_sample, len(ok)))
+    print(f"checking {len(sample)} completed outputs against transformers' generate ...", flush=True)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mismatches = 0
+    with torch.inference_mode():
+        for o in sample:
+            prompt = prompts[o.index]
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens[o.index],
+                                     min_new_tokens=max_tokens[o.index], do_sample=False, pad_token_id=0)
+            mismatches += out[0, len(prompt):].tolist() != o.token_ids
+    refused = [o.retry_after_s for o in outcomes if o.status == "RESOURCE_EXHAUSTED"]
+    result = {
+        "benchmark": "overload", "date": date.today().isoformat(), "machine": platform.platform(),
+        "cpus": os.cpu_count(), "config": {**asdict(cfg), "out": str(cfg.out)},
+        "manifest": manifest.model_dump(mode="json"), "workload": source,
+        "offered_rate_rps": cfg.num_requests / cfg.burst_s, "elapsed_s": elapsed,
+        "completed_rate_rps": len(ok) / elapsed, "outcomes": dict(counts),
+        "past_deadline": sum(o.status == "DEADLINE_EXCEEDED" or o.seconds > cfg.deadline_s for o in outcomes),
+        "latency_s_p50": {s: statistics.median(o.seconds for o in outcomes if o.status == s) for s in counts},
+        "retry_after_s_median": statistics.median(refused) if refused else None,
+        "reference_checked": len(sample), "reference_mismatches": mismatches,
+        "peak_rss_mb": {"router_and_loadgen": {"before": rss_mb(router_rss_before), "after": rss_mb(router_rss_after)},
+                        **{n: {"before": rss_mb(workers_before[n]), "after": rss_mb(workers_after[n])}
+                           for n in workers_after}},
+        "pools_free_afterwards": idle, "pools_free_after_s": idle_after_s,
+    }
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("offered_rate_rps", "completed_rate_rps", "outcomes", "past_deadline",
+                                              "reference_checked", "reference_mismatches", "peak_rss_mb",
+                                              "pools_free_afterwards")}, indent=2))
+    print(f"wrote {cfg.out}")
+    return result

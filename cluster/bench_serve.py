@@ -1,0 +1,513 @@
+"""`pdserve bench serve`: open-loop serving benchmark; SLO attainment and goodput per configuration.
+
+Each configuration is started by the benchmark, measured, and stopped, one at a time on this machine:
+
+  disaggregated       deploy/local.yaml: 1 prefill + 1 decode worker, 1 thread each
+  colocated-chunked   2 colocated workers, max_num_batched_tokens 256 (Sarathi-style chunked prefill)
+  colocated           2 colocated workers, max_num_batched_tokens = max_model_len (prompts not chunked)
+  transformers-serve  `transformers serve --continuous-batching`, torch on 2 threads (the same cores),
+                      the KV memory and step token budget of one pdserve engine
+  disaggregated-1p2d  1 prefill + 2 decode workers sharing the 2 cores (not in the default set)
+
+Workload: Azure conversation trace lengths scaled to the model (prompts x input_scale, outputs x
+output_scale, clipped to max_model_len), random prompts that tokenize back to themselves (so the
+text-only baseline gets the same tokens), greedy, exactly the trace's output length (EOS ignored).
+Arrivals are Poisson at the searched rate, or the trace's own timestamps scaled to that rate.
+
+Objectives: a few requests one at a time on the disaggregated configuration give the idle TTFT and
+TPOT; the tight pair is (2 x idle p90 TTFT, 1.5 x idle TPOT), the loose one (5 x, 3 x). Goodput is
+the highest rate at which >= 90% of sent requests meet both (serve_metrics.GoodputSearch).
+
+The load generator runs in a separate process: pdserve's router lives in this process, and a client
+sharing its interpreter would tax the router alone, not the baseline's server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.cluster.loadgen import (
+    GrpcClient,
+    OpenAIClient,
+    Request,
+    StreamClient,
+    poisson_arrivals,
+    run_load,
+    run_sequential,
+    trace_arrivals,
+    write_jsonl,
+)
+from pdserve.cluster.serve_metrics import (
+    Goodput,
+    GoodputSearch,
+    Objective,
+    RequestRecord,
+    attainment,
+    percentile,
+    rate_key,
+    summarize,
+    summarize_runs,
+)
+from pdserve.cluster.workload import TraceRequest, find_trace, load_azure_trace, scale_requests
+
+DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
+CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d",)  # the last on request: a rebalanced split
+DESCRIPTIONS = {
+    "disaggregated": "deploy/local.yaml: 1 prefill + 1 decode worker, 1 thread each",
+    "disaggregated-1p2d": "1 prefill + 2 decode workers, 1 thread each, sharing the 2 cores (the decode pool "
+                          "is the bottleneck of the 1 + 1 split)",
+    "colocated-chunked": "colocated, 2 workers (1 + 1 replicas), 1 thread each, max_num_batched_tokens 256",
+    "colocated": "colocated, 2 workers (1 + 1 replicas), 1 thread each, max_num_batched_tokens = max_model_len",
+    "transformers-serve": "transformers serve --continuous-batching, 1 process, torch threads {threads}; "
+                          "KV cache and step budget of one pdserve engine",
+}
+# How each configuration's stream times its tokens (ITL is measured between these events).
+STREAMING = {
+    "transformers-serve": "one SSE event per decoded text piece (a token that decodes to no text yet sends none): "
+                          "ITL is per event; TPOT uses the server's own token count",
+}
+CHUNKED_BUDGET = 256
+LOOP_KEYS = ("wall_s", "forward_s", "kv_s", "other_s")
+
+
+@dataclass
+class ServeBenchConfig:
+    model: str = "llama-20m"
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    requests_per_rate: int = 64
+    start_rate: float | None = None  # None: one request per idle e2e latency
+    min_rate: float = 0.05
+    max_rate: float = 64.0
+    rel_tol: float = 0.1
+    max_runs: int = 10  # per configuration, over all objective pairs
+    seed: int = 0
+    trace: str = "azure2023_conv.csv"
+    trace_arrivals: bool = False
+    input_scale: float = 0.25
+    output_scale: float = 0.25
+    max_output: int | None = None
+    max_model_len: int = 1024
+    calibration_requests: int = 8
+    tight: tuple[float, float] | None = None  # (ttft_s, tpot_s); None: from calibration
+    loose: tuple[float, float] | None = None
+    cdf_rate: float | None = None  # None: the highest rate every configuration measured
+    timeout_s: float = 300.0
+    baseline_threads: int = 2  # transformers serve's torch threads: the cores pdserve's two workers get
+    out_dir: Path = Path("bench-results/serve")
+    progress: bool = True
+
+    def quick(self) -> "ServeBenchConfig":
+        """A smoke run: few short requests, two runs per configuration."""
+        return replace(self, requests_per_rate=6, calibration_requests=3, max_runs=2, max_output=8, rel_tol=0.5)
+
+
+# --- workload -------------------------------------------------------------------------------------
+def roundtrip_prompt(tokenizer: Any, n: int, rng: random.Random, attempts: int = 20) -> list[int]:
+    """`n` random token ids whose decoded text tokenizes back to exactly them.
+
+    Random ids rarely survive decode/encode (the tokenizer merges them differently); re-encoding once
+    and cutting to `n` almost always gives a fixed point. A server that takes text then sees the
+    very prompt pdserve gets as ids.
+    """
+    vocab = len(tokenizer)
+    for _ in range(attempts):
+        ids = tokenizer(tokenizer.decode([rng.randrange(3, vocab) for _ in range(n)]))["input_ids"][:n]
+        if len(ids) == n and tokenizer(tokenizer.decode(ids))["input_ids"] == ids:
+            return ids
+    raise RuntimeError(f"no prompt of {n} tokens survived decode/encode in {attempts} attempts")
+
+
+def build_workload(cfg: ServeBenchConfig, tokenizer: Any) -> tuple[list[Request], list[TraceRequest], str]:
+    if not cfg.trace.endswith(".csv"):
+        raise ValueError(f"--trace takes an Azure CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens); "
+                         f"got {cfg.trace!r}")
+    path = find_trace(cfg.trace)
+    shapes = scale_requests(load_azure_trace(path, cfg.requests_per_rate), cfg.input_scale, cfg.output_scale,
+                            cfg.max_model_len, cfg.max_output)
+    rng = random.Random(cfg.seed)
+    requests = []
+    for i, s in enumerate(shapes):
+        ids = roundtrip_prompt(tokenizer, s.prompt_len, rng)
+        requests.append(Request(f"r{i}", ids, s.output_len, text=tokenizer.decode(ids)))
+    return requests, shapes, str(path)
+
+
+def arrivals_for(cfg: ServeBenchConfig, shapes: list[TraceRequest], rate: float) -> list[float]:
+    if not cfg.trace_arrivals:
+        return poisson_arrivals(len(shapes), rate, cfg.seed)
+    # Replay the trace's gaps, sped up so that its mean rate is `rate`: burstiness is kept.
+    span = shapes[-1].arrival_s - shapes[0].arrival_s
+    trace_rate = (len(shapes) - 1) / span if span > 0 else rate
+    return trace_arrivals([s.arrival_s for s in shapes], speedup=rate / trace_rate)
+
+
+# --- configurations -------------------------------------------------------------------------------
+def manifest_for(name: str, cfg: ServeBenchConfig) -> dict[str, Any]:
+    from pdserve.cluster.manifest import DEFAULT_MANIFEST
+
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data.update(model=cfg.model, max_model_len=cfg.max_model_len)
+    data["server"]["address"] = "127.0.0.1:0"
+    if name == "disaggregated-1p2d":  # threads need not match cores: the prefill worker is mostly idle
+        data["pools"]["prefill"].update(num_cpus=0.5)
+        data["pools"]["decode"].update(replicas=2, num_cpus=0.75)
+    elif name != "disaggregated":
+        data["mode"] = "colocated"
+        for pool in ("prefill", "decode"):
+            data["pools"][pool].update(replicas=1, threads=1)
+        data["max_num_batched_tokens"] = CHUNKED_BUDGET if name == "colocated-chunked" else cfg.max_model_len
+    return data
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
+    """K and V of every layer for one token (float32 by default, as the manifest's dtype)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+@dataclass
+class Target:
+    """A running configuration: how to reach it and, for pdserve, its workers' cumulative counters."""
+
+    client: StreamClient
+    worker_stats: Callable[[], dict[str, dict]] | None = None
+
+
+@contextmanager
+def serving(name: str, cfg: ServeBenchConfig, model_dir: Path, log: Callable[[str], None]) -> Iterator[Target]:
+    """Start configuration `name`, yield a Target, stop it on every path."""
+    from pdserve.cluster.launcher import Cluster
+    from pdserve.cluster.manifest import load_manifest
+
+    if name == "transformers-serve":
+        from pdserve.cluster.serve_baselines import TransformersServe
+
+        # One pdserve engine's KV memory and step budget (the default manifest's), so that neither a
+        # bigger cache nor a bigger batch decides the comparison.
+        m = load_manifest(manifest_for("disaggregated", cfg))
+        kv_tokens = m.kv_memory_mb * 2**20 // kv_bytes_per_token(model_dir)
+        with TransformersServe(model_dir, threads=cfg.baseline_threads, kv_cache_tokens=kv_tokens,
+                               max_batch_tokens=m.max_num_batched_tokens,
+                               log_path=cfg.out_dir / "transformers-serve.log", log=log) as server:
+            yield Target(OpenAIClient(server.base_url, model=str(model_dir), timeout=cfg.timeout_s,
+                                      extra_body=server.request_fields()))
+        return
+    with Cluster(load_manifest(manifest_for(name, cfg)), log=lambda s: log(f"  {s}")) as cluster:
+        yield Target(GrpcClient(cluster.address, timeout=cfg.timeout_s), cluster.worker_stats)
+
+
+def loop_split(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Each worker's engine-loop time over a run (differences of cumulative counters) and its shares."""
+    out = {}
+    for worker, stats in after.items():
+        prev = before.get(worker, {}).get("loop", {})
+        d = {k: stats["loop"][k] - prev.get(k, 0.0) for k in LOOP_KEYS}
+        wall = d["wall_s"]
+        shares = {f"{k[:-2]}_share": d[k] / wall if wall > 0 else None for k in LOOP_KEYS[1:]}
+        busy = (d["forward_s"] + d["kv_s"] + d["other_s"]) / wall if wall > 0 else None
+        out[worker] = {**d, **shares, "busy": busy, "peak_rss_bytes": stats.get("peak_rss_bytes")}
+    return out
+
+
+# --- measurement ----------------------------------------------------------------------------------
+@dataclass
+class ConfigResult:
+    name: str
+    runs: dict[float, list[RequestRecord]] = field(default_factory=dict)
+    loops: dict[float, dict[str, dict]] = field(default_factory=dict)
+    load_avg: dict[float, tuple[float, float]] = field(default_factory=dict)  # 1-min load, run start and end
+    goodput: list[Goodput] = field(default_factory=list)
+    error: str | None = None
+
+
+def calibrate(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: Target, requests: list[Request],
+              log: Callable[[str], None]) -> dict[str, float]:
+    """Idle latencies: requests one at a time (after the warm-up); TPOT at batch 1 is the idle step."""
+    recs = pool.submit(run_sequential, target.client, requests[:cfg.calibration_requests],
+                       config="calibration").result()
+    bad = [r for r in recs if r.outcome != "ok"]
+    if bad:
+        raise RuntimeError(f"calibration request failed: {bad[0].error}")
+    ttft = [r.ttft for r in recs]
+    tpot = [r.tpot for r in recs if r.tpot is not None]
+    e2e = [r.e2e for r in recs]
+    out = {"requests": len(recs), "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+           "tpot_p50_s": percentile(tpot, 50), "e2e_mean_s": sum(e2e) / len(e2e)}
+    log(f"idle: TTFT p50 {out['ttft_p50_s'] * 1e3:.1f} ms, p90 {out['ttft_p90_s'] * 1e3:.1f} ms; "
+        f"TPOT p50 {out['tpot_p50_s'] * 1e3:.2f} ms (the idle decode step seen by a client); "
+        f"e2e mean {out['e2e_mean_s'] * 1e3:.0f} ms")
+    return out
+
+
+def objectives_from(cfg: ServeBenchConfig, idle: dict[str, float] | None) -> list[Objective]:
+    tight = cfg.tight or (2 * idle["ttft_p90_s"], 1.5 * idle["tpot_p50_s"])
+    loose = cfg.loose or (5 * idle["ttft_p90_s"], 3 * idle["tpot_p50_s"])
+    return [Objective("tight", *tight), Objective("loose", *loose)]
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+WARM_BURST = 24  # requests sent at once after the sequential warm-up
+
+
+def _warm_up(pool: concurrent.futures.Executor, target: Target, requests: list[Request], name: str) -> None:
+    # First requests pay one-off costs (connections, lazy initialisation, transformers serve's batching
+    # manager: ~10 s, kernels for new shapes): the shortest, a middle and the longest prompt, not measured.
+    by_len = sorted(requests, key=lambda r: len(r.token_ids))
+    picks = [by_len[0], by_len[len(by_len) // 2], by_len[-1]]
+    warm = [replace(r, request_id=f"{name}-warm-{i}", max_tokens=min(r.max_tokens, 4)) for i, r in enumerate(picks)]
+    recs = pool.submit(run_sequential, target.client, warm, config=f"{name}-warmup").result()
+    # Then a concurrent burst: the first large batches pay their own one-off costs, which otherwise
+    # land on the search's first rate (its p90 TTFT was 4x the next runs').
+    burst = [replace(r, request_id=f"{name}-warm-burst-{i}", max_tokens=min(r.max_tokens, 8))
+             for i, r in enumerate(requests[:WARM_BURST])]
+    recs += pool.submit(run_load, target.client, burst, [0.0] * len(burst), config=f"{name}-warmup", rate=0.0,
+                        progress=False).result()
+    if any(r.outcome != "ok" for r in recs):
+        raise RuntimeError(f"{name}: warm-up failed: {next(r.error for r in recs if r.outcome != 'ok')}")
+
+
+def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, requests: list[Request],
+                 shapes: list[TraceRequest], pool: concurrent.futures.Executor, state: dict[str, Any],
+                 log: Callable[[str], None]) -> None:
+    """Start a configuration, calibrate if none has, search goodput per objective pair, stop.
+
+    Fills `result` as it goes, so the runs measured before a failure are kept.
+    """
+    name = result.name
+    jsonl = cfg.out_dir / "requests.jsonl"
+    with serving(name, cfg, model_dir, log) as target:
+        _warm_up(pool, target, requests, name)
+        if state.get("objectives") is None:
+            state["calibration"] = calibrate(cfg, pool, target, requests, log)
+            state["objectives"] = objectives_from(cfg, state["calibration"])
+            for o in state["objectives"]:
+                log(f"objective {o.name}: TTFT <= {o.ttft_s * 1e3:.1f} ms and TPOT <= {o.tpot_s * 1e3:.2f} ms")
+        if name not in cfg.configs:  # started only to calibrate
+            return
+        start_rate = cfg.start_rate or 1 / state["calibration"]["e2e_mean_s"]
+
+        def measure(rate: float) -> list[RequestRecord]:
+            reqs = [replace(r, request_id=f"{name}-{rate:g}-{r.request_id}") for r in requests]
+            before = target.worker_stats() if target.worker_stats else None
+            load_before = os.getloadavg()[0]
+            recs = pool.submit(run_load, target.client, reqs, arrivals_for(cfg, shapes, rate), config=name,
+                               rate=rate, progress=cfg.progress).result()
+            # The machine may be shared: a load above the cores in use says the figures are disturbed.
+            result.load_avg[rate] = (load_before, os.getloadavg()[0])
+            if target.worker_stats:
+                result.loops[rate] = loop_split(before, target.worker_stats())
+            write_jsonl(recs, jsonl)
+            s = summarize(recs)
+            short = sum(r.outcome == "ok" and r.output_tokens != r.max_tokens for r in recs)
+            log(f"  {name} @ {rate:g} req/s: ok {s['ok']}/{s['sent']} (rejected {s['rejected']}, errors "
+                f"{s['errors']}{f', {short} short answers' if short else ''}), TTFT p50 {_ms(s['ttft_s']['p50'])} "
+                f"p90 {_ms(s['ttft_s']['p90'])}, TPOT p50 {_ms(s['tpot_s']['p50'])} p90 {_ms(s['tpot_s']['p90'])}, "
+                f"{s['output_tokens_per_s']:.0f} tok/s")
+            return recs
+
+        search = GoodputSearch(measure, start_rate, min_rate=cfg.min_rate, max_rate=cfg.max_rate,
+                               rel_tol=cfg.rel_tol, max_runs=cfg.max_runs)
+        result.runs = search.runs  # the same dict, filled as runs are measured
+        for objective in state["objectives"]:
+            g = search.goodput(objective)
+            result.goodput.append(g)
+            log(f"  {name}: goodput ({objective.name}) {g.rate:g} req/s"
+                f"{'' if g.failed_rate is None else f' (missed at {g.failed_rate:g})'}"
+                f"{f' [{g.note}]' if g.note else ''}")
+        if cfg.cdf_rate:
+            search.records(cfg.cdf_rate)  # the CDF plot's rate, measured in every configuration
+
+
+# --- report ---------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None  # None: the denominator config had no goodput
+
+
+def assemble(cfg: ServeBenchConfig, state: dict[str, Any], results: list[ConfigResult], model_dir: Path,
+             trace_path: str, requests: list[Request], cdf_rate: float | None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    objectives = state["objectives"]
+    goodput = {r.name: {g.objective.name: g.rate for g in r.goodput} for r in results if not r.error}
+    ratios = {o.name: {f"disaggregated/{other}": _ratio(goodput.get("disaggregated", {}).get(o.name),
+                                                          goodput.get(other, {}).get(o.name))
+                       for other in ("colocated-chunked", "transformers-serve")}
+              for o in objectives}
+    prompt_lens = [len(r.token_ids) for r in requests]
+    output_lens = [r.max_tokens for r in requests]
+    return {
+        "benchmark": "pdserve bench serve",
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "machine": {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform(),
+                    "load_avg_1m_at_end": os.getloadavg()[0],
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__},
+        "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},
+        "workload": {
+            "trace": trace_path, "requests_per_rate": len(requests), "input_scale": cfg.input_scale,
+            "output_scale": cfg.output_scale, "max_output": cfg.max_output,
+            "arrivals": "trace timestamps, scaled to the rate" if cfg.trace_arrivals else "poisson",
+            "seed": cfg.seed, "sampling": "greedy, EOS ignored (exactly max_tokens)",
+            "prompt_len": {"mean": sum(prompt_lens) / len(prompt_lens), "p50": percentile(prompt_lens, 50),
+                           "max": max(prompt_lens)},
+            "output_len": {"mean": sum(output_lens) / len(output_lens), "p50": percentile(output_lens, 50),
+                           "max": max(output_lens)},
+        },
+        "search": {"start_rate": cfg.start_rate, "min_rate": cfg.min_rate, "max_rate": cfg.max_rate,
+                   "rel_tol": cfg.rel_tol, "max_runs_per_config": cfg.max_runs, "target_attainment": 0.9},
+        "calibration": state.get("calibration"),
+        "objectives": [asdict(o) for o in objectives],
+        "configs": {
+            r.name: {
+                "description": DESCRIPTIONS[r.name].format(threads=cfg.baseline_threads), "error": r.error,
+                "streaming": STREAMING.get(r.name, "gRPC stream: every message's tokens stamped on arrival"),
+                "goodput": {g.objective.name: {"rate": g.rate, "failed_rate": g.failed_rate,
+                                               "attainment": g.attainment, "converged": g.converged,
+                                               "note": g.note} for g in r.goodput},
+                "runs": [{**run, "load_avg_1m": r.load_avg.get(run["rate"]), "worker_loop": r.loops.get(run["rate"])}
+                         for run in summarize_runs(r.runs.items(), objectives)],
+            }
+            for r in results
+        },
+        "goodput_ratios": ratios,
+        "cdf_rate": cdf_rate,
+    }
+
+
+def plot(results: list[ConfigResult], objectives: list[Objective], cdf_rate: float | None, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    done = [r for r in results if r.runs]
+    paths = []
+    fig, axes = plt.subplots(1, len(objectives), figsize=(5.5 * len(objectives), 4), squeeze=False)
+    for ax, o in zip(axes[0], objectives):
+        for r in done:
+            rates = sorted(r.runs)
+            ax.plot(rates, [attainment(r.runs[x], o) for x in rates], marker="o", label=r.name)
+        ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+        ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(-0.02, 1.02),
+               title=f"{o.name}: TTFT <= {o.ttft_s * 1e3:.0f} ms, TPOT <= {o.tpot_s * 1e3:.1f} ms")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ScalarFormatter())
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "attainment.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    if cdf_rate is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for r in done:
+            ok = [x for x in r.runs[cdf_rate] if x.outcome == "ok"]
+            for ax, values in zip(axes, ([x.ttft for x in ok], [x.tpot for x in ok if x.tpot is not None])):
+                xs = sorted(v * 1e3 for v in values)
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=r.name)
+        for ax, metric in zip(axes, ("TTFT", "TPOT")):
+            # Log scale: configurations can differ by orders of magnitude.
+            ax.set(xscale="log", xlabel=f"{metric} (ms)", ylabel="fraction of completed requests",
+                   title=f"{metric} at {cdf_rate:g} req/s")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "latency_cdf.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+# --- entry point ----------------------------------------------------------------------------------
+def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; write results.json, requests.jsonl and plots to cfg.out_dir; return the results."""
+    from pdserve.engine.model_loader import load_tokenizer
+    from pdserve.engine.presets import resolve_model
+
+    unknown = set(cfg.configs) - set(CONFIGS)
+    if unknown or not cfg.configs:
+        raise ValueError(f"configurations must be among {', '.join(CONFIGS)}; got {', '.join(cfg.configs) or 'none'}")
+    model_dir = resolve_model(cfg.model)
+    requests, shapes, trace_path = build_workload(cfg, load_tokenizer(model_dir))
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "requests.jsonl").write_text("")
+    log(f"workload: {len(requests)} requests per rate from {trace_path}; prompts mean "
+        f"{sum(len(r.token_ids) for r in requests) / len(requests):.0f} tokens, outputs mean "
+        f"{sum(r.max_tokens for r in requests) / len(requests):.0f} tokens")
+
+    state: dict[str, Any] = {}
+    if cfg.tight and cfg.loose and cfg.start_rate:
+        state["objectives"] = objectives_from(cfg, None)
+    order = list(cfg.configs)
+    if "objectives" not in state:  # calibration runs on the disaggregated configuration, first
+        order = ["disaggregated"] + [c for c in order if c != "disaggregated"]
+    results: list[ConfigResult] = []
+    # spawn: a clean interpreter for the load generator (no Ray, no router threads inherited).
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for name in order:
+            log(f"\n== {name}: {DESCRIPTIONS[name].format(threads=cfg.baseline_threads)}")
+            r, t0 = ConfigResult(name), time.monotonic()
+            try:
+                bench_config(r, cfg, model_dir, requests, shapes, pool, state, log)
+            except Exception as e:  # noqa: BLE001 (reported in the results; the other configurations go on)
+                if "objectives" not in state:
+                    raise  # without the calibration there is nothing to measure against
+                log(f"  {name} failed: {type(e).__name__}: {e}")
+                r.error = f"{type(e).__name__}: {e}"
+            log(f"  ({name}: {time.monotonic() - t0:.0f} s including start and stop)")
+            if name in cfg.configs:
+                results.append(r)
+
+    # The CDFs compare configurations at one rate that all of them ran.
+    measured = [set(r.runs) for r in results if r.runs]
+    common = set.intersection(*measured) if measured else set()
+    cdf_rate = rate_key(cfg.cdf_rate) if cfg.cdf_rate else max(common, default=None)
+    cdf_rate = cdf_rate if cdf_rate in common else None
+    out = assemble(cfg, state, results, model_dir, trace_path, requests, cdf_rate)
+    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
+    plots = plot(results, state["objectives"], cdf_rate, cfg.out_dir)
+
+    log("\ngoodput (req/s, >= 90% of requests within both objectives):")
+    for o in state["objectives"]:
+        row = ", ".join(f"{r.name} {next((f'{g.rate:g}' for g in r.goodput if g.objective == o), 'failed')}"
+                        for r in results)
+        log(f"  {o.name:6} {row}")
+        for k, v in out["goodput_ratios"][o.name].items():
+            log(f"         {k}: {'n/a' if v is None else f'{v:.2f}x'}")
+    log(f"wrote {cfg.out_dir / 'results.json'}, {cfg.out_dir / 'requests.jsonl'}, "
+        + ", ".join(str(p) for p in plots))
+    return out

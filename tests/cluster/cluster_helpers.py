@@ -1,0 +1,40 @@
+"""Helpers for the cluster tests: small manifests, and waiting until every pool is free again."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+
+
+def manifest(model_dir, mode="disaggregated", transport="ray", **extra):
+    data = {
+        "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
+        "kv_transfer": {"transport": transport, "lease_s": 5},
+        "server": {"address": "127.0.0.1:0", **extra.pop("server", {})},
+        "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
+        **extra,
+    }
+    return load_manifest(data)
+
+
+def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
+    """Poll the workers until every pool is fully free (bounded); return their last status."""
+    deadline = time.time() + timeout_s
+    while True:
+        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
+        idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
+                   and s.get("jobs", 0) == 0 for s in status)
+        if idle or time.time() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+def assert_idle(cluster: Cluster) -> None:
+    status = wait_until_idle(cluster)
+    for s in status:
+        assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
+        assert s["requests"] == 0 and s["transfers"] == 0 and s.get("jobs", 0) == 0, s

@@ -1,0 +1,269 @@
+"""A cluster under load and under faults: liveness is not load, cancels at every phase, request ids,
+backpressure, and threads that fail loudly. Real Ray actors and gRPC; faults are injected into the
+running workers with Ray's `__ray_call__` (a function run inside the actor), not by mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+from cluster_helpers import assert_idle, manifest, wait_until_idle
+from conftest import random_prompts
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.router.client import AsyncClient, Client, DeadlineExceeded, PDServeError, ResourceExhausted
+
+ARCH = "tiny-llama"
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
+
+
+def worker(cluster: Cluster, pool: str):
+    return next(w for w in cluster.workers if w.pool == pool)
+
+
+def on_worker(ref, fn, *args):
+    """Run `fn(worker_instance, *args)` inside the worker actor."""
+    return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)
+
+
+def install_gate(self, path: str) -> None:
+    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
+    owner_path, _, name = path.rpartition(".")
+    owner = self
+    for part in filter(None, owner_path.split(".")):
+        owner = getattr(owner, part)
+    original, gate = getattr(owner, name), threading.Event()
+
+    def gated(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, gated)
+    self.test_gate = (gate, lambda: setattr(owner, name, original))
+
+
+def open_gate(self) -> None:
+    gate, restore = self.test_gate
+    restore()
+    gate.set()
+
+
+def prefill_job_states(self) -> list[str]:
+    with self._lock:
+        return [job.state for job in self._jobs.values()]
+
+
+def inject_exception(self, path: str) -> None:
+    """Replace the callable at `path` with one that raises, as a bug in that code would."""
+    owner_path, _, name = path.rpartition(".")
+    owner = self
+    for part in filter(None, owner_path.split(".")):
+        owner = getattr(owner, part)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected fault in {path}")
+
+    setattr(owner, name, broken)
+
+
+def wait_healthy(cluster: Cluster, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while not all(w.healthy for w in cluster.workers):
+        assert time.time() < deadline, [(w.name, w.healthy) for w in cluster.workers]
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with Cluster(manifest(model_dirs[ARCH]), log=lambda _: None) as c:
+        yield c
+
+
+def test_a_busy_worker_stays_healthy(cluster, hf_reference):
+    prefill = worker(cluster, "prefill")
+    # Every ordinary thread of the prefill actor blocked for 4 s: its pings must still answer.
+    blockers = [prefill.handle.__ray_call__.remote(lambda self: time.sleep(4)) for _ in range(70)]
+    channel = grpc.insecure_channel(cluster.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.time() + 3.5
+    while time.time() < deadline:
+        assert all(w.healthy for w in cluster.workers), [(w.name, w.healthy) for w in cluster.workers]
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        time.sleep(0.1)
+    ray.get(blockers)
+    channel.close()
+
+    # The reported case: 150 requests at once; busy workers are not dead ones.
+    prompts = random_prompts(150, hf_reference[ARCH].vocab_size, 5, 60, seed=21)
+
+    async def burst():
+        async with AsyncClient(cluster.address, timeout=120) as client:
+            return await asyncio.gather(*(client.generate(p, temperature=0, max_tokens=4, ignore_eos=True)
+                                          for p in prompts), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, ResourceExhausted)]
+    assert not errors, errors[:3]  # past the admission limit (64) busy, never "no healthy worker"
+    completed = [(p, r) for p, r in zip(prompts, results) if not isinstance(r, Exception)]
+    assert len(completed) >= 64
+    for prompt, r in completed[:10]:
+        assert r.token_ids == hf_reference[ARCH].greedy(prompt, 4)
+    assert_idle(cluster)
+
+
+def test_duplicate_client_request_ids_are_harmless(cluster, hf_reference):
+    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=22)
+
+    async def both():
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            return await asyncio.gather(*(client.generate(p, request_id="same", temperature=0, max_tokens=8,
+                                                          ignore_eos=True) for p in prompts))
+
+    results = asyncio.run(both())
+    assert [r.request_id for r in results] == ["same", "same"]  # echoed back
+    assert results[0].server_request_id != results[1].server_request_id and results[0].server_request_id
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == hf_reference[ARCH].greedy(prompt, 8)
+    assert_idle(cluster)
+
+
+# Where the request is held when its deadline passes: (pool, method gated, the prefill job's state).
+PHASES = {
+    "queued": ("prefill", "_start", "queued"),
+    "reserving": ("decode", "receiver.reserve", "reserving"),
+    "prefilling": ("prefill", "engine.step", "prefilling"),
+    "transferring": ("decode", "receiver.receive_layer", "committing"),
+    "committing": ("decode", "receiver.commit", "committing"),
+}
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_cancel_at_each_phase_frees_both_pools(cluster, phase):
+    pool, path, state = PHASES[phase]
+    gated, prefill = worker(cluster, pool), worker(cluster, "prefill")
+    on_worker(gated, install_gate, path)
+    try:
+        with Client(cluster.address) as client, ThreadPoolExecutor(1) as background:
+            call = background.submit(client.generate, [7] * 80, timeout=2.0, temperature=0, max_tokens=50)
+            deadline = time.time() + 10
+            while state not in on_worker(prefill, prefill_job_states):
+                assert time.time() < deadline, f"the request never reached {state!r}"
+                time.sleep(0.02)
+            with pytest.raises(DeadlineExceeded):
+                call.result(15)
+    finally:
+        on_worker(gated, open_gate)
+    assert_idle(cluster)
+    with Client(cluster.address, timeout=30) as client:  # and the cluster serves on
+        assert len(client.generate([7] * 30, max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_cancel_while_decoding_frees_both_pools(cluster):
+    with Client(cluster.address, timeout=60) as client:
+        stream = client.generate([11] * 50, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+    assert_idle(cluster)
+
+
+def test_overload_ends_in_completions_or_resource_exhausted(model_dirs, hf_reference):
+    """A short version of the overload benchmark: every request completes or is refused with a hint."""
+    limits = {"router": {"max_queued_prefills": 8, "max_active_decodes": 24}, "kv_memory_mb": 4}
+    distinct = random_prompts(12, hf_reference[ARCH].vocab_size, 10, 120, seed=23)
+    prompts = [distinct[i % len(distinct)] for i in range(300)]
+    with Cluster(manifest(model_dirs[ARCH], **limits), log=lambda _: None) as c:
+        async def burst():
+            async with AsyncClient(c.address, timeout=60) as client:
+                return await asyncio.gather(*(client.generate(p, temperature=0, max_tokens=8, ignore_eos=True)
+                                              for p in prompts), return_exceptions=True)
+
+        t0 = time.time()
+        results = asyncio.run(burst())
+        elapsed = time.time() - t0
+        refused = [r for r in results if isinstance(r, ResourceExhausted)]
+        other_errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, ResourceExhausted)]
+        assert not other_errors, other_errors[:3]  # no UNAVAILABLE, no deadline passed
+        assert refused and len(refused) < len(results), (len(refused), len(results))
+        assert all(e.retry_after_s and 0 < e.retry_after_s <= 30 for e in refused)
+        for prompt, r in zip(prompts, results):
+            if not isinstance(r, Exception):
+                assert r.token_ids == hf_reference[ARCH].greedy(prompt, 8)
+        assert elapsed < 60
+        for name, stats in c.worker_stats().items():
+            assert 0 < stats["peak_rss_bytes"] < 4 * 2**30, (name, stats["peak_rss_bytes"])
+        assert_idle(c)
+
+
+# --- faults -------------------------------------------------------------------------------------
+# (pool, the callable replaced by a raising one, whether a request must already be decoding)
+FAULTS = {
+    "prefill engine loop": ("prefill", "engine.step", False),
+    "prefill output callback": ("prefill", "loop._on_outputs", False),
+    "prefill feeder thread": ("prefill", "_start", False),
+    "decode engine loop": ("decode", "engine.step", True),
+    "decode lease thread": ("decode", "receiver.expire_leases", True),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_cluster(model_dirs):
+    restarts = {"max_restarts": 10}  # every fault below costs its worker one restart
+    pools = {"prefill": {"num_cpus": 0.5, **restarts}, "decode": {"num_cpus": 0.5, **restarts}}
+    with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
+        yield c
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_an_exception_in_a_long_lived_thread_fails_its_requests_explicitly(faulty_cluster, fault):
+    pool, path, while_decoding = FAULTS[fault]
+    c = faulty_cluster
+    wait_healthy(c)
+    target = worker(c, pool)
+    restarts = c.restarts.get(target.name, 0)
+    with Client(c.address, timeout=30) as client:
+        t0 = time.time()
+        with pytest.raises(PDServeError) as failure:
+            if not while_decoding:
+                on_worker(target, inject_exception, path)
+            stream = client.generate([13] * 40, stream=True, max_tokens=480, ignore_eos=True)
+            if while_decoding:  # tokens after the first come from the decode worker: the handoff is done
+                for _ in range(3):
+                    next(stream)
+                on_worker(target, inject_exception, path)
+            for _ in stream:
+                pass
+        assert time.time() - t0 < 15, "the request hung instead of failing"
+        assert failure.value.code == grpc.StatusCode.INTERNAL, failure.value
+        assert "injected fault" in failure.value.message and target.name in failure.value.message
+        deadline = time.time() + 10
+        while c.restarts.get(target.name, 0) == restarts:  # the supervisor has Ray restart the worker
+            assert time.time() < deadline, "the failed worker was not restarted"
+            time.sleep(0.05)
+        wait_healthy(c)
+        assert len(client.generate([13] * 20, max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert not [s for s in wait_until_idle(c) if s["free_blocks"] != s["total_blocks"]]
+
+
+def test_a_failed_token_hub_fails_waiting_streams_explicitly(faulty_cluster):
+    c = faulty_cluster
+    wait_healthy(c)
+    with Client(c.address, timeout=30) as client:
+        stream = client.generate([17] * 40, stream=True, max_tokens=480, ignore_eos=True)
+        next(stream)
+        c._hub._deliver = lambda data: (_ for _ in ()).throw(RuntimeError("injected fault in the token hub"))
+        with pytest.raises(PDServeError, match="token stream failed.*injected fault") as failure:
+            for _ in stream:
+                pass
+        assert failure.value.code == grpc.StatusCode.INTERNAL
+        with pytest.raises(PDServeError, match="token stream failed") as refused:
+            client.generate("hello", max_tokens=2)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE

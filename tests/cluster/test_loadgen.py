@@ -1,0 +1,242 @@
+"""The load generator: arrivals, trace loading and scaling, and both clients against real servers
+(a tiny SSE server in the test, a real local pdserve cluster, and `transformers serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import threading
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from pdserve.cluster.bench_serve import roundtrip_prompt
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+from pdserve.cluster.loadgen import (
+    GrpcClient,
+    OpenAIClient,
+    Request,
+    poisson_arrivals,
+    read_jsonl,
+    run_load,
+    trace_arrivals,
+    write_jsonl,
+)
+from pdserve.cluster.serve_baselines import TransformersServe
+from pdserve.cluster.workload import (
+    TRACE_DIRS,
+    block_prompts,
+    find_trace,
+    load_azure_trace,
+    load_mooncake_trace,
+    scale_requests,
+)
+from pdserve.engine.model_loader import load_tokenizer
+
+
+# --- arrivals -------------------------------------------------------------------------------------
+def test_poisson_arrivals_have_the_rate_and_are_seeded():
+    a = poisson_arrivals(20000, rate=5.0, seed=3)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert a[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(0.2, rel=0.03)
+    assert statistics.stdev(gaps) == pytest.approx(0.2, rel=0.05)  # exponential: sd = mean
+    assert a == poisson_arrivals(20000, 5.0, seed=3) and a != poisson_arrivals(20000, 5.0, seed=4)
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0)
+
+
+def test_trace_arrivals_keep_the_gaps_scaled():
+    assert trace_arrivals([10.0, 11.0, 13.0, 17.0], n=3, speedup=2.0) == [0.0, 0.5, 1.5]
+
+
+# --- traces ---------------------------------------------------------------------------------------
+def test_azure_trace_arrivals_and_lengths(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                    "2023-11-16 18:15:50.9951690,3960,109\n2023-11-16 18:16:00.0000000,100,4000\n")
+    reqs = load_azure_trace(path)
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 4.314579, 13.31941])
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(374, 44), (3960, 109), (100, 4000)]
+    scaled = scale_requests(reqs, 0.25, 0.25, max_model_len=1024)
+    assert [(r.prompt_len, r.output_len) for r in scaled] == [(94, 11), (990, 27), (24, 1000)]
+    assert all(r.prompt_len + r.output_len <= 1024 for r in scaled)
+    capped = scale_requests(reqs, 0.25, 0.25, max_model_len=1024, max_output=64)
+    assert [r.output_len for r in capped] == [11, 27, 64]
+
+
+@pytest.mark.skipif(not any((d / "azure2023_conv.csv").is_file() for d in TRACE_DIRS), reason="traces absent")
+def test_shared_traces_load_and_fit_the_model():
+    conv = load_azure_trace(find_trace("azure2023_conv.csv"), 500)
+    assert len(conv) == 500 and conv[0].arrival_s == 0.0
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(conv, conv[1:]))
+    assert 2 < (len(conv) - 1) / conv[-1].arrival_s < 12  # the README's ~5.5 req/s
+    code = load_azure_trace(find_trace("azure2023_code.csv"), 50)
+    assert len(code) == 50
+    moon = scale_requests(load_mooncake_trace(find_trace("mooncake_synthetic_trace.jsonl"), 300), 1 / 32, 1 / 4,
+                          max_model_len=1024)
+    assert all(r.prompt_len + r.output_len <= 1024 and r.block_tokens == 16 for r in moon)
+    prompts = block_prompts(moon, vocab_size=8192, seed=1)
+    by_first_block = {}
+    for r, p in zip(moon, prompts):
+        assert len(p) == r.prompt_len
+        if r.hash_ids and r.prompt_len >= 16:
+            by_first_block.setdefault(r.hash_ids[0], []).append(p[:16])
+    shared = [blocks for blocks in by_first_block.values() if len(blocks) > 1]
+    assert shared, "the trace's requests share prefixes"
+    assert all(b == blocks[0] for blocks in shared for b in blocks)
+
+
+def test_mooncake_equal_hash_ids_give_equal_token_blocks(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    rows = [{"timestamp": 1000, "input_length": 1400, "output_length": 40, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1500, "input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 5]},
+            {"timestamp": 3000, "input_length": 600, "output_length": 9, "hash_ids": [5, 6]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = scale_requests(load_mooncake_trace(path), 1 / 16, 1 / 4, max_model_len=1024)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 2.0]
+    assert [(r.prompt_len, r.output_len, r.block_tokens) for r in reqs] == [(88, 10, 32), (96, 2, 32), (38, 2, 32)]
+    a, b, c = block_prompts(reqs, vocab_size=1000, seed=7)
+    assert [len(p) for p in (a, b, c)] == [88, 96, 38]
+    assert a[:64] == b[:64]            # hash ids 0, 1: the same two blocks
+    assert a[64:88] != b[64:88]        # 2 vs 5
+    assert b[64:96] == c[:32]          # hash id 5, at another position, is the same block
+    assert (a, b, c) == tuple(block_prompts(reqs, vocab_size=1000, seed=7))
+    assert a != block_prompts(reqs, vocab_size=1000, seed=8)[0]
+    assert all(3 <= t < 1000 for p in (a, b, c) for t in p)
+    # Scaling that cuts a prompt keeps its prefix, so shared blocks stay shared.
+    tight = scale_requests(load_mooncake_trace(path), 1 / 16, 1 / 4, max_model_len=60)
+    assert all(r.prompt_len + r.output_len <= 60 for r in tight)
+    ta, tb, _ = block_prompts(tight, vocab_size=1000, seed=7)
+    assert ta[:32] == tb[:32] == a[:32]
+
+
+# --- the OpenAI-compatible client against a tiny SSE server ---------------------------------------
+TOKENS = 5
+GAP_S = 0.03
+
+
+class SSEServer:
+    """aiohttp.web on 127.0.0.1 in its own thread: streams TOKENS events GAP_S apart, then usage."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if body["prompt"] == "busy":
+            return web.Response(status=429, text="overloaded")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(GAP_S)
+            await resp.write(f'data: {json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]})}\n\n'.encode())
+        usage = {"completion_tokens": body["max_tokens"], "prompt_tokens": 3,
+                 "prompt_tokens_details": {"cached_tokens": 2}}
+        final = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage}
+        await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def __enter__(self) -> "SSEServer":
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_openai_client_records_every_token_arrival(tmp_path):
+    with SSEServer() as server:
+        client = OpenAIClient(f"http://127.0.0.1:{server.port}", model="m", extra_body={"ignore_eos": True})
+        reqs = [Request("a", [5, 6, 7], TOKENS, text="hello"), Request("b", [8, 9], TOKENS),
+                Request("c", [1], TOKENS, text="busy")]
+        records = run_load(client, reqs, [0.0, 0.05, 0.1], config="sse", rate=20.0, progress=False)
+    a, b, c = records
+    for r in (a, b):
+        assert r.outcome == "ok" and r.output_tokens == TOKENS == len(r.token_times)
+        assert r.ttft >= GAP_S * 0.9 and r.cached_tokens == 2
+        assert min(r.itl) >= GAP_S * 0.8  # one event per token, each stamped on arrival
+        assert r.end_time >= r.token_times[-1]
+    assert b.send_time - a.send_time == pytest.approx(0.05, abs=0.02)  # sent on schedule, not after a
+    assert b.send_time < a.end_time  # open loop: b went out while a was streaming
+    assert c.outcome == "rejected" and "overloaded" in c.error and c.ttft is None
+    sent = {body["prompt"] if isinstance(body["prompt"], str) else tuple(body["prompt"]) for body in server.bodies}
+    assert sent == {"hello", (8, 9), "busy"}  # text when given, else the token ids
+    assert all(body["stream"] and body["ignore_eos"] and body["max_tokens"] == TOKENS and body["temperature"] == 0
+               for body in server.bodies)
+    path = tmp_path / "r.jsonl"
+    write_jsonl(records, path)
+    assert read_jsonl(path) == records
+
+
+# --- the gRPC client against a real local cluster -------------------------------------------------
+def tiny_manifest(model_dir):
+    return load_manifest({
+        "model": str(model_dir), "kv_memory_mb": 16, "max_model_len": 512, "server": {"address": "127.0.0.1:0"},
+        "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
+    })
+
+
+def test_grpc_client_against_a_real_cluster(model_dirs):
+    rng = random.Random(0)
+    reqs = [Request(f"g{i}", [rng.randrange(3, 1000) for _ in range(rng.randint(8, 60))], 6 + i) for i in range(6)]
+    with Cluster(tiny_manifest(model_dirs["tiny-llama"]), log=lambda _: None) as cluster:
+        records = run_load(GrpcClient(cluster.address, timeout=60), reqs, poisson_arrivals(len(reqs), 4.0, seed=1),
+                           config="grpc", rate=4.0, progress=False)
+    for req, r in zip(reqs, records):
+        assert r.outcome == "ok", r.error
+        assert r.output_tokens == req.max_tokens == len(r.token_times) == r.max_tokens
+        assert r.prompt_len == len(req.token_ids)
+        assert 0 < r.ttft <= r.e2e and r.tpot is not None
+        assert r.token_times == sorted(r.token_times)
+
+
+# --- transformers serve, through the same OpenAI client -------------------------------------------
+def test_transformers_serve_gives_exact_lengths_for_roundtrip_prompts(model_dirs, tmp_path):
+    model_dir = model_dirs["tiny-llama"]
+    tokenizer = load_tokenizer(model_dir)
+    rng = random.Random(0)
+    ids = [roundtrip_prompt(tokenizer, n, rng) for n in (12, 40)]
+    reqs = [Request(f"t{i}", p, 8 + i, text=tokenizer.decode(p)) for i, p in enumerate(ids)]
+    with TransformersServe(model_dir, threads=1, log_path=tmp_path / "serve.log", log=lambda _: None) as server:
+        client = OpenAIClient(server.base_url, model=str(model_dir), timeout=60, extra_body=server.request_fields())
+        records = run_load(client, reqs, [0.0, 0.1], config="tf", rate=10.0, progress=False)
+        # The server tokenizes the text into exactly the prompt's ids.
+        body = {"prompt": reqs[1].text, "max_tokens": 2, **server.request_fields()}
+        http = urllib.request.Request(server.base_url + "/v1/completions", json.dumps(body).encode(),
+                                      {"Content-Type": "application/json"})
+        with urllib.request.urlopen(http, timeout=60) as resp:
+            usage = json.loads(resp.read())["usage"]
+        pid = server._proc.pid
+    assert usage == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    for req, r in zip(reqs, records):
+        assert r.outcome == "ok", r.error
+        assert r.output_tokens == req.max_tokens  # EOS switched off: exactly max_tokens
+        assert 0 < len(r.token_times) <= req.max_tokens and r.ttft > 0
+    with pytest.raises(OSError):  # stopped: the pid is gone
+        os.kill(pid, 0)

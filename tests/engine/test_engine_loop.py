@@ -1,0 +1,72 @@
+"""The engine loop thread: it fails loudly, never runs a withdrawn command, and sleeps when idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
+
+ARCH = "tiny-llama"
+GREEDY = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture()
+def engine(model_dirs):
+    return LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=2 * 2**20, max_model_len=512))
+
+
+def test_an_exception_in_the_output_callback_fails_loudly(engine):
+    fatal: list[BaseException] = []
+    done = threading.Event()
+
+    def broken_callback(outputs):
+        raise RuntimeError("callback bug")
+
+    loop = EngineLoop(engine, broken_callback, on_fatal=lambda e: (fatal.append(e), done.set())).start()
+    loop.call(lambda e: e.add_request([5, 6, 7], GREEDY, "r1"))
+    assert done.wait(10), "the loop's failure was never reported"
+    assert isinstance(fatal[0], RuntimeError) and "callback bug" in str(fatal[0])
+    assert not loop.running and loop.fatal_error is fatal[0]
+    with pytest.raises(RuntimeError, match="callback bug"):
+        loop.call(lambda e: None)  # later commands fail at once, naming the cause
+    loop.stop()
+
+
+def test_a_timed_out_command_never_runs_later(engine):
+    loop = EngineLoop(engine, lambda outputs: None).start()
+    ran = []
+    loop.submit(lambda e: time.sleep(0.5))  # keeps the loop busy
+    with pytest.raises(TimeoutError):
+        loop.call(lambda e: ran.append("late"), timeout=0.1)
+    loop.call(lambda e: None)  # every command queued before this one has been dealt with
+    assert ran == []
+    loop.stop()
+
+
+def test_the_loop_sleeps_when_waiting_work_cannot_be_scheduled(engine):
+    loop = EngineLoop(engine, lambda outputs: None).start()
+    # Imports in progress hold (nearly) every block, so the waiting request cannot be admitted.
+    holders = []
+    while loop.call(lambda e: e.num_free_blocks) >= 3:
+        n = min(496, (loop.call(lambda e: e.num_free_blocks) - 1) * 16)
+        holders.append(f"holder-{len(holders)}")
+        loop.call(lambda e: e.begin_import(holders[-1], [5] * n, GREEDY, n))
+    loop.call(lambda e: e.add_request([5] * 40, GREEDY, "waits"))
+    steps_before = loop.busy.steps
+    time.sleep(0.5)
+    steps = loop.busy.steps - steps_before
+    assert loop.call(lambda e: e.has_unfinished_requests())
+    assert steps <= 20, f"{steps} empty steps in 0.5 s: the loop spins"  # ~10 at a 50 ms idle wait
+    for holder in holders:  # blocks come back: the request runs at once
+        loop.call(lambda e: e.abort_request(holder))
+    deadline = time.time() + 10
+    while loop.call(lambda e: e.has_unfinished_requests()) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not loop.call(lambda e: e.has_unfinished_requests())
+    busy = loop.busy
+    assert busy.wall_s > 0.5 and busy.forward_s > 0 and busy.forward_s + busy.other_s < busy.wall_s
+    loop.stop()
