@@ -87,6 +87,17 @@ def _wait_idle(cluster: Cluster, timeout_s: float = 30.0) -> tuple[bool, float]:
     return False, timeout_s
 
 
+def _divergence(model: torch.nn.Module, prompt: list[int], expected: list[int], got: list[int]) -> dict:
+    """Where a served output first left the reference, and how close the reference's top two logits
+    were there (a near-tie that float rounding in another batch shape can flip, or a real error)."""
+    at = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
+    logits = model(torch.tensor([prompt + expected[:at]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    return {"prompt_len": len(prompt), "position": at, "expected": expected[at], "got": got[at],
+            "top2_logit_gap": float(top[0] - top[1]),
+            "gap_to_served_token": float(logits[expected[at]] - logits[got[at]])}
+
+
 def run(cfg: OverloadConfig) -> dict:
     manifest = load_manifest(cfg.manifest)
     manifest.server.address = "127.0.0.1:0"
@@ -113,13 +124,16 @@ def run(cfg: OverloadConfig) -> dict:
     sample = random.Random(cfg.seed).sample(ok, min(cfg.reference_sample, len(ok)))
     print(f"checking {len(sample)} completed outputs against transformers' generate ...", flush=True)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    mismatches = 0
+    mismatches = []
     with torch.inference_mode():
         for o in sample:
             prompt = prompts[o.index]
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens[o.index],
-                                     min_new_tokens=max_tokens[o.index], do_sample=False, pad_token_id=0)
-            mismatches += out[0, len(prompt):].tolist() != o.token_ids
+                                     min_new_tokens=max_tokens[o.index], do_sample=False, pad_token_id=0,
+                                     eos_token_id=None)  # as ignore_eos: EOS is a token like any other
+            expected = out[0, len(prompt):].tolist()
+            if expected != o.token_ids:
+                mismatches.append(_divergence(reference, prompt, expected, o.token_ids))
     refused = [o.retry_after_s for o in outcomes if o.status == "RESOURCE_EXHAUSTED"]
     result = {
         "benchmark": "overload", "date": date.today().isoformat(), "machine": platform.platform(),
@@ -130,7 +144,8 @@ def run(cfg: OverloadConfig) -> dict:
         "past_deadline": sum(o.status == "DEADLINE_EXCEEDED" or o.seconds > cfg.deadline_s for o in outcomes),
         "latency_s_p50": {s: statistics.median(o.seconds for o in outcomes if o.status == s) for s in counts},
         "retry_after_s_median": statistics.median(refused) if refused else None,
-        "reference_checked": len(sample), "reference_mismatches": mismatches,
+        "reference_checked": len(sample), "reference_mismatches": len(mismatches),
+        "mismatch_details": mismatches,
         "peak_rss_mb": {"router_and_loadgen": {"before": rss_mb(router_rss_before), "after": rss_mb(router_rss_after)},
                         **{n: {"before": rss_mb(workers_before[n]), "after": rss_mb(workers_after[n])}
                            for n in workers_after}},

@@ -26,22 +26,33 @@ class PlacementPolicy(Protocol):
         """One of `workers` (non-empty: healthy ones with room)."""
 
 
+class _Rotation:
+    """A turn counter per pool: one request places on two pools, and a counter shared between them
+    would hand each pool only every other turn (with two decode workers, always the same one)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, itertools.count] = {}
+
+    def next(self, workers: list[WorkerRef]) -> int:
+        return next(self._counters.setdefault(workers[0].pool, itertools.count())) % len(workers)
+
+
 class RoundRobin:
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._turn = _Rotation()
 
     def choose(self, workers: list[WorkerRef]) -> WorkerRef:
-        return workers[next(self._counter) % len(workers)]
+        return workers[self._turn.next(workers)]
 
 
 class LeastLoaded:
     """The worker holding the fewest requests; ties go round-robin, so an idle pool shares the work."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._turn = _Rotation()
 
     def choose(self, workers: list[WorkerRef]) -> WorkerRef:
-        start = next(self._counter) % len(workers)
+        start = self._turn.next(workers)
         return min(workers[start:] + workers[:start], key=lambda w: w.outstanding)
 
 

@@ -33,12 +33,18 @@ def on_worker(ref, fn, *args):
     return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)
 
 
-def install_gate(self, path: str) -> None:
-    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
+def attribute_owner(self, path: str) -> tuple[object, str]:
+    """The object holding the attribute at dotted `path` inside the worker, and the attribute's name."""
     owner_path, _, name = path.rpartition(".")
     owner = self
     for part in filter(None, owner_path.split(".")):
         owner = getattr(owner, part)
+    return owner, name
+
+
+def install_gate(self, path: str) -> None:
+    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
+    owner, name = attribute_owner(self, path)
     original, gate = getattr(owner, name), threading.Event()
 
     def gated(*args, **kwargs):
@@ -62,10 +68,7 @@ def prefill_job_states(self) -> list[str]:
 
 def inject_exception(self, path: str) -> None:
     """Replace the callable at `path` with one that raises, as a bug in that code would."""
-    owner_path, _, name = path.rpartition(".")
-    owner = self
-    for part in filter(None, owner_path.split(".")):
-        owner = getattr(owner, part)
+    owner, name = attribute_owner(self, path)
 
     def broken(*args, **kwargs):
         raise RuntimeError(f"injected fault in {path}")
