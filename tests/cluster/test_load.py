@@ -76,6 +76,12 @@ def inject_exception(self, path: str) -> None:
     setattr(owner, name, broken)
 
 
+def quarter_core_pools(**extra) -> dict:
+    """Pools asking Ray for a quarter core per worker: this module keeps up to four small clusters up at
+    once in one 2-CPU Ray instance (Ray's CPUs are logical: the workers still use what they need)."""
+    return {pool: {"num_cpus": 0.25, **extra} for pool in ("prefill", "decode")}
+
+
 def wait_healthy(cluster: Cluster, timeout_s: float = 60.0) -> None:
     deadline = time.time() + timeout_s
     while not all(w.healthy for w in cluster.workers):
@@ -147,8 +153,16 @@ PHASES = {
 }
 
 
+@pytest.fixture(scope="module", params=["ray", "grpc"])
+def transport_cluster(request, model_dirs):
+    with Cluster(manifest(model_dirs[ARCH], transport=request.param, pools=quarter_core_pools()),
+                 log=lambda _: None) as c:
+        yield c
+
+
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_a_cancel_at_each_phase_frees_both_pools(cluster, phase):
+def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
+    cluster = transport_cluster
     pool, path, state = PHASES[phase]
     gated, prefill = worker(cluster, pool), worker(cluster, "prefill")
     on_worker(gated, install_gate, path)
@@ -180,7 +194,8 @@ def test_a_cancel_while_decoding_frees_both_pools(cluster):
 
 def test_overload_ends_in_completions_or_resource_exhausted(model_dirs, hf_reference):
     """A short version of the overload benchmark: every request completes or is refused with a hint."""
-    limits = {"router": {"max_queued_prefills": 8, "max_active_decodes": 24}, "kv_memory_mb": 4}
+    limits = {"router": {"max_queued_prefills": 8, "max_active_decodes": 24}, "kv_memory_mb": 4,
+              "pools": quarter_core_pools()}
     distinct = random_prompts(12, hf_reference[ARCH].vocab_size, 10, 120, seed=23)
     prompts = [distinct[i % len(distinct)] for i in range(300)]
     with Cluster(manifest(model_dirs[ARCH], **limits), log=lambda _: None) as c:
@@ -219,8 +234,7 @@ FAULTS = {
 
 @pytest.fixture(scope="module")
 def faulty_cluster(model_dirs):
-    restarts = {"max_restarts": 10}  # every fault below costs its worker one restart
-    pools = {"prefill": {"num_cpus": 0.5, **restarts}, "decode": {"num_cpus": 0.5, **restarts}}
+    pools = quarter_core_pools(max_restarts=10)  # every fault below costs its worker one restart
     with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
         yield c
 
