@@ -74,19 +74,6 @@ async def _burst(address: str, prompts: list[list[int]], max_tokens: list[int], 
                                       for i, (p, n) in enumerate(zip(prompts, max_tokens))))
 
 
-def _wait_idle(cluster: Cluster, timeout_s: float = 30.0) -> tuple[bool, float]:
-    import ray
-
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
-        if all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
-               and s.get("jobs", 0) == 0 for s in status):
-            return True, time.time() - t0
-        time.sleep(0.1)
-    return False, timeout_s
-
-
 def _divergence(model: torch.nn.Module, prompt: list[int], expected: list[int], got: list[int]) -> dict:
     """Where a served output first left the reference, and how close the reference's top two logits
     were there (a near-tie that float rounding in another batch shape can flip, or a real error)."""
@@ -116,7 +103,9 @@ def run(cfg: OverloadConfig) -> dict:
         outcomes = asyncio.run(_burst(cluster.address, prompts, max_tokens, cfg))
         elapsed = time.perf_counter() - t0
         workers_after = {n: s["peak_rss_bytes"] for n, s in cluster.worker_stats().items()}
-        idle, idle_after_s = _wait_idle(cluster)
+        t_idle = time.time()
+        idle, _ = cluster.wait_idle(timeout_s=30.0)
+        idle_after_s = time.time() - t_idle
     router_rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     counts = Counter(o.status for o in outcomes)

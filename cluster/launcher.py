@@ -129,6 +129,18 @@ class Cluster:
         stats = ray.get([w.handle.stats.remote() for w in self.workers])
         return {w.name: s for w, s in zip(self.workers, stats)}
 
+    def wait_idle(self, timeout_s: float = 10.0) -> tuple[bool, list[dict]]:
+        """Poll the workers until every pool is fully free (no blocks held beyond the prefix cache, no
+        request, transfer or queued job), at most `timeout_s`; whether it was, and the last status."""
+        deadline = time.time() + timeout_s
+        while True:
+            status = ray.get([w.handle.ping.remote() for w in self.workers])
+            idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
+                       and s.get("jobs", 0) == 0 for s in status)
+            if idle or time.time() > deadline:
+                return idle, status
+            time.sleep(0.1)
+
     def _wait_ready(self, timeout_s: float) -> None:
         pending = {w.handle.ping.remote(): w for w in self.workers}
         deadline = time.time() + timeout_s

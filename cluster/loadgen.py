@@ -98,8 +98,8 @@ class GrpcClient:
             async for chunk in self._client.generate_stream(
                     request.token_ids, temperature=0, max_tokens=request.max_tokens, ignore_eos=True,
                     request_id=request.request_id, timeout=self.timeout):
-                # StreamChunk has no cached_tokens (the SDK keeps it on Completion): recorded as unknown.
-                yield Delta(len(chunk.token_ids))
+                first = chunk.prompt_tokens > 0  # only the first chunk carries the prompt's counts
+                yield Delta(len(chunk.token_ids), cached_tokens=chunk.cached_tokens if first else None)
         except pdserve.ResourceExhausted as e:
             raise Rejected(e.message) from None
 

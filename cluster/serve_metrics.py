@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 Outcome = Literal["ok", "rejected", "error"]
 TARGET_ATTAINMENT = 0.9  # DistServe's goodput definition
 
@@ -64,13 +66,8 @@ class RequestRecord:
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
-    """The p-th percentile (0-100) with linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The p-th percentile (0-100), linear interpolation between closest ranks; None when empty."""
+    return float(np.percentile(values, p)) if len(values) else None
 
 
 def distribution(values: Sequence[float]) -> dict[str, float | None]:

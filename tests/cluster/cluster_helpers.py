@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
-import ray
-
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 
@@ -23,14 +19,7 @@ def manifest(model_dir, mode="disaggregated", transport="ray", **extra):
 
 def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
     """Poll the workers until every pool is fully free (bounded); return their last status."""
-    deadline = time.time() + timeout_s
-    while True:
-        status = ray.get([w.handle.ping.remote() for w in cluster.workers])
-        idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
-                   and s.get("jobs", 0) == 0 for s in status)
-        if idle or time.time() > deadline:
-            return status
-        time.sleep(0.1)
+    return cluster.wait_idle(timeout_s)[1]
 
 
 def assert_idle(cluster: Cluster) -> None:
