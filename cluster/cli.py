@@ -119,6 +119,33 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kv(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench_kv import KVBenchConfig, run
+
+    run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
+                      repeats=args.repeats, codecs=tuple(args.codecs), windows=args.windows, out=Path(args.out)))
+    return 0
+
+
+def _train_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.presets import CHECKPOINTS
+    from pdserve.engine.training import TrainConfig, train
+    from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
+
+    out = args.dir or CHECKPOINTS / "pystd-llama"
+    train(TrainConfig(steps=args.steps, threads=args.threads), out)
+    print(f"profiling the cachegen codec's tables: {profile_cachegen(out)}")
+    return 0
+
+
+def _kv_profile(args: argparse.Namespace) -> int:
+    from pdserve.engine.presets import resolve_model
+    from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
+
+    print(f"wrote {profile_cachegen(resolve_model(args.model), num_tokens=args.tokens)}")
+    return 0
+
+
 def _bench_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
@@ -202,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--list", action="store_true", help="list the presets")
     mk.set_defaults(func=_make_model)
 
+    tm = sub.add_parser("train-model", help="train the shipped model (pystd-llama) again, on the Python standard "
+                                           "library's source, then profile its cachegen tables (~25 min, 2 cores)")
+    tm.add_argument("dir", nargs="?", type=Path, help="output directory (default: the shipped checkpoint's)")
+    tm.add_argument("--steps", type=int, default=1000)
+    tm.add_argument("--threads", type=int, default=2)
+    tm.set_defaults(func=_train_model)
+
+    kp = sub.add_parser("kv-profile", help="profile the cachegen codec's tables for a model (written into its "
+                                           "directory)")
+    kp.add_argument("model", help="model directory or preset name")
+    kp.add_argument("--tokens", type=int, default=65536, help="calibration tokens")
+    kp.set_defaults(func=_kv_profile)
+
     demo = sub.add_parser("demo", help="start a local cluster, stream a few real requests, print them, stop")
     demo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
     demo.add_argument("--max-tokens", type=int, default=24)
@@ -232,7 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_bench_engine)
-    bc = bench_sub.add_parser("cluster", help="disaggregated (ray, grpc) vs colocated: TTFT breakdown, "
+    bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a raw TCP socket) and codecs (bits per "
+                                         "element, perplexity change, greedy agreement, speed)")
+    bk.add_argument("--model", default="pystd-llama")
+    bk.add_argument("--transports", nargs="+", default=["shm", "grpc", "gloo"])
+    bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
+    bk.add_argument("--repeats", type=int, default=5)
+    bk.add_argument("--codecs", nargs="+", default=["raw", "fp8", "int8", "cachegen"])
+    bk.add_argument("--windows", type=int, default=16, help="held-out windows of 1024 tokens for perplexity")
+    bk.add_argument("--out", default="bench-results/kv.json")
+    bk.set_defaults(func=_bench_kv)
+    bc = bench_sub.add_parser("cluster", help="disaggregated (shm, grpc, gloo) vs colocated: TTFT breakdown, "
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24)

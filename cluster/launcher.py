@@ -19,6 +19,7 @@ from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.model_loader import context_limit, load_tokenizer
 from pdserve.engine.presets import resolve_model
+from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.kv_event_hub import KVEventHub
@@ -84,9 +85,6 @@ class Cluster:
         self.log("profiling prompt passes, one worker at a time ...")
         for w in self.workers:
             w.status = ray.get(w.handle.profile.remote(), timeout=ready_timeout_s)
-        if m.kv_transfer.transport == "grpc":
-            for w in decode_refs:
-                w.kv_address = ray.get(w.handle.get_kv_address.remote())
 
         served = self._served_model(model_dir)
         self._router = Router(m.mode, prefill_refs, decode_refs, m.block_size, self._routing_settings(served), index)
@@ -127,17 +125,24 @@ class Cluster:
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
-        args: list[Any] = [name, model_dir, m.engine_config(spec), self._hub.address, m.kv_transfer.transport]
-        kwargs: dict[str, Any] = {"reserve_wait_s": m.kv_transfer.reserve_wait_s, "kv_events": self._kv_events.address}
-        if cls is DecodeWorker:
-            kwargs["lease_s"] = m.kv_transfer.lease_s
-        else:
+        args: list[Any] = [name, model_dir, m.engine_config(spec), self._hub.address, self._transfer_settings()]
+        kwargs: dict[str, Any] = {"kv_events": self._kv_events.address}
+        if cls is PrefillWorker:
             r = m.router
             window = None if r.short_batch_window_ms is None else r.short_batch_window_ms / 1000
             kwargs.update(max_queued=r.max_queued_prefills, length_aware=r.laps,
                           short_prompt_tokens=r.short_prompt_tokens, short_batch_window_s=window)
         return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode",
                          handle=actor.remote(*args, **kwargs))
+
+    def _transfer_settings(self) -> TransferSettings:
+        m = self.manifest
+        kv = m.kv_transfer
+        host = kv.host or ("127.0.0.1" if m.ray.address == "local" else ray.util.get_node_ip_address())
+        tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
+        return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
+                                frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
+                                ttft_slo_s=m.router.ttft_slo_s)
 
     @property
     def router(self) -> Router | None:
@@ -172,7 +177,7 @@ class Cluster:
         """Seed the router's transfer cost with a few handoffs of raw KV (reserve to abort)."""
         for tokens in PROBE_TOKENS:
             tokens = min(tokens, self._router.settings.max_model_len - 1)
-            probe = ray.get(prefill.handle.probe_transfer.remote(decode.handle, decode.kv_address, tokens))
+            probe = ray.get(prefill.handle.probe_transfer.remote(decode.handle, tokens))
             self._router.transfer.observe(tokens, probe["handoff_s"])
 
     def _request_snapshot(self, worker_name: str) -> None:

@@ -83,11 +83,30 @@ class RouterSpec(_Strict):
         return self.length_aware if self.length_aware is not None else self.pool_policies[0] == "pdserve"
 
 
+class KVTLSSpec(_Strict):
+    """Mutual TLS on the gRPC KV transport: every worker presents `cert` (PEM, signed by `ca`) and
+    accepts only peers whose certificate `ca` signed."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class KVTransferSpec(_Strict):
-    transport: Literal["ray", "grpc"] = "ray"  # ray: same-node object store; grpc: streaming, any node
-    codec: Literal["raw"] = "raw"
-    lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every layer that arrives
+    # auto: shared memory between workers on one node, gRPC across nodes; or one of shm, grpc, gloo for every pair.
+    transport: Literal["auto", "shm", "grpc", "gloo"] = "auto"
+    # Offered in this order; each decode worker takes the first it can decode (cachegen needs the model's
+    # profiled tables: `pdserve kv-profile`), else raw.
+    codec: str | list[str] = "raw"
+    host: str | None = None  # where KV receivers listen; default: loopback on a local cluster, else the node's address
+    tls: KVTLSSpec | None = None  # TLS on the gRPC transport
+    frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
+    lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every frame that arrives
     reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        return (self.codec,) if isinstance(self.codec, str) else tuple(self.codec)
 
 
 class ServerSpec(_Strict):
@@ -119,7 +138,7 @@ class RaySpec(_Strict):
 
 
 class Manifest(_Strict):
-    model: str = "llama-20m"  # a model directory or a preset name
+    model: str = "pystd-llama"  # a shipped model, a preset name or a model directory
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     block_size: int = Field(16, ge=1, le=1024)
     kv_memory_mb: int = Field(256, ge=1)

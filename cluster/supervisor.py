@@ -84,7 +84,6 @@ class Supervisor:
                 self._profile(worker)
                 return False
             worker.status = status  # free blocks, fitted step cost: what placement reads
-            worker.kv_address = status.get("kv_address") or worker.kv_address  # a restart moves it
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
             log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))

@@ -1,8 +1,9 @@
 """The decode worker: takes KV handoffs into its pool and decodes in one continuous batch.
 
-The receiving half of the KV-transfer protocol (`reserve`, `receive_layer`, `renew_lease`, `commit`,
-`abort_transfer`) is exposed as actor methods (control plane and the `ray` data plane) and, with
-the `grpc` transport, as a KVTransfer gRPC server. Tokens go to the router over pyzmq, one message
+The receiving half of the KV-transfer protocol: its control plane (`reserve`, `renew_lease`,
+`commit`, `abort_transfer`) as actor methods, its data plane as the receiving halves of the
+transports the manifest allows (shared memory, gRPC, gloo), all delivering frames into one
+`KVReceiver`. A lease tells the sender where those listen and on which node this worker runs. Tokens go to the router over pyzmq, one message
 per request per step. `generate` runs a whole request here: the colocated mode, and the declared
 fallback for prompts that are not worth a transfer.
 
@@ -21,15 +22,18 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
+import dataclasses
+
+import ray
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.grpc_server import start_kv_server
 from pdserve.kv_transfer.interface import Lease, TransferError
+from pdserve.kv_transfer.settings import TransferSettings
+from pdserve.kv_transfer.transports import start_receiver
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.threads import start_guarded
@@ -39,8 +43,8 @@ LEASE_CHECK_S = 0.5
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str, transport: str,
-                 lease_s: float = 30.0, reserve_wait_s: float = 10.0, kv_events: str | None = None) -> None:
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str,
+                 kv_settings: TransferSettings, kv_events: str | None = None) -> None:
         self.worker_id = worker_id
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash) if kv_events else None
@@ -49,8 +53,12 @@ class DecodeWorker:
         self.sink = TokenSink(token_sink)
         self.fault: str | None = None
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
-        self.receiver = KVReceiver(self.loop, lease_s=lease_s, reserve_wait_s=reserve_wait_s)
-        self._kv_server, self.kv_address = start_kv_server(self.receiver) if transport == "grpc" else (None, None)
+        self.receiver = KVReceiver(self.loop, model_dir, lease_s=kv_settings.lease_s,
+                                   reserve_wait_s=kv_settings.reserve_wait_s)
+        self._receivers = [start_receiver(name, self.receiver.receive_frame, kv_settings.host, tls=kv_settings.tls)
+                           for name in kv_settings.receivers]
+        self.kv_addresses = {r.name: r.address for r in self._receivers}
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._started: dict[str, float] = {}  # request -> when decoding here began
         self._prefilling: dict[str, float] = {}  # colocated requests before their first token
         self._stop = threading.Event()
@@ -62,7 +70,7 @@ class DecodeWorker:
         engine = self.engine
         return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
                 "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
-                "transfers": self.receiver.num_in_flight, "kv_address": self.kv_address,
+                "transfers": self.receiver.num_in_flight, "kv_transfer": dict(self.receiver.counters),
                 "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),
                 "step_budget": engine.config.max_num_batched_tokens, "profiled": self._profiled}
@@ -82,26 +90,32 @@ class DecodeWorker:
         return {"steps": list(self.step_log), "loop": vars(self.loop.busy),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
-    def get_kv_address(self) -> str | None:
-        return self.kv_address
-
     # --- KV transfer, receiving side ------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int) -> Lease:
+                num_kv_tokens: int, codecs: list[str] | None = None) -> Lease:
+        """Reserve blocks for an incoming request; the lease says which leading blocks are cached here,
+        the codec agreed (the first of `codecs` this worker can decode, else raw), where the
+        transports listen, and what recomputing the KV here would cost instead."""
         if self.fault is not None:
             raise TransferError(self.fault)
-        return self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens)
-
-    def receive_layer(self, transfer_id: str, layer: int, payload: np.ndarray, crc: int) -> None:
-        self.receiver.receive_layer(transfer_id, layer, payload, crc)
+        lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
+                                      codecs or ["raw"])
+        missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
+        recompute_s = self.engine.step_costs.coefficients.prefill_s(missing, num_kv_tokens - missing)
+        return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id,
+                                   recompute_s=recompute_s if self._profiled else None)
 
     def renew_lease(self, transfer_id: str) -> Lease:
         return self.receiver.renew(transfer_id)
 
-    def commit(self, transfer_id: str, handoff: RequestHandoff) -> None:
+    def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
+        """Admit the request; returns the layers still incomplete instead (see `KVReceiver.commit`)."""
         self._started[handoff.request_id] = time.time()
         try:
-            self.receiver.commit(transfer_id, handoff)
+            incomplete = self.receiver.commit(transfer_id, handoff, recompute)
+            if incomplete:
+                self._started.pop(handoff.request_id, None)
+            return incomplete
         finally:
             if handoff.request_id in self.receiver.aborted or handoff.request_id not in self.engine.requests:
                 self._started.pop(handoff.request_id, None)  # failed, or cancelled meanwhile
@@ -140,8 +154,8 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self._kv_server is not None:
-            self._kv_server.stop(grace=None)
+        for receiver in self._receivers:
+            receiver.stop()
         self.loop.stop()
         self.sink.close()
         if self.kv_events is not None:

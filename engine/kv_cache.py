@@ -70,6 +70,24 @@ class PagedKVCache:
             return self.data.index_select(2, index).clone()
         return self.data[layer : layer + 1].index_select(2, index).clone()
 
+    def token_slots(self, block_ids: list[int], start: int, num_tokens: int) -> torch.Tensor:
+        """Slot index of each token in [start, start + num_tokens) of a request with these blocks."""
+        bs = self.layout.block_size
+        pos = torch.arange(start, start + num_tokens)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.data.device)
+
+    def read_tokens(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of one layer at `slots`: a new tensor [2, len(slots), heads, head_dim]."""
+        return self.data[layer].flatten(1, 2).index_select(1, slots)
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write [2, len(slots), heads, head_dim] of K and V into one layer at `slots` (one copy)."""
+        expected = (2, len(slots), self.layout.num_kv_heads, self.layout.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV data has shape {tuple(kv.shape)}, expected {expected}")
+        self.data[layer].flatten(1, 2).index_copy_(1, slots, kv.to(device=self.data.device, dtype=self.data.dtype))
+
     def write(self, block_ids: list[int], data: torch.Tensor, layer: int | None = None) -> None:
         expected = (
             1 if layer is not None else self.layout.num_layers, 2, len(block_ids),

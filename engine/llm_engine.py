@@ -4,8 +4,10 @@ Besides serving requests end to end (the colocated mode), it can hand a request 
 engine: `add_request(..., prefill_only=True)` stops after the first token and holds the KV;
 `export_handoff` + `export_kv` read it out (all layers, or one layer at a time), and `layer_hook`
 sees each layer's KV the moment the forward pass has written it; on the receiving engine
-`begin_import` reserves blocks, `import_kv` writes them, and `commit_import(handoff)` puts the
-request into the running batch. `abort_request` frees whatever a request holds, in any state.
+`begin_import` reserves blocks (sharing the leading ones its own prefix cache already holds, which
+then need no transfer), `import_kv` (or a direct write into the reserved blocks) fills them, and
+`commit_import(handoff)` puts the request into the running batch; `resume_request(handoff)` instead
+recomputes the KV from the tokens. `abort_request` frees whatever a request holds, in any state.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool, OutOfBlocks
+from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_prompt_blocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
@@ -39,6 +41,19 @@ class RequestHandoff:
     params: SamplingParams
     num_computed_tokens: int  # tokens whose KV travels with the handoff
     logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class ImportReservation:
+    """The blocks reserved for an incoming request's KV: the first `cached_blocks` of them were already
+    in this engine's prefix cache (shared, never written); the rest await the transfer."""
+
+    block_ids: list[int]
+    cached_blocks: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
@@ -249,22 +264,29 @@ class LLMEngine:
 
     # --- KV handoff: receiving side -------------------------------------------------------------
     def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     num_kv_tokens: int) -> int:
-        """Reserve blocks for `num_kv_tokens` tokens of an incoming request; returns how many blocks.
+                     num_kv_tokens: int) -> ImportReservation:
+        """Reserve blocks for `num_kv_tokens` tokens of an incoming request, reusing the full leading
+        blocks this engine's prefix cache holds (the sender skips those).
 
         Raises OutOfBlocks when the pool cannot hold them, ValueError for a bad request.
         """
         seq = self._new_sequence(prompt_token_ids, params, request_id)
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"an import must carry 1..{seq.num_tokens} tokens of KV, got {num_kv_tokens}")
-        need = -(-num_kv_tokens // self.config.block_size)
+        bs = self.config.block_size
+        hashes = hash_prompt_blocks(seq.token_ids[: num_kv_tokens // bs * bs], bs)
+        hits = self.pool.lookup_prefix(hashes)
+        need = -(-num_kv_tokens // bs) - len(hits)
         if not self.pool.can_allocate(need):
+            self.pool.free(hits)
             raise OutOfBlocks(f"request {request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
-        seq.block_table = self.pool.allocate(need)
+        seq.block_table = hits + self.pool.allocate(need)
+        seq.block_hashes = hashes[: len(hits)]
+        seq.num_cached_tokens = len(hits) * bs
         seq.status = SequenceStatus.IMPORTING
         self.requests[seq.request_id] = seq
         self._import_targets[seq.request_id] = num_kv_tokens
-        return need
+        return ImportReservation(list(seq.block_table), len(hits))
 
     def import_kv(self, kv: KVBlocks) -> None:
         seq = self.requests.get(kv.request_id)
@@ -294,3 +316,14 @@ class LLMEngine:
         seq.num_computed_tokens = reserved
         self.scheduler.publish_full_blocks(seq)
         self.scheduler.add_running(seq)
+
+    def resume_request(self, handoff: RequestHandoff) -> None:
+        """Continue a request from its tokens alone (prompt + those sampled so far), recomputing the KV
+        here: the fallback when its KV cannot arrive. An import in progress for it is dropped first."""
+        if handoff.request_id in self.requests:
+            self.abort_request(handoff.request_id)
+        seq = self._new_sequence(handoff.prompt_token_ids, handoff.params, handoff.request_id,
+                                 output_token_ids=handoff.output_token_ids)
+        seq.logprobs = list(handoff.logprobs)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)

@@ -1,8 +1,12 @@
-"""Named small models with random weights, built locally and cached on disk.
+"""Named small models: random-weight presets built locally and cached on disk, and the shipped
+trained model.
 
 `make_model("llama-20m", dir)` writes a normal Hugging Face checkpoint directory (config.json,
 model.safetensors, tokenizer files) that any transformers code can load. Same preset and seed, same
-bytes. `resolve_model` turns either a directory or a preset name into such a directory.
+bytes. `resolve_model` turns a directory, a preset name or a shipped model's name into such a
+directory. `pystd-llama`, the default, is trained (not random): `engine/training.py` made it from the
+Python standard library's source and it ships in `engine/checkpoints/` (`pdserve train-model`
+reproduces it).
 """
 
 from __future__ import annotations
@@ -103,7 +107,9 @@ PRESETS: dict[str, Preset] = {
     "llama-150m": Preset("llama", 8192, 1024, 12, 16, 4, 2816, 2048, description="~150M, Llama, GQA 16:4"),
 }
 
-DEFAULT_PRESET = "llama-20m"
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+SHIPPED = {"pystd-llama": "~5M, Llama, GQA 4:2, trained on the Python standard library (engine/training.py)"}
+DEFAULT_PRESET = "pystd-llama"
 
 
 def default_cache_dir() -> Path:
@@ -146,8 +152,15 @@ def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None
     if path.is_dir():
         return path
     name = str(spec)
+    if name in SHIPPED:
+        shipped = CHECKPOINTS / name
+        if not (shipped / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped model {name!r} is missing from {shipped}; "
+                                    f"`pdserve train-model` makes it again")
+        return shipped
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: not a directory and not a preset ({', '.join(PRESETS)})")
+        raise ValueError(f"unknown model {name!r}: not a directory, a shipped model ({', '.join(SHIPPED)}) "
+                         f"or a preset ({', '.join(PRESETS)})")
     target = (cache_dir or default_cache_dir()) / f"{name}-seed{seed}"
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several workers may resolve the same preset at once: one builds, the others wait and reuse it.

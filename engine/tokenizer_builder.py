@@ -1,13 +1,16 @@
-"""A byte-level BPE tokenizer the project trains itself, so no tokenizer is ever downloaded.
+"""Byte-level BPE tokenizers the project trains itself, so no tokenizer is ever downloaded.
 
-The training text is made from a fixed syllable inventory by a seeded generator: English-looking
-words, sentences and a little code-like text. Training on it is deterministic, so the same
-(vocab_size, seed) always gives the same tokenizer.
+`train_tokenizer` learns one from any iterator of texts (the trained model's: the Python standard
+library's source, see `training.py`). `build_tokenizer`, for the random-weight presets, trains on
+text made from a fixed syllable inventory by a seeded generator: English-looking words, sentences
+and a little code-like text. Training is deterministic, so the same texts (or the same
+(vocab_size, seed)) always give the same tokenizer.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -42,6 +45,12 @@ def _corpus(seed: int, num_sentences: int = 6000) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
+    """The random presets' tokenizer: trained on seeded English-looking text."""
+    return train_tokenizer(_corpus(seed), vocab_size)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (no unknown token: every byte is in the alphabet) learnt from `texts`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -51,7 +60,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>"
     )

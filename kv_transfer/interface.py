@@ -1,26 +1,25 @@
-"""What the sending and receiving halves of every KV transport share (neither imports the other).
+"""What the sending and receiving halves of every KV transport, and every codec, share.
 
-The receiving side (`receiver.KVReceiver`, and per transport its server, e.g. `grpc_server`) grants
-a `Lease` and takes layer payloads; the sending side (`transports`) opens a `LayerChannel` per
-transfer and pushes layers into it. Both raise `TransferError` for anything that ends a transfer.
+A transfer moves the KV of the tokens the decode worker does not already hold, layer by layer, as
+frames: one frame carries tokens [start, start + num_tokens) of one layer's K and V (relative to the
+first token sent), encoded by one codec at one quality level, with a CRC32 of the encoded bytes.
+
+The receiving side (`receiver.KVReceiver`) grants a `Lease` and takes frames through a `FrameSink`,
+whichever transport brought them; the sending side opens a `LayerChannel` per transfer and sends
+frames into it. Both raise `TransferError` for anything that ends a transfer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
 
-# gRPC data plane: layers travel in messages of GRPC_CHUNK_BYTES (at most GRPC_MAX_CHUNK_BYTES); the
-# message limit on both ends leaves room for the chunk's header fields.
-GRPC_CHUNK_BYTES = 512 * 1024
-GRPC_MIN_CHUNK_BYTES = 256 * 1024
-GRPC_MAX_CHUNK_BYTES = 1024 * 1024
-GRPC_MAX_MESSAGE_BYTES = 2 * GRPC_MAX_CHUNK_BYTES
-GRPC_OPTIONS = [("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES)]
+Payload = bytes | bytearray | memoryview | np.ndarray
 
 
 class TransferError(RuntimeError):
@@ -31,11 +30,57 @@ class KVMemoryFull(TransferError):
     """The receiver had no free blocks for the reservation within its bounded wait: retry later."""
 
 
+class CorruptFrame(TransferError):
+    """A frame's bytes do not match its checksum (or cannot be decoded): the sender may send it again."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    transfer_id: str
+    layer: int
+    start_token: int  # position in the request (tokens the decode worker holds already are not sent)
+    num_tokens: int
+    codec: str
+    level: int
+    crc32: int
+    payload_bytes: int
+
+    _FIXED = struct.Struct("<IIIHIQ")  # layer, start, num_tokens, level, crc32, payload_bytes
+
+    def pack(self) -> bytes:
+        """A compact binary form for transports whose control messages are plain bytes."""
+        names = f"{self.transfer_id}\0{self.codec}".encode()
+        return self._FIXED.pack(self.layer, self.start_token, self.num_tokens, self.level, self.crc32,
+                                self.payload_bytes) + names
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> FrameHeader:
+        size = cls._FIXED.size
+        if len(data) < size:
+            raise CorruptFrame(f"frame header of {len(data)} bytes, at least {size} expected")
+        layer, start, n, level, crc, nbytes = cls._FIXED.unpack_from(data)
+        try:
+            transfer_id, codec = bytes(data[size:]).decode().split("\0")
+        except ValueError as e:
+            raise CorruptFrame(f"malformed frame header: {e}") from None
+        return cls(transfer_id, layer, start, n, codec, level, crc, nbytes)
+
+
 @dataclass(frozen=True)
 class Lease:
     transfer_id: str
-    num_blocks: int
-    expires_at: float  # wall clock; freed if no commit comes by then (each layer or renewal extends it)
+    num_blocks: int  # blocks the request has on the decode side (cached prefix included)
+    expires_at: float  # wall clock; freed if no commit comes by then (each frame or renewal extends it)
+    cached_blocks: int = 0  # leading blocks the decode worker already holds: not sent
+    codec: str = "raw"  # what the decode side accepted of the codecs offered
+    addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its receiving half listens
+    node_id: str = ""  # the decode worker's node (same node: shared memory)
+    recompute_s: float | None = None  # the decode worker's estimate of recomputing the KV from the tokens
+
+
+# Takes one frame; the payload view is valid only during the call. Raises CorruptFrame for a frame
+# that may be sent again, TransferError for one that ends the transfer.
+FrameSink = Callable[[FrameHeader, memoryview], None]
 
 
 class LayerChannel(Protocol):
@@ -43,10 +88,47 @@ class LayerChannel(Protocol):
 
     bytes_sent: int
 
-    def push_layer(self, layer: int, tensor: torch.Tensor) -> None: ...
+    def send(self, header: FrameHeader, payload: Payload) -> None:
+        """Queue one frame (returns before it is delivered; the payload may be reused after return)."""
 
     def finish(self, timeout: float) -> None:
-        """Wait until every pushed layer is delivered; raise TransferError if any was not."""
+        """Wait until every frame sent so far is delivered; raise TransferError if any was not. A
+        frame the receiver found corrupt is not an error here: the receiver lists it (`missing`)."""
 
     def close(self) -> None:
         """Release the channel's resources (idempotent; ends an unfinished stream). Called on every path."""
+
+
+class SendingTransport(Protocol):
+    """One per prefill worker and transport kind: opens channels to decode workers' receiving halves."""
+
+    name: str
+
+    def open(self, address: str, transfer_id: str) -> LayerChannel: ...
+
+    def forget(self, address: str) -> None:
+        """Drop what is kept for a peer that left (connections, process groups)."""
+
+    def close(self) -> None: ...
+
+
+class ReceivingTransport(Protocol):
+    """One per decode worker and transport kind: hands every frame that arrives to the `FrameSink`."""
+
+    name: str
+    address: str  # what a sending half passes to `open`
+
+    def stop(self) -> None: ...
+
+
+class Codec(Protocol):
+    """Encodes one frame's KV: a tensor [2 (K, V), num_tokens, num_kv_heads, head_dim] of one layer."""
+
+    name: str
+    num_levels: int  # quality levels, 0 = finest; lossless codecs have one
+    lossless: bool
+
+    def encode(self, kv: torch.Tensor, layer: int, level: int = 0) -> Payload: ...
+
+    def decode(self, payload: Payload, layer: int, level: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor [2, num_tokens, heads, head_dim] in `dtype`; raises CorruptFrame if malformed."""

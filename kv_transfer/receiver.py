@@ -1,74 +1,115 @@
-"""Decode side of the handoff: reserve blocks under a lease, take layer payloads, commit or abort.
+"""Decode side of the handoff: reserve blocks under a lease, take frames into them, commit or abort.
 
-A reservation waits a bounded time (`reserve_wait_s`) for free blocks before it gives up with
-`KVMemoryFull`, so a full decode pool slows prefill down instead of failing requests at once. A lease
-starts at the reservation, which the prefill side makes just before the prompt pass, and every layer
-that arrives (and every `renew`) extends it: it cannot expire under a transfer that makes progress.
+A reservation shares the leading blocks the decode worker's prefix cache already holds (the lease
+says how many: the sender skips them) and agrees on a codec: the first of those offered that this
+side can decode, else raw. It waits a bounded time (`reserve_wait_s`) for free blocks before it gives
+up with `KVMemoryFull`, so a full decode pool slows prefill down instead of failing requests at once.
+A lease starts at the reservation, which the prefill side makes just before the prompt pass, and
+every frame that arrives (and every `renew`) extends it: it cannot expire under a transfer that makes
+progress.
+
+Frames arrive from any transport, on its threads, through `receive_frame`: checked (CRC32), decoded
+and written straight into the reserved blocks (one copy), without a round trip through the engine
+loop; no running request reads those blocks. Each transfer's lock orders writes against an abort,
+so a block is never written after it was freed. A corrupt frame is counted and dropped; `commit`
+then names the layers still incomplete, the sender sends their frames once more, and if they still do
+not arrive the request is recomputed here from its tokens (`commit(..., recompute=True)`).
+
 An abort may arrive before the reservation it cancels (Ray runs a threaded actor's calls in any
 order); the request's (or the transfer's) tombstone makes that reservation fail.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.kv_cache import KVBlocks
-from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.llm_engine import ImportReservation, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.codec import RawCodec, checksum
-from pdserve.kv_transfer.interface import KVMemoryFull, Lease, TransferError
+from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, checksum, make_codec
+from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Incoming:
     transfer: Transfer
-    num_blocks: int
+    reservation: ImportReservation
     num_tokens: int
+    codec: Codec
     expires_at: float
-    layers: set[int]
+    first_token: int  # the first token the transfer carries (those before are cached here)
+    written: np.ndarray  # [layer, token]: whether that token's KV of that layer has arrived intact
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def incomplete_layers(self) -> list[int]:
+        return np.flatnonzero(~self.written[:, self.first_token :].all(axis=1)).tolist()
 
 
 class KVReceiver:
-    def __init__(self, loop: EngineLoop, lease_s: float = 30.0, reserve_wait_s: float = 10.0) -> None:
+    def __init__(self, loop: EngineLoop, model_dir: str | Path | None = None, lease_s: float = 30.0,
+                 reserve_wait_s: float = 10.0) -> None:
         self.loop = loop
+        self.model_dir = model_dir
         self.lease_s = lease_s
         self.reserve_wait_s = reserve_wait_s
-        layout = loop.engine.kv_layout
-        self.num_layers = layout.num_layers
-        self.block_size = layout.block_size
-        self._layer_shape = (1, 2, 0, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.dtype = layout.dtype
+        self.layout = loop.engine.kv_layout
+        self.kv_cache = loop.engine.kv_cache
         self.aborted = Tombstones()
+        self.counters: Counter[str] = Counter()  # frames, corrupt_frames, recomputed, bytes, cached_blocks
+        self._codecs: dict[str, Codec | None] = {}  # by name; None: cannot be used here
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
 
+    # --- control plane --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int) -> Lease:
+                num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",)) -> Lease:
         transfer = Transfer(transfer_id, request_id)
         try:
-            blocks = self._reserve_blocks(request_id, prompt_token_ids, params, num_kv_tokens)
+            reservation = self._reserve_blocks(request_id, prompt_token_ids, params, num_kv_tokens)
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
         transfer.advance(TransferState.RESERVED)
-        lease = Lease(transfer_id, blocks, time.time() + self.lease_s)
+        codec = self.negotiate(codecs)
+        incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.time() + self.lease_s,
+                             reservation.cached_blocks * self.layout.block_size,
+                             np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
         with self._lock:
-            self._incoming[transfer_id] = _Incoming(transfer, blocks, num_kv_tokens, lease.expires_at, set())
+            self._incoming[transfer_id] = incoming
+        self.counters["cached_blocks"] += reservation.cached_blocks
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
             raise TransferError(f"request {request_id!r} was aborted")
-        return lease
+        return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks, codec.name)
+
+    def negotiate(self, offered: list[str] | tuple[str, ...]) -> Codec:
+        """The first offered codec this side can decode; raw when none (it always can)."""
+        for name in [*offered, "raw"]:
+            if name not in self._codecs:
+                try:
+                    self._codecs[name] = make_codec(name, self.model_dir, self.layout)
+                except CodecUnavailable as e:
+                    log.warning("codec %r refused, negotiating down: %s", name, e)
+                    self._codecs[name] = None
+            if self._codecs[name] is not None:
+                return self._codecs[name]
+        raise AssertionError("raw is always available")
 
     def _reserve_blocks(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        num_kv_tokens: int) -> int:
+                        num_kv_tokens: int) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
         while True:
             if request_id in self.aborted:
@@ -85,48 +126,80 @@ class KVReceiver:
             except Exception as e:
                 raise TransferError(f"decode worker cannot take request {request_id!r}: {e}") from e
 
-    def receive_layer(self, transfer_id: str, layer: int, payload: bytes | np.ndarray, crc: int) -> None:
-        incoming = self._get(transfer_id)
+    # --- data plane: every transport's FrameSink ------------------------------------------------
+    def receive_frame(self, header: FrameHeader, payload: memoryview) -> None:
+        incoming = self._get(header.transfer_id)
         try:
-            if checksum(payload) != crc:
-                raise TransferError(f"checksum mismatch on layer {layer}")
-            if not 0 <= layer < self.num_layers:
-                raise TransferError(f"layer {layer} outside [0, {self.num_layers})")
-            shape = list(self._layer_shape)
-            shape[2] = incoming.num_blocks
-            data = RawCodec.decode(payload, self.dtype, tuple(shape))
-            kv = KVBlocks(incoming.transfer.request_id, list(range(incoming.num_blocks)), layer, data,
-                          incoming.num_tokens, self.block_size)
-            self.loop.call(lambda e: e.import_kv(kv), kind="kv")
-        except Exception as e:
-            self.abort(transfer_id, f"layer {layer}: {e}")
-            raise TransferError(str(e)) from e
+            kv = self._decode(incoming, header, payload)
+        except CorruptFrame as e:
+            self.counters["corrupt_frames"] += 1
+            log.warning("transfer %s: frame of layer %d at token %d dropped: %s", header.transfer_id,
+                        header.layer, header.start_token, e)
+            raise
+        except TransferError as e:
+            self.abort(header.transfer_id, str(e))
+            raise
+        slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
+        with incoming.lock:  # an abort frees the blocks only after taking this lock and failing the transfer
+            if incoming.transfer.state.is_terminal:
+                raise TransferError(f"transfer {header.transfer_id} already ended: {incoming.transfer.error}")
+            self.kv_cache.write_tokens(header.layer, slots, kv)
+            incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-        incoming.transfer.bytes_moved += memoryview(payload).nbytes
-        incoming.layers.add(layer)
+        incoming.transfer.bytes_moved += payload.nbytes
         incoming.expires_at = time.time() + self.lease_s
+        self.counters["frames"] += 1
+        self.counters["bytes"] += payload.nbytes
 
+    def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview) -> torch.Tensor:
+        """The frame's KV, checked; CorruptFrame for damaged bytes, TransferError for a frame that
+        could not belong to this transfer."""
+        if payload.nbytes != header.payload_bytes or checksum(payload) != header.crc32:
+            raise CorruptFrame(f"checksum mismatch on layer {header.layer}")
+        if not 0 <= header.layer < self.layout.num_layers:
+            raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
+        if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
+                <= incoming.num_tokens:
+            raise TransferError(f"frame tokens [{header.start_token}, {header.start_token + header.num_tokens}) "
+                                f"outside the [{incoming.first_token}, {incoming.num_tokens}) this transfer carries")
+        if header.codec not in (incoming.codec.name, "raw"):
+            raise TransferError(f"frame in codec {header.codec!r}, {incoming.codec.name!r} was agreed")
+        codec = incoming.codec if header.codec == incoming.codec.name else self.negotiate(["raw"])
+        return codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
+
+    # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:
         """Extend a lease whose transfer is still making progress on the sending side."""
         incoming = self._get(transfer_id)
         incoming.expires_at = time.time() + self.lease_s
-        return Lease(transfer_id, incoming.num_blocks, incoming.expires_at)
+        reservation = incoming.reservation
+        return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks,
+                     incoming.codec.name)
 
-    def commit(self, transfer_id: str, handoff: RequestHandoff) -> None:
+    def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
+        """Admit the request once every layer is complete; returns the layers still incomplete (empty
+        once admitted: the sender sends those layers' frames again and commits once more).
+        `recompute`: give up on the KV and recompute it here from the handoff's tokens."""
         incoming = self._get(transfer_id)
-        missing = set(range(self.num_layers)) - incoming.layers
-        if missing:
-            self.abort(transfer_id, f"commit with layers {sorted(missing)} missing")
-            raise TransferError(f"transfer {transfer_id}: layers {sorted(missing)} never arrived")
+        if not recompute:
+            incomplete = incoming.incomplete_layers()
+            if incomplete:
+                return incomplete
         with self._lock:  # taken out first, so lease expiry cannot abort a commit under way
             self._incoming.pop(transfer_id, None)
         try:
-            self.loop.call(lambda e: e.commit_import(handoff), kind="kv")
+            if recompute:
+                self.loop.call(lambda e: e.resume_request(handoff), kind="kv")
+                self.counters["recomputed"] += 1
+                log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
+            else:
+                self.loop.call(lambda e: e.commit_import(handoff), kind="kv")
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
             self.loop.submit(lambda eng: eng.abort_request(handoff.request_id))
             raise TransferError(str(e)) from e
         incoming.transfer.advance(TransferState.SUCCESS)
+        return []
 
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""
@@ -135,8 +208,9 @@ class KVReceiver:
         if incoming is None:  # perhaps not reserved yet: the reservation will find this tombstone
             self.aborted.add(transfer_id)
             return False
-        if not incoming.transfer.fail(reason):
-            return False
+        with incoming.lock:  # no frame is being written into the blocks while they are freed
+            if not incoming.transfer.fail(reason):
+                return False
         request_id = incoming.transfer.request_id
         self.loop.submit(lambda e: e.abort_request(request_id))
         return True
@@ -157,7 +231,9 @@ class KVReceiver:
         now = time.time() if now is None else now
         with self._lock:
             late = [t for t, inc in self._incoming.items() if inc.expires_at < now]
-        return [t for t in late if self.abort(t, "lease expired")]
+        expired = [t for t in late if self.abort(t, "lease expired")]
+        self.counters["leases_expired"] += len(expired)
+        return expired
 
     @property
     def num_in_flight(self) -> int:

@@ -9,10 +9,15 @@ Each request is a job that moves through
 RESOURCE_EXHAUSTED), in one FCFS line or in LAPS's short and long queues (`queues`). One feeder
 thread takes jobs when they are due (FCFS: when the engine has less than one step's budget of work
 ahead, so a reservation is made just before the prompt pass, not while the job queues), reserves blocks on the chosen decode worker (the lease; the decode side waits a
-bounded time for free blocks), and adds the prompt to the engine with `prefill_only`. During the
-forward pass the engine's layer hook hands each finished layer to a sender thread, which pushes it;
-a chunked prompt's earlier steps renew the lease. After the last layer a commit thread commits the
-handoff (first token included). `_finish` ends every job, on every path: it closes the channel,
+bounded time for free blocks; the lease says which leading blocks it already holds and which codec
+it agreed to), opens a channel on the transport chosen for the pair, and adds the prompt to the
+engine with `prefill_only`. During the forward pass the engine's layer hook hands each layer of each
+chunk, as soon as it is written, to a sender thread, which sends what the decode worker lacks of it
+(`kv_transfer.sender`; the level controller picks each frame's quality level). After the last layer
+a commit thread commits the handoff (first token included); layers the decode side reports
+incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
+recomputes the request from its tokens. When the controller expects that recomputation to be faster
+than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel,
 aborts the transfer on both sides unless it committed, frees the local blocks and, for a failure,
 tells the router why. A cancel (`abort`) is honoured in every state.
 
@@ -31,7 +36,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -41,9 +46,12 @@ from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParam
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.interface import KVMemoryFull, LayerChannel, TransferError
+from pdserve.kv_transfer.codecs import checksum, make_codec
+from pdserve.kv_transfer.interface import FrameHeader, KVMemoryFull, Lease, LayerChannel, TransferError
+from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer
+from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
-from pdserve.kv_transfer.transports import GrpcTransport, RayChannel
+from pdserve.kv_transfer.transports import make_sender
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
@@ -53,6 +61,7 @@ log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
 _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
+DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
 CHUNK_OVERHEAD = 8  # LAPS chunks: a step's fixed cost is at most 1/8 of a chunk's compute
 
 
@@ -60,13 +69,15 @@ CHUNK_OVERHEAD = 8  # LAPS chunks: a step's fixed cost is at most 1/8 of a chunk
 class _Job:
     work: WorkRequest
     decode: Any  # the decode worker's actor handle
-    decode_kv_address: str | None
     new_tokens: int  # the prompt tokens the router expects this worker to compute (its cache has the rest)
     short: bool = False  # in LAPS's short queue
     state: str = "queued"
     cancelled: bool = False
     transfer: Transfer | None = None
     channel: LayerChannel | None = None
+    outgoing: OutgoingTransfer | None = None  # None: the decode worker recomputes the KV (nothing is sent)
+    lease: Lease | None = None
+    arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
     last_layer_at: float = 0.0
 
@@ -76,11 +87,12 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str, transport: str,
-                 max_queued: int = 64, reserve_wait_s: float = 10.0, kv_events: str | None = None,
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str,
+                 kv_settings: TransferSettings, max_queued: int = 64, kv_events: str | None = None,
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
                  short_batch_window_s: float | None = None) -> None:
         self.worker_id = worker_id
+        self.model_dir = model_dir
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s)
         self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS's up from the measured costs
@@ -90,8 +102,13 @@ class PrefillWorker:
         self.engine.pool.listener = self.kv_events
         self.sink = TokenSink(token_sink)
         self.max_queued = max_queued
-        self.reserve_wait_s = reserve_wait_s
-        self._grpc = GrpcTransport() if transport == "grpc" else None
+        self.kv = kv_settings
+        self.reserve_wait_s = kv_settings.reserve_wait_s
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        self._transports: dict[str, Any] = {}  # name -> sending half, made on first use
+        self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
+        self._level_sizes: dict[str, LevelSizes] = {}  # per codec
+        self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0}
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self.aborted = Tombstones()
@@ -151,36 +168,44 @@ class PrefillWorker:
         return {"transfers": list(self.transfer_log), "loop": vars(self.loop.busy), "kv_send_s": self._send_busy_s,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
-    def probe_transfer(self, decode: Any, decode_kv_address: str | None, num_tokens: int) -> dict:
-        """Push every layer of `num_tokens` tokens of KV to `decode`, then abort it: the transport's
-        bandwidth (`seconds`: the pushes) and a whole handoff's time (`handoff_s`: reserve to abort)."""
+    def probe_transfer(self, decode: Any, num_tokens: int) -> dict:
+        """Send every layer of `num_tokens` tokens of (random) raw KV to `decode`, then abort it: the
+        transport's bandwidth (`seconds`: the frames) and a whole handoff's time (`handoff_s`: reserve
+        to abort). The bandwidth is kept for the level controller of transfers to that worker."""
         transfer_id = uuid.uuid4().hex
         t_reserve = time.perf_counter()
         lease = ray.get(decode.reserve.remote(transfer_id, f"probe-{transfer_id}", [3] * num_tokens,
                                               SamplingParams.greedy(max_tokens=1), num_tokens))
         layout = self.engine.kv_layout
-        data = torch.randn(1, 2, lease.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim).to(
-            layout.dtype)
-        channel = self._open_channel(decode, decode_kv_address, transfer_id)
+        raw = make_codec("raw", None, layout)
+        first = lease.cached_blocks * layout.block_size
+        data = torch.randn(2, num_tokens - first, layout.num_kv_heads, layout.head_dim).to(layout.dtype)
+        channel = self._open_channel(lease, transfer_id)
         try:
             t0 = time.perf_counter()
             for layer in range(layout.num_layers):
-                channel.push_layer(layer, data)
+                for start in range(first, num_tokens, self.kv.frame_tokens):
+                    n = min(self.kv.frame_tokens, num_tokens - start)
+                    payload = memoryview(raw.encode(data[:, start - first : start - first + n], layer)).cast("B")
+                    channel.send(FrameHeader(transfer_id, layer, start, n, raw.name, 0, checksum(payload),
+                                             payload.nbytes), payload)
             channel.finish(COMMIT_TIMEOUT_S)
             seconds = time.perf_counter() - t0
         finally:
             channel.close()
             ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"))
+        self._bandwidth[_peer(lease)] = channel.bytes_sent / max(seconds, 1e-9)
         return {"bytes": channel.bytes_sent, "seconds": seconds, "handoff_s": time.perf_counter() - t_reserve}
 
-    def _open_channel(self, decode: Any, decode_kv_address: str | None, transfer_id: str) -> LayerChannel:
-        if self._grpc is not None:
-            return self._grpc.open(decode_kv_address, transfer_id)
-        return RayChannel(decode, transfer_id)
+    def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
+        name = self.kv.pick(lease.addresses, same_node=lease.node_id == self.node_id)
+        transport = self._transports.get(name)
+        if transport is None:
+            transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls)
+        return transport.open(lease.addresses[name], transfer_id)
 
     # --- requests -------------------------------------------------------------------------------
-    def prefill(self, work: WorkRequest, decode: Any, decode_kv_address: str | None,
-                new_tokens: int | None = None) -> None:
+    def prefill(self, work: WorkRequest, decode: Any, new_tokens: int | None = None) -> None:
         """Queue one request's prefill and handoff; the outcome reaches the router as token messages.
         `new_tokens`: the part of the prompt the router expects this worker not to cache (its queue)."""
         new_tokens = len(work.prompt_token_ids) if new_tokens is None else new_tokens
@@ -195,7 +220,7 @@ class PrefillWorker:
                 refusal = (f"prefill worker {self.worker_id} has {waiting} requests waiting for their prompt "
                            f"pass (max_queued {self.max_queued})", RESOURCE_EXHAUSTED)
             else:
-                job = self._jobs[work.request_id] = _Job(work, decode, decode_kv_address, new_tokens,
+                job = self._jobs[work.request_id] = _Job(work, decode, new_tokens,
                                                          self.queues.is_short(new_tokens))
         if refusal is not None:
             self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
@@ -222,8 +247,8 @@ class PrefillWorker:
         self.sink.close()
         if self.kv_events is not None:
             self.kv_events.close()
-        if self._grpc:
-            self._grpc.close()
+        for transport in self._transports.values():
+            transport.close()
 
     # --- the feeder thread ----------------------------------------------------------------------
     def _feed(self) -> None:
@@ -265,14 +290,16 @@ class PrefillWorker:
                 return
             job.state, job.transfer = "reserving", transfer
         try:
-            ray.get(job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                              work.params, len(work.prompt_token_ids)),
-                    timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            lease = ray.get(job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
+                                                      work.params, len(work.prompt_token_ids), list(self.kv.codecs)),
+                            timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
             with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
                 owned = self._owns(job)
                 if owned:
                     transfer.advance(TransferState.RESERVED)
-                    job.channel = self._open_channel(job.decode, job.decode_kv_address, transfer.transfer_id)
+                    job.lease = lease
+                    job.outgoing = self._outgoing(job, lease)
+                    job.channel = job.outgoing.channel if job.outgoing is not None else None
                     job.state, job.prefill_started = "prefilling", time.time()
             if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
@@ -286,18 +313,38 @@ class PrefillWorker:
         except Exception as e:
             self._finish(job, error=f"prefill could not start: {_reason(e)}", code=_code(e))
 
+    def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
+        """The transfer's sending side; None when the decode worker should recompute the KV instead
+        (the controller expects that to be faster than sending it even at the coarsest level)."""
+        layout = self.engine.kv_layout
+        codec = make_codec(lease.codec, self.model_dir, layout)
+        sizes = self._level_sizes.setdefault(codec.name, LevelSizes({}))
+        deadline = job.arrived + self.kv.ttft_slo_s if self.kv.ttft_slo_s is not None else None
+        controller = LevelController(codec, sizes, self._bandwidth.get(_peer(lease), DEFAULT_BANDWIDTH), deadline)
+        num_tokens = len(job.work.prompt_token_ids)
+        first = lease.cached_blocks * layout.block_size
+        transfer_s = controller.transfer_s((num_tokens - first) * layout.num_layers)
+        if lease.recompute_s is not None and transfer_s is not None and transfer_s > lease.recompute_s:
+            self.counters["recompute_chosen"] += 1
+            return None
+        channel = self._open_channel(lease, job.transfer.transfer_id)
+        return OutgoingTransfer(job.transfer.transfer_id, channel, controller, self.engine.kv_cache, first,
+                                num_tokens, self.kv.frame_tokens)
+
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
+        """A layer of these chunks is written: queue what the decode worker lacks of it for sending."""
         for chunk in chunks:
             job = self._jobs.get(chunk.seq.request_id)
             if job is None or job.transfer is None:
                 continue
-            if chunk.samples:  # the chunk that completes the prompt: this layer's KV is final
-                if layer == 0:
-                    job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+            if layer == 0:
+                job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+            end = chunk.seq.num_computed_tokens + chunk.num_tokens  # KV of every token before is final
+            if job.outgoing is not None:
                 # The blocks stay held until the job ends, so reading them later on the sender is safe.
-                self._sender.submit(self._send_layer, job, layer, list(chunk.seq.block_table))
-            elif layer == 0:  # an earlier chunk of a long prompt: the transfer is making progress
+                self._sender.submit(self._send_layer, job, layer, list(chunk.seq.block_table), end)
+            elif layer == 0 and not chunk.samples:  # recomputed there: keep the lease of a long prompt alive
                 self._sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -326,15 +373,15 @@ class PrefillWorker:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
 
     # --- on the sender and commit threads -------------------------------------------------------
-    def _send_layer(self, job: _Job, layer: int, block_ids: list[int]) -> None:
+    def _send_layer(self, job: _Job, layer: int, block_ids: list[int], end: int) -> None:
         if job.transfer.state.is_terminal:
             return
         t0 = time.perf_counter()
         try:
-            job.channel.push_layer(layer, self.engine.kv_cache.read(block_ids, layer))
+            job.outgoing.send_through(layer, block_ids, end)
             job.last_layer_at = time.time()
         except Exception as e:
-            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+            self._transfer_failed(job, e)
         finally:
             self._send_busy_s += time.perf_counter() - t0
 
@@ -342,21 +389,56 @@ class PrefillWorker:
         if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
             job.decode.renew_lease.remote(job.transfer.transfer_id)  # the commit reports that
 
+    def _transfer_failed(self, job: _Job, error: BaseException) -> None:
+        """End the job, and drop what the transports keep for its decode worker (connections, process
+        groups, segments): it may have left; the next transfer to it sets them up afresh."""
+        if job.lease is not None:
+            for name, transport in list(self._transports.items()):
+                if name in job.lease.addresses:
+                    transport.forget(job.lease.addresses[name])
+        self._finish(job, error=f"KV transfer failed: {_reason(error)}", code=UNAVAILABLE)
+
     def _commit(self, job: _Job, handoff: Any) -> None:
-        transfer = job.transfer
+        """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
+        that arrived corrupt) are sent once more; if they still are, it recomputes the request."""
+        transfer, outgoing = job.transfer, job.outgoing
         try:
-            self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued layer is pushed
-            job.channel.finish(COMMIT_TIMEOUT_S)
-            ray.get(job.decode.commit.remote(transfer.transfer_id, handoff), timeout=COMMIT_TIMEOUT_S)
+            self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued frame is sent
+            recompute = outgoing is None
+            for attempt in range(2):
+                if outgoing is not None:
+                    outgoing.channel.finish(COMMIT_TIMEOUT_S)
+                incomplete = ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, recompute),
+                                     timeout=COMMIT_TIMEOUT_S)
+                if not incomplete:
+                    break
+                if attempt == 0:
+                    log.warning("request %s: layers %s arrived incomplete, sending them again", job.request_id,
+                                incomplete)
+                    self.counters["frames_resent"] += 1
+                    block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
+                    job.channel.close()  # a finished stream takes no more frames: a fresh one
+                    job.channel = outgoing.channel = self._open_channel(job.lease, transfer.transfer_id)
+                    self._sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
+                else:
+                    log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
+                                job.request_id, incomplete)
+                    self.counters["recomputed"] += 1
+                    recompute = True
+                    ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, True), timeout=COMMIT_TIMEOUT_S)
             if not transfer.advance_unless_finished(TransferState.SUCCESS):
                 return  # cancelled during the commit: the router aborts the request on the decode worker
-            transfer.bytes_moved = job.channel.bytes_sent
+            sent = job.channel.bytes_sent if job.channel is not None else 0
+            transfer.bytes_moved = sent
             ev = transfer.events
-            self.transfer_log.append({"bytes": job.channel.bytes_sent, "first_layer": ev["transferring"],
-                                      "last_layer": job.last_layer_at, "committed": ev["success"]})
+            self.transfer_log.append({
+                "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
+                "committed": ev["success"], "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
+                "cached_tokens": job.lease.cached_blocks * self.engine.kv_layout.block_size,
+                "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)
         except Exception as e:
-            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+            self._transfer_failed(job, e)
 
     # --- every job ends here --------------------------------------------------------------------
     def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> None:
@@ -384,6 +466,11 @@ class PrefillWorker:
             jobs = list(self._jobs.values())
         for job in jobs:
             self._finish(job, error=self.fault, code=INTERNAL)
+
+
+def _peer(lease: Lease) -> str:
+    """A decode worker as its leases name it (its node and where it listens)."""
+    return f"{lease.node_id}|{sorted(lease.addresses.items())}"
 
 
 def _code(e: BaseException) -> str:

@@ -33,7 +33,6 @@ class WorkerRef:
     name: str
     pool: str
     handle: Any  # Ray actor handle
-    kv_address: str | None = None
     healthy: bool = True
     status: dict = field(default_factory=dict)  # the worker's last health report (`ping`)
     outstanding: int = 0  # requests holding an admission slot here (`router.admission`)

@@ -167,7 +167,7 @@ def _dispatch(work: WorkRequest, placement: Placement) -> None:
         decode.handle.generate.remote(work)
         return
     prefill = placement.prefill
-    prefill.handle.prefill.remote(work, decode.handle, decode.kv_address,
+    prefill.handle.prefill.remote(work, decode.handle,
                                   new_tokens=placement.request.new_tokens(prefill))
 
 

@@ -1,19 +1,27 @@
-"""Helpers for the cluster tests: small manifests, and waiting until every pool is free again."""
+"""Helpers for the cluster tests: small manifests, waiting until every pool is free again, and running
+code inside a worker actor (Ray's `__ray_call__`) to gate or break it."""
 
 from __future__ import annotations
+
+import sys
+
+import ray
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 
+# Functions of this module run inside worker actors (`on_worker`), where tests/ is not importable.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-def manifest(model_dir, mode="disaggregated", transport="ray", **extra):
+
+def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
     """A small test cluster. Every disaggregated request takes the KV transfer path unless the test
     says otherwise (`router={"local_prefill_tokens": None}` measures conditional disaggregation's
     threshold, which sends short prompts to their decode worker)."""
     router = {"local_prefill_tokens": 0, **extra.pop("router", {})}
     data = {
         "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
-        "kv_transfer": {"transport": transport, "lease_s": 5},
+        "kv_transfer": {"transport": transport, "lease_s": 5, **extra.pop("kv_transfer", {})},
         "server": {"address": "127.0.0.1:0", **extra.pop("server", {})},
         "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
         "router": router,
@@ -32,3 +40,21 @@ def assert_idle(cluster: Cluster) -> None:
     for s in status:
         assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
         assert s["requests"] == 0 and s["transfers"] == 0 and s.get("jobs", 0) == 0, s
+
+
+def worker(cluster: Cluster, pool: str):
+    return next(w for w in cluster.workers if w.pool == pool)
+
+
+def on_worker(ref, fn, *args):
+    """Run `fn(worker_instance, *args)` inside the worker actor."""
+    return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)
+
+
+def attribute_owner(self, path: str) -> tuple[object, str]:
+    """The object holding the attribute at dotted `path` inside the worker, and the attribute's name."""
+    owner_path, _, name = path.rpartition(".")
+    owner = self
+    for part in filter(None, owner_path.split(".")):
+        owner = getattr(owner, part)
+    return owner, name

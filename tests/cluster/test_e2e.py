@@ -31,7 +31,7 @@ ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=[("disaggregated", "ray"), ("disaggregated", "grpc"), ("colocated", "ray")],
+@pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "grpc"), ("disaggregated", "gloo"), ("colocated", "shm")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
     mode, transport = request.param

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import ray
-from cluster_helpers import assert_idle, manifest, wait_until_idle
+from cluster_helpers import assert_idle, attribute_owner, manifest, on_worker, wait_until_idle, worker
 from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -22,24 +22,6 @@ from pdserve.router.client import AsyncClient, Client, DeadlineExceeded, PDServe
 
 ARCH = "tiny-llama"
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
-
-
-def worker(cluster: Cluster, pool: str):
-    return next(w for w in cluster.workers if w.pool == pool)
-
-
-def on_worker(ref, fn, *args):
-    """Run `fn(worker_instance, *args)` inside the worker actor."""
-    return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)
-
-
-def attribute_owner(self, path: str) -> tuple[object, str]:
-    """The object holding the attribute at dotted `path` inside the worker, and the attribute's name."""
-    owner_path, _, name = path.rpartition(".")
-    owner = self
-    for part in filter(None, owner_path.split(".")):
-        owner = getattr(owner, part)
-    return owner, name
 
 
 def install_gate(self, path: str) -> None:
@@ -148,12 +130,12 @@ PHASES = {
     "queued": ("prefill", "_start", "queued"),
     "reserving": ("decode", "receiver.reserve", "reserving"),
     "prefilling": ("prefill", "engine.step", "prefilling"),
-    "transferring": ("decode", "receiver.receive_layer", "committing"),
+    "transferring": ("decode", "receiver._decode", "committing"),  # a frame being taken in
     "committing": ("decode", "receiver.commit", "committing"),
 }
 
 
-@pytest.fixture(scope="module", params=["ray", "grpc"])
+@pytest.fixture(scope="module", params=["shm", "grpc"])
 def transport_cluster(request, model_dirs):
     with Cluster(manifest(model_dirs[ARCH], transport=request.param, pools=quarter_core_pools()),
                  log=lambda _: None) as c:

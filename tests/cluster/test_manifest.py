@@ -12,7 +12,7 @@ from pdserve.cluster.manifest import DEFAULT_MANIFEST, ManifestError, load_manif
 
 def test_default_manifest_is_valid():
     m = load_manifest()
-    assert m.mode == "disaggregated" and m.kv_transfer.transport == "ray" and m.ray.address == "local"
+    assert m.mode == "disaggregated" and m.kv_transfer.transport == "auto" and m.ray.address == "local"
     assert load_manifest(DEFAULT_MANIFEST) == m
 
 
@@ -26,7 +26,7 @@ def test_default_manifest_is_valid():
         ({"mode": "fast"}, "mode: Input should be 'disaggregated' or 'colocated'"),
         ({"dtype": "int4"}, "dtype: Input should be"),
         ({"block_size": 0}, "block_size: Input should be greater than or equal to 1"),
-        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport: Input should be 'ray' or 'grpc'"),
+        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport: Input should be 'auto', 'shm', 'grpc' or 'gloo'"),
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"kv_transfer": {"lease_s": float("nan")}}, "kv_transfer.lease_s: Input should be a finite number"),
         ({"kv_transfer": {"reserve_wait_s": float("inf")}}, "kv_transfer.reserve_wait_s: Input should be a finite"),

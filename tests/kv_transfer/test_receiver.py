@@ -1,4 +1,5 @@
-"""The receiving side of the handoff on a real engine: every failure path frees the reservation."""
+"""The receiving side of the handoff on a real engine: frames land in the reserved blocks, a decode-side
+prefix hit is not sent, a corrupt frame is asked for again, and every failure path frees the reservation."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from helpers import assert_pool_idle
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kv_transfer.codec import RawCodec, checksum
-from pdserve.kv_transfer.interface import KVMemoryFull, TransferError
+from pdserve.kv_transfer.codecs import checksum, make_codec
+from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.state import IllegalTransition, Transfer, TransferState
 
@@ -29,6 +30,24 @@ def sides(model_dirs):
     loop = EngineLoop(decode, outputs.extend).start()
     yield prefill, decode, KVReceiver(loop, lease_s=0.2), outputs
     loop.stop()
+
+
+def send_layer(receiver, prefill, request_id, layer, first_token=0, transfer_id="t1", corrupt=False):
+    """Send one layer's KV of the held request from `first_token` on as one raw frame."""
+    seq = prefill.requests[request_id]
+    slots = prefill.kv_cache.token_slots(seq.block_table, first_token, seq.num_computed_tokens - first_token)
+    payload = memoryview(make_codec("raw", None, prefill.kv_layout).encode(
+        prefill.kv_cache.read_tokens(layer, slots), layer)).cast("B")
+    crc = checksum(payload) ^ int(corrupt)
+    header = FrameHeader(transfer_id, layer, first_token, len(slots), "raw", 0, crc, payload.nbytes)
+    receiver.receive_frame(header, payload)
+
+
+def wait_finished(outputs):
+    deadline = time.time() + 10
+    while not any(o.finished for o in outputs) and time.time() < deadline:
+        time.sleep(0.01)
+    return next(o for o in outputs if o.finished)
 
 
 def prefilled(prefill: LLMEngine, prompt: list[int]) -> str:
@@ -49,38 +68,72 @@ def test_a_full_handoff_commits_and_decodes(sides, hf_reference):
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=1)[0]
     request_id = prefilled(prefill, prompt)
     handoff, lease = reserve(receiver, prefill, request_id)
-    assert lease.num_blocks == 3
+    assert lease.num_blocks == 3 and lease.cached_blocks == 0
     for layer in range(decode.kv_layout.num_layers):
-        payload = RawCodec.encode(prefill.export_kv(request_id, layer=layer).data)
-        receiver.receive_layer("t1", layer, payload, checksum(payload))
-    receiver.commit("t1", handoff)
+        send_layer(receiver, prefill, request_id, layer)
+    assert receiver.commit("t1", handoff) == []
     prefill.release(request_id)
-    deadline = time.time() + 10
-    while not any(o.finished for o in outputs) and time.time() < deadline:
-        time.sleep(0.01)
-    assert outputs[-1].token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
     assert_pool_idle(decode)
 
 
-def test_bad_checksum_aborts_and_frees(sides, hf_reference):
-    prefill, decode, receiver, _ = sides
-    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0])
-    reserve(receiver, prefill, request_id)
-    payload = RawCodec.encode(prefill.export_kv(request_id, layer=0).data)
-    with pytest.raises(TransferError, match="checksum mismatch"):
-        receiver.receive_layer("t1", 0, payload, checksum(payload) ^ 1)
-    with pytest.raises(TransferError, match="no open transfer"):
-        receiver.receive_layer("t1", 1, payload, checksum(payload))
-    assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
+def test_a_prefix_the_decode_side_holds_is_not_sent(sides, hf_reference):
+    prefill, decode, receiver, outputs = sides
+    first = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=6)[0]
+    receiver.loop.call(lambda e: e.add_request(first, GREEDY, "warm"))  # computes and caches 2 full blocks
+    wait_finished(outputs)
+    outputs.clear()
+    prompt = first[:32] + random_prompts(1, hf_reference[ARCH].vocab_size, 20, 20, seed=7)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, lease = reserve(receiver, prefill, request_id)
+    assert (lease.num_blocks, lease.cached_blocks) == (4, 2)
+    with pytest.raises(TransferError, match="outside"):  # a frame for cached tokens would overwrite shared blocks
+        send_layer(receiver, prefill, request_id, 0, first_token=16, transfer_id="t1")
+    handoff, lease = reserve(receiver, prefill, request_id, transfer_id="t2")
+    for layer in range(decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer, first_token=32, transfer_id="t2")
+    assert receiver.commit("t2", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
 
 
-def test_commit_with_missing_layers_fails_and_frees(sides, hf_reference):
-    prefill, decode, receiver, _ = sides
-    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 20, 20, seed=3)[0])
+def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_reference):
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0]
+    request_id = prefilled(prefill, prompt)
     handoff, _ = reserve(receiver, prefill, request_id)
-    with pytest.raises(TransferError, match=r"layers \[0, 1\] never arrived"):
-        receiver.commit("t1", handoff)
-    assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
+    with pytest.raises(CorruptFrame, match="checksum mismatch"):
+        send_layer(receiver, prefill, request_id, 0, corrupt=True)
+    send_layer(receiver, prefill, request_id, 1)
+    assert receiver.commit("t1", handoff) == [0] and receiver.counters["corrupt_frames"] == 1
+    send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
+
+
+def test_a_request_whose_kv_never_arrives_is_recomputed_from_its_tokens(sides, hf_reference):
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 20, 20, seed=3)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    assert receiver.commit("t1", handoff) == [0, 1]
+    assert receiver.commit("t1", handoff, recompute=True) == []
+    assert receiver.counters["recomputed"] == 1
+    out = wait_finished(outputs)
+    assert out.token_ids == hf_reference[ARCH].greedy(prompt, 6)  # the first token once, then the rest
+    prefill.release(request_id)
+    assert_pool_idle(decode)
+
+
+def test_a_frame_after_an_abort_is_refused(sides, hf_reference):
+    prefill, decode, receiver, _ = sides
+    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=8)[0])
+    reserve(receiver, prefill, request_id)
+    receiver.abort("t1", "cancelled")
+    with pytest.raises(TransferError, match="no open transfer"):
+        send_layer(receiver, prefill, request_id, 0)
+    assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
 
 
 def test_lease_expiry_frees_the_reservation(sides, hf_reference):
@@ -149,18 +202,14 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     reserved_at = time.time()
     for layer in range(decode.kv_layout.num_layers):
         time.sleep(0.1)
-        payload = RawCodec.encode(prefill.export_kv(request_id, layer=layer).data)
-        receiver.receive_layer("t1", layer, payload, checksum(payload))
+        send_layer(receiver, prefill, request_id, layer)
         # The reservation's own lease ended at reserved_at + 0.2; this layer's runs 0.2 s from now.
         assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
     renewed = receiver.renew("t1")  # a renewal extends it the same way
     assert renewed.expires_at >= reserved_at + 0.1 * decode.kv_layout.num_layers + 0.2
     assert receiver.expire_leases(now=renewed.expires_at - 0.01) == []
-    receiver.commit("t1", handoff)
-    deadline = time.time() + 10
-    while not any(o.finished for o in outputs) and time.time() < deadline:
-        time.sleep(0.01)
-    assert outputs[-1].token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
 def test_state_machine_rejects_illegal_moves():

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*pdserve/proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"r\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"/\n\x05KVAck\x12\x17\n\x0flayers_received\x18\x01 \x01(\r\x12\r\n\x05\x65rror\x18\x02 \x01(\t2@\n\nKVTransfer\x12\x32\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x11.pdserve.v1.KVAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*pdserve/proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xbb\x01\n\x07KVFrame\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\r\n\x05level\x18\x06 \x01(\r\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0f\n\x07payload\x18\n \x01(\x0c\">\n\x05KVAck\x12\x0e\n\x06\x66rames\x18\x01 \x01(\r\x12\x16\n\x0e\x63orrupt_frames\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t2@\n\nKVTransfer\x12\x32\n\x06PushKV\x12\x13.pdserve.v1.KVFrame\x1a\x11.pdserve.v1.KVAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVCHUNK']._serialized_start=58
-  _globals['_KVCHUNK']._serialized_end=172
-  _globals['_KVACK']._serialized_start=174
-  _globals['_KVACK']._serialized_end=221
-  _globals['_KVTRANSFER']._serialized_start=223
-  _globals['_KVTRANSFER']._serialized_end=287
+  _globals['_KVFRAME']._serialized_start=59
+  _globals['_KVFRAME']._serialized_end=246
+  _globals['_KVACK']._serialized_start=248
+  _globals['_KVACK']._serialized_end=310
+  _globals['_KVTRANSFER']._serialized_start=312
+  _globals['_KVTRANSFER']._serialized_end=376
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class KVTransferStub:
         """
         self.PushKV = channel.stream_unary(
                 '/pdserve.v1.KVTransfer/PushKV',
-                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+                request_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVFrame.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
                 _registered_method=True)
 
@@ -45,7 +45,9 @@ class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PushKV(self, request_iterator, context):
-        """One stream per transfer: each message carries a slice of one layer's K/V for the leased blocks.
+        """One stream per channel (one transfer, or one resend round of it). A frame is tokens
+        [start_token, start_token + num_tokens) of one layer's K and V, encoded by one codec at one
+        level; it travels in one or more messages of at most 4 MiB of payload each.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -56,7 +58,7 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
-                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVFrame.FromString,
                     response_serializer=pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.SerializeToString,
             ),
     }
@@ -85,7 +87,7 @@ class KVTransfer:
             request_iterator,
             target,
             '/pdserve.v1.KVTransfer/PushKV',
-            pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+            pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVFrame.SerializeToString,
             pdserve_dot_proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
             options,
             channel_credentials,

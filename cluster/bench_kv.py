@@ -1,0 +1,280 @@
+"""`pdserve bench kv`: the KV transports and codecs, each table measured in one run.
+
+Transports: a prompt's KV (of the model's layout, 2K and 16K tokens, random bytes) is sent as
+frames from this process to a receiving half in a child process, whose sink copies every frame into
+one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
+bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling. Medians of
+`repeats` runs, after one warm-up (connections, groups and segments set up).
+
+Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
+frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts
+on the wire (payload, scales, escapes and the frame header); perplexity change is on the second half
+of each window against exact KV; greedy agreement compares 64-token continuations from compressed and
+exact KV; encode and decode speeds are MB of KV in the engine's dtype per second on one thread.
+(`pdserve bench cluster` gives the serving side: TTFT against colocated and the hidden share.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import platform
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.presets import resolve_model
+from pdserve.engine.training import heldout_text
+from pdserve.kv_transfer.codecs import checksum, make_codec
+from pdserve.kv_transfer.interface import Codec, FrameHeader
+from pdserve.kv_transfer.sender import FRAME_TOKENS
+from pdserve.kv_transfer.transports import make_sender, start_receiver
+
+
+@dataclass
+class KVBenchConfig:
+    model: str = "pystd-llama"
+    transports: tuple[str, ...] = ("shm", "grpc", "gloo")
+    prompt_tokens: tuple[int, ...] = (2048, 16384)
+    repeats: int = 5
+    codecs: tuple[str, ...] = ("raw", "fp8", "int8", "cachegen")
+    windows: int = 16  # held-out windows for perplexity
+    window_tokens: int = 1024
+    continuations: int = 128
+    continuation_tokens: int = 64
+    out: Path = Path("bench-results/kv.json")
+
+
+# --- transports ----------------------------------------------------------------------------------
+def _receiving_process(kind: str, capacity: int, conn) -> None:
+    """Child: a receiving half (or a TCP listener) that copies every frame into one buffer."""
+    buffer = np.empty(capacity, dtype=np.uint8)
+    if kind == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
+        peer, _ = listener.accept()
+        view = memoryview(buffer)
+        while (want := conn.recv()) is not None:  # bytes to take, then answer one byte
+            got = 0
+            while got < want:
+                got += peer.recv_into(view[got % capacity :], min(want - got, capacity - got % capacity))
+            peer.sendall(b"k")
+        peer.close()
+        listener.close()
+        return
+    position = [0]
+
+    def sink(header: FrameHeader, payload: memoryview) -> None:
+        start = position[0] % (capacity - header.payload_bytes + 1)
+        buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
+        position[0] += header.payload_bytes
+
+    receiver = start_receiver(kind, sink)
+    conn.send(receiver.address)
+    conn.recv()  # told to stop
+    receiver.stop()
+
+
+def _frames(layout: KVLayout, num_tokens: int) -> list[tuple[FrameHeader, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    per_token = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    frames = []
+    for layer in range(layout.num_layers):
+        for start in range(0, num_tokens, FRAME_TOKENS):
+            n = min(FRAME_TOKENS, num_tokens - start)
+            data = rng.integers(0, 256, n * per_token, dtype=np.uint8)
+            frames.append((FrameHeader("bench", layer, start, n, "raw", 0, checksum(data), data.nbytes), data))
+    return frames
+
+
+def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], repeats: int) -> list[float]:
+    total = sum(d.nbytes for _, d in frames)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_receiving_process, args=(kind, max(d.nbytes for _, d in frames) * 4, child))
+    process.start()
+    seconds = []
+    try:
+        address = parent.recv()
+        if kind == "tcp":
+            host, port = address.rsplit(":", 1)
+            with socket.create_connection((host, int(port))) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for run in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    parent.send(total)
+                    for _, data in frames:
+                        sock.sendall(data)
+                    sock.recv(1)
+                    if run:
+                        seconds.append(time.perf_counter() - t0)
+                parent.send(None)
+        else:
+            sender = make_sender(kind)
+            try:
+                for run in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    channel = sender.open(address, f"bench-{run}")
+                    for header, data in frames:
+                        channel.send(header, data)
+                    channel.finish(timeout=120)
+                    channel.close()
+                    if run:
+                        seconds.append(time.perf_counter() - t0)
+            finally:
+                sender.close()
+            parent.send(None)
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    return seconds
+
+
+def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[dict]:
+    rows = []
+    for num_tokens in cfg.prompt_tokens:
+        frames = _frames(layout, num_tokens)
+        total = sum(d.nbytes for _, d in frames)
+        tcp = statistics.median(_time_transport("tcp", frames, cfg.repeats))
+        for kind in cfg.transports:
+            s = statistics.median(_time_transport(kind, frames, cfg.repeats))
+            rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
+                         "seconds": s, "gb_per_s": total / s / 1e9, "tcp_gb_per_s": total / tcp / 1e9,
+                         "share_of_tcp": tcp / s})
+            log(f"  {kind:5s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
+                f"raw TCP {total / tcp / 1e9:.2f} GB/s ({tcp / s:.0%})")
+    return rows
+
+
+# --- codecs --------------------------------------------------------------------------------------
+@dataclass
+class CodecRow:
+    codec: str
+    level: int
+    bits_per_element: float = 0.0
+    ratio_vs_bf16: float = 0.0
+    ratio_vs_int8: float = 0.0
+    perplexity: float = 0.0
+    perplexity_change: float = 0.0
+    token_agreement: float = 0.0
+    identical_continuations: float = 0.0
+    encode_mb_per_s: float = 0.0
+    decode_mb_per_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _cache_kv(cache: DynamicCache) -> list[torch.Tensor]:
+    """Per layer [2, batch, tokens, heads, dim] of a transformers cache."""
+    return [torch.stack([layer.keys, layer.values]).transpose(2, 3) for layer in cache.layers]
+
+
+def _roundtrip(codec: Codec, level: int, kv_layers: list[torch.Tensor]) -> tuple[DynamicCache, int, float, float]:
+    """The cache after encoding and decoding every frame; wire bytes, encode and decode seconds."""
+    cache, wire, enc_s, dec_s = DynamicCache(), 0, 0.0, 0.0
+    header_bytes = len(FrameHeader("0" * 32, 0, 0, 0, codec.name, 0, 0, 0).pack())
+    for layer, kv in enumerate(kv_layers):
+        rows = []
+        for b in range(kv.shape[1]):
+            pieces = []
+            for start in range(0, kv.shape[2], FRAME_TOKENS):
+                frame = kv[:, b, start : start + FRAME_TOKENS].contiguous()
+                t0 = time.perf_counter()
+                payload = codec.encode(frame, layer, level)
+                t1 = time.perf_counter()
+                pieces.append(codec.decode(payload, layer, level, frame.shape[1], frame.dtype))
+                dec_s += time.perf_counter() - t1
+                enc_s += t1 - t0
+                wire += memoryview(payload).nbytes + header_bytes
+            rows.append(torch.cat(pieces, dim=1))
+        restored = torch.stack(rows, dim=1).transpose(2, 3)  # [2, batch, heads, tokens, dim]
+        cache.update(restored[0].contiguous(), restored[1].contiguous(), layer)
+    return cache, wire, enc_s, dec_s
+
+
+@torch.no_grad()
+def bench_codecs(cfg: KVBenchConfig, model_dir: Path, log=print) -> list[CodecRow]:
+    torch.set_num_threads(1)  # speeds are per core
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = model.config
+    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads,
+                      config.hidden_size // config.num_attention_heads, 16, torch.float32)
+    need = cfg.windows * cfg.window_tokens + cfg.continuations * 256
+    ids = tokenizer(heldout_text(need * 6), add_special_tokens=False)["input_ids"]
+    if len(ids) < need:
+        raise ValueError(f"held-out text gives {len(ids)} tokens, the benchmark needs {need}")
+    windows = torch.tensor(ids[: cfg.windows * cfg.window_tokens]).view(cfg.windows, cfg.window_tokens)
+    prompts = torch.tensor(ids[len(ids) - cfg.continuations * 256 :]).view(cfg.continuations, 256)
+    half = cfg.window_tokens // 2
+    prefix_kv = _cache_kv(model(windows[:, :half], use_cache=True).past_key_values)
+    prompt_kv = _cache_kv(model(prompts[:, :-1], use_cache=True).past_key_values)
+    raw_bytes = sum(kv.numel() for kv in prefix_kv) * 4
+
+    def loss_from(cache: DynamicCache) -> float:
+        logits = model(windows[:, half:], past_key_values=cache).logits[:, :-1]
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, half + 1 :].flatten()))
+
+    def continue_from(cache: DynamicCache) -> torch.Tensor:
+        token, out = prompts[:, -1:], []
+        for _ in range(cfg.continuation_tokens):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            out.append(token)
+        return torch.cat(out, dim=1)
+
+    exact_raw = make_codec("raw", model_dir, layout)
+    exact_cache, _, _, _ = _roundtrip(exact_raw, 0, prefix_kv)
+    exact_loss = loss_from(exact_cache)
+    exact_tokens = continue_from(_roundtrip(exact_raw, 0, prompt_kv)[0])
+    rows: list[CodecRow] = []
+    for name in cfg.codecs:
+        codec = make_codec(name, model_dir, layout)
+        for level in range(codec.num_levels):
+            cache, wire, enc_s, dec_s = _roundtrip(codec, level, prefix_kv)
+            loss = loss_from(cache)
+            tokens = continue_from(_roundtrip(codec, level, prompt_kv)[0])
+            elements = raw_bytes / 4
+            row = CodecRow(name, level, bits_per_element=wire * 8 / elements, perplexity=math.exp(loss),
+                           perplexity_change=math.exp(loss - exact_loss) - 1,
+                           token_agreement=float((tokens == exact_tokens).float().mean()),
+                           identical_continuations=float((tokens == exact_tokens).all(dim=1).float().mean()),
+                           encode_mb_per_s=raw_bytes / enc_s / 1e6, decode_mb_per_s=raw_bytes / dec_s / 1e6)
+            rows.append(row)
+            log(f"  {name:8s} level {level}: {row.bits_per_element:6.2f} bits/element, perplexity "
+                f"{row.perplexity:.3f} ({row.perplexity_change:+.2%}), agreement {row.token_agreement:.1%}, "
+                f"encode {row.encode_mb_per_s:.0f} MB/s, decode {row.decode_mb_per_s:.0f} MB/s")
+    int8_bits = next((r.bits_per_element for r in rows if r.codec == "int8"), None)
+    for row in rows:
+        row.ratio_vs_bf16 = 16 / row.bits_per_element
+        row.ratio_vs_int8 = int8_bits / row.bits_per_element if int8_bits else 0.0
+    return rows
+
+
+def run(cfg: KVBenchConfig, log=print) -> dict:
+    model_dir = resolve_model(cfg.model)
+    config = AutoModelForCausalLM.from_pretrained(model_dir).config
+    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads,
+                      config.hidden_size // config.num_attention_heads, 16, torch.float32)
+    log(f"transports ({cfg.model}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads x {layout.head_dim}, "
+        f"float32; frames of {FRAME_TOKENS} tokens)")
+    transports = bench_transports(cfg, layout, log)
+    log(f"codecs ({cfg.model}, held-out text)")
+    codecs = bench_codecs(cfg, model_dir, log)
+    result = {
+        "date": date.today().isoformat(), "machine": f"{platform.machine()}, {mp.cpu_count()} cores",
+        "torch": torch.__version__, "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "transports": transports, "codecs": [asdict(r) for r in codecs],
+    }
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {cfg.out}")
+    return result

@@ -1,0 +1,191 @@
+"""The `cachegen` codec: CacheGen's KV encoding with distributions profiled offline for the model.
+
+Each frame of one layer is quantized by `cachegen_quant` (tokens in groups: an anchor token, then
+deltas against the reconstructed anchor), after the channel's mean is taken off. Step sizes are per
+(layer, level, K/V, channel): the channel's spread times the level's factor times its layer group's
+(shallow layers get finer steps: their errors travel through every later layer). Symbols are entropy
+coded by constriction's ANS coder, each channel with its own categorical distribution for anchors and
+one for deltas, profiled offline on calibration text (`cachegen_profile`) and stored next to the model
+(`cachegen_tables.npz`): nothing about the distributions travels with a frame.
+
+Payload: u32 number of escapes, the escaped values (float32), then the ANS words (u32). Error bound:
+|x - decoded| <= step / 2 for every element (`error_bound`), escaped values exact; inputs must be
+finite only in the sense that a non-finite value escapes and travels exact.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import constriction
+import numpy as np
+import torch
+
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.codecs.base import (
+    CodecUnavailable,
+    check_decode_level,
+    check_encode_level,
+    payload_bytes,
+)
+from pdserve.kv_transfer.codecs.cachegen_quant import (
+    Steps,
+    Symbols,
+    channels_first,
+    coded_deltas,
+    dequantize,
+    escape_count,
+    num_groups,
+    quantize,
+)
+from pdserve.kv_transfer.interface import CorruptFrame, Payload
+
+TABLES_FILE = "cachegen_tables.npz"
+_COUNT = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class CacheGenTables:
+    """Everything both sides need, profiled for one model. Arrays are indexed [layer, level, K/V, channel]."""
+
+    group_size: int
+    layout: np.ndarray  # int64 [num_layers, num_kv_heads, head_dim]: the model these tables fit
+    level_factors: np.ndarray  # float32 [levels]: step = factor x layer factor x channel spread
+    layer_factors: np.ndarray  # float32 [num_layers]
+    mean: np.ndarray  # float32 [layer, K/V, channel]
+    anchor_step: np.ndarray  # float32 [layer, level, K/V, channel]
+    delta_step: np.ndarray
+    radius: np.ndarray  # int32 [layer, level, K/V, channel]: symbols 0..2R+1 (2R+1: escape)
+    anchor_probs: np.ndarray  # float32 [layer, level, K/V, channel, 2 R_max + 2]
+    delta_probs: np.ndarray
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.level_factors)
+
+    def save(self, path: str | Path) -> None:
+        np.savez_compressed(path, group_size=np.int64(self.group_size),
+                            **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> CacheGenTables:
+        with np.load(path) as data:
+            values = {f.name: data[f.name] for f in fields(cls)}
+        values["group_size"] = int(values["group_size"])
+        return cls(**values)
+
+    def steps(self, layer: int, level: int) -> Steps:
+        radius = self.radius[layer, level][..., None]
+        return Steps(self.anchor_step[layer, level][..., None], self.delta_step[layer, level][..., None],
+                     radius, radius)
+
+
+class CacheGenCodec:
+    name = "cachegen"
+    lossless = False
+
+    def __init__(self, tables: CacheGenTables, layout: KVLayout) -> None:
+        expected = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        if tuple(int(v) for v in tables.layout) != expected:
+            raise CodecUnavailable(f"cachegen tables are for KV layout {tuple(tables.layout)}, this model has "
+                                   f"{expected} (layers, KV heads, head dim)")
+        self.tables = tables
+        self.layout = layout
+        self.num_levels = tables.num_levels
+        self.group_size = tables.group_size
+        self._models: dict[tuple[int, int], list[tuple[object, object]]] = {}
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path | None, layout: KVLayout) -> CacheGenCodec:
+        path = Path(model_dir) / TABLES_FILE if model_dir is not None else None
+        if path is None or not path.is_file():
+            raise CodecUnavailable(f"codec 'cachegen' needs tables profiled for the model ({TABLES_FILE} in "
+                                   f"{model_dir}); make them with `pdserve kv-profile MODEL`")
+        return cls(CacheGenTables.load(path), layout)
+
+    def encode(self, kv: torch.Tensor, layer: int, level: int = 0) -> np.ndarray:
+        check_encode_level(self.name, level, self.num_levels)
+        n = kv.shape[1]
+        x = channels_first(kv, self.group_size)
+        x -= self.tables.mean[layer][..., None]
+        symbols = quantize(x, self.tables.steps(layer, level), n, self.group_size)
+        coded = coded_deltas(n, self.group_size)
+        coder = constriction.stream.stack.AnsCoder()
+        models = self._channel_models(layer, level)
+        # A stack: encoded in reverse so that decoding runs forward (channel by channel, anchors first).
+        for (kv_index, channel), (anchor_model, delta_model) in reversed(list(_indexed(models))):
+            if coded:
+                coder.encode_reverse(symbols.deltas[kv_index, channel, :coded], delta_model)
+            coder.encode_reverse(symbols.anchors[kv_index, channel], anchor_model)
+        words = coder.get_compressed()
+        return np.concatenate([np.frombuffer(_COUNT.pack(len(symbols.escapes)), np.uint8),
+                               symbols.escapes.view(np.uint8), words.view(np.uint8)])
+
+    def decode(self, payload: Payload, layer: int, level: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        check_decode_level(self.name, level, self.num_levels)
+        data = payload_bytes(payload)
+        if data.nbytes < _COUNT.size or (data.nbytes - _COUNT.size) % 4:
+            raise CorruptFrame(f"cachegen payload of {data.nbytes} bytes is not a count and 32-bit words")
+        (num_escapes,) = _COUNT.unpack_from(data)
+        words_at = _COUNT.size + 4 * num_escapes
+        if words_at > data.nbytes:
+            raise CorruptFrame(f"cachegen payload names {num_escapes} escapes, it has room for fewer")
+        escapes = data[_COUNT.size : words_at].copy().view(np.float32)
+        words = data[words_at:].copy().view(np.uint32)
+        steps = self.tables.steps(layer, level)
+        symbols = self._decode_symbols(words, escapes, layer, level, num_tokens)
+        if escape_count(symbols, steps) != num_escapes:
+            raise CorruptFrame(f"cachegen payload decodes to {escape_count(symbols, steps)} escapes, "
+                               f"its header says {num_escapes}")
+        x = dequantize(symbols, steps, self.group_size)[:, :, :num_tokens]
+        x += self.tables.mean[layer][..., None]
+        out = torch.from_numpy(x).transpose(1, 2).to(dtype)
+        return out.reshape(2, num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+
+    def _decode_symbols(self, words: np.ndarray, escapes: np.ndarray, layer: int, level: int,
+                        num_tokens: int) -> Symbols:
+        groups = num_groups(num_tokens, self.group_size)
+        coded = coded_deltas(num_tokens, self.group_size)
+        channels = self.layout.num_kv_heads * self.layout.head_dim
+        anchors = np.empty((2, channels, groups), dtype=np.int32)
+        # Padding deltas hold the zero symbol, R, as `dequantize` expects.
+        deltas = np.repeat(self.tables.radius[layer, level][..., None], groups * (self.group_size - 1), axis=2)
+        coder = constriction.stream.stack.AnsCoder(words)
+        try:
+            for (kv_index, channel), (anchor_model, delta_model) in _indexed(self._channel_models(layer, level)):
+                anchors[kv_index, channel] = coder.decode(anchor_model, groups)
+                if coded:
+                    deltas[kv_index, channel, :coded] = coder.decode(delta_model, coded)
+        except Exception as e:  # constriction raises on words that cannot have come from its encoder
+            raise CorruptFrame(f"cachegen payload does not decode: {e}") from None
+        return Symbols(anchors, deltas.astype(np.int32, copy=False), escapes)
+
+    def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
+        """The largest |x - decoded| of each channel, broadcastable to kv: [2, 1, heads, head_dim]."""
+        step = np.maximum(self.tables.anchor_step[layer, level], self.tables.delta_step[layer, level])
+        return torch.from_numpy(step / 2).view(2, 1, self.layout.num_kv_heads, self.layout.head_dim)
+
+    def _channel_models(self, layer: int, level: int) -> list[list[tuple[object, object]]]:
+        """[K/V][channel] -> (anchor model, delta model), built once per (layer, level)."""
+        key = (layer, level)
+        if key not in self._models:
+            t = self.tables
+            self._models[key] = [
+                [(_categorical(t.anchor_probs[layer, level, kv, c], t.radius[layer, level, kv, c]),
+                  _categorical(t.delta_probs[layer, level, kv, c], t.radius[layer, level, kv, c]))
+                 for c in range(t.radius.shape[-1])]
+                for kv in range(2)
+            ]
+        return self._models[key]
+
+
+def _categorical(probs: np.ndarray, radius: int) -> object:
+    return constriction.stream.model.Categorical(probs[: 2 * int(radius) + 2].astype(np.float64), perfect=False)
+
+
+def _indexed(models: list[list[tuple[object, object]]]):
+    for kv_index, channels in enumerate(models):
+        for channel, pair in enumerate(channels):
+            yield (kv_index, channel), pair

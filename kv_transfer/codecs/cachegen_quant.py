@@ -1,0 +1,105 @@
+"""CacheGen's quantizer: one frame of one layer's KV as integer symbols per channel, and back.
+
+A channel is one (head, dim) of K or of V. The frame's tokens go in groups of G, the first group
+starting at the frame's first token (frames travel alone). A group's first token, its anchor, is
+quantized on its own at the anchor step; each other token of the group is coded as its difference
+from the *reconstructed* anchor, quantized at the delta step. Since the difference is taken from what
+the decoder will see, no error carries over: every element ends within half its step of the original.
+
+A channel's symbols at one (layer, level) run over 0..2R+1: s = q + R for a quantized value
+q in [-R, R], and s = 2R + 1, the escape, for any value outside that range (or not finite), whose
+float32 value then travels beside the coded symbols, so the bound holds for every input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Steps:
+    """How one layer is quantized at one level: arrays [2 (K, V), channels, 1]."""
+
+    anchor_step: np.ndarray  # float32
+    delta_step: np.ndarray  # float32
+    anchor_radius: np.ndarray  # int32 R: values q in [-R, R] are coded, 2R + 1 is the escape
+    delta_radius: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class Symbols:
+    anchors: np.ndarray  # int32 [2, channels, groups]
+    deltas: np.ndarray  # int32 [2, channels, groups * (G - 1)]; a row's first coded_deltas(...) are coded
+    escapes: np.ndarray  # float32: the escaped anchors' values (C order), then the escaped deltas' values
+
+
+def num_groups(num_tokens: int, group_size: int) -> int:
+    return -(-num_tokens // group_size)
+
+
+def coded_deltas(num_tokens: int, group_size: int) -> int:
+    """Delta symbols per channel that carry a token (the last group may be short)."""
+    return num_tokens - num_groups(num_tokens, group_size)
+
+
+def channels_first(kv: torch.Tensor, group_size: int) -> np.ndarray:
+    """[2, n, heads, head_dim] in any float dtype -> float32 [2, heads * head_dim, whole groups of tokens],
+    zero past token n (one copy)."""
+    n = kv.shape[1]
+    out = np.zeros((2, kv.shape[2] * kv.shape[3], num_groups(n, group_size) * group_size), dtype=np.float32)
+    torch.from_numpy(out)[:, :, :n].copy_(kv.detach().reshape(2, n, -1).transpose(1, 2))
+    return out
+
+
+def quantize(x: np.ndarray, steps: Steps, num_tokens: int, group_size: int) -> Symbols:
+    """Symbols of `x` (from `channels_first`)."""
+    two, channels, padded = x.shape
+    groups = padded // group_size
+    xg = x.reshape(two, channels, groups, group_size)
+    anchors = xg[..., 0]
+    qa = np.rint(anchors / steps.anchor_step)
+    escape_a = ~(np.abs(qa) <= steps.anchor_radius)  # NaN compares false: escaped too
+    anchor_hat = np.where(escape_a, anchors, qa * steps.anchor_step)
+    others = xg[..., 1:]
+    qd = np.rint((others - anchor_hat[..., None]) / steps.delta_step[..., None])
+    qd = qd.reshape(two, channels, -1)
+    escape_d = ~(np.abs(qd) <= steps.delta_radius)
+    coded = coded_deltas(num_tokens, group_size)
+    qd[:, :, coded:] = 0  # padding: never coded, never escaped
+    escape_d[:, :, coded:] = False
+    escapes = anchors[escape_a]
+    if escape_d.any():
+        escapes = np.concatenate([escapes, others.reshape(two, channels, -1)[escape_d]])
+    return Symbols(
+        anchors=np.where(escape_a, 2 * steps.anchor_radius + 1, qa + steps.anchor_radius).astype(np.int32),
+        deltas=np.where(escape_d, 2 * steps.delta_radius + 1, qd + steps.delta_radius).astype(np.int32),
+        escapes=escapes.astype(np.float32, copy=False),
+    )
+
+
+def escape_count(symbols: Symbols, steps: Steps) -> int:
+    return int(np.count_nonzero(symbols.anchors == 2 * steps.anchor_radius + 1)
+               + np.count_nonzero(symbols.deltas == 2 * steps.delta_radius + 1))
+
+
+def dequantize(symbols: Symbols, steps: Steps, group_size: int) -> np.ndarray:
+    """float32 [2, channels, whole groups of tokens] from symbols whose escape count was checked.
+    Padding deltas must hold the zero symbol (R)."""
+    two, channels, groups = symbols.anchors.shape
+    escape_a = symbols.anchors == 2 * steps.anchor_radius + 1
+    anchor_hat = (symbols.anchors - steps.anchor_radius).astype(np.float32) * steps.anchor_step
+    num_escaped_anchors = int(np.count_nonzero(escape_a))
+    anchor_hat[escape_a] = symbols.escapes[:num_escaped_anchors]
+    out = np.empty((two, channels, groups, group_size), dtype=np.float32)
+    out[..., 0] = anchor_hat
+    qd = (symbols.deltas - steps.delta_radius).astype(np.float32).reshape(two, channels, groups, group_size - 1)
+    others = out[..., 1:]
+    np.multiply(qd, steps.delta_step[..., None], out=others)
+    others += anchor_hat[..., None]
+    escape_d = (symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)
+    if num_escaped_anchors < len(symbols.escapes):
+        others[escape_d] = symbols.escapes[num_escaped_anchors:]
+    return out.reshape(two, channels, -1)

@@ -1,0 +1,150 @@
+"""Sending side of one transfer: which tokens of which layer leave, cut into frames, at which level.
+
+The prefill worker calls `send_through(layer, ...)` from its sender thread whenever a layer's KV up
+to some token is final: for each chunk of the prompt pass, as soon as the forward pass has written
+that layer (layer-wise streaming); the first call also sends what its own prefix cache served. Tokens the
+decode worker already holds (the lease's `cached_blocks`) are never sent. Frames are cut at chunk ends
+and at multiples of `frame_tokens` (CacheGen's context chunks); the receiver tracks which tokens of
+each layer arrived, so a layer sent again may be cut differently. The `LevelController` picks each
+frame's quality level. On CUDA, frames are read out on a side stream (`read_to_host`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.kv_transfer.codecs import Codec, checksum
+from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
+
+FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
+
+
+@dataclass
+class LevelSizes:
+    """Measured encoded bytes per (token × layer) at each level of one codec, kept per worker."""
+
+    bytes_per_token: dict[int, float]
+
+    def observe(self, level: int, num_tokens: int, nbytes: int) -> None:
+        seen = nbytes / max(1, num_tokens)
+        old = self.bytes_per_token.get(level)
+        self.bytes_per_token[level] = seen if old is None else 0.8 * old + 0.2 * seen
+
+
+class LevelController:
+    """Picks each frame's level: the finest at which everything still to send fits in the time left
+    before the request's TTFT objective at the measured bandwidth (the finest, without an objective).
+    A level's size is measured by encoding a real frame at it the first time it is needed."""
+
+    def __init__(self, codec: Codec, sizes: LevelSizes, bandwidth_bps: float, deadline: float | None) -> None:
+        self.codec = codec
+        self.sizes = sizes
+        self.bandwidth_bps = bandwidth_bps
+        self.deadline = deadline
+
+    def encode(self, kv: torch.Tensor, layer: int, tokens_left: int) -> tuple[int, Payload]:
+        """(level, payload) for this frame; `tokens_left`: token-layers still to send, this frame's included."""
+        levels = self.codec.num_levels
+        if self.deadline is None or levels == 1:
+            return 0, self._encode(kv, layer, 0)
+        time_left = self.deadline - time.time()
+        payloads: dict[int, Payload] = {}
+        for level in range(levels):
+            size = self.sizes.bytes_per_token.get(level)
+            if size is None:
+                payloads[level] = self._encode(kv, layer, level)
+                size = self.sizes.bytes_per_token[level]
+            if size * tokens_left / self.bandwidth_bps <= time_left or level == levels - 1:
+                return level, payloads[level] if level in payloads else self._encode(kv, layer, level)
+        raise AssertionError("the coarsest level is always chosen")
+
+    def transfer_s(self, token_layers: int) -> float | None:
+        """The estimated time to send this many token-layers at the coarsest measured level."""
+        if not self.sizes.bytes_per_token:
+            return None
+        return min(self.sizes.bytes_per_token.values()) * token_layers / self.bandwidth_bps
+
+    def _encode(self, kv: torch.Tensor, layer: int, level: int) -> Payload:
+        payload = self.codec.encode(kv, layer, level)
+        self.sizes.observe(level, kv.shape[1], memoryview(payload).nbytes)
+        return payload
+
+
+def read_to_host(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int, n: int) -> torch.Tensor:
+    """K and V of tokens [start, start + n) of one layer, in host memory.
+
+    On CUDA the gather and the device-to-host copy run on a side stream that first waits for what the
+    compute stream has queued so far (this layer's writes included), into pinned memory, so the copy
+    never blocks the next layer's kernels; only this (sender) thread waits for it."""
+    slots = kv_cache.token_slots(block_ids, start, n)
+    if kv_cache.data.device.type != "cuda":
+        return kv_cache.read_tokens(layer, slots)
+    device = kv_cache.data.device
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        on_device = kv_cache.read_tokens(layer, slots)
+        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        host.copy_(on_device, non_blocking=True)
+    side.synchronize()
+    return host
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+class OutgoingTransfer:
+    def __init__(self, transfer_id: str, channel: LayerChannel, controller: LevelController,
+                 kv_cache: PagedKVCache, first_token: int, num_tokens: int,
+                 frame_tokens: int = FRAME_TOKENS) -> None:
+        self.transfer_id = transfer_id
+        self.channel = channel
+        self.controller = controller
+        self.kv_cache = kv_cache
+        self.first_token = first_token  # the decode worker holds every token before it
+        self.num_tokens = num_tokens
+        self.frame_tokens = frame_tokens
+        self.num_layers = kv_cache.layout.num_layers
+        self.frames_sent = 0
+        self.levels_used: dict[int, int] = {}  # level -> frames
+        self._token_layers_left = (num_tokens - first_token) * self.num_layers
+        self._sent_until = [first_token] * self.num_layers  # tokens before it are sent, per layer
+
+    def send_through(self, layer: int, block_ids: list[int], end: int) -> None:
+        """Send what is not sent yet of `layer`'s tokens before `end` (their KV is final)."""
+        start = self._sent_until[layer]
+        if end > start:
+            self._send_range(layer, block_ids, start, end, resend=False)
+            self._sent_until[layer] = end
+
+    def resend_layers(self, layers: list[int], block_ids: list[int]) -> None:
+        for layer in layers:
+            self._send_range(layer, block_ids, self.first_token, self._sent_until[layer], resend=True)
+
+    def _send_range(self, layer: int, block_ids: list[int], start: int, end: int, resend: bool) -> None:
+        while start < end:
+            stop = min(end, (start // self.frame_tokens + 1) * self.frame_tokens)
+            self._send_frame(layer, block_ids, start, stop - start, resend)
+            start = stop
+
+    def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
+        kv = read_to_host(self.kv_cache, layer, block_ids, start, n)
+        level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
+        view = memoryview(payload).cast("B")
+        header = FrameHeader(self.transfer_id, layer, start, n, self.controller.codec.name, level,
+                             checksum(view), view.nbytes)
+        self.channel.send(header, view)
+        self.frames_sent += 1
+        self.levels_used[level] = self.levels_used.get(level, 0) + 1
+        if not resend:
+            self._token_layers_left -= n

@@ -1,0 +1,40 @@
+"""The KV-transfer settings both halves share (from the manifest's `kv_transfer` section), and the
+choice of transport for a pair of workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.kv_transfer.sender import FRAME_TOKENS
+
+TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo")
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    transport: str = "auto"  # auto: shared memory within a node, gRPC across nodes
+    codecs: tuple[str, ...] = ("raw",)  # offered in this order; the decode side takes the first it can use
+    host: str = "127.0.0.1"  # where receiving halves listen (the node's address on a multi-node cluster)
+    tls: dict[str, str] = field(default_factory=dict)  # cert, key, and optionally ca (mutual TLS)
+    frame_tokens: int = FRAME_TOKENS
+    lease_s: float = 30.0
+    reserve_wait_s: float = 10.0
+    ttft_slo_s: float | None = None  # the level controller fits each transfer into it
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, got {self.transport!r}")
+
+    @property
+    def receivers(self) -> list[str]:
+        """The receiving halves a decode worker starts."""
+        return ["shm", "grpc"] if self.transport == "auto" else [self.transport]
+
+    def pick(self, addresses: dict[str, str], same_node: bool) -> str:
+        """The transport for one transfer, from those the decode worker listens on."""
+        wanted = self.transport
+        if wanted == "auto":
+            wanted = "shm" if same_node and "shm" in addresses else "grpc"
+        if wanted not in addresses:
+            raise ValueError(f"the decode worker does not listen on {wanted!r} (it has {sorted(addresses)})")
+        return wanted

@@ -1,0 +1,120 @@
+"""The pyzmq control channel of the shared-memory and torch.distributed transports.
+
+Each sending channel has a DEALER socket connected to the receiving half's ROUTER. A message is
+`[kind, seq, *parts]`; the receiving half answers every one with `[seq, status, text]`, in order.
+Status OK: handled; CORRUPT: the frame was damaged (the receiver counted and dropped it; its layer is
+sent again after `commit` names it); FAILED: the transfer cannot go on (the text says why). Only
+plain bytes cross the socket: no pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from pdserve.kv_transfer.interface import CorruptFrame, TransferError
+from pdserve.threads import start_guarded
+
+log = logging.getLogger(__name__)
+
+OK, CORRUPT, FAILED = 0, 1, 2
+_SEQ = struct.Struct("<Q")
+POLL_MS = 100  # how often the receiving loop looks at its stop flag
+
+# Takes a message's parts after [kind, seq]; raises CorruptFrame or TransferError to answer so.
+Handler = Callable[[bytes, list[zmq.Frame]], None]
+
+
+class ControlServer:
+    """The receiving half's ROUTER: one thread takes messages in arrival order and answers each."""
+
+    def __init__(self, name: str, host: str, handle: Handler) -> None:
+        self.name = name
+        self._handle = handle
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.failure: BaseException | None = None  # set if the loop itself died (every peer then times out)
+        self._stopped = threading.Event()
+        self._thread = start_guarded(f"kv-{name}-receiver", self._serve, self._crashed)
+        log.info("KV %s receiver listening on %s", name, self.address)
+
+    def _serve(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                if not self._socket.poll(POLL_MS):
+                    continue
+                identity, kind, seq, *parts = self._socket.recv_multipart(copy=False)
+                status, text = self._answer(kind.bytes, parts)
+                self._socket.send_multipart([identity, seq, bytes([status]), text.encode()])
+        finally:
+            self._socket.close()
+
+    def _answer(self, kind: bytes, parts: list[zmq.Frame]) -> tuple[int, str]:
+        try:
+            self._handle(kind, parts)
+            return OK, ""
+        except CorruptFrame as e:
+            return CORRUPT, str(e)
+        except Exception as e:  # one peer's bad message must not stop the loop for the others
+            if not isinstance(e, TransferError):
+                log.exception("KV %s receiver: message %r failed", self.name, kind)
+            return FAILED, f"{type(e).__name__}: {e}"
+
+    def _crashed(self, error: BaseException) -> None:
+        self.failure = error
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5 * POLL_MS / 1000)
+
+
+class ControlClient:
+    """One sending channel's DEALER: sends messages, counts what is unanswered, collects answers."""
+
+    def __init__(self, address: str, on_answer: Callable[[int], None] = lambda seq: None) -> None:
+        self.on_answer = on_answer  # called with each answered message's seq (a channel frees its buffer)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._next_seq = 0
+        self.unanswered: set[int] = set()
+        self.failures: list[str] = []
+        self.corrupt = 0
+
+    def send(self, kind: bytes, parts: list[bytes | memoryview]) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], copy=False)
+        self.unanswered.add(seq)
+        return seq
+
+    def wait(self, until: Callable[[], bool], timeout: float) -> None:
+        """Take answers until `until()` holds; TransferError on a failure answer or after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1):
+                if until():
+                    break
+                raise TransferError(f"KV receiver did not answer {len(self.unanswered)} messages within {timeout:g} s")
+            seq, status, text = self._socket.recv_multipart()
+            (number,) = _SEQ.unpack(seq)
+            self.unanswered.discard(number)
+            if status[0] == CORRUPT:
+                self.corrupt += 1
+            elif status[0] == FAILED:
+                self.failures.append(text.decode())
+            self.on_answer(number)
+        if self.failures:
+            raise TransferError(f"KV receiver refused a message: {self.failures[0]}")
+
+    def close(self) -> None:
+        self._socket.close()

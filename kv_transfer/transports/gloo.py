@@ -1,0 +1,169 @@
+"""torch.distributed point-to-point between a prefill and a decode worker, with pyzmq control.
+
+In the manner of vLLM's P2P-NCCL connector: a two-rank process group per worker pair, created lazily
+on the pair's first transfer and torn down when the peer leaves (`forget`) or fails. The sending half
+(rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
+channel; both construct the group at once and meet in the store. Each frame is then a control message
+(header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
+`recv` into a buffer and hands it to the sink. The group is gloo on CPU; the same code takes NCCL
+where tensors live on a GPU (`backend`), which this build does not exercise without one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import struct
+import threading
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
+GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+JOIN, FRAME, LEAVE = b"J", b"F", b"L"
+_TAG = struct.Struct("<I")
+
+
+def _gloo_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class _Group:
+    """The sending side of one pair's process group."""
+
+    def __init__(self, address: str, host: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        join = ControlClient(address)
+        try:
+            join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
+            self.pg = _gloo_group(dist.PrefixStore(self.id, self.store), 0, host)
+            join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
+        finally:
+            join.close()
+        self._next_tag = 0
+        self._lock = threading.Lock()
+
+    def tag(self) -> int:
+        with self._lock:
+            self._next_tag = (self._next_tag + 1) % (1 << 31)
+            return self._next_tag
+
+
+class GlooChannel:
+    def __init__(self, group: _Group, address: str, transfer_id: str) -> None:
+        self.group = group
+        self.transfer_id = transfer_id
+        self.bytes_sent = 0
+        self.control = ControlClient(address)
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
+
+    def send(self, header: FrameHeader, payload: Payload) -> None:
+        data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+        tensor = torch.from_numpy(data if data.flags.writeable else data.copy())
+        tag = self.group.tag()
+        self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
+        self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
+        self.bytes_sent += tensor.numel()
+
+    def finish(self, timeout: float) -> None:
+        try:
+            for work, _ in self._pending:
+                work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise TransferError(f"gloo send failed: {e}") from e
+        finally:
+            self._pending.clear()
+        self.control.wait(lambda: not self.control.unanswered, timeout)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.control.close()
+
+
+class GlooSender:
+    name = "gloo"
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host  # where this side's store listens and its gloo device binds
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+
+    def open(self, address: str, transfer_id: str) -> GlooChannel:
+        with self._lock:
+            group = self._groups.get(address)
+            if group is None:
+                try:
+                    group = self._groups[address] = _Group(address, self.host)
+                except (RuntimeError, TransferError) as e:
+                    raise TransferError(f"cannot form a gloo group with {address}: {e}") from e
+        return GlooChannel(group, address, transfer_id)
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            group = self._groups.pop(address, None)
+        if group is not None:
+            leave = ControlClient(address)
+            leave.send(LEAVE, [group.id.encode()])  # best effort: the peer may be gone
+            leave.close()
+
+    def close(self) -> None:
+        for address in list(self._groups):
+            self.forget(address)
+
+
+class GlooReceiver:
+    name = "gloo"
+
+    def __init__(self, sink: FrameSink, host: str = "127.0.0.1") -> None:
+        self.sink = sink
+        self.host = host
+        self._groups: dict[str, dist.ProcessGroupGloo] = {}  # only the control thread touches it
+        self._server = ControlServer("gloo", host, self._handle)
+        self.address = self._server.address
+
+    def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+        if kind == JOIN:
+            group_id, store_address = parts[0].bytes.decode(), parts[1].bytes.decode()
+            store_host, port = store_address.rsplit(":", 1)
+            store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False,
+                                  timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+            self._groups[group_id] = _gloo_group(dist.PrefixStore(group_id, store), 1, self.host)
+        elif kind == LEAVE:
+            self._groups.pop(parts[0].bytes.decode(), None)
+        elif kind == FRAME:
+            header = FrameHeader.unpack(parts[0].buffer)
+            group_id = parts[1].bytes.decode()
+            group = self._groups.get(group_id)
+            if group is None:
+                raise TransferError(f"no gloo group {group_id[:40]!r} (never joined, or torn down)")
+            (tag,) = _TAG.unpack(parts[2].bytes)
+            if header.payload_bytes > MAX_FRAME_BYTES:
+                self._groups.pop(group_id, None)  # the stream cannot be resynchronised
+                raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
+            buffer = torch.empty(header.payload_bytes, dtype=torch.uint8)
+            try:
+                group.recv([buffer], 0, tag).wait()
+            except RuntimeError as e:  # the peer is gone or stalled: this group is done
+                self._groups.pop(group_id, None)
+                raise TransferError(f"gloo receive failed, group torn down: {e}") from e
+            self.sink(header, memoryview(buffer.numpy()))
+        else:
+            raise TransferError(f"unknown message kind {kind!r}")
+
+    def stop(self) -> None:
+        self._server.stop()
+        self._groups.clear()

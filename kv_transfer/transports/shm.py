@@ -1,0 +1,201 @@
+"""Shared memory between processes on one node: frames in a mapped file, control over pyzmq.
+
+The sending half owns segments: files in /dev/shm cut into slots, each mapped by both sides. A frame
+is copied once into a free slot and announced on the control channel (`control`) with its slot; the
+receiving half hands the sink a view of its own mapping of that slot (no copy), so the sink's write
+into the reserved blocks is the only copy on the receiving side. A slot is free again once the
+receiver answered its message. A frame larger than a slot travels inline in the message instead.
+
+Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
+answered a message that used it (both have it mapped by then), so the memory goes away with the last
+mapping. A channel takes a segment from its transport's pool for the peer and returns it when it
+closes with nothing unanswered, so sequential transfers reuse one mapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import zmq
+
+from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
+
+SLOT_BYTES = 8 << 20
+SLOTS = 8
+SEND_TIMEOUT_S = 30.0  # waiting for a free slot: the receiver is stuck or gone
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
+_SLOT = struct.Struct("<QQ")  # offset, length
+FRAME, INLINE, RELEASE = b"F", b"I", b"R"
+
+
+class _Segment:
+    def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
+        self.name = f"pdserve-kv-{uuid.uuid4().hex}"
+        self.slot_bytes = slot_bytes
+        self.path: Path | None = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, slots * slot_bytes)
+            self.map = mmap.mmap(fd, slots * slot_bytes)
+        finally:
+            os.close(fd)
+        self.free = list(range(slots))
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid); once both sides mapped it, nothing can leak."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+    def close(self) -> None:
+        self.unlink()
+        self.map.close()
+
+
+class ShmChannel:
+    def __init__(self, transport: ShmSender, address: str, transfer_id: str) -> None:
+        self.transport = transport
+        self.address = address
+        self.transfer_id = transfer_id
+        self.bytes_sent = 0
+        self.segment = transport.take_segment(address)
+        self._slot_of: dict[int, int] = {}  # message seq -> slot it occupies
+        self.control = ControlClient(address, on_answer=self._answered)
+        self._closed = False
+
+    def send(self, header: FrameHeader, payload: Payload) -> None:
+        if self._closed:
+            raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
+        view = memoryview(payload).cast("B")
+        segment = self.segment
+        if view.nbytes > segment.slot_bytes:
+            self.control.send(INLINE, [header.pack(), bytes(view)])
+        else:
+            self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
+            slot = segment.free.pop()
+            offset = slot * segment.slot_bytes
+            segment.map[offset : offset + view.nbytes] = view
+            seq = self.control.send(FRAME, [header.pack(), segment.name.encode(), _SLOT.pack(offset, view.nbytes)])
+            self._slot_of[seq] = slot
+        self.bytes_sent += view.nbytes
+
+    def _answered(self, seq: int) -> None:
+        slot = self._slot_of.pop(seq, None)
+        if slot is not None:
+            self.segment.free.append(slot)
+            self.segment.unlink()  # the receiver has mapped it
+
+    def finish(self, timeout: float) -> None:
+        self.control.wait(lambda: not self.control.unanswered, timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.control.unanswered:  # the receiver may still read it: not reused, released there
+            self.control.send(RELEASE, [self.segment.name.encode()])
+            self.segment.close()
+        else:
+            self.transport.return_segment(self.address, self.segment)
+        self.control.close()
+
+
+class ShmSender:
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
+        self._lock = threading.Lock()
+
+    def open(self, address: str, transfer_id: str) -> ShmChannel:
+        return ShmChannel(self, address, transfer_id)
+
+    def take_segment(self, address: str) -> _Segment:
+        with self._lock:
+            pool = self._pools.setdefault(address, [])
+            return pool.pop() if pool else _Segment()
+
+    def return_segment(self, address: str, segment: _Segment) -> None:
+        with self._lock:
+            self._pools.setdefault(address, []).append(segment)
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            segments = self._pools.pop(address, [])
+        for segment in segments:
+            segment.close()
+
+    def close(self) -> None:
+        for address in list(self._pools):
+            self.forget(address)
+
+
+class ShmReceiver:
+    name = "shm"
+
+    def __init__(self, sink: FrameSink, host: str = "127.0.0.1") -> None:
+        self.sink = sink
+        self._maps: dict[str, mmap.mmap] = {}  # only the control thread touches it
+        self._server = ControlServer("shm", host, self._handle)
+        self.address = self._server.address
+
+    def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+        if kind == RELEASE:
+            mapping = self._maps.pop(_segment_name(parts[0].bytes), None)
+            if mapping is not None:
+                _close_quietly(mapping)
+            return
+        header = FrameHeader.unpack(parts[0].buffer)
+        if kind == INLINE:
+            self.sink(header, parts[1].buffer)
+        elif kind == FRAME:
+            offset, length = _SLOT.unpack(parts[2].bytes)
+            mapping = self._mapping(_segment_name(parts[1].bytes))
+            if offset + length > len(mapping):
+                raise TransferError(f"slot [{offset}, {offset + length}) outside a segment of {len(mapping)} bytes")
+            self.sink(header, memoryview(mapping)[offset : offset + length])
+        else:
+            raise TransferError(f"unknown message kind {kind!r}")
+
+    def _mapping(self, name: str) -> mmap.mmap:
+        mapping = self._maps.get(name)
+        if mapping is None:
+            try:
+                fd = os.open(SHM_DIR / name, os.O_RDWR)
+            except FileNotFoundError:
+                raise TransferError(f"shared memory segment {name} is gone (its sender closed it)") from None
+            try:
+                mapping = self._maps[name] = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
+        return mapping
+
+    def stop(self) -> None:
+        self._server.stop()
+        for mapping in self._maps.values():
+            _close_quietly(mapping)
+        self._maps.clear()
+
+
+def _segment_name(raw: bytes) -> str:
+    """A segment name from the wire, checked: nothing but our own files is ever opened."""
+    name = raw.decode(errors="replace")
+    if not _NAME.fullmatch(name):
+        raise TransferError(f"not a pdserve shared memory segment: {name[:80]!r}")
+    return name
+
+
+def _close_quietly(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view of it is still alive somewhere: the mapping goes when that does
+        pass

@@ -1,0 +1,180 @@
+"""The KV handoff in a running cluster: only what the decode worker lacks is sent, faults on the wire
+(a corrupt frame, a stream cut off, a codec the decode side cannot use) end exactly as designed, and
+the output stays identical to transformers'. Faults are injected by running code inside the workers
+(Ray's `__ray_call__`), the real checksum and lease code does the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from transformers import AutoConfig
+from cluster_helpers import assert_idle, manifest, on_worker, worker
+from conftest import random_prompts
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.engine.presets import resolve_model
+from pdserve.router.client import Client, PDServeError
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
+ARCH = "tiny-llama"
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with Cluster(manifest(model_dirs[ARCH], transport="shm"), log=lambda _: None) as c:
+        yield c
+
+
+def generate(cluster, prompt):
+    with Client(cluster.address) as client:
+        return client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+def last_transfer(cluster) -> dict:
+    return on_worker(worker(cluster, "prefill"), lambda self: self.transfer_log[-1])
+
+
+def counters(cluster, pool: str) -> dict:
+    if pool == "prefill":
+        return on_worker(worker(cluster, pool), lambda self: dict(self.counters))
+    return on_worker(worker(cluster, pool), lambda self: dict(self.receiver.counters))
+
+
+def corrupt_frames(self, layer: int, times: int) -> None:
+    """Flip a byte of the next `times` frames of `layer` as they arrive (before the checksum test)."""
+    receiver, left = self.receiver, [times]
+    original = receiver._decode
+
+    def damaging(incoming, header, payload):
+        if header.layer == layer and left[0] > 0:
+            left[0] -= 1
+            damaged = bytearray(payload)
+            damaged[len(damaged) // 2] ^= 0xFF
+            payload = memoryview(damaged)
+        return original(incoming, header, payload)
+
+    receiver._decode = damaging
+
+
+def test_a_prefix_the_decode_worker_holds_is_not_sent_again(cluster, hf_reference):
+    vocab = hf_reference[ARCH].vocab_size
+    first = random_prompts(1, vocab, 100, 100, seed=31)[0]
+    generate(cluster, first)  # the decode worker now caches its 6 full blocks
+    prompt = first[:64] + random_prompts(1, vocab, 40, 40, seed=32)[0]
+    out = generate(cluster, prompt)
+    assert out.token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    sent = last_transfer(cluster)
+    config = hf_reference[ARCH].model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32 K and V
+    assert sent["cached_tokens"] == 64 and sent["bytes"] == (len(prompt) - 64) * token_bytes
+    assert_idle(cluster)
+
+
+def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
+    before = counters(cluster, "prefill"), counters(cluster, "decode")
+    on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 90, 90, seed=33)[0]
+    assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    after = counters(cluster, "prefill"), counters(cluster, "decode")
+    assert after[0]["frames_resent"] == before[0]["frames_resent"] + 1
+    assert after[0]["recomputed"] == before[0]["recomputed"]
+    assert after[1]["corrupt_frames"] == before[1].get("corrupt_frames", 0) + 1
+    assert_idle(cluster)
+
+
+def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_reference):
+    before = counters(cluster, "prefill"), counters(cluster, "decode")
+    on_worker(worker(cluster, "decode"), corrupt_frames, 0, 2)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=34)[0]
+    assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    after = counters(cluster, "prefill"), counters(cluster, "decode")
+    assert after[0]["recomputed"] == before[0]["recomputed"] + 1
+    assert after[1]["recomputed"] == before[1].get("recomputed", 0) + 1
+    assert last_transfer(cluster)["recomputed"]
+    assert_idle(cluster)
+
+
+def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
+    def offer(self, codecs):
+        self.kv = dataclasses.replace(self.kv, codecs=tuple(codecs))
+
+    prefill = worker(cluster, "prefill")
+    on_worker(prefill, offer, ["no-such-codec", "cachegen"])  # cachegen: this model has no tables
+    try:
+        prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=35)[0]
+        assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+        assert last_transfer(cluster)["codec"] == "raw"
+    finally:
+        on_worker(prefill, offer, ["raw"])
+    assert_idle(cluster)
+
+
+def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):
+    """The prefill worker's stream stops in the middle of the prompt pass, with layer 0 sent, and
+    nothing else happens (a cut link): the decode worker's lease on the half-filled reservation expires;
+    when the prefill side resumes, its transfer is gone, the request ends with an explicit error, and
+    both pools are free again."""
+    def stall_after_layer_0(self):
+        original, self.test_gate = self._push_layer, threading.Event()
+
+        def push(layer, chunks):
+            original(layer, chunks)
+            if layer == 0:
+                self.test_gate.wait(60)  # the forward pass does not get to layer 1 until the gate opens
+
+        self.engine.runner.layer_hook = push
+        self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
+
+    def resume(self):
+        self.test_restore()
+        self.test_gate.set()
+
+    prefill = worker(cluster, "prefill")
+    expired_before = counters(cluster, "decode").get("leases_expired", 0)
+    on_worker(prefill, stall_after_layer_0)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36)[0]
+    errors: list[BaseException] = []
+
+    def call():
+        with Client(cluster.address) as client:
+            try:
+                client.generate(prompt, max_tokens=4, temperature=0, timeout=60)
+            except PDServeError as e:
+                errors.append(e)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        deadline = time.time() + cluster.manifest.kv_transfer.lease_s + 15
+        while counters(cluster, "decode").get("leases_expired", 0) == expired_before:
+            assert time.time() < deadline, "the lease never expired"
+            time.sleep(0.2)
+    finally:
+        on_worker(prefill, resume)
+        caller.join(90)
+    assert len(errors) == 1, "the request must end with an explicit error"
+    assert_idle(cluster)
+
+
+def test_the_trained_model_serves_with_cachegen_frames():
+    """CacheGen end to end on the shipped model (its tables ship with it): the decode side agrees to
+    it, the frames are a fraction of the raw bytes, and the request completes with text."""
+    model_dir = resolve_model("pystd-llama")
+    m = manifest(model_dir, kv_transfer={"codec": ["cachegen", "raw"]})
+    with Cluster(m, log=lambda _: None) as c, Client(c.address) as client:
+        out = client.generate("import os\nimport sys\n\n\ndef main(argv):\n" * 20, max_tokens=16, temperature=0)
+        sent = last_transfer(c)
+        assert sent["codec"] == "cachegen" and not sent["recomputed"]
+        assert len(out.token_ids) == 16 and out.text
+        hf = AutoConfig.from_pretrained(model_dir)
+        raw_bytes = sent["tokens"] * hf.num_hidden_layers * 2 * hf.num_key_value_heads * (
+            hf.hidden_size // hf.num_attention_heads) * 4
+        assert sent["bytes"] < raw_bytes / 6, (sent["bytes"], raw_bytes)
+        assert_idle(c)

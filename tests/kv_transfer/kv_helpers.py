@@ -1,0 +1,36 @@
+"""Synthetic KV for the codec and sender tests, and CacheGen tables profiled on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
+from pdserve.kv_transfer.codecs.cachegen_profile import build_tables
+from pdserve.kv_transfer.codecs.cachegen_quant import channels_first
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+
+
+def synthetic_kv(num_tokens: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
+    """[2, n, heads, dim]: a random walk per channel (neighbouring tokens alike), channel means and
+    scales that differ, two outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    walk = torch.cumsum(0.3 * torch.randn(shape, generator=g), dim=1) / (1 + 0.02 * num_tokens) ** 0.5
+    scale = torch.exp(torch.randn((2, 1, layout.num_kv_heads, layout.head_dim), generator=g))
+    kv = (walk + torch.randn(shape, generator=g) * 0.2) * scale + 3 * torch.randn((2, 1, *shape[2:]), generator=g)
+    kv[:, :, 0, 0] *= 20
+    return kv
+
+
+def synthetic_tables(out: Path) -> Path:
+    """`out`, with CacheGen tables profiled on synthetic KV of LAYOUT (token-to-token correlation, the
+    property CacheGen's deltas exploit, and outlier channels)."""
+    calibration = [np.concatenate([channels_first(synthetic_kv(1000, seed=100 + i), 10) for i in range(4)], axis=2)
+                   for _ in range(LAYOUT.num_layers)]
+    build_tables(calibration, (LAYOUT.num_kv_heads, LAYOUT.head_dim)).save(out / TABLES_FILE)
+    return out

@@ -1,0 +1,107 @@
+"""Codecs: lossless ones round-trip bit-exactly, lossy ones stay within their stated error bound,
+damaged payloads raise CorruptFrame, and a codec that cannot be used here says so (CodecUnavailable).
+
+CacheGen's tables come from `build_tables` on synthetic KV (`kv_helpers`); the shipped model's own
+tables are checked too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kv_helpers import LAYOUT, synthetic_kv, synthetic_tables
+
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.codecs import CODEC_NAMES, CodecUnavailable, make_codec
+from pdserve.kv_transfer.codecs.cachegen import CacheGenCodec
+from pdserve.kv_transfer.interface import CorruptFrame
+
+@pytest.fixture(scope="module")
+def tables_dir(tmp_path_factory):
+    return synthetic_tables(tmp_path_factory.mktemp("cachegen"))
+
+
+def codec(name: str, tables_dir, layout: KVLayout = LAYOUT):
+    return make_codec(name, tables_dir, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_raw_round_trips_bit_exactly(dtype):
+    layout = KVLayout(2, 2, 8, 16, dtype)
+    kv = synthetic_kv(37, seed=1).to(dtype)
+    raw = make_codec("raw", None, layout)
+    payload = raw.encode(kv, layer=1)
+    assert payload.nbytes == kv.numel() * kv.element_size()
+    out = raw.decode(memoryview(payload), 1, 0, 37, dtype)
+    assert torch.equal(out.view(torch.uint8 if dtype != torch.float32 else torch.int32),
+                       kv.view(torch.uint8 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "cachegen"])
+@pytest.mark.parametrize("num_tokens", [1, 9, 10, 11, 300])
+def test_lossy_codecs_stay_within_their_bound(name, num_tokens, tables_dir):
+    c = codec(name, tables_dir)
+    for level in range(c.num_levels):
+        for layer in range(LAYOUT.num_layers):
+            kv = synthetic_kv(num_tokens, seed=7 + layer)
+            out = c.decode(memoryview(c.encode(kv, layer, level)), layer, level, num_tokens, torch.float32)
+            assert out.shape == kv.shape
+            error = (out - kv).abs()
+            bound = c.error_bound(kv, layer, level) * (1 + 1e-5) + 1e-6  # float32 arithmetic
+            assert bool((error <= bound).all()), f"{name} level {level} layer {layer}: {float((error - bound).max())}"
+
+
+def test_cachegen_levels_trade_size_for_error_and_beat_int8(tables_dir):
+    c, int8 = codec("cachegen", tables_dir), codec("int8", tables_dir)
+    kv = synthetic_kv(1500, seed=3)
+    sizes = [c.encode(kv, 1, level).nbytes for level in range(c.num_levels)]
+    errors = [float((c.decode(c.encode(kv, 1, lv), 1, lv, 1500, torch.float32) - kv).abs().mean())
+              for lv in range(c.num_levels)]
+    assert sizes == sorted(sizes, reverse=True) and errors == sorted(errors)
+    assert sizes[0] < int8.encode(kv, 1).nbytes
+
+
+def test_cachegen_values_far_outside_the_profile_escape_and_come_back_exactly(tables_dir):
+    c = codec("cachegen", tables_dir)
+    kv = synthetic_kv(50, seed=4)
+    kv[0, 5, 1, 3] = 1e6
+    kv[1, 0, 0, 2] = -3e5  # an anchor
+    kv[1, 7, 1, 1] = float("nan")
+    out = c.decode(c.encode(kv, 0, 2), 0, 2, 50, torch.float32)
+    assert out[0, 5, 1, 3] == 1e6 and out[1, 0, 0, 2] == -3e5 and torch.isnan(out[1, 7, 1, 1])
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_damaged_payloads_raise_corrupt_frame(name, tables_dir):
+    c = codec(name, tables_dir)
+    payload = np.array(c.encode(synthetic_kv(40, seed=5), 0, 0))
+    with pytest.raises(CorruptFrame):
+        c.decode(payload[:-3], 0, 0, 40, torch.float32)
+    with pytest.raises(CorruptFrame):
+        c.decode(payload, 0, c.num_levels, 40, torch.float32)  # a level the codec does not have
+
+
+def test_unusable_codecs_say_why(tables_dir):
+    with pytest.raises(CodecUnavailable, match="unknown codec 'zstd'"):
+        make_codec("zstd", None, LAYOUT)
+    with pytest.raises(CodecUnavailable, match="kv-profile"):
+        make_codec("cachegen", tables_dir.parent, LAYOUT)  # no tables there
+    other = KVLayout(4, 2, 8, 16, torch.float32)
+    with pytest.raises(CodecUnavailable, match="layout"):
+        make_codec("cachegen", tables_dir, other)
+
+
+def test_the_shipped_model_has_cachegen_tables():
+    from pdserve.engine.presets import resolve_model
+
+    model_dir = resolve_model("pystd-llama")
+    assert isinstance(CacheGenCodec.for_model(model_dir, _layout_of(model_dir)), CacheGenCodec)
+
+
+def _layout_of(model_dir) -> KVLayout:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, 16, torch.float32)

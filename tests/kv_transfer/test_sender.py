@@ -1,0 +1,52 @@
+"""The level controller: the finest CacheGen level that still fits the time left at the measured
+bandwidth, the coarsest when nothing fits, and the transfer-time estimate the recompute decision uses."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kv_helpers import LAYOUT, synthetic_kv, synthetic_tables
+
+from pdserve.kv_transfer.codecs import make_codec
+from pdserve.kv_transfer.sender import LevelController, LevelSizes
+
+
+@pytest.fixture(scope="module")
+def cachegen(tmp_path_factory):
+    return make_codec("cachegen", synthetic_tables(tmp_path_factory.mktemp("cachegen")), LAYOUT)
+
+
+def sizes_by_level(codec, kv) -> list[int]:
+    return [codec.encode(kv, 0, level).nbytes for level in range(codec.num_levels)]
+
+
+def test_without_an_objective_every_frame_is_finest(cachegen):
+    controller = LevelController(cachegen, LevelSizes({}), bandwidth_bps=1.0, deadline=None)
+    level, _ = controller.encode(synthetic_kv(200, seed=1), 0, tokens_left=10**9)
+    assert level == 0
+
+
+@pytest.mark.parametrize("fits_level", [0, 1, 2])
+def test_the_finest_level_that_fits_the_time_left(cachegen, fits_level):
+    kv = synthetic_kv(300, seed=2)
+    sizes = sizes_by_level(cachegen, kv)
+    tokens_left = 3000  # ten such frames to go
+    # A bandwidth at which level `fits_level` takes 1 s for what is left, every finer level more.
+    bandwidth = sizes[fits_level] / 300 * tokens_left / 1.0
+    controller = LevelController(cachegen, LevelSizes({}), bandwidth, deadline=time.time() + 1.05)
+    level, payload = controller.encode(kv, 0, tokens_left)
+    assert level == fits_level
+    decoded = cachegen.decode(memoryview(payload), 0, level, 300, torch.float32)
+    assert decoded.shape == kv.shape
+
+
+def test_the_coarsest_level_when_nothing_fits_and_the_estimate_uses_it(cachegen):
+    kv = synthetic_kv(300, seed=3)
+    controller = LevelController(cachegen, LevelSizes({}), bandwidth_bps=1e3, deadline=time.time() + 0.001)
+    assert controller.transfer_s(1000) is None  # nothing measured yet
+    level, _ = controller.encode(kv, 0, tokens_left=300)
+    assert level == cachegen.num_levels - 1
+    coarsest = min(controller.sizes.bytes_per_token.values())
+    assert controller.transfer_s(1000) == pytest.approx(coarsest * 1000 / 1e3)
