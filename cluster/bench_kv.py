@@ -3,7 +3,9 @@
 Transports: a prompt's KV (of the model's layout, 2K and 16K tokens, random bytes) is sent as
 frames from this process to a receiving half in a child process, whose sink copies every frame into
 one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
-bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling. Medians of
+bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
+`grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), the most
+any gRPC transport written in Python can get here. Medians of
 `repeats` runs, after one warm-up (connections, groups and segments set up).
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
@@ -27,6 +29,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
+from concurrent import futures
+
+import grpc
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -38,6 +43,7 @@ from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.interface import Codec, FrameHeader
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
+from pdserve.kv_transfer.transports.grpc_stream import OPTIONS as GRPC_OPTIONS
 
 
 @dataclass
@@ -78,6 +84,21 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
         buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
         position[0] += header.payload_bytes
 
+    if kind == "grpc-bytes":  # grpcio's own ceiling: a stream of bare bytes messages, no framing at all
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+
+        def take(messages, context):
+            for message in messages:
+                sink(FrameHeader("", 0, 0, 0, "", 0, 0, len(message)), memoryview(message))
+            return b""
+
+        handler = grpc.stream_unary_rpc_method_handler(take)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bytes", {"Push": handler})])
+        conn.send(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        conn.recv()
+        server.stop(None)
+        return
     receiver = start_receiver(kind, sink)
     conn.send(receiver.address)
     conn.recv()  # told to stop
@@ -118,6 +139,15 @@ def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], rep
                     if run:
                         seconds.append(time.perf_counter() - t0)
                 parent.send(None)
+        elif kind == "grpc-bytes":
+            with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+                push = channel.stream_unary("/bench.Bytes/Push")
+                for run in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    push(bytes(memoryview(data)) for _, data in frames)
+                    if run:
+                        seconds.append(time.perf_counter() - t0)
+            parent.send(None)
         else:
             sender = make_sender(kind)
             try:
@@ -146,12 +176,12 @@ def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[di
         frames = _frames(layout, num_tokens)
         total = sum(d.nbytes for _, d in frames)
         tcp = statistics.median(_time_transport("tcp", frames, cfg.repeats))
-        for kind in cfg.transports:
+        for kind in [*cfg.transports, *(["grpc-bytes"] if "grpc" in cfg.transports else [])]:
             s = statistics.median(_time_transport(kind, frames, cfg.repeats))
             rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
                          "seconds": s, "gb_per_s": total / s / 1e9, "tcp_gb_per_s": total / tcp / 1e9,
                          "share_of_tcp": tcp / s})
-            log(f"  {kind:5s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
+            log(f"  {kind:10s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
                 f"raw TCP {total / tcp / 1e9:.2f} GB/s ({tcp / s:.0%})")
     return rows
 

@@ -6,13 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+# The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
-    "The water was",
-    "People have been writing about the first",
-    "def value(self):",
-    "Many of them would look at the number",
-    "How could it",
-    "Some people like to make",
+    "def read_config(path):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for line in lines:\n",
+    "# Return the number of",
+    '"""Utilities for working with',
 ]
 
 
@@ -43,13 +44,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"\nstreaming {len(DEMO_PROMPTS)} concurrent requests to {cluster.address} ...\n")
         first = DEMO_PROMPTS[0]
         print(f"[stream] {first!r} -> ", end="", flush=True)
-        for chunk in client.generate(first, stream=True, temperature=0.8, top_p=0.95, seed=0,
+        for chunk in client.generate(first, stream=True, temperature=0.7, top_p=0.9, seed=0,
                                      max_tokens=args.max_tokens):
             print(chunk.text_delta, end="", flush=True)
         print()
         with concurrent.futures.ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
-            results = list(pool.map(lambda p: client.generate(p, temperature=0.8, top_p=0.95, seed=0,
-                                                              max_tokens=args.max_tokens), DEMO_PROMPTS))
+            results = list(pool.map(lambda ip: client.generate(ip[1], temperature=0.7, top_p=0.9, seed=ip[0],
+                                                               max_tokens=args.max_tokens), enumerate(DEMO_PROMPTS)))
         for prompt, r in zip(DEMO_PROMPTS, results):
             t = r.timings
             print(f"\n{prompt!r} -> {r.text!r}\n    {len(r.token_ids)} tokens, finish={r.finish_reason}; "
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start a local cluster, stream a few real requests, print them, stop")
     demo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
 
     up = sub.add_parser("up", help="start (or join) a cluster from a manifest and serve until interrupted")

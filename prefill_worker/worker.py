@@ -79,7 +79,9 @@ class _Job:
     lease: Lease | None = None
     arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
-    last_layer_at: float = 0.0
+    last_layer_at: float = 0.0  # the sender handed the last frame to the channel
+    prompt_done_at: float = 0.0  # the prompt pass wrote its last layer
+    delivered_at: float = 0.0  # the receiver answered every frame
 
     @property
     def request_id(self) -> str:
@@ -341,6 +343,8 @@ class PrefillWorker:
             if layer == 0:
                 job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
             end = chunk.seq.num_computed_tokens + chunk.num_tokens  # KV of every token before is final
+            if chunk.samples and layer == self.engine.kv_layout.num_layers - 1:
+                job.prompt_done_at = time.time()
             if job.outgoing is not None:
                 # The blocks stay held until the job ends, so reading them later on the sender is safe.
                 self._sender.submit(self._send_layer, job, layer, list(chunk.seq.block_table), end)
@@ -408,6 +412,7 @@ class PrefillWorker:
             for attempt in range(2):
                 if outgoing is not None:
                     outgoing.channel.finish(COMMIT_TIMEOUT_S)
+                    job.delivered_at = job.delivered_at or time.time()
                 incomplete = ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, recompute),
                                      timeout=COMMIT_TIMEOUT_S)
                 if not incomplete:
@@ -433,7 +438,7 @@ class PrefillWorker:
             ev = transfer.events
             self.transfer_log.append({
                 "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
-                "committed": ev["success"], "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
+                "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"], "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
                 "cached_tokens": job.lease.cached_blocks * self.engine.kv_layout.block_size,
                 "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)

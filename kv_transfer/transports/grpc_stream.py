@@ -2,9 +2,14 @@
 
 A channel is one `PushKV` stream fed from a queue: `send` cuts a frame into messages of at most
 `PIECE_BYTES` and returns; `finish` ends the stream and reads the receiver's `KVAck`. The receiving
-half hands a frame that came in one message to the sink as a view of the message's bytes (no copy
-beyond protobuf's parse); a larger one is assembled into one buffer first. A sender keeps one HTTP/2
-channel per decode worker, so streams share its connection.
+half hands a frame that came in one message to the sink as a view of the message's bytes; a larger
+one is assembled into one buffer first. A sender keeps one HTTP/2 channel per decode worker, so
+streams share its connection.
+
+The messages are `KVFrame`s of kv_transfer.proto on the wire, but the payload field skips protobuf's
+copies: the sender writes the small fields with protobuf and appends the payload field itself (field
+order is free in protobuf), in one copy from the KV buffer; the receiver cuts the payload field out
+as a view and lets protobuf parse the rest (`_encode`, `_parse`). Any protobuf client interoperates.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, FrameSink, Payload, TransferError
-from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +47,81 @@ def _read_tls(tls: dict[str, str]) -> tuple[bytes, bytes, bytes]:
     return tuple(Path(tls[k]).read_bytes() for k in ("cert", "key", "ca"))  # type: ignore[return-value]
 
 
+_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+_PAYLOAD = kv_transfer_pb2.KVFrame.DESCRIPTOR.fields_by_name["payload"].number
+_PAYLOAD_TAG = bytes([_PAYLOAD << 3 | 2])  # a length-delimited field
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _encode(fields: kv_transfer_pb2.KVFrame, piece: memoryview) -> bytes:
+    """A KVFrame message: `fields` (no payload) serialized by protobuf, then the payload field."""
+    return b"".join((fields.SerializeToString(), _PAYLOAD_TAG, _varint(piece.nbytes), piece))
+
+
+def _parse(data: bytes) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
+    """A KVFrame message's payload as a view of `data`, and its other fields parsed by protobuf."""
+    view, rest, payload, at = memoryview(data), [], memoryview(b""), 0
+    while at < len(data):
+        start = at
+        tag, at = _read_varint(data, at)
+        wire_type = tag & 7
+        if wire_type == 0:
+            _, at = _read_varint(data, at)
+        elif wire_type == 2:
+            length, at = _read_varint(data, at)
+            if tag >> 3 == _PAYLOAD:
+                payload = view[at : at + length]
+            at += length
+        elif wire_type in (1, 5):
+            at += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"wire type {wire_type} at byte {start}")
+        if at > len(data):
+            raise ValueError("a field runs past the end of the message")
+        if tag >> 3 != _PAYLOAD:
+            rest.append(view[start:at])
+    return kv_transfer_pb2.KVFrame.FromString(b"".join(rest)), payload
+
+
 class GrpcChannel:
-    def __init__(self, stub: kv_transfer_pb2_grpc.KVTransferStub, transfer_id: str) -> None:
+    def __init__(self, push: grpc.StreamUnaryMultiCallable, transfer_id: str) -> None:
         self.transfer_id = transfer_id
         self.bytes_sent = 0
-        self._queue: queue.SimpleQueue[kv_transfer_pb2.KVFrame | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ended = False
-        self._call = stub.PushKV.future(iter(self._queue.get, None))
+        self._call = push.future(iter(self._queue.get, None))
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         if self._ended:
             raise TransferError(f"transfer {self.transfer_id}: the stream is closed")
         view = memoryview(payload).cast("B")
         for offset in range(0, max(view.nbytes, 1), PIECE_BYTES):
-            self._queue.put(kv_transfer_pb2.KVFrame(
+            fields = kv_transfer_pb2.KVFrame(
                 transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
                 num_tokens=header.num_tokens, codec=header.codec, level=header.level, crc32=header.crc32,
-                payload_bytes=header.payload_bytes, offset=offset, payload=bytes(view[offset : offset + PIECE_BYTES]),
-            ))
+                payload_bytes=header.payload_bytes, offset=offset)
+            self._queue.put(_encode(fields, view[offset : offset + PIECE_BYTES]))
         self.bytes_sent += view.nbytes
 
     def finish(self, timeout: float) -> None:
@@ -91,7 +154,7 @@ class GrpcSender:
             cert, key, ca = _read_tls(tls)
             self._credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                                              certificate_chain=cert)
-        self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._lock = threading.Lock()
 
     def open(self, address: str, transfer_id: str) -> GrpcChannel:
@@ -99,7 +162,9 @@ class GrpcSender:
             if address not in self._channels:
                 channel = (grpc.secure_channel(address, self._credentials, options=OPTIONS) if self._credentials
                            else grpc.insecure_channel(address, options=OPTIONS))
-                self._channels[address] = (channel, kv_transfer_pb2_grpc.KVTransferStub(channel))
+                push = channel.stream_unary(f"/{_SERVICE.full_name}/PushKV", request_serializer=None,
+                                            response_deserializer=kv_transfer_pb2.KVAck.FromString)
+                self._channels[address] = (channel, push)
             return GrpcChannel(self._channels[address][1], transfer_id)
 
     def forget(self, address: str) -> None:
@@ -113,29 +178,38 @@ class GrpcSender:
             self.forget(address)
 
 
-class _KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
+class _KVTransferService:
     def __init__(self, sink: FrameSink) -> None:
         self.sink = sink
 
-    def PushKV(self, request_iterator, context):  # noqa: N802 (gRPC's name)
+    def handler(self) -> grpc.GenericRpcHandler:
+        push = grpc.stream_unary_rpc_method_handler(self.push_kv, request_deserializer=None,
+                                                    response_serializer=kv_transfer_pb2.KVAck.SerializeToString)
+        return grpc.method_handlers_generic_handler(_SERVICE.full_name, {"PushKV": push})
+
+    def push_kv(self, request_iterator, context) -> kv_transfer_pb2.KVAck:
         frames = corrupt = 0
         assembling: tuple[FrameHeader, bytearray] | None = None
         try:
-            for message in request_iterator:
+            for data in request_iterator:
+                try:
+                    message, piece = _parse(data)
+                except (ValueError, IndexError, DecodeError) as e:
+                    raise TransferError(f"malformed KVFrame message: {e}") from None
                 header = FrameHeader(message.transfer_id, message.layer, message.start_token, message.num_tokens,
                                      message.codec, message.level, message.crc32, message.payload_bytes)
-                end = message.offset + len(message.payload)
+                end = message.offset + piece.nbytes
                 if header.payload_bytes > MAX_FRAME_BYTES or end > header.payload_bytes:
                     raise TransferError(f"message bytes [{message.offset}, {end}) of a "
                                         f"{header.payload_bytes}-byte frame")
                 if message.offset == 0 and end == header.payload_bytes:
-                    complete = memoryview(message.payload)
+                    complete = piece
                 else:
                     if message.offset == 0:
                         assembling = (header, bytearray(header.payload_bytes))
                     if assembling is None or assembling[0] != header:
                         raise TransferError("a frame's messages arrived out of order")
-                    assembling[1][message.offset : end] = message.payload
+                    assembling[1][message.offset : end] = piece
                     if end < header.payload_bytes:
                         continue
                     complete, assembling = memoryview(assembling[1]), None
@@ -155,7 +229,7 @@ class GrpcReceiver:
     def __init__(self, sink: FrameSink, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
                  max_workers: int = 16) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=OPTIONS)
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(sink), self._server)
+        self._server.add_generic_rpc_handlers([_KVTransferService(sink).handler()])
         if tls:
             cert, key, ca = _read_tls(tls)
             credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)

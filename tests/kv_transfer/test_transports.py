@@ -129,3 +129,22 @@ def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
         for sender in senders.values():
             sender.close()
         receiver.stop()
+
+
+def test_grpc_frames_are_plain_kvframe_messages_both_ways():
+    """What the sender writes is a KVFrame any protobuf library parses; what any protobuf library
+    writes (fields in any order) the receiver parses, the payload as a view."""
+    from pdserve.kv_transfer.transports.grpc_stream import _encode, _parse
+    from pdserve.proto.pdserve.v1.kv_transfer_pb2 import KVFrame
+
+    fields = dict(transfer_id="t", layer=3, start_token=96, num_tokens=16, codec="cachegen", level=2, crc32=7,
+                  payload_bytes=300, offset=0)
+    payload = bytes(range(256)) + bytes(44)
+    ours = _encode(KVFrame(**fields), memoryview(payload))
+    assert KVFrame.FromString(ours) == KVFrame(**fields, payload=payload)
+    theirs = KVFrame(payload=payload, **fields).SerializeToString()
+    for data in (ours, theirs):
+        parsed, piece = _parse(data)
+        assert parsed == KVFrame(**fields) and bytes(piece) == payload
+    with pytest.raises((ValueError, IndexError)):
+        _parse(ours[:-10] + b"\xff" * 3)  # truncated
