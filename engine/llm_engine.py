@@ -298,8 +298,9 @@ class LLMEngine:
             raise ValueError(f"block indices {kv.block_indices} outside the {len(seq.block_table)} reserved")
         self.kv_cache.write([seq.block_table[i] for i in kv.block_indices], kv.data, kv.layer)
 
-    def commit_import(self, handoff: RequestHandoff) -> None:
-        """The KV is complete: add the tokens sampled so far and put the request into the batch."""
+    def commit_import(self, handoff: RequestHandoff, exact: bool = True) -> None:
+        """The KV is complete: add the tokens sampled so far and put the request into the batch.
+        `exact`: False when the KV came through a lossy codec (it is then never cached as a prefix)."""
         seq = self.requests.get(handoff.request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
             raise KeyError(f"request {handoff.request_id!r} has no import in progress")
@@ -314,6 +315,7 @@ class LLMEngine:
         for token, logprob in itertools.zip_longest(handoff.output_token_ids, handoff.logprobs):
             seq.append_token(token, logprob)
         seq.num_computed_tokens = reserved
+        seq.exact_kv = exact
         self.scheduler.publish_full_blocks(seq)
         self.scheduler.add_running(seq)
 

@@ -129,6 +129,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        seq.exact_kv = True  # recomputed from its tokens when it comes back
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -142,6 +143,8 @@ class Scheduler:
         self.publish_full_blocks(seq)
 
     def publish_full_blocks(self, seq: Sequence) -> None:
+        if not seq.exact_kv:
+            return
         full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None

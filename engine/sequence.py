@@ -34,6 +34,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     num_preemptions: int = 0
+    # False once its KV came through a lossy codec: its blocks (and those computed on top of them)
+    # never enter the prefix cache, where another request would take them for exact KV.
+    exact_kv: bool = True
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,8 +1,8 @@
 """What the sending and receiving halves of every KV transport, and every codec, share.
 
 A transfer moves the KV of the tokens the decode worker does not already hold, layer by layer, as
-frames: one frame carries tokens [start, start + num_tokens) of one layer's K and V (relative to the
-first token sent), encoded by one codec at one quality level, with a CRC32 of the encoded bytes.
+frames: one frame carries tokens [start, start + num_tokens) of one layer's K and V (positions in
+the request's prompt), encoded by one codec at one quality level, with a CRC32 of the encoded bytes.
 
 The receiving side (`receiver.KVReceiver`) grants a `Lease` and takes frames through a `FrameSink`,
 whichever transport brought them; the sending side opens a `LayerChannel` per transfer and sends
@@ -89,14 +89,17 @@ class LayerChannel(Protocol):
     bytes_sent: int
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
-        """Queue one frame (returns before it is delivered; the payload may be reused after return)."""
+        """Queue one frame (returns before it is delivered; the payload may be reused after return).
+        Raises TransferError when the channel cannot take it (closed, or the receiver stuck or gone)."""
 
     def finish(self, timeout: float) -> None:
         """Wait until every frame sent so far is delivered; raise TransferError if any was not. A
         frame the receiver found corrupt is not an error here: the receiver lists it (`missing`)."""
 
     def close(self) -> None:
-        """Release the channel's resources (idempotent; ends an unfinished stream). Called on every path."""
+        """Release the channel's resources (idempotent; ends an unfinished stream). Called on every
+        path, possibly from another thread than the one sending: a send or finish under way then
+        ends with TransferError promptly."""
 
 
 class SendingTransport(Protocol):

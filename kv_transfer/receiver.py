@@ -77,13 +77,13 @@ class KVReceiver:
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",)) -> Lease:
         transfer = Transfer(transfer_id, request_id)
+        codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
             reservation = self._reserve_blocks(request_id, prompt_token_ids, params, num_kv_tokens)
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
         transfer.advance(TransferState.RESERVED)
-        codec = self.negotiate(codecs)
         incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.time() + self.lease_s,
                              reservation.cached_blocks * self.layout.block_size,
                              np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
@@ -101,8 +101,9 @@ class KVReceiver:
             if name not in self._codecs:
                 try:
                     self._codecs[name] = make_codec(name, self.model_dir, self.layout)
-                except CodecUnavailable as e:
-                    log.warning("codec %r refused, negotiating down: %s", name, e)
+                except Exception as e:  # unknown, unsupported, or its tables unreadable: not usable here
+                    level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
+                    log.log(level, "codec %r refused, negotiating down: %s: %s", name, type(e).__name__, e)
                     self._codecs[name] = None
             if self._codecs[name] is not None:
                 return self._codecs[name]
@@ -193,7 +194,8 @@ class KVReceiver:
                 self.counters["recomputed"] += 1
                 log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
             else:
-                self.loop.call(lambda e: e.commit_import(handoff), kind="kv")
+                exact = incoming.codec.lossless
+                self.loop.call(lambda e: e.commit_import(handoff, exact), kind="kv")
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
             self.loop.submit(lambda eng: eng.abort_request(handoff.request_id))

@@ -47,7 +47,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import checksum, make_codec
-from pdserve.kv_transfer.interface import FrameHeader, KVMemoryFull, Lease, LayerChannel, TransferError
+from pdserve.kv_transfer.interface import Codec, FrameHeader, KVMemoryFull, Lease, LayerChannel, TransferError
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
@@ -110,6 +110,7 @@ class PrefillWorker:
         self._transports: dict[str, Any] = {}  # name -> sending half, made on first use
         self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
+        self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
         self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0}
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -177,7 +178,8 @@ class PrefillWorker:
         transfer_id = uuid.uuid4().hex
         t_reserve = time.perf_counter()
         lease = ray.get(decode.reserve.remote(transfer_id, f"probe-{transfer_id}", [3] * num_tokens,
-                                              SamplingParams.greedy(max_tokens=1), num_tokens))
+                                              SamplingParams.greedy(max_tokens=1), num_tokens),
+                        timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
         layout = self.engine.kv_layout
         raw = make_codec("raw", None, layout)
         first = lease.cached_blocks * layout.block_size
@@ -195,7 +197,7 @@ class PrefillWorker:
             seconds = time.perf_counter() - t0
         finally:
             channel.close()
-            ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"))
+            ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"), timeout=COMMIT_TIMEOUT_S)
         self._bandwidth[_peer(lease)] = channel.bytes_sent / max(seconds, 1e-9)
         return {"bytes": channel.bytes_sent, "seconds": seconds, "handoff_s": time.perf_counter() - t_reserve}
 
@@ -319,7 +321,9 @@ class PrefillWorker:
         """The transfer's sending side; None when the decode worker should recompute the KV instead
         (the controller expects that to be faster than sending it even at the coarsest level)."""
         layout = self.engine.kv_layout
-        codec = make_codec(lease.codec, self.model_dir, layout)
+        codec = self._codecs.get(lease.codec)
+        if codec is None:  # made once: cachegen's tables are read and its coders built here
+            codec = self._codecs[lease.codec] = make_codec(lease.codec, self.model_dir, layout)
         sizes = self._level_sizes.setdefault(codec.name, LevelSizes({}))
         deadline = job.arrived + self.kv.ttft_slo_s if self.kv.ttft_slo_s is not None else None
         controller = LevelController(codec, sizes, self._bandwidth.get(_peer(lease), DEFAULT_BANDWIDTH), deadline)
@@ -385,22 +389,13 @@ class PrefillWorker:
             job.outgoing.send_through(layer, block_ids, end)
             job.last_layer_at = time.time()
         except Exception as e:
-            self._transfer_failed(job, e)
+            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
         finally:
             self._send_busy_s += time.perf_counter() - t0
 
     def _renew_lease(self, job: _Job) -> None:
         if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
             job.decode.renew_lease.remote(job.transfer.transfer_id)  # the commit reports that
-
-    def _transfer_failed(self, job: _Job, error: BaseException) -> None:
-        """End the job, and drop what the transports keep for its decode worker (connections, process
-        groups, segments): it may have left; the next transfer to it sets them up afresh."""
-        if job.lease is not None:
-            for name, transport in list(self._transports.items()):
-                if name in job.lease.addresses:
-                    transport.forget(job.lease.addresses[name])
-        self._finish(job, error=f"KV transfer failed: {_reason(error)}", code=UNAVAILABLE)
 
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
@@ -443,7 +438,7 @@ class PrefillWorker:
                 "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)
         except Exception as e:
-            self._transfer_failed(job, e)
+            self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
 
     # --- every job ends here --------------------------------------------------------------------
     def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> None:

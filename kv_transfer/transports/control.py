@@ -5,6 +5,10 @@ Each sending channel has a DEALER socket connected to the receiving half's ROUTE
 Status OK: handled; CORRUPT: the frame was damaged (the receiver counted and dropped it; its layer is
 sent again after `commit` names it); FAILED: the transfer cannot go on (the text says why). Only
 plain bytes cross the socket: no pickle.
+
+Every wait is bounded: a send that the peer does not take within SEND_TIMEOUT_S (its queue full, or
+gone) fails the channel, and so does an answer that does not come in time. A client may be closed
+from another thread (a cancel) while its owner waits: the owner's wait ends within one poll.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ log = logging.getLogger(__name__)
 
 OK, CORRUPT, FAILED = 0, 1, 2
 _SEQ = struct.Struct("<Q")
-POLL_MS = 100  # how often the receiving loop looks at its stop flag
+POLL_MS = 100  # how often a loop looks at its stop or closed flag
+SEND_TIMEOUT_S = 30.0
+LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 
 # Takes a message's parts after [kind, seq]; raises CorruptFrame or TransferError to answer so.
 Handler = Callable[[bytes, list[zmq.Frame]], None]
@@ -51,7 +57,12 @@ class ControlServer:
             while not self._stopped.is_set():
                 if not self._socket.poll(POLL_MS):
                     continue
-                identity, kind, seq, *parts = self._socket.recv_multipart(copy=False)
+                identity, *message = self._socket.recv_multipart(copy=False)
+                if len(message) < 2 or len(message[1].bytes) != _SEQ.size:
+                    log.warning("KV %s receiver: dropped a message of %d parts without kind and sequence number",
+                                self.name, len(message))
+                    continue
+                kind, seq, *parts = message
                 status, text = self._answer(kind.bytes, parts)
                 self._socket.send_multipart([identity, seq, bytes([status]), text.encode()])
         finally:
@@ -77,35 +88,47 @@ class ControlServer:
 
 
 class ControlClient:
-    """One sending channel's DEALER: sends messages, counts what is unanswered, collects answers."""
+    """One sending channel's DEALER: sends messages, counts what is unanswered, collects answers.
+    Thread-safe: its owner sends and waits, any thread may close it."""
 
     def __init__(self, address: str, on_answer: Callable[[int], None] = lambda seq: None) -> None:
         self.on_answer = on_answer  # called with each answered message's seq (a channel frees its buffer)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         self._socket.connect(address)
+        self._lock = threading.Lock()
+        self.closed = False
         self._next_seq = 0
         self.unanswered: set[int] = set()
         self.failures: list[str] = []
         self.corrupt = 0
 
     def send(self, kind: bytes, parts: list[bytes | memoryview]) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], copy=False)
-        self.unanswered.add(seq)
-        return seq
+        with self._lock:
+            self._check_open()
+            seq = self._next_seq
+            self._next_seq += 1
+            try:
+                self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], copy=False)
+            except zmq.Again:
+                raise TransferError(f"KV receiver took no message for {SEND_TIMEOUT_S:g} s") from None
+            self.unanswered.add(seq)
+            return seq
 
     def wait(self, until: Callable[[], bool], timeout: float) -> None:
-        """Take answers until `until()` holds; TransferError on a failure answer or after `timeout`."""
+        """Take answers until `until()` holds; TransferError on a failure answer, after `timeout`, or
+        once the client is closed."""
         deadline = time.monotonic() + timeout
         while not until():
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1):
-                if until():
-                    break
+            if remaining <= 0:
                 raise TransferError(f"KV receiver did not answer {len(self.unanswered)} messages within {timeout:g} s")
-            seq, status, text = self._socket.recv_multipart()
+            with self._lock:
+                self._check_open()
+                if not self._socket.poll(min(POLL_MS, int(remaining * 1000) + 1)):
+                    continue
+                seq, status, text = self._socket.recv_multipart()
             (number,) = _SEQ.unpack(seq)
             self.unanswered.discard(number)
             if status[0] == CORRUPT:
@@ -116,5 +139,23 @@ class ControlClient:
         if self.failures:
             raise TransferError(f"KV receiver refused a message: {self.failures[0]}")
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransferError("the KV channel was closed")
+
     def close(self) -> None:
-        self._socket.close()
+        self.closed = True  # an owner's wait stops at its next poll and lets go of the lock
+        with self._lock:
+            self._socket.close()
+
+
+def notify(address: str, kind: bytes, parts: list[bytes]) -> None:
+    """A last message to a receiving half (release, leave) on a socket of its own; best effort: it is
+    not answered, and it goes nowhere if the peer is gone (the socket lingers LINGER_MS, no longer)."""
+    client = ControlClient(address)
+    try:
+        client.send(kind, parts)
+    except TransferError:
+        pass
+    finally:
+        client.close()

@@ -5,8 +5,9 @@ on the pair's first transfer and torn down when the peer leaves (`forget`) or fa
 (rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
 channel; both construct the group at once and meet in the store. Each frame is then a control message
 (header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
-`recv` into a buffer and hands it to the sink. The group is gloo on CPU; the same code takes NCCL
-where tensors live on a GPU (`backend`), which this build does not exercise without one.
+`recv` into a buffer and hands it to the sink. A pair whose transfer fails (peer gone, a refused
+frame) drops its group and forms a new one on its next transfer. The group is gloo, on CPU tensors;
+NCCL for GPU-resident KV is not built yet (it needs a GPU session: issue 14).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
 
 log = logging.getLogger(__name__)
 
@@ -64,32 +65,41 @@ class _Group:
 
 
 class GlooChannel:
-    def __init__(self, group: _Group, address: str, transfer_id: str) -> None:
+    def __init__(self, sender: GlooSender, group: _Group, address: str, transfer_id: str) -> None:
+        self.sender = sender
         self.group = group
+        self.address = address
         self.transfer_id = transfer_id
         self.bytes_sent = 0
         self.control = ControlClient(address)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
-        data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
-        tensor = torch.from_numpy(data if data.flags.writeable else data.copy())
+        # Copied: the bytes must outlive the caller's buffer until the send completes.
+        tensor = torch.from_numpy(np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8).copy())
         tag = self.group.tag()
         self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
         self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
         self.bytes_sent += tensor.numel()
 
     def finish(self, timeout: float) -> None:
+        """The receiver's answers first: a frame it refused has no matching receive, so its send
+        would never complete; then the sends, which every accepted frame has completed."""
         try:
+            self.control.wait(lambda: not self.control.unanswered, timeout)
             for work, _ in self._pending:
                 work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:
-            raise TransferError(f"gloo send failed: {e}") from e
+        except (RuntimeError, TransferError) as e:
+            # Sends without receives (or a broken pair) leave the group unusable: the next transfer
+            # to this peer forms a new one.
+            self.sender.drop_group(self.address, self.group)
+            raise TransferError(f"gloo transfer to {self.address} failed: {e}") from e
         finally:
             self._pending.clear()
-        self.control.wait(lambda: not self.control.unanswered, timeout)
 
     def close(self) -> None:
+        if self._pending:  # not finished: sends may be left without receives
+            self.sender.drop_group(self.address, self.group)
         self._pending.clear()
         self.control.close()
 
@@ -110,15 +120,20 @@ class GlooSender:
                     group = self._groups[address] = _Group(address, self.host)
                 except (RuntimeError, TransferError) as e:
                     raise TransferError(f"cannot form a gloo group with {address}: {e}") from e
-        return GlooChannel(group, address, transfer_id)
+        return GlooChannel(self, group, address, transfer_id)
+
+    def drop_group(self, address: str, group: _Group) -> None:
+        """Tear down a pair's group (if it is still the current one) and tell the peer."""
+        with self._lock:
+            if self._groups.get(address) is not group:
+                return
+            del self._groups[address]
+        notify(address, LEAVE, [group.id.encode()])
 
     def forget(self, address: str) -> None:
-        with self._lock:
-            group = self._groups.pop(address, None)
+        group = self._groups.get(address)
         if group is not None:
-            leave = ControlClient(address)
-            leave.send(LEAVE, [group.id.encode()])  # best effort: the peer may be gone
-            leave.close()
+            self.drop_group(address, group)
 
     def close(self) -> None:
         for address in list(self._groups):

@@ -37,6 +37,11 @@ OPTIONS = [
     # Large windows: the default flow control stalls a single fast stream on loopback.
     ("grpc.http2.lookahead_bytes", 16 << 20),
     ("grpc.http2.write_buffer_size", 16 << 20),
+    # A peer that vanished without closing (half-open connection) is noticed within ~40 s on both
+    # ends, so no stream pins a server thread for good.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
 
 SLOT_BYTES = 8 << 20
 SLOTS = 8
@@ -44,8 +44,13 @@ class _Segment:
         self.path: Path | None = SHM_DIR / self.name
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, slots * slot_bytes)
+            # Allocated now, not on first touch: a full /dev/shm is an error here, not a SIGBUS later.
+            os.posix_fallocate(fd, 0, slots * slot_bytes)
             self.map = mmap.mmap(fd, slots * slot_bytes)
+        except OSError as e:
+            self.path.unlink(missing_ok=True)
+            raise TransferError(f"cannot make a {slots * slot_bytes >> 20} MiB shared memory segment in "
+                                f"{SHM_DIR}: {e}") from e
         finally:
             os.close(fd)
         self.free = list(range(slots))
@@ -71,22 +76,25 @@ class ShmChannel:
         self._slot_of: dict[int, int] = {}  # message seq -> slot it occupies
         self.control = ControlClient(address, on_answer=self._answered)
         self._closed = False
+        self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
-        if self._closed:
-            raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
         view = memoryview(payload).cast("B")
-        segment = self.segment
-        if view.nbytes > segment.slot_bytes:
-            self.control.send(INLINE, [header.pack(), bytes(view)])
-        else:
-            self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
-            slot = segment.free.pop()
-            offset = slot * segment.slot_bytes
-            segment.map[offset : offset + view.nbytes] = view
-            seq = self.control.send(FRAME, [header.pack(), segment.name.encode(), _SLOT.pack(offset, view.nbytes)])
-            self._slot_of[seq] = slot
-        self.bytes_sent += view.nbytes
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
+            segment = self.segment
+            if view.nbytes > segment.slot_bytes:
+                self.control.send(INLINE, [header.pack(), bytes(view)])
+            else:
+                self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
+                slot = segment.free.pop()
+                offset = slot * segment.slot_bytes
+                segment.map[offset : offset + view.nbytes] = view
+                seq = self.control.send(FRAME, [header.pack(), segment.name.encode(),
+                                                _SLOT.pack(offset, view.nbytes)])
+                self._slot_of[seq] = slot
+            self.bytes_sent += view.nbytes
 
     def _answered(self, seq: int) -> None:
         slot = self._slot_of.pop(seq, None)
@@ -101,12 +109,15 @@ class ShmChannel:
         if self._closed:
             return
         self._closed = True
-        if self.control.unanswered:  # the receiver may still read it: not reused, released there
-            self.control.send(RELEASE, [self.segment.name.encode()])
-            self.segment.close()
-        else:
-            self.transport.return_segment(self.address, self.segment)
-        self.control.close()
+        self.control.close()  # a send waiting for a slot stops within one poll
+        with self._lock:
+            if self.control.unanswered or self.segment.path is not None:
+                # Unanswered: the receiver may still read it. Never answered: it may not have mapped
+                # it, and the name is still linked. Either way: not reused, released on both sides.
+                notify(self.address, RELEASE, [self.segment.name.encode()])
+                self.segment.close()
+            else:
+                self.transport.return_segment(self.address, self.segment)
 
 
 class ShmSender:
@@ -132,6 +143,7 @@ class ShmSender:
         with self._lock:
             segments = self._pools.pop(address, [])
         for segment in segments:
+            notify(address, RELEASE, [segment.name.encode()])
             segment.close()
 
     def close(self) -> None:
@@ -170,7 +182,7 @@ class ShmReceiver:
         mapping = self._maps.get(name)
         if mapping is None:
             try:
-                fd = os.open(SHM_DIR / name, os.O_RDWR)
+                fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
             except FileNotFoundError:
                 raise TransferError(f"shared memory segment {name} is gone (its sender closed it)") from None
             try:

@@ -97,6 +97,30 @@ def test_a_prefix_the_decode_side_holds_is_not_sent(sides, hf_reference):
     prefill.release(request_id)
 
 
+def test_kv_that_came_through_a_lossy_codec_never_enters_the_prefix_cache(sides, hf_reference):
+    """Another request sharing the prefix must not take int8-rounded KV for exact KV."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=8)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff = prefill.export_handoff(request_id)
+    lease = receiver.reserve("t1", request_id, handoff.prompt_token_ids, handoff.params,
+                             handoff.num_computed_tokens, codecs=["int8"])
+    assert lease.codec == "int8"
+    int8 = make_codec("int8", None, prefill.kv_layout)
+    seq = prefill.requests[request_id]
+    for layer in range(decode.kv_layout.num_layers):
+        slots = prefill.kv_cache.token_slots(seq.block_table, 0, seq.num_computed_tokens)
+        payload = memoryview(int8.encode(prefill.kv_cache.read_tokens(layer, slots), layer)).cast("B")
+        receiver.receive_frame(FrameHeader("t1", layer, 0, len(slots), "int8", 0, checksum(payload),
+                                           payload.nbytes), payload)
+    assert receiver.commit("t1", handoff) == []
+    wait_finished(outputs)
+    prefill.release(request_id)
+    again = receiver.reserve("t2", "again", prompt, GREEDY, len(prompt))
+    assert again.cached_blocks == 0  # nothing of the lossy request was cached
+    receiver.abort("t2", "done")
+
+
 def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_reference):
     prefill, decode, receiver, outputs = sides
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0]

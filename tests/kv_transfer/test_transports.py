@@ -5,6 +5,7 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -148,3 +149,42 @@ def test_grpc_frames_are_plain_kvframe_messages_both_ways():
         assert parsed == KVFrame(**fields) and bytes(piece) == payload
     with pytest.raises((ValueError, IndexError)):
         _parse(ours[:-10] + b"\xff" * 3)  # truncated
+
+
+def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_nothing(tmp_path):
+    """A cancel closes the channel while its sender waits for a free shared-memory slot (the receiver
+    is slow): the send ends with TransferError at once, and no segment file is left behind."""
+    from pdserve.kv_transfer.transports.shm import SHM_DIR, SLOTS
+
+    release = threading.Event()
+
+    def slow_sink(header, payload):
+        release.wait(10)
+
+    receiver = start_receiver("shm", slow_sink)
+    sender = make_sender("shm")
+    before = set(SHM_DIR.glob("pdserve-kv-*"))
+    errors: list[BaseException] = []
+    try:
+        channel = sender.open(receiver.address, "t1")
+
+        def send_many():
+            try:
+                for i in range(SLOTS + 4):
+                    channel.send(*frame(0, 1000, seed=i))
+            except TransferError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=send_many)
+        thread.start()
+        time.sleep(0.5)  # every slot taken, the sender waiting
+        started = time.monotonic()
+        channel.close()
+        thread.join(5)
+        assert not thread.is_alive() and time.monotonic() - started < 2
+        assert len(errors) == 1 and "closed" in str(errors[0])
+    finally:
+        release.set()
+        sender.close()
+        receiver.stop()
+    assert set(SHM_DIR.glob("pdserve-kv-*")) <= before
