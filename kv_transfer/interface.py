@@ -89,7 +89,8 @@ class LayerChannel(Protocol):
     bytes_sent: int
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
-        """Queue one frame (returns before it is delivered; the payload may be reused after return).
+        """Queue one frame (returns before it is delivered). The payload must stay unchanged until
+        `finish` returns: a transport may send from it until then (gloo does; shm and gRPC copy it).
         Raises TransferError when the channel cannot take it (closed, or the receiver stuck or gone)."""
 
     def finish(self, timeout: float) -> None:

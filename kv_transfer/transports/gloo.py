@@ -75,8 +75,8 @@ class GlooChannel:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
-        # Copied: the bytes must outlive the caller's buffer until the send completes.
-        tensor = torch.from_numpy(np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8).copy())
+        data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+        tensor = torch.from_numpy(data if data.flags.writeable else data.copy())  # held until the send completes
         tag = self.group.tag()
         self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
         self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
@@ -154,6 +154,9 @@ class GlooReceiver:
         if kind == JOIN:
             group_id, store_address = parts[0].bytes.decode(), parts[1].bytes.decode()
             store_host, port = store_address.rsplit(":", 1)
+            peer = parts[0].get("Peer-Address")  # where the JOIN came from, as the socket saw it
+            if store_host != peer:  # never dial an address a message names on someone else's behalf
+                raise TransferError(f"gloo JOIN from {peer} names a store on {store_host}")
             store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False,
                                   timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
             self._groups[group_id] = _gloo_group(dist.PrefixStore(group_id, store), 1, self.host)
