@@ -297,15 +297,19 @@ class PrefillWorker:
             lease = ray.get(job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
                                                       work.params, len(work.prompt_token_ids), list(self.kv.codecs)),
                             timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
+            # pings and cancels take the lock.
+            outgoing = self._outgoing(job, lease)
             with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
                 owned = self._owns(job)
                 if owned:
                     transfer.advance(TransferState.RESERVED)
-                    job.lease = lease
-                    job.outgoing = self._outgoing(job, lease)
-                    job.channel = job.outgoing.channel if job.outgoing is not None else None
+                    job.lease, job.outgoing = lease, outgoing
+                    job.channel = outgoing.channel if outgoing is not None else None
                     job.state, job.prefill_started = "prefilling", time.time()
             if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
+                if outgoing is not None:
+                    outgoing.channel.close()
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
                 return
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
