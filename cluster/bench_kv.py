@@ -37,6 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.model_loader import load_model
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
@@ -232,13 +233,10 @@ def _roundtrip(codec: Codec, level: int, kv_layers: list[torch.Tensor]) -> tuple
 
 
 @torch.no_grad()
-def bench_codecs(cfg: KVBenchConfig, model_dir: Path, log=print) -> list[CodecRow]:
+def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=print) -> list[CodecRow]:
     torch.set_num_threads(1)  # speeds are per core
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    config = model.config
-    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads,
-                      config.hidden_size // config.num_attention_heads, 16, torch.float32)
     need = cfg.windows * cfg.window_tokens + cfg.continuations * 256
     ids = tokenizer(heldout_text(need * 6), add_special_tokens=False)["input_ids"]
     if len(ids) < need:
@@ -291,14 +289,12 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, log=print) -> list[CodecRo
 
 def run(cfg: KVBenchConfig, log=print) -> dict:
     model_dir = resolve_model(cfg.model)
-    config = AutoModelForCausalLM.from_pretrained(model_dir).config
-    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads,
-                      config.hidden_size // config.num_attention_heads, 16, torch.float32)
+    layout = load_model(model_dir, torch.float32, "cpu", block_size=16).kv_layout  # what the engine caches
     log(f"transports ({cfg.model}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads x {layout.head_dim}, "
         f"float32; frames of {FRAME_TOKENS} tokens)")
     transports = bench_transports(cfg, layout, log)
     log(f"codecs ({cfg.model}, held-out text)")
-    codecs = bench_codecs(cfg, model_dir, log)
+    codecs = bench_codecs(cfg, model_dir, layout, log)
     result = {
         "date": date.today().isoformat(), "machine": f"{platform.machine()}, {mp.cpu_count()} cores",
         "torch": torch.__version__, "config": {k: str(v) for k, v in asdict(cfg).items()},

@@ -74,7 +74,6 @@ class _Job:
     state: str = "queued"
     cancelled: bool = False
     transfer: Transfer | None = None
-    channel: LayerChannel | None = None
     outgoing: OutgoingTransfer | None = None  # None: the decode worker recomputes the KV (nothing is sent)
     lease: Lease | None = None
     arrived: float = field(default_factory=time.time)
@@ -305,7 +304,6 @@ class PrefillWorker:
                 if owned:
                     transfer.advance(TransferState.RESERVED)
                     job.lease, job.outgoing = lease, outgoing
-                    job.channel = outgoing.channel if outgoing is not None else None
                     job.state, job.prefill_started = "prefilling", time.time()
             if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
                 if outgoing is not None:
@@ -421,8 +419,8 @@ class PrefillWorker:
                                 incomplete)
                     self.counters["frames_resent"] += 1
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
-                    job.channel.close()  # a finished stream takes no more frames: a fresh one
-                    job.channel = outgoing.channel = self._open_channel(job.lease, transfer.transfer_id)
+                    outgoing.channel.close()  # a finished stream takes no more frames: a fresh one
+                    outgoing.channel = self._open_channel(job.lease, transfer.transfer_id)
                     self._sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
@@ -432,12 +430,13 @@ class PrefillWorker:
                     ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, True), timeout=COMMIT_TIMEOUT_S)
             if not transfer.advance_unless_finished(TransferState.SUCCESS):
                 return  # cancelled during the commit: the router aborts the request on the decode worker
-            sent = job.channel.bytes_sent if job.channel is not None else 0
+            sent = outgoing.channel.bytes_sent if outgoing is not None else 0
             transfer.bytes_moved = sent
             ev = transfer.events
             self.transfer_log.append({
                 "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
-                "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"], "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
+                "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"],
+                "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
                 "cached_tokens": job.lease.cached_blocks * self.engine.kv_layout.block_size,
                 "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)
@@ -454,8 +453,8 @@ class PrefillWorker:
             job.state = "done"
         if error is not None:
             log.warning("request %s: %s", job.request_id, error)
-        if job.channel is not None:
-            job.channel.close()
+        if job.outgoing is not None:
+            job.outgoing.channel.close()
         if job.transfer is not None and job.transfer.fail(error or reason):
             job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
         request_id = job.request_id

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine.training import calibration_text
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE, CacheGenTables
@@ -35,20 +35,23 @@ def layer_factors(num_layers: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def collect_kv(model_dir: str | Path, num_tokens: int, window: int, progress: bool) -> list[np.ndarray]:
+def collect_kv(model_dir: str | Path, num_tokens: int, window: int,
+               progress: bool) -> tuple[list[np.ndarray], tuple[int, int]]:
     """Per layer: float32 [2, channels, tokens] of the KV the model caches for calibration text,
-    window by window (each window a whole number of groups)."""
+    window by window (each window a whole number of groups); and (KV heads, head size) as cached."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     window = min(window, model.config.max_position_embeddings) // GROUP_SIZE * GROUP_SIZE
     ids = tokenizer(calibration_text(num_tokens * 8), add_special_tokens=False)["input_ids"][:num_tokens]
     per_layer: list[list[np.ndarray]] = [[] for _ in range(model.config.num_hidden_layers)]
+    heads = (0, 0)
     for start in tqdm(range(0, len(ids) - window + 1, window), desc="kv-profile", disable=not progress):
         cache = model(torch.tensor([ids[start : start + window]]), use_cache=True).past_key_values
         for layer, layer_cache in enumerate(cache.layers):
             kv = torch.stack([layer_cache.keys[0], layer_cache.values[0]]).transpose(1, 2)  # [2, T, H, D]
+            heads = (kv.shape[2], kv.shape[3])
             per_layer[layer].append(channels_first(kv, GROUP_SIZE))
-    return [np.concatenate(chunks, axis=2) for chunks in per_layer]
+    return [np.concatenate(chunks, axis=2) for chunks in per_layer], heads
 
 
 def build_tables(kv_per_layer: list[np.ndarray], head_layout: tuple[int, int]) -> CacheGenTables:
@@ -104,10 +107,8 @@ def _probabilities(counts: np.ndarray) -> np.ndarray:
 def profile_cachegen(model_dir: str | Path, num_tokens: int = 65536, window: int = 1000,
                      progress: bool = True) -> Path:
     """Profile the model in `model_dir` and write its tables there; returns the file."""
-    kv = collect_kv(model_dir, num_tokens, window, progress)
-    config = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    tables = build_tables(kv, (config.num_key_value_heads, head_dim))
+    kv, heads = collect_kv(model_dir, num_tokens, window, progress)
+    tables = build_tables(kv, heads)
     path = Path(model_dir) / TABLES_FILE
     tables.save(path)
     return path

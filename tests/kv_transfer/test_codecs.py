@@ -93,15 +93,9 @@ def test_unusable_codecs_say_why(tables_dir):
 
 
 def test_the_shipped_model_has_cachegen_tables():
+    from pdserve.engine.model_loader import load_model
     from pdserve.engine.presets import resolve_model
 
     model_dir = resolve_model("pystd-llama")
-    assert isinstance(CacheGenCodec.for_model(model_dir, _layout_of(model_dir)), CacheGenCodec)
-
-
-def _layout_of(model_dir) -> KVLayout:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    head_dim = config.hidden_size // config.num_attention_heads
-    return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, 16, torch.float32)
+    layout = load_model(model_dir, torch.float32, "cpu", block_size=16).kv_layout
+    assert isinstance(CacheGenCodec.for_model(model_dir, layout), CacheGenCodec)
