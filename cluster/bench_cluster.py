@@ -72,7 +72,7 @@ def bench_deployment(cfg: ClusterBenchConfig, mode: str, transport: str, prompts
                      log=print) -> DeploymentResult:
     manifest = load_manifest({
         "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport}, "max_model_len": 2048,
-        "kv_memory_mb": 256, "server": {"address": "127.0.0.1:0"},
+        "kv_memory_mb": 256, "server": {"address": "127.0.0.1:0", "http_address": None},
         "pools": {"prefill": {"num_cpus": 1, "threads": 1}, "decode": {"num_cpus": 1, "threads": 1}},
     })
     result = DeploymentResult(f"{mode}/{transport}" if mode == "disaggregated" else mode)

@@ -87,7 +87,7 @@ def _divergence(model: torch.nn.Module, prompt: list[int], expected: list[int], 
 
 def run(cfg: OverloadConfig) -> dict:
     manifest = load_manifest(cfg.manifest)
-    manifest.server.address = "127.0.0.1:0"
+    manifest.server.address, manifest.server.http_address = "127.0.0.1:0", None
     model_dir = resolve_model(manifest.model)
     limit = manifest.max_model_len or 1024
     shapes, source = azure_conv_shapes(cfg.num_requests, 0.25, 1.0, limit - cfg.max_tokens, cfg.max_tokens)

@@ -8,6 +8,11 @@ Each configuration is started by the benchmark, measured, and stopped, one at a 
   transformers-serve  `transformers serve --continuous-batching`, torch on 2 threads (the same cores),
                       the KV memory and step token budget of one pdserve engine
   disaggregated-1p2d  1 prefill + 2 decode workers sharing the 2 cores (not in the default set)
+  disaggregated-http  the disaggregated deployment driven over its OpenAI-compatible HTTP API instead of
+                      gRPC (not in the default set): side by side with `disaggregated`, the HTTP layer's cost
+
+Every pdserve configuration is also scraped (its Prometheus /metrics) before and after each run, and
+the scrape's counts are checked against the run's own records (`metrics_check`).
 
 Workload: Azure conversation trace lengths scaled to the model (prompts x input_scale, outputs x
 output_scale, clipped to max_model_len), random prompts that tokenize back to themselves (so the
@@ -66,11 +71,13 @@ from pdserve.cluster.serve_metrics import (
 from pdserve.cluster.workload import TraceRequest, find_trace, load_azure_trace, scale_requests
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
-CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d",)  # the last on request: a rebalanced split
+CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP
 DESCRIPTIONS = {
     "disaggregated": "deploy/local.yaml: 1 prefill + 1 decode worker, 1 thread each",
     "disaggregated-1p2d": "1 prefill + 2 decode workers, 1 thread each, sharing the 2 cores (the decode pool "
                           "is the bottleneck of the 1 + 1 split)",
+    "disaggregated-http": "deploy/local.yaml as `disaggregated`, driven over the OpenAI-compatible HTTP API "
+                          "(/v1/completions, SSE) instead of gRPC",
     "colocated-chunked": "colocated, 2 workers (1 + 1 replicas), 1 thread each, max_num_batched_tokens 256",
     "colocated": "colocated, 2 workers (1 + 1 replicas), 1 thread each, max_num_batched_tokens = max_model_len",
     "transformers-serve": "transformers serve --continuous-batching, 1 process, torch threads {threads}; "
@@ -80,6 +87,7 @@ DESCRIPTIONS = {
 STREAMING = {
     "transformers-serve": "one SSE event per decoded text piece (a token that decodes to no text yet sends none): "
                           "ITL is per event; TPOT uses the server's own token count",
+    "disaggregated-http": "one SSE event per engine step of the request (one token each), as gRPC sends one message",
 }
 CHUNKED_BUDGET = 256
 LOOP_KEYS = ("wall_s", "forward_s", "kv_s", "other_s")
@@ -162,11 +170,11 @@ def manifest_for(name: str, cfg: ServeBenchConfig) -> dict[str, Any]:
 
     data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
     data.update(model=cfg.model, max_model_len=cfg.max_model_len)
-    data["server"]["address"] = "127.0.0.1:0"
+    data["server"].update(address="127.0.0.1:0", http_address="127.0.0.1:0")
     if name == "disaggregated-1p2d":  # threads need not match cores: the prefill worker is mostly idle
         data["pools"]["prefill"].update(num_cpus=0.5)
         data["pools"]["decode"].update(replicas=2, num_cpus=0.75)
-    elif name != "disaggregated":
+    elif not name.startswith("disaggregated"):
         data["mode"] = "colocated"
         for pool in ("prefill", "decode"):
             data["pools"][pool].update(replicas=1, threads=1)
@@ -190,6 +198,9 @@ class Target:
 
     client: StreamClient
     worker_stats: Callable[[], dict[str, dict]] | None = None
+    api: str = ""  # the pdserve API the client speaks (the `api` label of its metrics)
+    metrics_url: str | None = None  # pdserve's Prometheus endpoint
+    grpc_client: StreamClient | None = None  # for an HTTP target: the same cluster over gRPC (idle comparison)
 
 
 @contextmanager
@@ -212,7 +223,15 @@ def serving(name: str, cfg: ServeBenchConfig, model_dir: Path, log: Callable[[st
                                       extra_body=server.request_fields()))
         return
     with Cluster(load_manifest(manifest_for(name, cfg)), log=lambda s: log(f"  {s}")) as cluster:
-        yield Target(GrpcClient(cluster.address, timeout=cfg.timeout_s), cluster.worker_stats)
+        metrics_url = f"http://{cluster.http_address}/metrics"
+        if name == "disaggregated-http":
+            client = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.model, timeout=cfg.timeout_s,
+                                  extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
+                                  prompt_ids=True, event_per_token=True)
+            yield Target(client, cluster.worker_stats, "http", metrics_url,
+                         grpc_client=GrpcClient(cluster.address, timeout=cfg.timeout_s))
+        else:
+            yield Target(GrpcClient(cluster.address, timeout=cfg.timeout_s), cluster.worker_stats, "grpc", metrics_url)
 
 
 def loop_split(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
@@ -228,12 +247,73 @@ def loop_split(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dic
     return out
 
 
+# --- the metrics endpoint ------------------------------------------------------------------------
+METRICS_SETTLE_S = 1.5  # > two supervisor rounds: every worker's figures are in the router's view
+# Families the endpoint must export (issue 13's list), by the name prometheus-client's parser gives them.
+METRIC_FAMILIES = (
+    "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+    "pdserve_e2e_request_latency_seconds", "pdserve_queue_depth", "pdserve_running_requests", "pdserve_kv_blocks",
+    "pdserve_prefix_cache_hit_rate", "pdserve_prompt_cached_tokens", "pdserve_kv_transfer_bytes",
+    "pdserve_kv_transfer_duration_seconds", "pdserve_kv_transfers", "pdserve_router_decisions", "pdserve_requests",
+)
+
+
+@dataclass
+class Scrape:
+    """One scrape of a Prometheus endpoint, parsed by prometheus-client's own parser."""
+
+    families: set[str]  # every family exported, with samples or not yet
+    samples: dict[tuple[str, tuple], float]  # by (sample name, sorted labels)
+
+    def total(self, sample: str, **labels: str) -> float:
+        """The sum of `sample` over the series whose labels include `labels`."""
+        return sum(v for (name, lbls), v in self.samples.items()
+                   if name == sample and all(dict(lbls).get(k) == x for k, x in labels.items()))
+
+
+def scrape_metrics(url: str) -> Scrape:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    return Scrape({f.name for f in families},
+                  {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples})
+
+
+def metrics_check(before: Scrape, after: Scrape, recs: list[RequestRecord], api: str) -> dict[str, Any]:
+    """The scrape's counts over a run (after - before) against the run's own records."""
+
+    def delta(sample: str, **labels: str) -> float:
+        return after.total(sample, **labels) - before.total(sample, **labels)
+
+    ok = sum(r.outcome == "ok" for r in recs)
+    pairs = {  # figure: (from /metrics, from the records)
+        "completed": (delta("pdserve_requests_total", api=api, code="OK"), ok),
+        "rejected": (delta("pdserve_requests_total", api=api, code="RESOURCE_EXHAUSTED"),
+                     sum(r.outcome == "rejected" for r in recs)),
+        "ttft_observations": (delta("pdserve_time_to_first_token_seconds_count", api=api), ok),
+        "output_tokens": (delta("pdserve_generation_tokens_total", api=api), sum(r.output_tokens for r in recs)),
+        "routed": (delta("pdserve_router_decisions_total", pool="decode"), sum(r.outcome != "rejected" for r in recs)),
+    }
+    missing = [f for f in METRIC_FAMILIES if f not in after.families]
+    mismatches = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    # Reported, not compared: a request that ends on its first token is placed for a transfer but never makes one.
+    transfers = {"kv_transfers_ended": delta("pdserve_kv_transfers_total"),
+                 "disaggregated_placements": delta("pdserve_router_decisions_total", pool="prefill")}
+    return {"figures": {k: {"metrics": v[0], "records": v[1]} for k, v in pairs.items()}, "transfers": transfers,
+            "missing_families": missing, "mismatches": mismatches, "consistent": not missing and not mismatches}
+
+
 # --- measurement ----------------------------------------------------------------------------------
 @dataclass
 class ConfigResult:
     name: str
     runs: dict[float, list[RequestRecord]] = field(default_factory=dict)
     loops: dict[float, dict[str, dict]] = field(default_factory=dict)
+    metrics_checks: dict[float, dict[str, Any]] = field(default_factory=dict)  # /metrics against the records
+    idle_apis: dict[str, Any] | None = None  # gRPC and HTTP one request at a time on one cluster (HTTP target)
     load_avg: dict[float, tuple[float, float]] = field(default_factory=dict)  # 1-min load, run start and end
     goodput: list[Goodput] = field(default_factory=list)
     error: str | None = None
@@ -255,6 +335,29 @@ def calibrate(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: 
     log(f"idle: TTFT p50 {out['ttft_p50_s'] * 1e3:.1f} ms, p90 {out['ttft_p90_s'] * 1e3:.1f} ms; "
         f"TPOT p50 {out['tpot_p50_s'] * 1e3:.2f} ms (the idle decode step seen by a client); "
         f"e2e mean {out['e2e_mean_s'] * 1e3:.0f} ms")
+    return out
+
+
+IDLE_API_ROUNDS = 3
+
+
+def idle_apis(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: Target, requests: list[Request],
+              log: Callable[[str], None]) -> dict[str, Any]:
+    """The HTTP layer's cost at idle: the same requests one at a time over gRPC and over HTTP on one
+    cluster, in alternating rounds (so drift hits both); medians per API and their differences."""
+    recs: dict[str, list[RequestRecord]] = {"grpc": [], "http": []}
+    reqs = requests[:max(cfg.calibration_requests, 8)]
+    for round_ in range(IDLE_API_ROUNDS):
+        for api, client in (("grpc", target.grpc_client), ("http", target.client)):
+            batch = [replace(r, request_id=f"idle-{api}-{round_}-{r.request_id}") for r in reqs]
+            recs[api] += pool.submit(run_sequential, client, batch, config=f"idle-{api}").result()
+    bad = [r for rs in recs.values() for r in rs if r.outcome != "ok"]
+    if bad:
+        raise RuntimeError(f"idle API comparison: a request failed: {bad[0].error}")
+    out: dict[str, Any] = {"requests_per_api": len(recs["grpc"]), **api_medians(recs["grpc"], recs["http"])}
+    t, tp = out["ttft_p50_s"], out["tpot_p50_s"]
+    log(f"  idle, one request at a time ({out['requests_per_api']} per API): TTFT p50 gRPC {_ms(t['grpc'])}, HTTP "
+        f"{_ms(t['http'])}; TPOT p50 gRPC {_ms(tp['grpc'])}, HTTP {_ms(tp['http'])}")
     return out
 
 
@@ -306,11 +409,17 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
                 log(f"objective {o.name}: TTFT <= {o.ttft_s * 1e3:.1f} ms and TPOT <= {o.tpot_s * 1e3:.2f} ms")
         if name not in cfg.configs:  # started only to calibrate
             return
+        if target.grpc_client is not None:
+            result.idle_apis = idle_apis(cfg, pool, target, requests, log)
         start_rate = cfg.start_rate or 1 / state["calibration"]["e2e_mean_s"]
 
         def measure(rate: float) -> list[RequestRecord]:
             reqs = [replace(r, request_id=f"{name}-{rate:g}-{r.request_id}") for r in requests]
             before = target.worker_stats() if target.worker_stats else None
+            scraped = None
+            if target.metrics_url:  # after the previous run's worker figures have arrived
+                time.sleep(METRICS_SETTLE_S)
+                scraped = scrape_metrics(target.metrics_url)
             load_before = os.getloadavg()[0]
             recs = pool.submit(run_load, target.client, reqs, arrivals_for(cfg, shapes, rate), config=name,
                                rate=rate, progress=cfg.progress).result()
@@ -318,6 +427,12 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
             result.load_avg[rate] = (load_before, os.getloadavg()[0])
             if target.worker_stats:
                 result.loops[rate] = loop_split(before, target.worker_stats())
+            if scraped is not None:
+                time.sleep(METRICS_SETTLE_S)  # workers' figures arrive with their next health reports
+                check = result.metrics_checks[rate] = metrics_check(scraped, scrape_metrics(target.metrics_url),
+                                                                    recs, target.api)
+                if not check["consistent"]:
+                    log(f"  /metrics disagrees with the run's records: {check['mismatches']}")
             write_jsonl(recs, jsonl)
             s = summarize(recs)
             short = sum(r.outcome == "ok" and r.output_tokens != r.max_tokens for r in recs)
@@ -402,14 +517,37 @@ def assemble(cfg: ServeBenchConfig, state: dict[str, Any], results: list[ConfigR
                 "goodput": {g.objective.name: {"rate": g.rate, "failed_rate": g.failed_rate,
                                                "attainment": g.attainment, "converged": g.converged,
                                                "note": g.note} for g in r.goodput},
-                "runs": [{**run, "load_avg_1m": r.load_avg.get(run["rate"]), "worker_loop": r.loops.get(run["rate"])}
+                "idle_apis": r.idle_apis,
+                "runs": [{**run, "load_avg_1m": r.load_avg.get(run["rate"]), "worker_loop": r.loops.get(run["rate"]),
+                          "metrics_check": r.metrics_checks.get(run["rate"])}
                          for run in summarize_runs(r.runs.items(), objectives)],
             }
             for r in results
         },
         "goodput_ratios": ratios,
         "cdf_rate": cdf_rate,
+        "http_vs_grpc": http_cost(results),
     }
+
+
+def http_cost(results: list[ConfigResult]) -> dict[str, dict] | None:
+    """The HTTP layer's cost: at every rate both `disaggregated` (gRPC) and `disaggregated-http` ran,
+    the medians of TTFT (per request), TPOT (per token) and e2e over each, and their differences."""
+    by_name = {r.name: r for r in results}
+    grpc, http = by_name.get("disaggregated"), by_name.get("disaggregated-http")
+    if grpc is None or http is None:
+        return None
+    return {f"{rate:g}": api_medians(grpc.runs[rate], http.runs[rate]) for rate in sorted(set(grpc.runs) & set(http.runs))}
+
+
+def api_medians(grpc: list[RequestRecord], http: list[RequestRecord]) -> dict[str, dict]:
+    """Median TTFT, TPOT and e2e of the completed requests over each API, and HTTP's excess."""
+    out = {}
+    for metric in ("ttft", "tpot", "e2e"):
+        g, h = (percentile([getattr(r, metric) for r in recs if r.outcome == "ok" and getattr(r, metric) is not None],
+                           50) for recs in (grpc, http))
+        out[f"{metric}_p50_s"] = {"grpc": g, "http": h, "http_minus_grpc": None if g is None or h is None else h - g}
+    return out
 
 
 def plot(results: list[ConfigResult], objectives: list[Objective], cdf_rate: float | None, out_dir: Path) -> list[Path]:

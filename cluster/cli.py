@@ -39,7 +39,8 @@ def _demo(args: argparse.Namespace) -> int:
     from pdserve.router.client import Client
 
     manifest = load_manifest(args.manifest)
-    manifest.server.address = "127.0.0.1:0"  # any free port: the demo must not clash with a running server
+    # Any free ports: the demo must not clash with a running server.
+    manifest.server.address, manifest.server.http_address = "127.0.0.1:0", "127.0.0.1:0"
     with Cluster(manifest) as cluster, Client(cluster.address, timeout=120) as client:
         print(f"\nstreaming {len(DEMO_PROMPTS)} concurrent requests to {cluster.address} ...\n")
         first = DEMO_PROMPTS[0]
@@ -62,11 +63,39 @@ def _demo(args: argparse.Namespace) -> int:
                                  for r in results) * 1e3
         print(f"\nlatency summary ({manifest.mode}, {len(results)} requests): median TTFT {ttft:.0f} ms, "
               f"median TPOT {tpot:.1f} ms, median e2e {e2e:.0f} ms")
+        _demo_http(cluster.http_address, manifest.model, args.max_tokens, manifest.server.auth_token,
+                   manifest.server.tls_cert)
     print("cluster stopped")
     return 0
 
 
+def _demo_http(address: str, model: str, max_tokens: int, token: str | None, tls_cert: Path | None) -> None:
+    """One chat completion over the OpenAI-compatible HTTP API, and a look at /metrics."""
+    import json
+    import ssl
+    import urllib.request
+
+    # With TLS the demo trusts the server's own certificate (a self-signed one, as a local manifest has).
+    context = ssl.create_default_context(cafile=str(tls_cert)) if tls_cert else None
+    base = f"{'https' if tls_cert else 'http'}://{address}"
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": DEMO_PROMPTS[0]}]}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    print(f"\nPOST {base}/v1/chat/completions ...")
+    request = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=120, context=context) as resp:
+        reply = json.load(resp)
+    print(f"  -> {reply['choices'][0]['message']['content']!r} (finish={reply['choices'][0]['finish_reason']}, "
+          f"usage {reply['usage']})")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30, context=context) as resp:
+        lines = resp.read().decode().splitlines()
+    completed = [line for line in lines if line.startswith("pdserve_requests_total{") and 'code="OK"' in line]
+    print(f"GET {base}/metrics: {len(lines)} lines; completed requests: "
+          + ", ".join(line.split("{", 1)[1] for line in completed))
+
+
 def _up(args: argparse.Namespace) -> int:
+    import logging
     import signal
     import threading
 
@@ -74,6 +103,9 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.cluster.manifest import load_manifest
 
     manifest = load_manifest(args.manifest)  # a bad manifest fails here, before anything starts
+    lifetime = logging.getLogger("pdserve.lifetime")  # one JSON line per finished request
+    lifetime.setLevel(logging.INFO)
+    lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -81,6 +113,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         print(f"ready: pdserve generate --address {address} \"hello\"   (Ctrl-C stops the cluster)", flush=True)
+        if cluster.http_address:
+            base = f"{'https' if manifest.server.tls_cert else 'http'}://{cluster.http_address}"
+            print(f"ready: OpenAI API at {base}/v1, metrics at {base}/metrics", flush=True)
         stop.wait()
     finally:
         print("shutting down ...", flush=True)
@@ -250,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start (or join) a cluster from a manifest and serve until interrupted")
     up.add_argument("manifest", nargs="?", default=None, help="manifest (default: deploy/local.yaml)")
+    up.add_argument("--lifetime-log", type=Path, default=None,
+                    help="write each request's lifetime (one JSON line per request) here instead of stderr")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
@@ -302,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "pdserve configurations and transformers serve; with --policies, "
                                             "the router's placement policies on three traces")
     bs.add_argument("--configs", nargs="+", default=None, help="any of disaggregated, colocated-chunked, "
-                    "colocated, transformers-serve, disaggregated-1p2d (default: the first four)")
+                    "colocated, transformers-serve, disaggregated-1p2d, disaggregated-http (the disaggregated deployment over its "
+                    "OpenAI HTTP API) (default: the first four)")
     bs.add_argument("--model", default="llama-20m")
     bs.add_argument("--requests-per-rate", type=int, default=64, help="requests in each rate's run")
     bs.add_argument("--start-rate", type=float, default=None,

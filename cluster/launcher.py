@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,7 +26,8 @@ from pdserve.router.placement import WorkerRef
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
 from pdserve.router.server import RouterServer
-from pdserve.router.service import RouterService, ServedModel
+from pdserve.router.frontend import Frontend, ServedModel
+from pdserve.router.service import RouterService
 from pdserve.router.token_hub import TokenStreamHub
 
 log = logging.getLogger(__name__)
@@ -90,15 +90,16 @@ class Cluster:
         self._router = Router(m.mode, prefill_refs, decode_refs, m.block_size, self._routing_settings(served), index)
         if m.mode == "disaggregated":
             self._probe_transfers(prefill_refs[0], decode_refs[0])
-        service = RouterService(served, self._router, self._hub)
-        tls = None
-        if m.server.tls_cert is not None:
-            tls = (Path(m.server.tls_cert).read_bytes(), Path(m.server.tls_key).read_bytes())
-        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token)
+        service = RouterService(Frontend(served, self._router, self._hub))
+        tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
+        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token,
+                                    http_address=m.server.http_address)
         self.address = self._server.start()
         self._supervisor = Supervisor(self.workers, on_change=self._health_changed).start()
-        self.log(f"serving {m.model!r} on {self.address} ({m.mode}, transport {m.kv_transfer.transport}) "
-                 f"after {time.time() - t0:.1f} s")
+        scheme = "https" if tls else "http"
+        http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
+        self.log(f"serving {m.model!r} over gRPC on {self.address}{http} ({m.mode}, transport "
+                 f"{m.kv_transfer.transport}) after {time.time() - t0:.1f} s")
         return self.address
 
     def _init_ray(self) -> None:
@@ -143,6 +144,11 @@ class Cluster:
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
                                 ttft_slo_s=m.router.ttft_slo_s)
+
+    @property
+    def http_address(self) -> str | None:
+        """HOST:PORT of the OpenAI-compatible HTTP API (and /metrics), once started; None when off."""
+        return self._server.http_address if self._server else None
 
     @property
     def router(self) -> Router | None:

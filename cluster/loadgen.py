@@ -107,17 +107,21 @@ class GrpcClient:
 class OpenAIClient:
     """OpenAI-compatible `/v1/completions` with `stream: true` over aiohttp.
 
-    Sends `request.text` when set (servers that take text only), else the token ids (vLLM and others
-    accept a list of ids as the prompt). Each event with text counts as one token's arrival; a final
-    `usage.completion_tokens` is the server's own count. `extra_body` adds server-specific fields
-    (e.g. vLLM's `ignore_eos`, transformers serve's `generation_config`).
+    Sends `request.text` when set (servers that take text only) unless `prompt_ids`, else the token
+    ids (vLLM, pdserve and others accept a list of ids as the prompt). Each event with text counts as
+    one token's arrival, or with `event_per_token` each event with a choice (pdserve sends one per
+    engine step, whose token may decode to no text yet); a final `usage.completion_tokens` is the
+    server's own count. `extra_body` adds server-specific fields (e.g. vLLM's `ignore_eos`,
+    transformers serve's `generation_config`).
     """
 
     def __init__(self, base_url: str, model: str = "", timeout: float = 300.0,
-                 extra_body: dict[str, Any] | None = None) -> None:
+                 extra_body: dict[str, Any] | None = None, prompt_ids: bool = False,
+                 event_per_token: bool = False) -> None:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model, self.timeout = model, timeout
         self.extra_body = dict(extra_body or {})
+        self.prompt_ids, self.event_per_token = prompt_ids, event_per_token
         self._session: Any = None
 
     async def __aenter__(self) -> "OpenAIClient":
@@ -135,7 +139,8 @@ class OpenAIClient:
 
     async def stream(self, request: Request) -> AsyncIterator[Delta]:
         assert self._session is not None, "enter the client first"
-        body = {"model": self.model, "prompt": request.text if request.text is not None else request.token_ids,
+        text_prompt = request.text is not None and not self.prompt_ids
+        body = {"model": self.model, "prompt": request.text if text_prompt else request.token_ids,
                 "max_tokens": request.max_tokens, "temperature": 0, "stream": True, **self.extra_body}
         async with self._session.post(self.url, json=body) as resp:
             if resp.status == 429:
@@ -152,11 +157,13 @@ class OpenAIClient:
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"server error: {event['error']}")
-                text = "".join(c.get("text") or "" for c in event.get("choices", []))
+                choices = event.get("choices") or []
+                text = "".join(c.get("text") or "" for c in choices)
                 usage = event.get("usage") or {}
                 details = usage.get("prompt_tokens_details") or {}
-                if text or usage:
-                    yield Delta(1 if text else 0, usage.get("completion_tokens"), details.get("cached_tokens"))
+                tokens = 1 if text or (self.event_per_token and choices) else 0
+                if tokens or usage:
+                    yield Delta(tokens, usage.get("completion_tokens"), details.get("cached_tokens"))
 
 
 # --- the open loop --------------------------------------------------------------------------------

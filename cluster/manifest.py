@@ -110,18 +110,28 @@ class KVTransferSpec(_Strict):
 
 
 class ServerSpec(_Strict):
-    address: str = "127.0.0.1:50051"
+    address: str = "127.0.0.1:50051"  # the gRPC API
+    # The OpenAI-compatible HTTP API and Prometheus /metrics; null: off. TLS and the auth token below apply to both.
+    http_address: str | None = "127.0.0.1:8000"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     auth_token: str | None = None
 
-    @field_validator("address")
+    @field_validator("address", "http_address")
     @classmethod
-    def _host_port(cls, v: str) -> str:
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         host, _, port = v.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"must be HOST:PORT with a port in [0, 65535] (0 = any free port), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _two_listeners(self) -> "ServerSpec":
+        if self.http_address is not None and self.http_address == self.address and not self.address.endswith(":0"):
+            raise ValueError(f"address and http_address must differ (both {self.address}): gRPC and HTTP listen apart")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "ServerSpec":

@@ -59,8 +59,9 @@ class DecodeWorker:
                            for name in kv_settings.receivers]
         self.kv_addresses = {r.name: r.address for r in self._receivers}
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        self._started: dict[str, float] = {}  # request -> when decoding here began
-        self._prefilling: dict[str, float] = {}  # colocated requests before their first token
+        # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
+        self._events: dict[str, dict[str, float]] = {}
+        self._prefilling: set[str] = set()  # requests prefilling here, before their first token
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         start_guarded("lease-expiry", self._expire_leases,
@@ -68,8 +69,7 @@ class DecodeWorker:
 
     def ping(self) -> dict:
         engine = self.engine
-        return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
-                "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests),
+        return {"worker_id": self.worker_id, **engine.kv_status(), "requests": len(engine.requests),
                 "transfers": self.receiver.num_in_flight, "kv_transfer": dict(self.receiver.counters),
                 "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),
@@ -110,15 +110,16 @@ class DecodeWorker:
 
     def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
         """Admit the request; returns the layers still incomplete instead (see `KVReceiver.commit`)."""
-        self._started[handoff.request_id] = time.time()
+        request_id = handoff.request_id
+        events = self._events[request_id] = {"transfer_end": time.time()}  # every frame has been delivered
         try:
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
-            if incomplete:
-                self._started.pop(handoff.request_id, None)
+            if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)
+                events.setdefault("decode_start", time.time())
             return incomplete
         finally:
-            if handoff.request_id in self.receiver.aborted or handoff.request_id not in self.engine.requests:
-                self._started.pop(handoff.request_id, None)  # failed, or cancelled meanwhile
+            if request_id in self.receiver.aborted or request_id not in self.engine.requests:
+                self._events.pop(request_id, None)  # failed, or cancelled meanwhile
 
     def abort_transfer(self, transfer_id: str, reason: str) -> bool:
         return self.receiver.abort(transfer_id, reason)
@@ -131,22 +132,24 @@ class DecodeWorker:
         if self.fault is not None:
             self.sink.send(work.request_id, error=self.fault, error_code=INTERNAL)
             return
-        self._prefilling[work.request_id] = time.time()
+        # A local prefill's start is when it enters the engine's queue: the engine schedules it on its next steps.
+        now = time.time()
+        self._events[work.request_id] = {"prefill_queued": now, "prefill_start": now}
+        self._prefilling.add(work.request_id)
         try:
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
         except Exception as e:
-            self._prefilling.pop(work.request_id, None)
+            self._forget(work.request_id)
             code = INVALID_ARGUMENT if isinstance(e, ValueError) else UNAVAILABLE
             self.sink.send(work.request_id, error=f"{self.worker_id} cannot take the request: {e}", error_code=code)
             return
         if work.request_id in self.receiver.aborted:  # the abort ran while the request was being added
-            self._prefilling.pop(work.request_id, None)
+            self._forget(work.request_id)
             self.loop.submit(lambda e: e.abort_request(work.request_id))
 
     def abort(self, request_id: str) -> bool:
         """Client went away: free whatever the request holds here (queued, running or mid-transfer)."""
-        self._started.pop(request_id, None)
-        self._prefilling.pop(request_id, None)
+        self._forget(request_id)
         in_transfer = self.receiver.abort_request(request_id, "aborted by the router")
         if not self.loop.running:
             return in_transfer
@@ -167,12 +170,14 @@ class DecodeWorker:
         self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
         for out in outputs:
             events = {}
-            prefill_start = self._prefilling.pop(out.request_id, None)
-            if prefill_start is not None:  # colocated: this step produced the first token
-                events = {"prefill_start": prefill_start, "prefill_end": now}
-                self._started[out.request_id] = now
+            if out.request_id in self._prefilling:  # prefilled here: this step produced the first token
+                self._prefilling.discard(out.request_id)
+                local = self._events.get(out.request_id)  # gone when an abort came in between: then nothing to add
+                if local is not None:
+                    local.update(prefill_end=now, decode_start=now)
             if out.finished:
-                events |= {"decode_start": self._started.pop(out.request_id, now), "decode_end": now}
+                events = self._events.pop(out.request_id, {}) | {"decode_end": now}
+                events.setdefault("decode_start", now)
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
                            finish_reason=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events,
@@ -183,6 +188,10 @@ class DecodeWorker:
 
     def _on_publisher_crash(self, error: BaseException) -> None:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
+
+    def _forget(self, request_id: str) -> None:
+        self._events.pop(request_id, None)
+        self._prefilling.discard(request_id)
 
     # --- faults ---------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:

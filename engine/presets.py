@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from pdserve.engine.tokenizer_builder import build_tokenizer
 
-BUILD_VERSION = 2  # bump when the build recipe changes, so cached models are rebuilt
+BUILD_VERSION = 3  # bump when the build recipe changes, so cached models are rebuilt
 MARKER = "pdserve_preset.json"
 
 

@@ -5,6 +5,11 @@ library's source, see `training.py`). `build_tokenizer`, for the random-weight p
 text made from a fixed syllable inventory by a seeded generator: English-looking words, sentences
 and a little code-like text. Training is deterministic, so the same texts (or the same
 (vocab_size, seed)) always give the same tokenizer.
+
+Every tokenizer made here carries `CHAT_TEMPLATE`, so `/v1/chat/completions` can render messages with
+`tokenizer.apply_chat_template`. The models are not chat-tuned, so it is plain text: one
+`<role>: <content>` line per message (content a string, or OpenAI-style parts whose texts are joined),
+then `assistant:` when a generation prompt is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +21,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+
+# transformers renders with trim_blocks, which eats a newline right after a tag: hence {{ '\n' }}.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}"
+    "{{ message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join }}"
+    "{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 _ONSETS = "b c d f g h j k l m n p r s t v w y z bl br ch cl cr dr fl fr gl gr pl pr sc sh sk sl sp st str th tr wh".split()
 _VOWELS = "a e i o u ai ea ee io oo ou".split()
@@ -61,6 +78,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

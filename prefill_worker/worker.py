@@ -48,6 +48,7 @@ from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.interface import Codec, FrameHeader, KVMemoryFull, Lease, LayerChannel, TransferError
+from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
@@ -76,6 +77,7 @@ class _Job:
     transfer: Transfer | None = None
     outgoing: OutgoingTransfer | None = None  # None: the decode worker recomputes the KV (nothing is sent)
     lease: Lease | None = None
+    transport: str = "none"  # the transport its KV goes over, once chosen
     arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
     last_layer_at: float = 0.0  # the sender handed the last frame to the channel
@@ -111,6 +113,7 @@ class PrefillWorker:
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
         self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
         self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0}
+        self.metrics = TransferMetrics()
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self.aborted = Tombstones()
@@ -155,12 +158,12 @@ class PrefillWorker:
         with self._lock:
             jobs = len(self._jobs)
             transfers = sum(1 for j in self._jobs.values() if j.transfer is not None)
-        return {"worker_id": self.worker_id, "free_blocks": engine.num_free_blocks,
-                "total_blocks": engine.pool.num_blocks, "requests": len(engine.requests), "jobs": jobs,
+        return {"worker_id": self.worker_id, **engine.kv_status(), "requests": len(engine.requests), "jobs": jobs,
                 "transfers": transfers, "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),
                 "step_budget": engine.config.max_num_batched_tokens, "chunk_tokens": engine.config.chunk_limit,
-                "short_prompt_tokens": self.queues.short_tokens, "profiled": self._profiled}
+                "short_prompt_tokens": self.queues.short_tokens, "profiled": self._profiled,
+                "metrics": self.metrics.exposition()}
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every cached block (hash, parent) and the sequence number of the last event they reflect."""
@@ -200,8 +203,11 @@ class PrefillWorker:
         self._bandwidth[_peer(lease)] = channel.bytes_sent / max(seconds, 1e-9)
         return {"bytes": channel.bytes_sent, "seconds": seconds, "handoff_s": time.perf_counter() - t_reserve}
 
+    def _transport_name(self, lease: Lease) -> str:
+        return self.kv.pick(lease.addresses, same_node=lease.node_id == self.node_id)
+
     def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
-        name = self.kv.pick(lease.addresses, same_node=lease.node_id == self.node_id)
+        name = self._transport_name(lease)
         transport = self._transports.get(name)
         if transport is None:
             transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls)
@@ -335,6 +341,7 @@ class PrefillWorker:
         if lease.recompute_s is not None and transfer_s is not None and transfer_s > lease.recompute_s:
             self.counters["recompute_chosen"] += 1
             return None
+        job.transport = self._transport_name(lease)
         channel = self._open_channel(lease, job.transfer.transfer_id)
         return OutgoingTransfer(job.transfer.transfer_id, channel, controller, self.engine.kv_cache, first,
                                 num_tokens, self.kv.frame_tokens)
@@ -363,7 +370,9 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
                 continue
-            events = {"prefill_start": job.prefill_started, "prefill_end": now}
+            events = {"prefill_queued": job.arrived, "prefill_start": job.prefill_started, "prefill_end": now}
+            if job.transfer is not None and "transferring" in job.transfer.events:  # its first layer is on the way
+                events["transfer_start"] = job.transfer.events["transferring"]
             if out.finish_reason == "prefilled":
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens)
@@ -433,6 +442,8 @@ class PrefillWorker:
             sent = outgoing.channel.bytes_sent if outgoing is not None else 0
             transfer.bytes_moved = sent
             ev = transfer.events
+            self.metrics.ended(job.transport, job.lease.codec, "recomputed" if recompute else "success", sent,
+                               ev["success"] - ev["reserved"])
             self.transfer_log.append({
                 "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
                 "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"],
@@ -457,6 +468,8 @@ class PrefillWorker:
             job.outgoing.channel.close()
         if job.transfer is not None and job.transfer.fail(error or reason):
             job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
+            if error is not None:  # a cancel is no failure of the transfer
+                self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")
         request_id = job.request_id
         self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:

@@ -89,6 +89,8 @@ class Completion:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     server_request_id: str = ""  # unique per request (request_id echoes the client's own label)
+    # Lifetime events (name -> Unix seconds: accepted, routed, prefill_queued, ..., finished), with the last chunk.
+    events: dict[str, float] = field(default_factory=dict)
 
     def add(self, r: pdserve_pb2.GenerateResponse) -> StreamChunk:
         self.request_id = self.request_id or r.request_id
@@ -104,6 +106,7 @@ class Completion:
             t = r.timings
             timings = self.timings = {"queued": t.queued_s, "prefill": t.prefill_s, "kv_transfer": t.kv_transfer_s,
                                       "decode": t.decode_s, "ttft": t.ttft_s, "e2e": t.e2e_s}
+            self.events = dict(t.events)
         return StreamChunk(list(r.token_ids), r.text_delta, list(r.logprobs), r.finish_reason or None, timings,
                            r.request_id, r.prompt_tokens, r.cached_tokens)
 

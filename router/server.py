@@ -1,19 +1,25 @@
-"""Runs the router's gRPC server (API, health, reflection) on its own event loop thread."""
+"""Runs the router's servers on one event loop thread of their own: gRPC (API, health, reflection)
+and, when the manifest gives `server.http_address`, the OpenAI-compatible HTTP API with /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 import grpc
+import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.client import GRPC_OPTIONS
+from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService
 
 log = logging.getLogger(__name__)
@@ -26,10 +32,12 @@ def _log_failure(future: Future) -> None:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer TOKEN` on every call except health checks."""
+    """Requires `authorization: Bearer TOKEN` on every call except health checks (compared in
+    constant time); `on_deny` hears of each refusal."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+    def __init__(self, token: str, on_deny: Callable[[], None]) -> None:
+        self._expected = token.encode()
+        self._on_deny = on_deny
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
@@ -38,23 +46,29 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        scheme, _, token = (given.decode() if isinstance(given, bytes) else given).partition(" ")
         if details.method.startswith("/grpc.health.") or (
-            dict(details.invocation_metadata or ()).get("authorization") == self._expected
-        ):
+                scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)):
             return await continuation(details)
+        self._on_deny()
         return self._deny_stream if details.method.endswith("/Generate") else self._deny_unary
 
 
 class RouterServer:
-    def __init__(self, service: RouterService, address: str, tls: tuple[bytes, bytes] | None = None,
-                 auth_token: str | None = None) -> None:
+    def __init__(self, service: RouterService, address: str, tls: tuple[Path, Path] | None = None,
+                 auth_token: str | None = None, http_address: str | None = None) -> None:
         self.service = service
         self.requested_address = address
+        self.requested_http_address = http_address
         self.tls = tls
         self.auth_token = auth_token
         self.address: str | None = None
+        self.http_address: str | None = None  # HOST:PORT once started; None without an HTTP API
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="router-grpc", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="router-servers", daemon=True)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
 
@@ -70,7 +84,9 @@ class RouterServer:
         self._thread.join(5)
 
     async def _start(self) -> str:
-        interceptors = [TokenAuth(self.auth_token)] if self.auth_token else []
+        frontend = self.service.frontend
+        deny = lambda: frontend.metrics.ended("grpc", "UNAUTHENTICATED")  # noqa: E731
+        interceptors = [TokenAuth(self.auth_token, deny)] if self.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         pdserve_pb2_grpc.add_PDServeServicer_to_server(self.service, server)
         self._health = health.aio.HealthServicer()
@@ -78,16 +94,46 @@ class RouterServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         host = self.requested_address.rpartition(":")[0]
-        if self.tls:
-            creds = grpc.ssl_server_credentials([(self.tls[1], self.tls[0])])
+        if self.tls:  # (certificate chain, private key) files, PEM
+            cert, key = (Path(f).read_bytes() for f in self.tls)
+            creds = grpc.ssl_server_credentials([(key, cert)])
             port = server.add_secure_port(self.requested_address, creds)
         else:
             port = server.add_insecure_port(self.requested_address)
         await server.start()
         self._server = server
-        self.service.hub.on_error = self.health_changed
+        frontend.hub.on_error = self.health_changed
         await self._publish_health()
+        if self.requested_http_address is not None:
+            self.http_address = await self._start_http()
         return f"{host}:{port}"
+
+    async def _start_http(self, timeout_s: float = 20.0) -> str:
+        host, _, port = self.requested_http_address.rpartition(":")
+        # Bound here, not by uvicorn: a port that is taken is then an OSError naming the address
+        # (uvicorn would sys.exit, which ends this thread without a word).
+        sock = _listen(host.strip("[]"), int(port), self.requested_http_address)
+        app = create_app(self.service.frontend, self.auth_token, self.serving)
+        ssl = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2, **ssl)
+        self._http = uvicorn.Server(config)
+        self._http_task = asyncio.ensure_future(_serve(self._http, sock))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._http.started:  # bounded: uvicorn says nothing else when it is up
+            if self._http_task.done():
+                self._http_task.result()  # raises why it could not start (a bad certificate, ...)
+                raise RuntimeError(f"the HTTP server on {self.requested_http_address} stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the HTTP server on {self.requested_http_address} did not start in {timeout_s} s")
+            await asyncio.sleep(0.01)
+        return f"{host}:{sock.getsockname()[1]}"
+
+    def serving(self) -> bool:
+        """Whether the cluster takes requests: the token stream is up and every pool has a live worker."""
+        frontend = self.service.frontend
+        pools = [frontend.router.prefill_pool, frontend.router.decode_pool]
+        return frontend.hub.error is None and all(any(w.healthy for w in pool) for pool in pools if pool)
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""
@@ -95,11 +141,38 @@ class RouterServer:
         future.add_done_callback(_log_failure)
 
     async def _publish_health(self) -> None:
-        pools = [self.service.prefill_pool, self.service.decode_pool]
-        serving = self.service.hub.error is None and all(any(w.healthy for w in pool) for pool in pools if pool)
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if self.serving() else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, status)
 
     async def _stop(self, grace: float) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+            try:
+                await asyncio.wait_for(self._http_task, grace + 5)
+            except Exception:  # noqa: BLE001 (gRPC must stop all the same)
+                log.exception("the HTTP server did not stop cleanly")
         await self._server.stop(grace)
+
+
+def _listen(host: str, port: int, address: str) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6); OSError naming `address` when it cannot be."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen on http_address {address}: {e.strerror or e}") from None
+    # Inherited by every accepted connection (asyncio sets it only on sockets made with protocol
+    # IPPROTO_TCP; this one has 0): without it, Nagle holds a stream's next small event until the
+    # client's (delayed, ~40 ms) ACK of the previous one.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as e:  # uvicorn's way of failing; in a task it would end the whole loop thread
+        raise RuntimeError(f"the HTTP server stopped (uvicorn exit code {e.code})") from None
+    finally:
+        sock.close()

@@ -22,7 +22,7 @@ def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
     data = {
         "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
         "kv_transfer": {"transport": transport, "lease_s": 5, **extra.pop("kv_transfer", {})},
-        "server": {"address": "127.0.0.1:0", **extra.pop("server", {})},
+        "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0", **extra.pop("server", {})},
         "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
         "router": router,
         **extra,

@@ -46,7 +46,7 @@ def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
 @pytest.mark.timeout(300)
 def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
     manifest = tmp_path / "up.yaml"
-    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0'}}\n"
+    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0', http_address: '127.0.0.1:0'}}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
     up = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -9,12 +9,13 @@ import os
 import random
 import statistics
 import threading
+import time
 import urllib.request
 
 import pytest
 from aiohttp import web
 
-from pdserve.cluster.bench_serve import roundtrip_prompt
+from pdserve.cluster.bench_serve import METRICS_SETTLE_S, metrics_check, roundtrip_prompt, scrape_metrics
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 from pdserve.cluster.loadgen import (
@@ -194,26 +195,40 @@ def test_openai_client_records_every_token_arrival(tmp_path):
     assert read_jsonl(path) == records
 
 
-# --- the gRPC client against a real local cluster -------------------------------------------------
+# --- both pdserve clients against a real local cluster, checked against its /metrics ---------------
 def tiny_manifest(model_dir):
     return load_manifest({
-        "model": str(model_dir), "kv_memory_mb": 16, "max_model_len": 512, "server": {"address": "127.0.0.1:0"},
+        "model": str(model_dir), "kv_memory_mb": 16, "max_model_len": 512,
+        "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
         "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
+        "router": {"local_prefill_tokens": 0},  # every request takes the KV transfer path
     })
 
 
-def test_grpc_client_against_a_real_cluster(model_dirs):
+def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(model_dirs):
     rng = random.Random(0)
     reqs = [Request(f"g{i}", [rng.randrange(3, 1000) for _ in range(rng.randint(8, 60))], 6 + i) for i in range(6)]
     with Cluster(tiny_manifest(model_dirs["tiny-llama"]), log=lambda _: None) as cluster:
-        records = run_load(GrpcClient(cluster.address, timeout=60), reqs, poisson_arrivals(len(reqs), 4.0, seed=1),
-                           config="grpc", rate=4.0, progress=False)
-    for req, r in zip(reqs, records):
-        assert r.outcome == "ok", r.error
-        assert r.output_tokens == req.max_tokens == len(r.token_times) == r.max_tokens
-        assert r.prompt_len == len(req.token_ids)
-        assert 0 < r.ttft <= r.e2e and r.tpot is not None
-        assert r.token_times == sorted(r.token_times)
+        url = f"http://{cluster.http_address}/metrics"
+        http = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.model, timeout=60,
+                            extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
+                            prompt_ids=True, event_per_token=True)
+        runs = {}
+        for api, client in (("grpc", GrpcClient(cluster.address, timeout=60)), ("http", http)):
+            before = scrape_metrics(url)
+            records = run_load(client, reqs, poisson_arrivals(len(reqs), 4.0, seed=1), config=api, rate=4.0,
+                               progress=False)
+            time.sleep(METRICS_SETTLE_S)
+            runs[api] = records, metrics_check(before, scrape_metrics(url), records, api)
+    for api, (records, check) in runs.items():
+        assert check["consistent"], (api, check)
+        assert check["figures"]["completed"]["metrics"] == check["transfers"]["kv_transfers_ended"] == len(reqs)
+        for req, r in zip(reqs, records):
+            assert r.outcome == "ok", r.error
+            assert r.output_tokens == req.max_tokens == len(r.token_times) == r.max_tokens, api
+            assert r.prompt_len == len(req.token_ids)
+            assert 0 < r.ttft <= r.e2e and r.tpot is not None
+            assert r.token_times == sorted(r.token_times)
 
 
 # --- transformers serve, through the same OpenAI client -------------------------------------------

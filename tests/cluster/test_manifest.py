@@ -33,6 +33,8 @@ def test_default_manifest_is_valid():
         ({"pools": {"decode": {"num_cpus": float("inf")}}}, "pools.decode.num_cpus: Input should be a finite"),
         ({"router": {"max_queued_prefills": 0}}, "router.max_queued_prefills: Input should be greater than"),
         ({"server": {"address": "localhost"}}, "server.address: Value error, must be HOST:PORT"),
+        ({"server": {"http_address": "0.0.0.0:99999"}}, "server.http_address: Value error, must be HOST:PORT"),
+        ({"server": {"address": "127.0.0.1:9000", "http_address": "127.0.0.1:9000"}}, "address and http_address must differ"),
         ({"server": {"tls_cert": "/nonexistent.pem"}}, "tls_cert and tls_key must be given together"),
         ({"server": {"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}}, "does not exist"),
         ({"pools": {"decode": {"resources": {"decode": "lots"}}}}, "pools.decode.resources.decode"),

@@ -1,0 +1,269 @@
+"""What every client API of the router shares: one request's way from validation to its last token.
+
+`Frontend.start` validates a request (model name, prompt, limits), places it (`routing.Router`:
+UNAVAILABLE at once when a pool has no live worker, RESOURCE_EXHAUSTED with a retry-after hint when
+every live one is full or no placement can meet the TTFT objective), dispatches it with a Ray call
+that returns immediately, and hands back its `ActiveRequest`. Iterating `ActiveRequest.responses`
+yields the gRPC API's own `GenerateResponse` messages as token messages arrive from the workers
+(pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
+name, which each API maps to its own errors.
+
+`ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on
+every worker it touched unless it completed (a cancel, a deadline or a failure frees its KV there),
+counts it in the metrics and writes its lifetime (DistServe's per-request events) as one JSON log
+line on the `pdserve.lifetime` logger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams, check_prompt
+from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.admission import Overloaded
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import NoHealthyWorker
+from pdserve.router.routing import Placement, Router
+from pdserve.router.token_hub import TokenStreamHub
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, TokenMessage, WorkRequest
+
+log = logging.getLogger(__name__)
+lifetime_log = logging.getLogger("pdserve.lifetime")
+DEAD_WORKER_CHECK_S = 0.5  # how often a waiting stream looks whether its workers are still healthy
+NOT_FOUND, CANCELLED, OK = "NOT_FOUND", "CANCELLED", "OK"
+
+
+class RequestFailed(Exception):
+    """A request refused or failed; `code` is a gRPC status code name."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Any
+    info: pdserve_pb2.ModelInfo
+
+
+class Frontend:
+    def __init__(self, model: ServedModel, router: Router, hub: TokenStreamHub) -> None:
+        self.model = model
+        self.router = router
+        self.hub = hub
+        self.metrics = RouterMetrics(router)
+
+    @contextmanager
+    def refusals(self, api: str) -> Iterator[None]:
+        """Around a request's validation and start: bad input (ValueError) becomes INVALID_ARGUMENT;
+        every refusal is counted and logged (a lifetime line without a request id: none was given)."""
+        try:
+            yield
+        except (ValueError, RequestFailed) as e:
+            failed = e if isinstance(e, RequestFailed) else RequestFailed(INVALID_ARGUMENT, str(e))
+            self.metrics.ended(api, failed.code)
+            lifetime_log.info(json.dumps({"request_id": None, "api": api, "code": failed.code,
+                                          "error": failed.message, "accepted": time.time()}))
+            raise failed from None
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            raise RequestFailed(NOT_FOUND, f"unknown model {name!r}; this server serves {self.model.name!r}")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenizer.encode(text, add_special_tokens=False)
+
+    def start(self, api: str, prompt: str | list[int], params: SamplingParams, client_request_id: str = "",
+              accepted: float | None = None) -> ActiveRequest:
+        """Validate, place and dispatch; raises ValueError (bad prompt) or RequestFailed. `accepted`:
+        when the API layer received the request (its parsing counts in the TTFT), else now."""
+        accepted = accepted or time.time()
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(ids, self.model.info.vocab_size, self.model.info.max_model_len)
+        work = WorkRequest(uuid.uuid4().hex, ids, params)  # unique, whatever the client calls it
+        if self.hub.error is not None:
+            raise RequestFailed(UNAVAILABLE, f"the router's token stream failed: {self.hub.error}")
+        try:
+            placement = self.router.place(work)
+        except NoHealthyWorker as e:
+            raise RequestFailed(UNAVAILABLE, str(e)) from None
+        except Overloaded as e:
+            raise RequestFailed(RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
+        self.metrics.routed(placement)
+        active = ActiveRequest(self, api, work, placement, client_request_id or work.request_id,
+                               {"accepted": accepted, "routed": time.time()})
+        try:
+            _dispatch(work, placement)
+        except Exception as e:  # a Ray call that could not even be sent: give the placement back
+            self.hub.unsubscribe(work.request_id)
+            self.router.finished(placement)
+            raise RequestFailed(UNAVAILABLE, f"could not dispatch the request: {type(e).__name__}: {e}") from None
+        return active
+
+
+class ActiveRequest:
+    """One placed and dispatched request: iterate `responses`, then `finish` it (on every path)."""
+
+    def __init__(self, frontend: Frontend, api: str, work: WorkRequest, placement: Placement, client_id: str,
+                 events: dict[str, float]) -> None:
+        self.frontend = frontend
+        self.api = api
+        self.work = work
+        self.placement = placement
+        self.client_id = client_id
+        self.events = events  # lifetime events: name -> wall-clock seconds (the router's and the workers')
+        self.code = CANCELLED  # until it completes or fails
+        self.output_tokens = 0
+        self.cached_tokens = 0
+        self._queue: asyncio.Queue[TokenMessage] = frontend.hub.subscribe(work.request_id)
+        self._finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.work.request_id
+
+    async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The request's responses; the last has finish_reason and timings. Raises RequestFailed."""
+        try:
+            async for response in self._responses():
+                yield response
+        except RequestFailed as e:
+            self.code = e.code
+            raise
+        except Exception:  # a bug of ours, not the client going away: say so in the metrics and the log
+            self.code = INTERNAL
+            raise
+
+    async def _responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        frontend, work, placement = self.frontend, self.work, self.placement
+        detok = Detokenizer(frontend.model.tokenizer, work.params)
+        while True:
+            try:
+                msg: TokenMessage = await asyncio.wait_for(self._queue.get(), DEAD_WORKER_CHECK_S)
+            except asyncio.TimeoutError:
+                dead = [w.name for w in placement.depends_on if not w.healthy]
+                if dead:
+                    raise RequestFailed(UNAVAILABLE, f"worker {', '.join(dead)} stopped responding while "
+                                                     "serving the request") from None
+                continue
+            if msg.error:
+                code = msg.error_code or UNAVAILABLE
+                retry = frontend.router.retry_after_s() if code == RESOURCE_EXHAUSTED else None
+                raise RequestFailed(code, msg.error, retry)
+            self.events.update(msg.events)
+            tokens = list(msg.token_ids)
+            self.output_tokens += len(tokens)
+            response = pdserve_pb2.GenerateResponse(request_id=self.client_id, server_request_id=work.request_id,
+                                                    token_ids=tokens, logprobs=msg.logprobs)
+            if "first_token" not in self.events:
+                self.events["first_token"] = time.time()
+                self.cached_tokens = msg.cached_tokens
+                response.prompt_tokens = len(work.prompt_token_ids)
+                response.cached_tokens = msg.cached_tokens
+                frontend.router.first_token(placement)  # its prompt pass is over
+            if msg.finish_reason:
+                self.events["finished"] = time.time()
+                self.code = OK
+                response.text_delta = detok.finish(msg.text)
+                response.finish_reason = msg.finish_reason
+                response.timings.CopyFrom(timings(self.events))
+                yield response
+                return
+            response.text_delta = detok.add(tokens)
+            yield response
+
+    def finish(self) -> None:
+        """End the request (once): free what it holds, count it, log its lifetime."""
+        if self._finished:
+            return
+        self._finished = True
+        frontend, placement = self.frontend, self.placement
+        frontend.hub.unsubscribe(self.request_id)
+        frontend.router.finished(placement, self.events)
+        if self.code != OK:  # cancelled, deadline, or failed: free its KV wherever it is
+            for worker in placement.touched:
+                worker.handle.abort.remote(self.request_id)
+        self.events.setdefault("finished", time.time())
+        ev = self.events
+        first = ev.get("first_token")
+        frontend.metrics.ended(self.api, self.code, self.output_tokens,
+                               first - ev["accepted"] if first else None, ev["finished"] - ev["accepted"])
+        if first is not None:
+            frontend.metrics.prompt_served(placement.prefiller.name, len(self.work.prompt_token_ids),
+                                           self.cached_tokens)
+        lifetime_log.info(json.dumps(self.lifetime()))
+
+    def lifetime(self) -> dict[str, Any]:
+        """The request's lifetime record: who served it, how it ended, and its events in milliseconds
+        after `accepted` (a Unix time), in the order they happened."""
+        p, start = self.placement, self.events["accepted"]
+        ordered = sorted(self.events.items(), key=lambda kv: kv[1])
+        return {"request_id": self.request_id, "client_request_id": self.client_id, "api": self.api,
+                "code": self.code, "prompt_tokens": len(self.work.prompt_token_ids),
+                "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+                "prefill_worker": p.prefiller.name, "decode_worker": p.decode.name, "accepted": start,
+                "events_ms": {name: round((t - start) * 1e3, 3) for name, t in ordered}}
+
+
+def _dispatch(work: WorkRequest, placement: Placement) -> None:
+    """Hand the request to its workers (Ray calls that return at once; the outcome arrives as token
+    messages): a whole request to a colocated or locally prefilling decode worker, else the prompt to
+    its prefill worker, which streams the KV to the decode worker."""
+    decode = placement.decode
+    if placement.local:
+        decode.handle.generate.remote(work)
+        return
+    prefill = placement.prefill
+    prefill.handle.prefill.remote(work, decode.handle, new_tokens=placement.request.new_tokens(prefill))
+
+
+class Detokenizer:
+    """Text deltas from token ids, holding back what a stop string could still cut off."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
+        stable = text[: len(text) - self.hold] if self.hold else text
+        if not stable.startswith(self.sent) or len(stable) <= len(self.sent):
+            return ""
+        delta, self.sent = stable[len(self.sent) :], stable
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        return final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
+
+
+def timings(ev: dict[str, float]) -> pdserve_pb2.Timings:
+    """The phases of a request from its lifetime events (a phase without its events counts zero)."""
+    accepted, done = ev["accepted"], ev.get("finished", time.time())
+    prefill_start = ev.get("prefill_start", accepted)
+    prefill_end = ev.get("prefill_end", prefill_start)
+    decode_start = ev.get("decode_start", prefill_end)
+    return pdserve_pb2.Timings(
+        queued_s=max(0.0, prefill_start - accepted),
+        prefill_s=max(0.0, prefill_end - prefill_start),
+        kv_transfer_s=max(0.0, decode_start - prefill_end),
+        decode_s=max(0.0, ev.get("decode_end", done) - decode_start),
+        ttft_s=ev.get("first_token", done) - accepted,
+        e2e_s=done - accepted,
+        events=ev,
+    )

@@ -1,0 +1,445 @@
+"""The OpenAI-compatible HTTP API (Starlette, served by uvicorn beside the gRPC server).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template), `GET
+/v1/models`, `GET /metrics` (Prometheus) and `GET /health`. Requests go the same way as gRPC ones
+(`router.frontend`: placement, admission control, metrics, lifetime events); responses stream as
+server-sent events when asked. Errors use OpenAI's format and status codes: 400 bad input, 401 bad
+or missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and
+/health are open, as vLLM's are), 404 unknown model or route, 429 with `Retry-After` when the
+cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a worker
+reports a fault of its own. The status is decided by the request's first response (a worker's refusal
+is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
+
+Beyond OpenAI's fields: `top_k`, `ignore_eos` and `stop_token_ids` (as vLLM takes them), and
+`timings` (the phases and lifetime events of the request) on the last response.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
+from pdserve.router.metrics import CONTENT_TYPE
+
+API = "http"
+# gRPC status code name -> (HTTP status, OpenAI error type)
+STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "INTERNAL": (500, "internal_error"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+# --- request bodies -------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # Fields this server does not know are ignored (clients send newer ones); known fields it cannot
+    # honour are refused below, never silently dropped.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str = ""
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    # OpenAI's spec allows null for every optional field: null means the default.
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if (self.n or 1) != 1:
+            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+
+    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed))
+                 if v is not None}
+        return SamplingParams(max_tokens=self.max_tokens or max_tokens, top_k=self.top_k or 0, stop=self.stop or (),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
+                              logprobs=logprobs, **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError(f"one prompt per request, got {len(p)}")
+            p = p[0]
+        if self.echo or self.suffix is not None or (self.best_of or 1) != 1:
+            raise ValueError("echo, suffix and best_of are not supported")
+        if self.logprobs:
+            raise ValueError("logprobs must be 0 or unset: the sampled token's log-probability is returned, "
+                             "no alternatives")
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise ValueError("top_logprobs must be 0 or unset: only the sampled token's log-probability is returned")
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            raise ValueError("tools and functions are not supported")
+
+
+# --- the app --------------------------------------------------------------------------------------
+def create_app(frontend: Frontend, auth_token: str | None = None,
+               serving: Callable[[], bool] = lambda: True) -> Starlette:
+    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503)."""
+    api = _OpenAIApi(frontend, auth_token, serving)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
+class _OpenAIApi:
+    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool]) -> None:
+        self.frontend = frontend
+        self.expected_auth = auth_token.encode() if auth_token else None
+        self.serving = serving
+
+    # --- routes ---------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionBody, _CompletionFormat)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, ChatBody, _ChatFormat)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        name = request.path_params["model"]
+        if name != self.frontend.model.name:
+            return error_response(RequestFailed("NOT_FOUND", f"unknown model {name!r}; this server serves "
+                                                             f"{self.frontend.model.name!r}"))
+        return JSONResponse(self._model_card())
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.frontend.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.serving() else 503)
+
+    # --- the request path -----------------------------------------------------------------------
+    async def _generate(self, request: Request, body_type: type[_Body], fmt_type: type[_Format]) -> Response:
+        accepted = time.time()
+        if (denied := self._denied(request)) is not None:
+            return denied
+        frontend = self.frontend
+        try:
+            with frontend.refusals(API):
+                body = _parse(body_type, await request.body())
+                frontend.check_model(body.model)
+                body.check_supported()
+                fmt = fmt_type(frontend, body)
+                active = frontend.start(API, fmt.prompt_ids, fmt.params, request.headers.get("x-request-id", ""),
+                                        accepted)
+        except RequestFailed as e:
+            return error_response(e)
+        fmt.id = f"{fmt.id_prefix}-{active.request_id}"
+        responses = active.responses()
+        try:
+            # The first response decides the status: a refusal by a worker (its queue or KV memory
+            # full) is still a 429 with Retry-After, not an error event under a 200.
+            first = await anext(responses)
+            if body.stream:
+                return _RequestStream(self._sse(active, fmt, first, responses), active)
+            return JSONResponse(await self._whole(active, fmt, first, responses))
+        except RequestFailed as e:
+            active.finish()
+            return error_response(e)
+        except BaseException:
+            active.finish()
+            raise
+        finally:
+            if not body.stream:
+                active.finish()
+
+    @staticmethod
+    async def _whole(active: ActiveRequest, fmt: _Format, first: pdserve_pb2.GenerateResponse,
+                     rest: AsyncIterator[pdserve_pb2.GenerateResponse]) -> dict[str, Any]:
+        text, ids, logprobs, last = [first.text_delta], list(first.token_ids), list(first.logprobs), first
+        async for r in rest:
+            text.append(r.text_delta)
+            ids += r.token_ids
+            logprobs += r.logprobs
+            last = r
+        return fmt.whole("".join(text), ids, logprobs, last, active)
+
+    @staticmethod
+    async def _sse(active: ActiveRequest, fmt: _Format, first: pdserve_pb2.GenerateResponse,
+                   rest: AsyncIterator[pdserve_pb2.GenerateResponse]) -> AsyncIterator[str]:
+        """The server-sent events of one request: its chunks, the usage chunk when asked, `[DONE]`."""
+        try:
+            if (opening := fmt.opening()) is not None:
+                yield _sse(opening)
+            yield _sse(fmt.chunk(first))
+            async for r in rest:
+                yield _sse(fmt.chunk(r))
+            if fmt.body.include_usage:
+                yield _sse(fmt.envelope([], usage=fmt.usage(active)))
+        except RequestFailed as e:
+            yield _sse(_error_body(e))
+        finally:
+            active.finish()
+        yield "data: [DONE]\n\n"
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _denied(self, request: Request) -> Response | None:
+        if self.expected_auth is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.expected_auth):
+            return None
+        self.frontend.metrics.ended(API, "UNAUTHENTICATED")
+        return error_response(RequestFailed("UNAUTHENTICATED", "missing or wrong API key (Authorization: Bearer ...)"))
+
+    def _model_card(self) -> dict[str, Any]:
+        info = self.frontend.model.info
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": info.max_model_len}
+
+
+# --- response formats -----------------------------------------------------------------------------
+class _Format:
+    """One endpoint's request reading and response shapes."""
+
+    object_name = ""
+    id_prefix = ""
+
+    def __init__(self, frontend: Frontend, body: _Body) -> None:
+        self.frontend = frontend
+        self.body = body
+        self.model = frontend.model.name
+        self.created = int(time.time())
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"  # replaced by the server's request id once started
+        self.prompt_ids: list[int] = []
+        self.params: SamplingParams
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def usage(self, active: ActiveRequest) -> dict[str, Any]:
+        prompt = len(active.work.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": active.output_tokens,
+                "total_tokens": prompt + active.output_tokens,
+                "prompt_tokens_details": {"cached_tokens": active.cached_tokens}}
+
+    def opening(self) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, text: str, ids: list[int], logprobs: list[float], last: pdserve_pb2.GenerateResponse,
+              active: ActiveRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _tokens(self, ids: list[int]) -> list[str]:
+        return [self.frontend.model.tokenizer.decode([t]) for t in ids]
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, frontend: Frontend, body: CompletionBody) -> None:
+        super().__init__(frontend, body)
+        prompt = body.single_prompt()
+        self.prompt_ids = frontend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs is not None)
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        if not self.params.logprobs:
+            return None
+        return {"tokens": self._tokens(ids), "token_logprobs": list(logprobs), "top_logprobs": None,
+                "text_offset": None}
+
+    def chunk(self, r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
+        choice = {"index": 0, "text": r.text_delta, "logprobs": self._logprobs(list(r.token_ids), list(r.logprobs)),
+                  "finish_reason": r.finish_reason or None}
+        return self.envelope([choice], **_timings(r))
+
+    def whole(self, text, ids, logprobs, last, active):
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(ids, logprobs),
+                  "finish_reason": last.finish_reason}
+        return self.envelope([choice], usage=self.usage(active), **_timings(last))
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, frontend: Frontend, body: ChatBody) -> None:
+        super().__init__(frontend, body)
+        tokenizer = frontend.model.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model!r} has no chat template: use /v1/completions")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that rejects these messages (a jinja error it raised)
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
+        self.prompt_ids = frontend.tokenize(text)
+        left = frontend.model.info.max_model_len - len(self.prompt_ids)  # OpenAI's default: what the context leaves
+        self.params = body.sampling_params(body.max_completion_tokens or max(1, left), logprobs=bool(body.logprobs))
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        if not self.params.logprobs:
+            return None
+        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                            for tok, lp in zip(self._tokens(ids), logprobs)]}
+
+    def opening(self) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        return self.envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"content": r.text_delta} if r.text_delta or not r.finish_reason else {},
+                  "logprobs": self._logprobs(list(r.token_ids), list(r.logprobs)),
+                  "finish_reason": r.finish_reason or None}
+        return self.envelope([choice], **_timings(r))
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = super().envelope(choices, **extra)
+        if self.body.stream:  # a stream's pieces are chunks
+            out["object"] = "chat.completion.chunk"
+        return out
+
+    def whole(self, text, ids, logprobs, last, active):
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(ids, logprobs), "finish_reason": last.finish_reason}
+        return self.envelope([choice], usage=self.usage(active), **_timings(last))
+
+
+# --- helpers --------------------------------------------------------------------------------------
+class _RequestStream(StreamingResponse):
+    """An SSE response that ends its request on every path: the stream's own end, a client that
+    went away (which cancels the stream, possibly before it started), or an error."""
+
+    def __init__(self, content: AsyncIterator[str], active: ActiveRequest) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.active = active
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.active.finish()
+
+
+def _parse(body_type: type[_Body], raw: bytes) -> _Body:
+    """The request body, validated; ValueError naming each bad field."""
+    try:
+        return body_type.model_validate_json(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "body"
+            problems.append(f"{field}: {err['msg']}")
+        raise ValueError("invalid request: " + "; ".join(problems)) from None
+
+
+def _timings(r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
+    if not r.HasField("timings"):
+        return {}
+    return {"timings": MessageToDict(r.timings, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)}
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _error_body(e: RequestFailed) -> dict[str, Any]:
+    status, kind = STATUS.get(e.code, (500, "internal_error"))
+    return {"error": {"message": e.message, "type": kind, "param": None, "code": e.code.lower()}}
+
+
+def error_response(e: RequestFailed) -> JSONResponse:
+    status, _ = STATUS.get(e.code, (500, "internal_error"))
+    headers = {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, round(e.retry_after_s * 1000)))
+    return JSONResponse(_error_body(e), status_code=status, headers=headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's format."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
+                                   "param": None, "code": None}}, status_code=exc.status_code)
