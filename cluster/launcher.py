@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +18,7 @@ from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.model_loader import context_limit, load_tokenizer
+from pdserve.engine.model_store import ModelSource, model_digest, read_model_files
 from pdserve.engine.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -45,6 +47,7 @@ class Cluster:
         self.address: str | None = None
         self.workers: list[WorkerRef] = []
         self._started_ray = False
+        self._model: ModelSource | None = None
         self._hub: TokenStreamHub | None = None
         self._kv_events: KVEventHub | None = None
         self._snapshots = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-snapshot")
@@ -67,17 +70,20 @@ class Cluster:
         model_dir = str(resolve_model(m.model))
         self._init_ray()
         local = m.ray.address == "local"
+        # Kept for the cluster's life: a shipped model's object must outlive every worker restart.
+        source = self._model = self._model_source(model_dir, local)
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         self._hub = TokenStreamHub(host)
         index = PrefixIndex()
         self._kv_events = KVEventHub(index, self._request_snapshot, host)
+        self.log(f"router: token stream on {self._hub.address}, KV events on {self._kv_events.address}")
 
         pools = {"prefill": m.pools.prefill, "decode": m.pools.decode}
         prefill_refs, decode_refs = [], []
         for pool_name, spec in pools.items():
             for i in range(spec.replicas):
                 role = "colocated" if m.mode == "colocated" else pool_name
-                ref = self._spawn(role, f"{role}-{len(prefill_refs) + len(decode_refs)}", spec, model_dir)
+                ref = self._spawn(role, f"{role}-{len(prefill_refs) + len(decode_refs)}", spec, source)
                 (prefill_refs if role == "prefill" else decode_refs).append(ref)
         self.workers = prefill_refs + decode_refs
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
@@ -119,14 +125,23 @@ class Cluster:
             ray.init(address=m.ray.address, logging_level=logging.WARNING)
         self._started_ray = True
 
-    def _spawn(self, role: str, name: str, spec: PoolSpec, model_dir: str) -> WorkerRef:
+    def _model_source(self, model_dir: str, local: bool) -> ModelSource:
+        """How workers get the model: by name (shipped models and presets are made on each node), or a
+        directory, shipped through the object store unless one cluster node or a shared path has it."""
+        m = self.manifest
+        shipped = None
+        if not local and Path(m.model).is_dir() and not m.model_path_shared:
+            shipped = ray.put(read_model_files(model_dir))
+        return ModelSource(m.model, model_digest(model_dir), shared_path=m.model_path_shared, files=shipped)
+
+    def _spawn(self, role: str, name: str, spec: PoolSpec, model: ModelSource) -> WorkerRef:
         m = self.manifest
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls).options(
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
-        args: list[Any] = [name, model_dir, m.engine_config(spec), self._hub.address, self._transfer_settings()]
+        args: list[Any] = [name, model, m.engine_config(spec), self._hub.address, self._transfer_settings()]
         kwargs: dict[str, Any] = {"kv_events": self._kv_events.address}
         if cls is PrefillWorker:
             r = m.router
@@ -139,7 +154,7 @@ class Cluster:
     def _transfer_settings(self) -> TransferSettings:
         m = self.manifest
         kv = m.kv_transfer
-        host = kv.host or ("127.0.0.1" if m.ray.address == "local" else ray.util.get_node_ip_address())
+        host = kv.host or ("127.0.0.1" if m.ray.address == "local" else None)  # None: each worker's node address
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
@@ -239,7 +254,10 @@ class Cluster:
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: {names} (not enough resources?)")
             worker = pending.pop(ready[0])
             worker.status = ray.get(ready[0])  # raises the worker's own start-up error
-            self.log(f"  {worker.name} ready")
+            s = worker.status
+            kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s['kv_addresses'].items())}" if s.get("kv_addresses") else ""
+            self.log(f"  {worker.name} ready on node {s['node_ip']} (id …{s['node_id'][-12:]}), model "
+                     f"{s['model_digest'][:12]}{kv}")
 
     def _served_model(self, model_dir: str) -> ServedModel:
         m = self.manifest
@@ -267,6 +285,7 @@ class Cluster:
             for w in self.workers:
                 ray.kill(w.handle)
         self.workers = []
+        self._model = None
         if self._hub is not None:
             self._hub.close()
             self._hub = None

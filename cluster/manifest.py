@@ -149,6 +149,10 @@ class RaySpec(_Strict):
 
 class Manifest(_Strict):
     model: str = "pystd-llama"  # a shipped model, a preset name or a model directory
+    # A model directory that every node reads at the same path (a shared file system): not shipped. When
+    # false, nodes that lack the directory get its files through Ray's object store. Either way every
+    # worker checks that it holds the launcher's bytes (a digest) before it serves.
+    model_path_shared: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     block_size: int = Field(16, ge=1, le=1024)
     kv_memory_mb: int = Field(256, ge=1)

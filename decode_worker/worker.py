@@ -29,6 +29,7 @@ import ray
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.interface import Lease, TransferError
@@ -43,9 +44,13 @@ LEASE_CHECK_S = 0.5
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str,
+    def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None = None) -> None:
         self.worker_id = worker_id
+        model_dir = str(materialize(model, ray.get))  # this node's copy, the launcher's bytes
+        self.model_digest = model.digest
+        self.node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash) if kv_events else None
         self.engine.pool.listener = self.kv_events
@@ -69,7 +74,9 @@ class DecodeWorker:
 
     def ping(self) -> dict:
         engine = self.engine
-        return {"worker_id": self.worker_id, **engine.kv_status(), "requests": len(engine.requests),
+        return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
+                "model_digest": self.model_digest, "kv_addresses": self.kv_addresses, **engine.kv_status(),
+                "requests": len(engine.requests),
                 "transfers": self.receiver.num_in_flight, "kv_transfer": dict(self.receiver.counters),
                 "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),

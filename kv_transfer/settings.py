@@ -3,7 +3,7 @@ choice of transport for a pair of workers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 
@@ -14,7 +14,7 @@ TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo")
 class TransferSettings:
     transport: str = "auto"  # auto: shared memory within a node, gRPC across nodes
     codecs: tuple[str, ...] = ("raw",)  # offered in this order; the decode side takes the first it can use
-    host: str = "127.0.0.1"  # where receiving halves listen (the node's address on a multi-node cluster)
+    host: str | None = None  # where receiving halves listen; None: the worker's own node address (`on_node`)
     tls: dict[str, str] = field(default_factory=dict)  # cert, key, and optionally ca (mutual TLS)
     frame_tokens: int = FRAME_TOKENS
     lease_s: float = 30.0
@@ -24,6 +24,10 @@ class TransferSettings:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, got {self.transport!r}")
+
+    def on_node(self, node_ip: str) -> "TransferSettings":
+        """The settings of a worker on the node at `node_ip`: it listens there unless the manifest set a host."""
+        return self if self.host else replace(self, host=node_ip)
 
     @property
     def receivers(self) -> list[str]:

@@ -44,6 +44,7 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import checksum, make_codec
@@ -90,13 +91,16 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, token_sink: str,
+    def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, max_queued: int = 64, kv_events: str | None = None,
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
                  short_batch_window_s: float | None = None) -> None:
         self.worker_id = worker_id
-        self.model_dir = model_dir
-        self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
+        self.model_dir = str(materialize(model, ray.get))  # this node's copy, the launcher's bytes
+        self.model_digest = model.digest
+        self.node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        kv_settings = kv_settings.on_node(self.node_ip)
+        self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s)
         self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS's up from the measured costs
         self._profiled = False
@@ -158,7 +162,8 @@ class PrefillWorker:
         with self._lock:
             jobs = len(self._jobs)
             transfers = sum(1 for j in self._jobs.values() if j.transfer is not None)
-        return {"worker_id": self.worker_id, **engine.kv_status(), "requests": len(engine.requests), "jobs": jobs,
+        return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
+                "model_digest": self.model_digest, **engine.kv_status(), "requests": len(engine.requests), "jobs": jobs,
                 "transfers": transfers, "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),
                 "step_budget": engine.config.max_num_batched_tokens, "chunk_tokens": engine.config.chunk_limit,

@@ -1,0 +1,112 @@
+"""Serving across Ray nodes: the fake multi-node cluster of deploy/ray/fake-multinode.yaml (Ray's fake
+provider: a head and four worker nodes on this machine, each its own raylet, two typed by a `prefill`
+resource and two by `decode`), started as the config says. Every actor lands on a node of its type,
+KV crosses nodes over gRPC, and greedy outputs stay exact."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from cluster_helpers import assert_idle, manifest
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.engine.model_store import ModelSource, materialize, model_digest, read_model_files
+from pdserve.router.client import Client
+
+ARCH = "tiny-llama"
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "fake-multinode.yaml"
+HEAD_PORT = 6379  # the fake provider's nodes join the head there
+NODES = 5  # the head, 2 prefill and 2 decode nodes
+START_TIMEOUT_S = 120
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def alive_nodes() -> int:
+    ray.init(address="auto", logging_level="ERROR")
+    try:
+        return sum(1 for n in ray.nodes() if n["Alive"])
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    if port_taken(HEAD_PORT) or ray.is_initialized():
+        pytest.skip(f"port {HEAD_PORT} is taken (another Ray head?): the fake multi-node provider needs it")
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
+    start = ["ray", "start", "--head", f"--port={HEAD_PORT}", f"--autoscaling-config={CONFIG}",
+             "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"]
+    subprocess.run(start, env=env, check=True, timeout=START_TIMEOUT_S, capture_output=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while alive_nodes() < NODES:  # the autoscaler launches the worker nodes it is configured to keep
+            assert time.monotonic() < deadline, f"the fake cluster did not reach {NODES} nodes"
+            time.sleep(1.0)
+        yield "auto"
+    finally:
+        subprocess.run(["ray", "stop", "--force"], timeout=60, capture_output=True)  # the cluster this test started
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_nodes, model_dirs):
+    pools = {"prefill": {"replicas": 2, "num_cpus": 0.5, "resources": {"prefill": 1}},
+             "decode": {"replicas": 2, "num_cpus": 0.5, "resources": {"decode": 1}}}
+    m = manifest(model_dirs[ARCH], transport="auto", pools=pools, ray={"address": ray_nodes})
+    lines: list[str] = []
+    c = Cluster(m, log=lines.append)
+    c.start()
+    c.start_log = lines
+    yield c
+    c.stop()
+
+
+def test_every_actor_lands_on_a_node_of_its_type(cluster):
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    for w in cluster.workers:
+        node = w.status["node_id"]
+        assert nodes[node].get(w.pool, 0) >= 1, f"{w.name} ({w.pool}) landed on a node without {w.pool!r}"
+        assert any(line.startswith(f"  {w.name} ready on node ") for line in cluster.start_log)
+    assert len({w.status["node_id"] for w in cluster.workers}) == 4  # one actor per node: every pair crosses nodes
+    assert len({w.status["model_digest"] for w in cluster.workers}) == 1
+
+
+def test_requests_cross_nodes_over_grpc_with_exact_greedy_outputs(cluster, hf_reference):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(10, 90))] for _ in range(6)]
+    with Client(cluster.address, timeout=120) as client:
+        for p in prompts:
+            r = client.generate(p, max_tokens=8, temperature=0, ignore_eos=True)
+            assert r.token_ids == hf_reference[ARCH].greedy(p, 8)
+    assert_idle(cluster)
+
+    def sent_over_grpc() -> bool:  # the prefill workers' own figures, as their last health reports carry them
+        return any('transport="grpc"' in w.status.get("metrics", "") for w in cluster.workers if w.pool == "prefill")
+
+    deadline = time.monotonic() + 10
+    while not sent_over_grpc() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sent_over_grpc()
+
+
+def test_a_model_directory_reaches_a_node_that_lacks_it_through_the_object_store(cluster, model_dirs, tmp_path):
+    model_dir = model_dirs[ARCH]
+    source = ModelSource(str(tmp_path / "not-on-that-node"), model_digest(model_dir),
+                         files=ray.put(read_model_files(model_dir)))
+
+    @ray.remote(num_cpus=0)  # on any node: none has that path
+    def on_a_node(source: ModelSource, cache: str) -> str:
+        return str(materialize(source, ray.get, cache_dir=Path(cache)))
+
+    got = Path(ray.get(on_a_node.remote(source, str(tmp_path / "cache" / "models")), timeout=60))
+    assert got.parent == tmp_path / "cache" / "shipped" and model_digest(got) == source.digest
