@@ -127,12 +127,18 @@ class Cluster:
 
     def _model_source(self, model_dir: str, local: bool) -> ModelSource:
         """How workers get the model: by name (shipped models and presets are made on each node), or a
-        directory, shipped through the object store unless one cluster node or a shared path has it."""
+        directory by its absolute path, its files shipped through the object store unless the manifest
+        declares the path shared. On a single machine there is one copy: nothing is hashed or shipped."""
         m = self.manifest
-        shipped = None
-        if not local and Path(m.model).is_dir() and not m.model_path_shared:
-            shipped = ray.put(read_model_files(model_dir))
-        return ModelSource(m.model, model_digest(model_dir), shared_path=m.model_path_shared, files=shipped)
+        is_dir = Path(m.model).is_dir()
+        if m.model_path_shared and not is_dir:
+            raise ValueError(f"model_path_shared needs a model directory; {m.model!r} is a model name")
+        spec = str(Path(model_dir).resolve()) if is_dir else m.model
+        if local:
+            return ModelSource(spec, "")
+        self.log("hashing the model (every worker checks it holds the same bytes) ...")
+        shipped = ray.put(read_model_files(model_dir)) if is_dir and not m.model_path_shared else None
+        return ModelSource(spec, model_digest(model_dir), shared_path=m.model_path_shared, files=shipped)
 
     def _spawn(self, role: str, name: str, spec: PoolSpec, model: ModelSource) -> WorkerRef:
         m = self.manifest
@@ -256,8 +262,8 @@ class Cluster:
             worker.status = ray.get(ready[0])  # raises the worker's own start-up error
             s = worker.status
             kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s['kv_addresses'].items())}" if s.get("kv_addresses") else ""
-            self.log(f"  {worker.name} ready on node {s['node_ip']} (id …{s['node_id'][-12:]}), model "
-                     f"{s['model_digest'][:12]}{kv}")
+            model = f", model {s['model_digest'][:12]}" if s["model_digest"] else ""
+            self.log(f"  {worker.name} ready on node {s['node_ip']} (id …{s['node_id'][-12:]}){model}{kv}")
 
     def _served_model(self, model_dir: str) -> ServedModel:
         m = self.manifest

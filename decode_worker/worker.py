@@ -47,9 +47,9 @@ class DecodeWorker:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None = None) -> None:
         self.worker_id = worker_id
-        model_dir = str(materialize(model, ray.get))  # this node's copy, the launcher's bytes
-        self.model_digest = model.digest
-        self.node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
+        model_dir = str(model_dir)
+        self.node_ip = ray.util.get_node_ip_address()
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
         self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash) if kv_events else None

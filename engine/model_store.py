@@ -5,13 +5,15 @@ The launcher describes the served model as a `ModelSource` (what the manifest na
 directory it resolved, and, unless the path is declared shared, a way to fetch the directory's files).
 Each worker materializes it on its own node (`materialize`): a shipped or preset model is resolved
 there (presets are built deterministically from their seed, so every node gets the same bytes); a
-directory is used where it already exists with the right digest, else written from the fetched files
-into the node's cache. Either way the result's digest must equal the launcher's, or the worker refuses
-to start: no two workers ever serve different weights.
+directory is used where it exists with the right digest, else taken from the shipped files into the
+node's cache (once per node). Either way the result's digest must equal the launcher's, or the worker
+refuses to start: no two workers ever serve different weights. On a single machine there is one copy
+and nothing is hashed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -28,29 +30,30 @@ CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class ModelSource:
-    spec: str  # as the manifest names it: a shipped model, a preset, or a directory
-    digest: str  # of the directory the launcher resolved (`model_digest`)
+    spec: str  # a shipped model or preset name, or a directory's absolute path
+    digest: str  # of the directory the launcher resolved (`model_digest`); "" when not to be checked
     shared_path: bool = False  # a directory every node reads at the same path (no shipping)
     files: Any = None  # what the worker passes to its fetch function for the directory's files (a Ray ref)
 
 
 def model_files(model_dir: str | Path) -> list[Path]:
     """The files that make the model (weights, config, tokenizer), relative to its directory, sorted.
-    The preset marker (build bookkeeping) and hidden files are not part of it."""
+    The preset marker (build bookkeeping) and hidden files inside it are not part of it."""
     root = Path(model_dir)
-    return sorted(p.relative_to(root) for p in root.rglob("*")
-                  if p.is_file() and p.name != MARKER and not any(part.startswith(".") for part in p.parts))
+    rels = (p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    return sorted(r for r in rels if r.name != MARKER and not any(part.startswith(".") for part in r.parts))
 
 
 def model_digest(model_dir: str | Path) -> str:
-    """SHA-256 over every model file's relative path and bytes."""
+    """SHA-256 over every model file's relative path, size and bytes (lengths first: no two file sets
+    can run together into one stream)."""
     root, h = Path(model_dir), hashlib.sha256()
     for rel in model_files(root):
-        h.update(str(rel).encode() + b"\0")
+        name = str(rel).encode()
+        h.update(len(name).to_bytes(8, "little") + name + (root / rel).stat().st_size.to_bytes(8, "little"))
         with open(root / rel, "rb") as f:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
-        h.update(b"\0")
     return h.hexdigest()
 
 
@@ -61,30 +64,44 @@ def read_model_files(model_dir: str | Path) -> dict[str, bytes]:
 
 
 def materialize(source: ModelSource, fetch: Callable[[Any], dict[str, bytes]],
-                cache_dir: Path | None = None) -> Path:
-    """The model's directory on this node, checked against the launcher's digest; raises RuntimeError
-    when this node's copy differs (or cannot be had) and names both digests."""
+                cache_dir: Path | None = None) -> tuple[Path, str]:
+    """The model's directory on this node, and its digest (that of the launcher, or "" unchecked). A
+    directory this node lacks, or holds with other bytes, is taken from the shipped files when there are
+    any; else RuntimeError names both digests."""
     path = Path(source.spec)
     if source.shared_path and not path.is_dir():
         raise RuntimeError(f"model directory {source.spec!r} is declared shared (model_path_shared) but this "
                            "node does not have it")
-    if path.is_dir() or source.files is None:
+    if not source.digest:  # one copy for the whole cluster (a single machine): nothing to compare
+        return resolve_model(source.spec), ""
+    if source.files is None or path.is_dir():
         model_dir = resolve_model(source.spec)  # a shipped model, a preset built here, or the path itself
-    else:  # a directory this node lacks: write the shipped files into its cache, once per digest
-        model_dir = (cache_dir or default_cache_dir()).parent / "shipped" / source.digest
-        if not model_dir.is_dir():
-            _write(model_dir, fetch(source.files))
-    got = model_digest(model_dir)
+        got = model_digest(model_dir)
+        if got == source.digest:
+            return model_dir, got
+        if source.files is None:
+            raise RuntimeError(f"model {source.spec!r} differs on this node: {model_dir} has digest {got[:16]}..., "
+                               f"the launcher's is {source.digest[:16]}... (a path declared shared that is not, "
+                               "a stale copy, or another pdserve version)")
+    # A directory this node lacks or holds otherwise: the shipped files, in the node's cache once per digest.
+    shipped = (cache_dir or default_cache_dir()).parent / "shipped"
+    shipped.mkdir(parents=True, exist_ok=True)
+    target = shipped / source.digest
+    with open(shipped / f".{source.digest}.lock", "w") as lock:  # one fetch per node, not one per worker
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir() or model_digest(target) != source.digest:
+            shutil.rmtree(target, ignore_errors=True)  # a partial or damaged copy is written again
+            _write(target, fetch(source.files))
+    got = model_digest(target)
     if got != source.digest:
-        raise RuntimeError(f"model {source.spec!r} differs on this node: {model_dir} has digest {got[:16]}..., "
-                           f"the launcher's is {source.digest[:16]}... (a path declared shared that is not, "
-                           "or a stale copy)")
-    return model_dir
+        raise RuntimeError(f"the model files shipped for {source.spec!r} have digest {got[:16]}..., not the "
+                           f"launcher's {source.digest[:16]}...")
+    return target, got
 
 
 def _write(target: Path, files: dict[str, bytes]) -> None:
-    """Write the files into a staging directory, then move it into place (atomically, so a half-written
-    copy is never taken for the model)."""
+    """Write the files into a staging directory, then move it into place (atomically: a worker that
+    dies halfway leaves no directory that looks like the model)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)).resolve()
     try:
@@ -95,9 +112,5 @@ def _write(target: Path, files: dict[str, bytes]) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(data)
         os.rename(staging, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-        # another worker on this node moved its copy in first: keep that one
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -96,9 +96,9 @@ class PrefillWorker:
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
                  short_batch_window_s: float | None = None) -> None:
         self.worker_id = worker_id
-        self.model_dir = str(materialize(model, ray.get))  # this node's copy, the launcher's bytes
-        self.model_digest = model.digest
-        self.node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
+        self.model_dir = str(model_dir)
+        self.node_ip = ray.util.get_node_ip_address()
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,8 @@ ARCH = "tiny-llama"
 DRIVER = Path(__file__).resolve().parent / "netns_driver.py"
 HEAD_PORT = 6380
 TIMEOUT_S = 180
-# The head turns Ray 2.60's token authentication on (its start log says so); a node or driver that joins
-# it must be told (RAY_AUTH_MODE=token) and then reads the token from ~/.ray/auth_token.
-RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
+# Ray 2.60's token authentication, with a token of this test's own for the head, the node and the driver.
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def run(*cmd: str, ns: str | None = None, **kw) -> subprocess.CompletedProcess:
@@ -44,18 +44,19 @@ def namespaces():
         for ns in (a, b):
             try:
                 run("ip", "netns", "add", ns)
+                made.append(ns)
+                run("true", ns=ns)
             except subprocess.CalledProcessError as e:
-                pytest.skip(f"cannot create network namespaces here: {e.stderr.strip()}")
-            made.append(ns)
-        run("ip", "link", "add", f"{veth}a", "type", "veth", "peer", "name", f"{veth}b")
+                pytest.skip(f"cannot create or enter network namespaces here: {e.stderr.strip()}")
+        # Both ends made inside the namespaces: removing the namespaces removes the pair on every path.
+        run("ip", "link", "add", f"{veth}a", "netns", a, "type", "veth", "peer", "name", f"{veth}b", "netns", b)
         for ns, end, host in ((a, f"{veth}a", 1), (b, f"{veth}b", 2)):
-            run("ip", "link", "set", end, "netns", ns)
             run("ip", "-n", ns, "addr", "add", f"{net}.{host}/24", "dev", end)
             run("ip", "-n", ns, "link", "set", end, "up")
             run("ip", "-n", ns, "link", "set", "lo", "up")
         yield {"a": (a, f"{net}.1"), "b": (b, f"{net}.2")}
     finally:
-        for ns in made:  # removing a namespace removes its end of the veth pair, and so the pair
+        for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
 
 

@@ -26,18 +26,31 @@ def test_the_digest_covers_the_model_files_and_nothing_else(model_dir):
     assert model_digest(model_dir) != digest
 
 
-def test_a_node_without_the_directory_gets_the_shipped_files(model_dir, tmp_path):
+def test_a_node_without_the_directory_gets_the_shipped_files(model_dir, tmp_path, monkeypatch):
+    # The default cache, under a hidden directory as ~/.cache is: hidden parents do not hide the model.
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / ".cache" / "pdserve"))
     files = read_model_files(model_dir)
+    assert sorted(files) == sorted(str(p.relative_to(model_dir)) for p in model_dir.iterdir() if p.is_file()
+                                   and p.name != "pdserve_preset.json")
     source = ModelSource(str(tmp_path / "not-on-this-node"), model_digest(model_dir), files="ref")
     fetched = []
-    got = materialize(source, lambda ref: fetched.append(ref) or files, cache_dir=tmp_path / "cache" / "models")
-    assert fetched == ["ref"] and model_digest(got) == source.digest
-    assert materialize(source, lambda ref: pytest.fail("fetched twice"), cache_dir=tmp_path / "cache" / "models") == got
+    got, digest = materialize(source, lambda ref: fetched.append(ref) or files)
+    assert fetched == ["ref"] and digest == model_digest(got) == source.digest
+    assert got.parent == tmp_path / ".cache" / "pdserve" / "shipped"
+    assert materialize(source, lambda ref: pytest.fail("fetched twice"))[0] == got
+    # A node whose copy at the path differs takes the shipped files instead.
+    stale = ModelSource(str(model_dir), source.digest, files="ref")
+    (model_dir / "config.json").write_text((model_dir / "config.json").read_text() + " ")
+    assert materialize(stale, lambda ref: pytest.fail("already shipped here"))[0] == got
+
+
+def test_on_one_machine_nothing_is_hashed(model_dir):
+    assert materialize(ModelSource(str(model_dir), ""), lambda ref: pytest.fail("no shipping")) == (model_dir, "")
 
 
 def test_a_copy_that_differs_is_refused(model_dir, tmp_path):
     source = ModelSource(str(model_dir), model_digest(model_dir))
-    assert materialize(source, lambda ref: {}) == model_dir
+    assert materialize(source, lambda ref: {}) == (model_dir, source.digest)
     (model_dir / "config.json").write_text((model_dir / "config.json").read_text() + " ")
     with pytest.raises(RuntimeError, match="differs on this node"):
         materialize(source, lambda ref: {})
