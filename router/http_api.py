@@ -16,13 +16,14 @@ Beyond OpenAI's fields: `top_k`, `ignore_eos` and `stop_token_ids` (as vLLM take
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,6 +39,8 @@ from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 
 API = "http"
+DISCONNECT_CHECK_S = 0.25  # how often a request waiting for its answer looks whether its client left
+T = TypeVar("T")
 # gRPC status code name -> (HTTP status, OpenAI error type)
 STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
@@ -213,13 +216,16 @@ class _OpenAIApi:
         try:
             # The first response decides the status: a refusal by a worker (its queue or KV memory
             # full) is still a 429 with Retry-After, not an error event under a 200.
-            first = await anext(responses)
+            first = await _unless_gone(request, anext(responses))
             if body.stream:
                 return _RequestStream(self._sse(active, fmt, first, responses), active)
-            return JSONResponse(await self._whole(active, fmt, first, responses))
+            return JSONResponse(await _unless_gone(request, self._whole(active, fmt, first, responses)))
         except RequestFailed as e:
             active.finish()
             return error_response(e)
+        except ClientGone:  # nobody to answer: the request ends (CANCELLED) and frees its KV
+            active.finish()
+            return Response(status_code=499)
         except BaseException:
             active.finish()
             raise
@@ -386,6 +392,25 @@ class _ChatFormat(_Format):
 
 
 # --- helpers --------------------------------------------------------------------------------------
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled and ClientGone
+    raised. (A streamed answer notices a disconnect by itself: Starlette cancels the stream.)"""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_CHECK_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        task.cancel()
+
+
 class _RequestStream(StreamingResponse):
     """An SSE response that ends its request on every path: the stream's own end, a client that
     went away (which cancels the stream, possibly before it started), or an error."""

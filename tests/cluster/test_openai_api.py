@@ -226,6 +226,21 @@ def test_a_client_that_goes_away_mid_stream_frees_its_kv(cluster, model):
     assert_idle(cluster)
 
 
+def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(cluster, model, caplog):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    host, port = cluster.http_address.rsplit(":", 1)
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        time.sleep(0.2)  # it is decoding now
+        conn.close()
+        assert_idle(cluster)
+    ended = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.lifetime"]
+    mine = [x for x in ended if x.get("api") == "http" and x.get("prompt_tokens") == len(PROMPT)]
+    assert mine and mine[-1]["code"] == "CANCELLED" and mine[-1]["output_tokens"] < 480, mine
+
+
 def test_lifetime_events_in_the_response_and_the_log(api, grpc_client, model, caplog):
     with caplog.at_level(logging.INFO, logger="pdserve.lifetime"):
         r = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
