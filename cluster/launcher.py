@@ -18,7 +18,7 @@ from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.model_loader import context_limit, load_tokenizer
-from pdserve.engine.model_store import ModelSource, model_digest, read_model_files
+from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -137,8 +137,10 @@ class Cluster:
         if local:
             return ModelSource(spec, "")
         self.log("hashing the model (every worker checks it holds the same bytes) ...")
-        shipped = ray.put(read_model_files(model_dir)) if is_dir and not m.model_path_shared else None
-        return ModelSource(spec, model_digest(model_dir), shared_path=m.model_path_shared, files=shipped)
+        if not is_dir or m.model_path_shared:
+            return ModelSource(spec, model_digest(model_dir), shared_path=m.model_path_shared)
+        files = read_model_files(model_dir)  # one read of the model: shipped, and hashed from memory
+        return ModelSource(spec, files_digest(files), files=ray.put(files))
 
     def _spawn(self, role: str, name: str, spec: PoolSpec, model: ModelSource) -> WorkerRef:
         m = self.manifest

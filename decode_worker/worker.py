@@ -65,8 +65,8 @@ class DecodeWorker:
         self.kv_addresses = {r.name: r.address for r in self._receivers}
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
+        # One with prefill_queued and no prefill_end is prefilling here, before its first token.
         self._events: dict[str, dict[str, float]] = {}
-        self._prefilling: set[str] = set()  # requests prefilling here, before their first token
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         start_guarded("lease-expiry", self._expire_leases,
@@ -142,21 +142,20 @@ class DecodeWorker:
         # A local prefill's start is when it enters the engine's queue: the engine schedules it on its next steps.
         now = time.time()
         self._events[work.request_id] = {"prefill_queued": now, "prefill_start": now}
-        self._prefilling.add(work.request_id)
         try:
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
         except Exception as e:
-            self._forget(work.request_id)
+            self._events.pop(work.request_id, None)
             code = INVALID_ARGUMENT if isinstance(e, ValueError) else UNAVAILABLE
             self.sink.send(work.request_id, error=f"{self.worker_id} cannot take the request: {e}", error_code=code)
             return
         if work.request_id in self.receiver.aborted:  # the abort ran while the request was being added
-            self._forget(work.request_id)
+            self._events.pop(work.request_id, None)
             self.loop.submit(lambda e: e.abort_request(work.request_id))
 
     def abort(self, request_id: str) -> bool:
         """Client went away: free whatever the request holds here (queued, running or mid-transfer)."""
-        self._forget(request_id)
+        self._events.pop(request_id, None)
         in_transfer = self.receiver.abort_request(request_id, "aborted by the router")
         if not self.loop.running:
             return in_transfer
@@ -177,11 +176,9 @@ class DecodeWorker:
         self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
         for out in outputs:
             events = {}
-            if out.request_id in self._prefilling:  # prefilled here: this step produced the first token
-                self._prefilling.discard(out.request_id)
-                local = self._events.get(out.request_id)  # gone when an abort came in between: then nothing to add
-                if local is not None:
-                    local.update(prefill_end=now, decode_start=now)
+            local = self._events.get(out.request_id)  # gone when an abort came in between: nothing to add
+            if local is not None and "prefill_queued" in local and "prefill_end" not in local:
+                local.update(prefill_end=now, decode_start=now)  # prefilled here: this step made the first token
             if out.finished:
                 events = self._events.pop(out.request_id, {}) | {"decode_end": now}
                 events.setdefault("decode_start", now)
@@ -195,10 +192,6 @@ class DecodeWorker:
 
     def _on_publisher_crash(self, error: BaseException) -> None:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
-
-    def _forget(self, request_id: str) -> None:
-        self._events.pop(request_id, None)
-        self._prefilling.discard(request_id)
 
     # --- faults ---------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:

@@ -18,7 +18,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +49,24 @@ def model_digest(model_dir: str | Path) -> str:
     can run together into one stream)."""
     root, h = Path(model_dir), hashlib.sha256()
     for rel in model_files(root):
-        name = str(rel).encode()
-        h.update(len(name).to_bytes(8, "little") + name + (root / rel).stat().st_size.to_bytes(8, "little"))
         with open(root / rel, "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
+            _hash_file(h, str(rel), (root / rel).stat().st_size, iter(lambda: f.read(CHUNK), b""))
     return h.hexdigest()
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    """`model_digest` of the directory these files (`read_model_files`) make, without reading it again."""
+    h = hashlib.sha256()
+    for rel in sorted(files, key=Path):  # the order model_files lists them in
+        _hash_file(h, rel, len(files[rel]), [files[rel]])
+    return h.hexdigest()
+
+
+def _hash_file(h: Any, rel: str, size: int, chunks: Iterable[bytes]) -> None:
+    name = rel.encode()
+    h.update(len(name).to_bytes(8, "little") + name + size.to_bytes(8, "little"))
+    for chunk in chunks:
+        h.update(chunk)
 
 
 def read_model_files(model_dir: str | Path) -> dict[str, bytes]:
@@ -89,10 +101,13 @@ def materialize(source: ModelSource, fetch: Callable[[Any], dict[str, bytes]],
     target = shipped / source.digest
     with open(shipped / f".{source.digest}.lock", "w") as lock:  # one fetch per node, not one per worker
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_dir() or model_digest(target) != source.digest:
-            shutil.rmtree(target, ignore_errors=True)  # a partial or damaged copy is written again
-            _write(target, fetch(source.files))
-    got = model_digest(target)
+        got = model_digest(target) if target.is_dir() else ""
+        if got != source.digest:  # missing, or a damaged copy: written again
+            files = fetch(source.files)
+            got = files_digest(files)
+            if got == source.digest:
+                shutil.rmtree(target, ignore_errors=True)
+                _write(target, files)
     if got != source.digest:
         raise RuntimeError(f"the model files shipped for {source.spec!r} have digest {got[:16]}..., not the "
                            f"launcher's {source.digest[:16]}...")

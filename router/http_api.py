@@ -213,24 +213,21 @@ class _OpenAIApi:
             return error_response(e)
         fmt.id = f"{fmt.id_prefix}-{active.request_id}"
         responses = active.responses()
+        streaming = False
         try:
             # The first response decides the status: a refusal by a worker (its queue or KV memory
             # full) is still a 429 with Retry-After, not an error event under a 200.
             first = await _unless_gone(request, anext(responses))
             if body.stream:
+                streaming = True  # from here the stream ends the request
                 return _RequestStream(self._sse(active, fmt, first, responses), active)
             return JSONResponse(await _unless_gone(request, self._whole(active, fmt, first, responses)))
         except RequestFailed as e:
-            active.finish()
             return error_response(e)
         except ClientGone:  # nobody to answer: the request ends (CANCELLED) and frees its KV
-            active.finish()
             return Response(status_code=499)
-        except BaseException:
-            active.finish()
-            raise
         finally:
-            if not body.stream:
+            if not streaming:
                 active.finish()
 
     @staticmethod

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pdserve.engine.model_store import ModelSource, materialize, model_digest, read_model_files
+from pdserve.engine.model_store import ModelSource, files_digest, materialize, model_digest, read_model_files
 
 
 @pytest.fixture
@@ -59,7 +59,8 @@ def test_a_copy_that_differs_is_refused(model_dir, tmp_path):
 
 
 def test_shipped_files_cannot_escape_the_model_directory(model_dir, tmp_path):
-    source = ModelSource(str(tmp_path / "elsewhere"), "0" * 64, files="ref")
+    evil = {"../evil.py": b""}
+    source = ModelSource(str(tmp_path / "elsewhere"), files_digest(evil), files="ref")
     with pytest.raises(ValueError, match="outside the model directory"):
-        materialize(source, lambda ref: {"../evil.py": b""}, cache_dir=tmp_path / "cache" / "models")
+        materialize(source, lambda ref: evil, cache_dir=tmp_path / "cache" / "models")
     assert not (tmp_path / "cache" / "evil.py").exists()
