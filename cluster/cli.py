@@ -199,6 +199,22 @@ def _bench_overload(args: argparse.Namespace) -> int:
         "pools_free_afterwards"] else 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from pdserve.cluster.soak import SoakConfig, run_soak
+
+    report = run_soak(SoakConfig(minutes=args.minutes, model=args.model, rate=args.rate, max_tokens=args.max_tokens,
+                                 storm=args.storm, kv_corrupt_percent=args.kv_corrupt_percent, seed=args.seed,
+                                 out=Path(args.out)))
+    t, r = report["tokens"], report["recovery_s"]
+    print(f"requests {report['requests']}: {report['codes']}; retries {report['retries']}; faults {report['faults']}")
+    print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
+          f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
+    print(f"storm: {report['storm']['opened']} streams cancelled, pools free after {report['storm']['freed_s']:.2f} s; "
+          f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")
+    print(f"{'PASS' if report['ok'] else 'FAIL'}; report in {args.out}")
+    return 0 if report["ok"] else 1
+
+
 # `bench serve` options that belong to one of its two benchmarks (--policies picks the second).
 SERVE_ONLY = ("configs", "requests_per_rate", "start_rate", "min_rate", "trace", "trace_arrivals", "input_scale",
               "output_scale", "tight", "loose", "cdf_rate", "baseline_threads")
@@ -300,6 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token", default=None, help="auth token, when the server requires one")
     gen.set_defaults(func=_generate)
 
+    sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
+                                     "storm of cancels; checks that no request or token was lost (docs/reliability.md)")
+    sk.add_argument("--minutes", type=float, default=5.0)
+    sk.add_argument("--model", default="llama-20m")
+    sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
+    sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
+    sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
+    sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--out", default="bench-results/soak.json")
+    sk.set_defaults(func=_soak)
     bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     be = bench_sub.add_parser("engine", help="engine vs transformers generate; decode-step split")

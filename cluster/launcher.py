@@ -14,6 +14,7 @@ from typing import Any
 import ray
 from transformers import AutoConfig
 
+from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
@@ -28,9 +29,10 @@ from pdserve.router.placement import WorkerRef
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
 from pdserve.router.server import RouterServer
-from pdserve.router.frontend import Frontend, ServedModel
+from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
 from pdserve.router.service import RouterService
 from pdserve.router.token_hub import TokenStreamHub
+from pdserve.wire import ClusterSecret
 
 log = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
@@ -38,6 +40,7 @@ ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside 
 CONCURRENCY_GROUPS = {HEALTH_GROUP: 2}
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 SNAPSHOT_TIMEOUT_S = 10.0
+AUDIT_LEAK_MARGIN_S = 5.0  # past the KV lease, a worker still holding something at idle leaks it
 
 
 class Cluster:
@@ -54,6 +57,9 @@ class Cluster:
         self._router: Router | None = None
         self._server: RouterServer | None = None
         self._supervisor: Supervisor | None = None
+        # Made here, handed to the workers in their actor arguments (so a restarted worker has it too).
+        self._secret = ClusterSecret.generate() if manifest.security.cluster_secret else None
+        self.audit: IdleAudit | None = None  # proof that the pools are fully free whenever the cluster idles
 
     # --- up -------------------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 300.0) -> str:
@@ -73,18 +79,14 @@ class Cluster:
         # Kept for the cluster's life: a shipped model's object must outlive every worker restart.
         source = self._model = self._model_source(model_dir, local)
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        self._hub = TokenStreamHub(host)
+        self._hub = TokenStreamHub(host, self._secret)
         index = PrefixIndex()
-        self._kv_events = KVEventHub(index, self._request_snapshot, host)
+        self._kv_events = KVEventHub(index, self._request_snapshot, host, secret=self._secret)
         self.log(f"router: token stream on {self._hub.address}, KV events on {self._kv_events.address}")
 
-        pools = {"prefill": m.pools.prefill, "decode": m.pools.decode}
         prefill_refs, decode_refs = [], []
-        for pool_name, spec in pools.items():
-            for i in range(spec.replicas):
-                role = "colocated" if m.mode == "colocated" else pool_name
-                ref = self._spawn(role, f"{role}-{len(prefill_refs) + len(decode_refs)}", spec, source)
-                (prefill_refs if role == "prefill" else decode_refs).append(ref)
+        for role, name, spec in m.workers():
+            (prefill_refs if role == "prefill" else decode_refs).append(self._spawn(role, name, spec, source))
         self.workers = prefill_refs + decode_refs
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
         self._wait_ready(ready_timeout_s)
@@ -96,12 +98,17 @@ class Cluster:
         self._router = Router(m.mode, prefill_refs, decode_refs, m.block_size, self._routing_settings(served), index)
         if m.mode == "disaggregated":
             self._probe_transfers(prefill_refs[0], decode_refs[0])
-        service = RouterService(Frontend(served, self._router, self._hub))
+        retry = RetryBudget(m.router.max_retries, m.router.retry_wait_s)
+        frontend = Frontend(served, self._router, self._hub, retry)
+        self.audit = IdleAudit(self.workers, lambda: self._router.stats.requests_routed,
+                               leak_after_s=m.kv_transfer.lease_s + AUDIT_LEAK_MARGIN_S)
+        frontend.metrics.registry.register(AuditCollector(self.audit))
+        service = RouterService(frontend)
         tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
         self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token,
-                                    http_address=m.server.http_address)
+                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca)
         self.address = self._server.start()
-        self._supervisor = Supervisor(self.workers, on_change=self._health_changed).start()
+        self._supervisor = Supervisor(self.workers, on_change=self._health_changed, after_round=self.audit.observe).start()
         scheme = "https" if tls else "http"
         http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
         self.log(f"serving {m.model!r} over gRPC on {self.address}{http} ({m.mode}, transport "
@@ -150,7 +157,7 @@ class Cluster:
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
         args: list[Any] = [name, model, m.engine_config(spec), self._hub.address, self._transfer_settings()]
-        kwargs: dict[str, Any] = {"kv_events": self._kv_events.address}
+        kwargs: dict[str, Any] = {"kv_events": self._kv_events.address, "faults": m.faults.for_worker(name)}
         if cls is PrefillWorker:
             r = m.router
             window = None if r.short_batch_window_ms is None else r.short_batch_window_ms / 1000
@@ -166,7 +173,7 @@ class Cluster:
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
-                                ttft_slo_s=m.router.ttft_slo_s)
+                                ttft_slo_s=m.router.ttft_slo_s, secret=self._secret)
 
     @property
     def http_address(self) -> str | None:

@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdserve.faults import FaultSettings
+
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 
 
@@ -73,6 +75,11 @@ class RouterSpec(_Strict):
     # gets RESOURCE_EXHAUSTED with a retry-after hint at once.
     max_queued_prefills: int = Field(64, ge=1)
     max_active_decodes: int = Field(128, ge=1)
+    # A request that loses a worker (it died, hung, or reported a fault or a failed transfer) is tried
+    # again this many times (resumed from its streamed tokens after its first), each retry waiting up to
+    # retry_wait_s for a healthy worker; past that it fails with UNAVAILABLE naming the cause.
+    max_retries: int = Field(3, ge=0)
+    retry_wait_s: float = Field(30.0, ge=0)
 
     @property
     def pool_policies(self) -> tuple[str, str]:
@@ -115,7 +122,9 @@ class ServerSpec(_Strict):
     http_address: str | None = "127.0.0.1:8000"
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    auth_token: str | None = None
+    # Mutual TLS: clients must present a certificate that this CA (PEM) signed, on gRPC and HTTPS alike.
+    tls_client_ca: Path | None = None
+    auth_token: str | None = None  # clients send `authorization: Bearer TOKEN`; compared in constant time
 
     @field_validator("address", "http_address")
     @classmethod
@@ -137,10 +146,53 @@ class ServerSpec(_Strict):
     def _tls_pair(self) -> "ServerSpec":
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
-        for f in (self.tls_cert, self.tls_key):
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key: client certificates are checked over TLS")
+        for f in (self.tls_cert, self.tls_key, self.tls_client_ca):
             if f is not None and not f.is_file():
                 raise ValueError(f"TLS file {str(f)!r} does not exist")
         return self
+
+
+class FaultsSpec(_Strict):
+    """Faults injected on purpose, for tests, soak runs and drills (`pdserve.faults`); all off by default."""
+
+    # Worker name (prefill-0, decode-2, ...: `pdserve up` lists them) -> it kills its own process on
+    # taking its N-th request. Once: the worker Ray restarts serves normally.
+    kill_after_requests: dict[str, int] = Field(default_factory=dict)
+    stall_every_steps: int = Field(0, ge=0)  # every N-th engine step of a worker stalls stall_ms (0: never)
+    stall_ms: float = Field(0.0, ge=0)
+    kv_drop_percent: float = Field(0.0, ge=0, le=100)  # of KV frames, never sent
+    kv_corrupt_percent: float = Field(0.0, ge=0, le=100)  # of KV frames, sent with a byte flipped
+    kv_delay_ms: float = Field(0.0, ge=0)  # before every KV frame (a slow link)
+    workers: list[str] | None = None  # the workers the stalls and KV faults apply to; null: all
+    seed: int = 0
+
+    @field_validator("kill_after_requests")
+    @classmethod
+    def _positive(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {name: n for name, n in v.items() if n < 1}
+        if bad:
+            raise ValueError(f"a worker can be killed after 1 or more requests, got {bad}")
+        return v
+
+    def for_worker(self, name: str) -> FaultSettings | None:
+        """The faults `name` injects; None when none."""
+        applies = self.workers is None or name in self.workers
+        settings = FaultSettings(
+            kill_after_requests=self.kill_after_requests.get(name),
+            stall_every_steps=self.stall_every_steps if applies else 0, stall_ms=self.stall_ms,
+            kv_drop_percent=self.kv_drop_percent if applies else 0.0,
+            kv_corrupt_percent=self.kv_corrupt_percent if applies else 0.0,
+            kv_delay_ms=self.kv_delay_ms if applies else 0.0, seed=self.seed)
+        return None if settings == FaultSettings(seed=self.seed) else settings
+
+
+class SecuritySpec(_Strict):
+    # A secret made per cluster at launch and handed to the workers through Ray: CURVE encryption and
+    # authentication on the internal pyzmq channels (token stream, KV events, the shm/gloo KV control
+    # channel), and proof of membership on every gRPC KV stream. Off only for debugging with raw sockets.
+    cluster_secret: bool = True
 
 
 class RaySpec(_Strict):
@@ -164,7 +216,9 @@ class Manifest(_Strict):
     router: RouterSpec = RouterSpec()
     kv_transfer: KVTransferSpec = KVTransferSpec()
     server: ServerSpec = ServerSpec()
+    security: SecuritySpec = SecuritySpec()
     ray: RaySpec = RaySpec()
+    faults: FaultsSpec = FaultsSpec()
 
     @model_validator(mode="after")
     def _pools_fit_the_mode(self) -> "Manifest":
@@ -173,6 +227,23 @@ class Manifest(_Strict):
         if self.mode == "colocated" and self.pools.prefill.replicas + self.pools.decode.replicas < 1:
             raise ValueError("colocated mode needs at least one replica (in either pool)")
         return self
+
+    @model_validator(mode="after")
+    def _faults_name_workers(self) -> "Manifest":
+        names = {name for _, name, _ in self.workers()}
+        unknown = sorted((set(self.faults.kill_after_requests) | set(self.faults.workers or ())) - names)
+        if unknown:
+            raise ValueError(f"faults name workers this manifest does not have: {unknown}; it has {sorted(names)}")
+        return self
+
+    def workers(self) -> list[tuple[str, str, PoolSpec]]:
+        """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered
+        across the pools."""
+        out = []
+        for pool_name, spec in (("prefill", self.pools.prefill), ("decode", self.pools.decode)):
+            role = "colocated" if self.mode == "colocated" else pool_name
+            out += [(role, f"{role}-{len(out) + i}", spec) for i in range(spec.replicas)]
+        return out
 
     def engine_config(self, pool: PoolSpec) -> dict:
         return {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -30,9 +31,11 @@ HEALTH_GROUP = "health"  # the actors' concurrency group for pings (see launcher
 
 class Supervisor:
     def __init__(self, workers: list[WorkerRef], on_change: Callable[[], None],
-                 interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S) -> None:
+                 interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S,
+                 after_round: Callable[[], object] = lambda: None) -> None:
         self.workers = workers
         self.on_change = on_change
+        self.after_round = after_round  # the idle audit reads the reports of each round
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.restarts: dict[str, int] = {}  # worker name -> restarts the supervisor asked Ray for
@@ -70,6 +73,7 @@ class Supervisor:
                 w.healthy = w.healthy and self._missed[w.name] < MISSES_TO_FAIL
         if before != [w.healthy for w in self.workers]:
             self.on_change()
+        self.after_round()
 
     def _alive(self, ref: ray.ObjectRef, worker: WorkerRef) -> bool:
         try:
@@ -83,7 +87,7 @@ class Supervisor:
             if not status.get("profiled", True):  # restarted by Ray: it measures itself before taking work
                 self._profile(worker)
                 return False
-            worker.status = status  # free blocks, fitted step cost: what placement reads
+            worker.status = status | {"reported_at": time.monotonic()}  # free blocks, step cost: what placement reads
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
             log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))

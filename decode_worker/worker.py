@@ -21,6 +21,7 @@ import resource
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import dataclasses
 
@@ -32,9 +33,10 @@ from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.interface import Lease, TransferError
+from pdserve.kv_transfer.interface import PROBE_PREFIX, Lease, TransferError
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
+from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.threads import start_guarded
@@ -45,22 +47,27 @@ LEASE_CHECK_S = 0.5
 
 class DecodeWorker:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
-                 kv_settings: TransferSettings, kv_events: str | None = None) -> None:
+                 kv_settings: TransferSettings, kv_events: str | None = None,
+                 faults: FaultSettings | None = None) -> None:
         self.worker_id = worker_id
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
         model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
         model_dir = str(model_dir)
         self.node_ip = ray.util.get_node_ip_address()
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
-        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash) if kv_events else None
+        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
+                                          secret=kv_settings.secret) if kv_events else None
         self.engine.pool.listener = self.kv_events
         self._profiled = False
-        self.sink = TokenSink(token_sink)
+        self.sink = TokenSink(token_sink, kv_settings.secret)
         self.fault: str | None = None
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
         self.receiver = KVReceiver(self.loop, model_dir, lease_s=kv_settings.lease_s,
                                    reserve_wait_s=kv_settings.reserve_wait_s)
-        self._receivers = [start_receiver(name, self.receiver.receive_frame, kv_settings.host, tls=kv_settings.tls)
+        self._receivers = [start_receiver(name, self.receiver.receive_frame, kv_settings.host, tls=kv_settings.tls,
+                                          secret=kv_settings.secret)
                            for name in kv_settings.receivers]
         self.kv_addresses = {r.name: r.address for r in self._receivers}
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -105,6 +112,8 @@ class DecodeWorker:
         transports listen, and what recomputing the KV here would cost instead."""
         if self.fault is not None:
             raise TransferError(self.fault)
+        if not request_id.startswith(PROBE_PREFIX):  # the launcher's transfer probes are no requests
+            self.faults.took_request()
         lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
                                       codecs or ["raw"])
         missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
@@ -134,16 +143,28 @@ class DecodeWorker:
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
         """Prefill and decode here (colocated mode); a refusal reaches the router as an error message."""
+        self._run_here(work, lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
+
+    def resume(self, work: WorkRequest, generated: list[int], logprobs: list[float]) -> None:
+        """Continue a request that lost its worker, from its prompt and the tokens the client already has
+        (the router sends exactly those, so none repeats and none is missing): both are prefilled here,
+        and sampling goes on at the same output position (a seeded request draws what it would have)."""
+        handoff = RequestHandoff(work.request_id, work.prompt_token_ids, list(generated), work.params,
+                                 num_computed_tokens=0, logprobs=list(logprobs))
+        self._run_here(work, lambda e: e.resume_request(handoff))
+
+    def _run_here(self, work: WorkRequest, add: Callable[[LLMEngine], object]) -> None:
         if work.request_id in self.receiver.aborted:  # cancelled before this call ran
             return
         if self.fault is not None:
             self.sink.send(work.request_id, error=self.fault, error_code=INTERNAL)
             return
+        self.faults.took_request()
         # A local prefill's start is when it enters the engine's queue: the engine schedules it on its next steps.
         now = time.time()
         self._events[work.request_id] = {"prefill_queued": now, "prefill_start": now}
         try:
-            self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
+            self.loop.call(add)
         except Exception as e:
             self._events.pop(work.request_id, None)
             code = INVALID_ARGUMENT if isinstance(e, ValueError) else UNAVAILABLE
@@ -172,6 +193,7 @@ class DecodeWorker:
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.faults.after_step()
         now = time.time()
         self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
         for out in outputs:

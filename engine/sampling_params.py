@@ -49,21 +49,40 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        # Bounded above: the sampler puts top_k in an int64 tensor, and a larger value (the HTTP API
+        # takes any JSON integer) would fail the engine step of every request in the batch.
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+            raise ValueError(f"top_k must be an integer >= 0 and < 2**63 (0 disables it), got {_short(self.top_k)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
+        # Errors name the first bad entry, not the whole list: a client's list may be huge.
+        for i, t in enumerate(self.stop_token_ids):
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(t)} at index {i}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {_short(s)} at index {i}")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A client's value for an error message, cut to about `limit` characters: a message must stay
+    readable, and a gRPC status's message travels in a header of at most 16 KiB."""
+    if isinstance(value, int) and value.bit_length() > 256:  # repr fails past 4300 digits
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_real(x: object) -> bool:
-    """A finite int or float (bool, NaN and infinity are not)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float (bool, NaN and infinity are not, nor an int too large for a float)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float's range: the engine could not use it either
+        return False
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, num_output_tokens: int = 0) -> None:
@@ -72,7 +91,8 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
         raise ValueError("prompt is empty: it must have at least one token")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got "
+                         f"{', '.join(_short(t) for t in bad[:5])}")
     total = len(token_ids) + num_output_tokens
     if total >= max_model_len:
         raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "

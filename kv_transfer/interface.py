@@ -22,6 +22,9 @@ import torch
 Payload = bytes | bytearray | memoryview | np.ndarray
 
 
+PROBE_PREFIX = "probe-"  # request ids of the launcher's transfer probes, which carry no client request
+
+
 class TransferError(RuntimeError):
     pass
 

@@ -68,7 +68,9 @@ class KVReceiver:
         self.layout = loop.engine.kv_layout
         self.kv_cache = loop.engine.kv_cache
         self.aborted = Tombstones()
-        self.counters: Counter[str] = Counter()  # frames, corrupt_frames, recomputed, bytes, cached_blocks
+        # frames, corrupt_frames, refused_frames (dropped: no open transfer, or one the frame cannot
+        # belong to), recomputed, bytes, cached_blocks
+        self.counters: Counter[str] = Counter()
         self._codecs: dict[str, Codec | None] = {}  # by name; None: cannot be used here
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
@@ -129,7 +131,11 @@ class KVReceiver:
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
     def receive_frame(self, header: FrameHeader, payload: memoryview) -> None:
-        incoming = self._get(header.transfer_id)
+        try:
+            incoming = self._get(header.transfer_id)
+        except TransferError:
+            self.counters["refused_frames"] += 1
+            raise
         try:
             kv = self._decode(incoming, header, payload)
         except CorruptFrame as e:
@@ -138,11 +144,13 @@ class KVReceiver:
                         header.layer, header.start_token, e)
             raise
         except TransferError as e:
+            self.counters["refused_frames"] += 1
             self.abort(header.transfer_id, str(e))
             raise
         slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
         with incoming.lock:  # an abort frees the blocks only after taking this lock and failing the transfer
             if incoming.transfer.state.is_terminal:
+                self.counters["refused_frames"] += 1
                 raise TransferError(f"transfer {header.transfer_id} already ended: {incoming.transfer.error}")
             self.kv_cache.write_tokens(header.layer, slots, kv)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True

@@ -4,8 +4,12 @@ choice of transport for a pair of workers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pdserve.kv_transfer.sender import FRAME_TOKENS
+
+if TYPE_CHECKING:
+    from pdserve.wire import ClusterSecret
 
 TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo")
 
@@ -20,6 +24,9 @@ class TransferSettings:
     lease_s: float = 30.0
     reserve_wait_s: float = 10.0
     ttft_slo_s: float | None = None  # the level controller fits each transfer into it
+    # The cluster's secret (the manifest's `security.cluster_secret`): authenticates the KV channels,
+    # and the workers' token and KV event streams too (they get it with these settings). None: off.
+    secret: ClusterSecret | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORT_CHOICES:

@@ -48,12 +48,14 @@ from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import checksum, make_codec
-from pdserve.kv_transfer.interface import Codec, FrameHeader, KVMemoryFull, Lease, LayerChannel, TransferError
+from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, FrameHeader, KVMemoryFull, Lease, LayerChannel,
+                                          TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.kv_transfer.transports import make_sender
+from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
@@ -94,8 +96,10 @@ class PrefillWorker:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, max_queued: int = 64, kv_events: str | None = None,
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
-                 short_batch_window_s: float | None = None) -> None:
+                 short_batch_window_s: float | None = None, faults: FaultSettings | None = None) -> None:
         self.worker_id = worker_id
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
         model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
         self.model_dir = str(model_dir)
         self.node_ip = ray.util.get_node_ip_address()
@@ -105,9 +109,10 @@ class PrefillWorker:
         self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS's up from the measured costs
         self._profiled = False
         self.engine.set_layer_hook(self._push_layer)
-        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash) if kv_events else None
+        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
+                                          secret=kv_settings.secret) if kv_events else None
         self.engine.pool.listener = self.kv_events
-        self.sink = TokenSink(token_sink)
+        self.sink = TokenSink(token_sink, kv_settings.secret)
         self.max_queued = max_queued
         self.kv = kv_settings
         self.reserve_wait_s = kv_settings.reserve_wait_s
@@ -184,7 +189,7 @@ class PrefillWorker:
         to abort). The bandwidth is kept for the level controller of transfers to that worker."""
         transfer_id = uuid.uuid4().hex
         t_reserve = time.perf_counter()
-        lease = ray.get(decode.reserve.remote(transfer_id, f"probe-{transfer_id}", [3] * num_tokens,
+        lease = ray.get(decode.reserve.remote(transfer_id, f"{PROBE_PREFIX}{transfer_id}", [3] * num_tokens,
                                               SamplingParams.greedy(max_tokens=1), num_tokens),
                         timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
         layout = self.engine.kv_layout
@@ -215,8 +220,9 @@ class PrefillWorker:
         name = self._transport_name(lease)
         transport = self._transports.get(name)
         if transport is None:
-            transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls)
-        return transport.open(lease.addresses[name], transfer_id)
+            transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls,
+                                                             secret=self.kv.secret)
+        return self.faults.channel(transport.open(lease.addresses[name], transfer_id))
 
     # --- requests -------------------------------------------------------------------------------
     def prefill(self, work: WorkRequest, decode: Any, new_tokens: int | None = None) -> None:
@@ -240,6 +246,7 @@ class PrefillWorker:
             self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
             return
         self.queues.put(job, new_tokens)
+        self.faults.took_request()
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in whatever state it is; frees what it holds here and on its decode worker."""
@@ -370,6 +377,7 @@ class PrefillWorker:
                 self._sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.faults.after_step()
         now = time.time()
         for out in outputs:
             job = self._jobs.get(out.request_id)

@@ -134,19 +134,27 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
     return req
 
 
-def _credentials(token: str | None, root_certificates: bytes | None) -> tuple[list, grpc.ChannelCredentials | None]:
+def _credentials(token: str | None, root_certificates: bytes | None, client_cert: bytes | None,
+                 client_key: bytes | None) -> tuple[list, grpc.ChannelCredentials | None]:
     metadata = [("authorization", f"Bearer {token}")] if token else []
-    creds = grpc.ssl_channel_credentials(root_certificates) if root_certificates is not None else None
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("client_cert and client_key must be given together")
+    creds = None
+    if root_certificates is not None or client_cert is not None:  # TLS; with a client certificate: mutual
+        creds = grpc.ssl_channel_credentials(root_certificates, private_key=client_key, certificate_chain=client_cert)
     return metadata, creds
 
 
 # --- sync client ----------------------------------------------------------------------------------
 class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+    """Blocking client. `timeout` (seconds) is the default deadline of every call. TLS: `root_certificates`
+    (PEM) to verify the server; `client_cert` and `client_key` (PEM) when the server requires mutual TLS;
+    `token` for a server with bearer-token auth."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
-        self._metadata, creds = _credentials(token, root_certificates)
+                 root_certificates: bytes | None = None, client_cert: bytes | None = None,
+                 client_key: bytes | None = None) -> None:
+        self._metadata, creds = _credentials(token, root_certificates, client_cert, client_key)
         self._channel = (grpc.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
@@ -211,8 +219,9 @@ class AsyncClient:
     """asyncio client with the same calls as Client."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
-        self._metadata, creds = _credentials(token, root_certificates)
+                 root_certificates: bytes | None = None, client_cert: bytes | None = None,
+                 client_key: bytes | None = None) -> None:
+        self._metadata, creds = _credentials(token, root_certificates, client_cert, client_key)
         self._channel = (grpc.aio.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
                          else grpc.aio.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)

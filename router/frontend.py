@@ -38,6 +38,9 @@ from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAIL
 log = logging.getLogger(__name__)
 lifetime_log = logging.getLogger("pdserve.lifetime")
 DEAD_WORKER_CHECK_S = 0.5  # how often a waiting stream looks whether its workers are still healthy
+RETRY_POLL_S = 0.1  # how often a retry that found no healthy worker looks again
+# A worker's fault or a failed transfer: another worker may well serve the request.
+RETRYABLE = (INTERNAL, UNAVAILABLE)
 NOT_FOUND, CANCELLED, OK = "NOT_FOUND", "CANCELLED", "OK"
 
 
@@ -51,6 +54,14 @@ class RequestFailed(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class RetryBudget:
+    """How a request that loses a worker is tried again."""
+
+    max_retries: int = 3  # attempts after the first; past them the request fails with UNAVAILABLE
+    wait_s: float = 30.0  # how long a retry waits for a healthy worker (one being restarted, say)
+
+
 @dataclass
 class ServedModel:
     name: str
@@ -59,10 +70,12 @@ class ServedModel:
 
 
 class Frontend:
-    def __init__(self, model: ServedModel, router: Router, hub: TokenStreamHub) -> None:
+    def __init__(self, model: ServedModel, router: Router, hub: TokenStreamHub,
+                 retry: RetryBudget = RetryBudget()) -> None:
         self.model = model
         self.router = router
         self.hub = hub
+        self.retry = retry
         self.metrics = RouterMetrics(router)
 
     @contextmanager
@@ -80,7 +93,8 @@ class Frontend:
 
     def check_model(self, name: str) -> None:
         if name and name != self.model.name:
-            raise RequestFailed(NOT_FOUND, f"unknown model {name!r}; this server serves {self.model.name!r}")
+            shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"  # a readable error
+            raise RequestFailed(NOT_FOUND, f"unknown model {shown}; this server serves {self.model.name!r}")
 
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenizer.encode(text, add_special_tokens=False)
@@ -114,25 +128,33 @@ class Frontend:
 
 
 class ActiveRequest:
-    """One placed and dispatched request: iterate `responses`, then `finish` it (on every path)."""
+    """One placed and dispatched request: iterate `responses`, then `finish` it (on every path).
+
+    A request that loses a worker (its health check fails, or a worker reports its fault or a failed
+    transfer) is tried again, up to the frontend's retry budget: before its first token from the
+    start, on any healthy workers; after it, resumed on a decode worker from its prompt and the
+    tokens the client already has, so the stream goes on with no token repeated or missing. Each
+    attempt runs under its own id (`<request id>.<attempt>`), so a late message of a lost attempt
+    can never reach the stream."""
 
     def __init__(self, frontend: Frontend, api: str, work: WorkRequest, placement: Placement, client_id: str,
                  events: dict[str, float]) -> None:
         self.frontend = frontend
         self.api = api
-        self.work = work
+        self.request_id = work.request_id
+        self.work = work  # the current attempt
         self.placement = placement
         self.client_id = client_id
         self.events = events  # lifetime events: name -> wall-clock seconds (the router's and the workers')
         self.code = CANCELLED  # until it completes or fails
         self.output_tokens = 0
         self.cached_tokens = 0
+        self.generated: list[int] = []  # every token the client has been sent
+        self.logprobs: list[float] = []
+        self.retry_causes: list[str] = []
         self._queue: asyncio.Queue[TokenMessage] = frontend.hub.subscribe(work.request_id)
+        self._attempt_started = False  # the current attempt has sent its first token
         self._finished = False
-
-    @property
-    def request_id(self) -> str:
-        return self.work.request_id
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """The request's responses; the last has finish_reason and timings. Raises RequestFailed."""
@@ -147,32 +169,38 @@ class ActiveRequest:
             raise
 
     async def _responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        frontend, work, placement = self.frontend, self.work, self.placement
-        detok = Detokenizer(frontend.model.tokenizer, work.params)
+        frontend = self.frontend
+        detok = Detokenizer(frontend.model.tokenizer, self.work.params)
         while True:
             try:
                 msg: TokenMessage = await asyncio.wait_for(self._queue.get(), DEAD_WORKER_CHECK_S)
             except asyncio.TimeoutError:
-                dead = [w.name for w in placement.depends_on if not w.healthy]
+                dead = [w.name for w in self.placement.depends_on if not w.healthy]
                 if dead:
-                    raise RequestFailed(UNAVAILABLE, f"worker {', '.join(dead)} stopped responding while "
-                                                     "serving the request") from None
+                    await self._retry(f"worker {', '.join(dead)} stopped responding while serving the request")
                 continue
             if msg.error:
                 code = msg.error_code or UNAVAILABLE
+                if code in RETRYABLE and frontend.hub.error is None:  # a failed hub fails every attempt
+                    await self._retry(msg.error)
+                    continue
                 retry = frontend.router.retry_after_s() if code == RESOURCE_EXHAUSTED else None
                 raise RequestFailed(code, msg.error, retry)
             self.events.update(msg.events)
             tokens = list(msg.token_ids)
             self.output_tokens += len(tokens)
-            response = pdserve_pb2.GenerateResponse(request_id=self.client_id, server_request_id=work.request_id,
+            self.generated += tokens
+            self.logprobs += msg.logprobs
+            response = pdserve_pb2.GenerateResponse(request_id=self.client_id, server_request_id=self.request_id,
                                                     token_ids=tokens, logprobs=msg.logprobs)
+            if not self._attempt_started:  # this attempt's prompt pass is over
+                self._attempt_started = True
+                frontend.router.first_token(self.placement)
             if "first_token" not in self.events:
                 self.events["first_token"] = time.time()
                 self.cached_tokens = msg.cached_tokens
-                response.prompt_tokens = len(work.prompt_token_ids)
+                response.prompt_tokens = len(self.work.prompt_token_ids)
                 response.cached_tokens = msg.cached_tokens
-                frontend.router.first_token(placement)  # its prompt pass is over
             if msg.finish_reason:
                 self.events["finished"] = time.time()
                 self.code = OK
@@ -184,17 +212,55 @@ class ActiveRequest:
             response.text_delta = detok.add(tokens)
             yield response
 
+    async def _retry(self, cause: str) -> None:
+        """End the current attempt and start the next, on healthy workers (waiting up to the budget's
+        `wait_s` for one); past the retry budget, UNAVAILABLE naming the cause."""
+        frontend, budget = self.frontend, self.frontend.retry
+        if len(self.retry_causes) >= budget.max_retries:
+            tried = f" after {budget.max_retries} retries" if budget.max_retries else " (retries are off)"
+            raise RequestFailed(UNAVAILABLE, f"request failed{tried}: {cause}")
+        self.retry_causes.append(cause)
+        attempt = len(self.retry_causes)
+        log.warning("request %s: %s; attempt %d of %d", self.request_id, cause, attempt + 1, budget.max_retries + 1)
+        failed = self.placement.touched
+        self._end_attempt(aborted=True)
+        self.work = WorkRequest(f"{self.request_id}.{attempt}", self.work.prompt_token_ids, self.work.params)
+        self.events[f"retry_{attempt}"] = time.time()
+        frontend.metrics.retried("decode" if self.generated else "prefill")
+        deadline = time.monotonic() + budget.wait_s
+        while True:
+            try:
+                self.placement = frontend.router.place_again(self.work, self.generated, avoid=failed)
+                break
+            except NoHealthyWorker as e:
+                if time.monotonic() > deadline:
+                    raise RequestFailed(UNAVAILABLE, f"{cause}; no worker to retry on within {budget.wait_s:.0f} s: "
+                                                     f"{e}") from None
+                await asyncio.sleep(RETRY_POLL_S)
+        self._queue = frontend.hub.subscribe(self.work.request_id)
+        self._attempt_started = False
+        try:
+            _dispatch(self.work, self.placement, self.generated, self.logprobs)
+        except Exception as e:  # the Ray call could not even be sent: the next round finds it out
+            await self._retry(f"could not dispatch the retry: {type(e).__name__}: {e}")
+
+    def _end_attempt(self, aborted: bool) -> None:
+        """Give back the current attempt's placement and, unless it completed, free what it holds on its
+        workers. The router learns the transfer cost only from a request that ran undisturbed."""
+        frontend, placement = self.frontend, self.placement
+        frontend.hub.unsubscribe(self.work.request_id)
+        frontend.router.finished(placement, None if self.retry_causes else self.events)
+        if aborted:  # cancelled, deadline, failed or retried: free its KV wherever it is
+            for worker in placement.touched:
+                worker.handle.abort.remote(self.work.request_id)
+
     def finish(self) -> None:
         """End the request (once): free what it holds, count it, log its lifetime."""
         if self._finished:
             return
         self._finished = True
+        self._end_attempt(aborted=self.code != OK)
         frontend, placement = self.frontend, self.placement
-        frontend.hub.unsubscribe(self.request_id)
-        frontend.router.finished(placement, self.events)
-        if self.code != OK:  # cancelled, deadline, or failed: free its KV wherever it is
-            for worker in placement.touched:
-                worker.handle.abort.remote(self.request_id)
         self.events.setdefault("finished", time.time())
         ev = self.events
         first = ev.get("first_token")
@@ -206,27 +272,31 @@ class ActiveRequest:
         lifetime_log.info(json.dumps(self.lifetime()))
 
     def lifetime(self) -> dict[str, Any]:
-        """The request's lifetime record: who served it, how it ended, and its events in milliseconds
-        after `accepted` (a Unix time), in the order they happened."""
+        """The request's lifetime record: who served it, how it ended, what it was retried for, and its
+        events in milliseconds after `accepted` (a Unix time), in the order they happened."""
         p, start = self.placement, self.events["accepted"]
         ordered = sorted(self.events.items(), key=lambda kv: kv[1])
         return {"request_id": self.request_id, "client_request_id": self.client_id, "api": self.api,
                 "code": self.code, "prompt_tokens": len(self.work.prompt_token_ids),
                 "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
-                "prefill_worker": p.prefiller.name, "decode_worker": p.decode.name, "accepted": start,
+                "prefill_worker": p.prefiller.name, "decode_worker": p.decode.name,
+                "retries": self.retry_causes, "accepted": start,
                 "events_ms": {name: round((t - start) * 1e3, 3) for name, t in ordered}}
 
 
-def _dispatch(work: WorkRequest, placement: Placement) -> None:
+def _dispatch(work: WorkRequest, placement: Placement, generated: list[int] = (), logprobs: list[float] = ()) -> None:
     """Hand the request to its workers (Ray calls that return at once; the outcome arrives as token
-    messages): a whole request to a colocated or locally prefilling decode worker, else the prompt to
-    its prefill worker, which streams the KV to the decode worker."""
+    messages): a whole request to a colocated or locally prefilling decode worker (one that resumes,
+    with the tokens generated so far), else the prompt to its prefill worker, which streams the KV to
+    the decode worker."""
     decode = placement.decode
-    if placement.local:
+    if generated:
+        decode.handle.resume.remote(work, list(generated), list(logprobs))
+    elif placement.local:
         decode.handle.generate.remote(work)
-        return
-    prefill = placement.prefill
-    prefill.handle.prefill.remote(work, decode.handle, new_tokens=placement.request.new_tokens(prefill))
+    else:
+        prefill = placement.prefill
+        prefill.handle.prefill.remote(work, decode.handle, new_tokens=placement.request.new_tokens(prefill))
 
 
 class Detokenizer:

@@ -30,7 +30,7 @@ from pdserve.kv_events import KVEventBatch, parse_kv_event_batch
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.zmq_pull import bind_pull, drain
 from pdserve.threads import start_guarded
-from pdserve.wire import MalformedMessage
+from pdserve.wire import ClusterSecret, MalformedMessage
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,13 @@ class _Worker:
 
 class KVEventHub:
     def __init__(self, index: PrefixIndex, request_snapshot: Callable[[str], None], host: str = "127.0.0.1", *,
-                 max_kept_events: int = 65536, snapshot_timeout_s: float = 30.0) -> None:
+                 max_kept_events: int = 65536, snapshot_timeout_s: float = 30.0,
+                 secret: ClusterSecret | None = None) -> None:
         self.index = index
         self._request_snapshot = request_snapshot
         self._max_kept_events = max_kept_events
         self._snapshot_timeout_s = snapshot_timeout_s  # then a lost request is made again
-        self._socket, self.address = bind_pull(host)
+        self._socket, self.address = bind_pull(host, secret)
         self.applied = 0  # events applied to the index
         self.duplicates = 0  # events received again and skipped
         self.resyncs = 0  # gaps, missed starts and overflows that needed a snapshot

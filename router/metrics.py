@@ -61,6 +61,9 @@ class RouterMetrics:
                                  "placement: disaggregated (prefill pool, then a KV transfer), local (prefilled on "
                                  "its decode worker) or colocated",
                                  ["pool", "policy", "worker", "placement"], registry=r)
+        self.retries = Counter("pdserve_request_retries", "Attempts started again after a request lost a worker; "
+                               "phase: prefill (before its first token: placed afresh) or decode (resumed on a "
+                               "decode worker from the tokens already streamed)", ["phase"], registry=r)
         r.register(_PoolCollector(router))
 
     def routed(self, placement: Placement) -> None:
@@ -75,6 +78,9 @@ class RouterMetrics:
         self.decisions.labels("decode", decode_policy, placement.decode.name, kind).inc()
         if not placement.local:
             self.decisions.labels("prefill", prefill_policy, placement.prefiller.name, kind).inc()
+
+    def retried(self, phase: str) -> None:
+        self.retries.labels(phase).inc()
 
     def prompt_served(self, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.labels(worker).inc(prompt_tokens)

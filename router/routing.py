@@ -63,6 +63,7 @@ class RoutingStats:
     oracle_cached_tokens: int = 0  # the best match on any worker (the exact index)
     local_prefills: int = 0
     early_rejections: int = 0
+    retries: int = 0  # placements of requests that lost a worker (`place_again`)
     per_worker: Counter = field(default_factory=Counter)
 
 
@@ -115,20 +116,39 @@ class Router:
         with self._lock:
             return self._place(request)
 
-    def _place(self, request: RouteRequest) -> Placement:
+    def place_again(self, work: WorkRequest, generated: list[int], avoid: list[WorkerRef] = ()) -> Placement:
+        """Place a request that lost a worker once more (`work` carries the new attempt's id). It was
+        admitted once, so no admission limit or early rejection turns it away now. With tokens already
+        generated it resumes on a decode worker, which prefills prompt + those tokens itself: the lost
+        worker's KV is gone, and a prefix cache may still hold part of it. The workers of the failed
+        attempt (`avoid`) are taken only when no other is healthy: the supervisor may not have noticed
+        yet that the one that failed is dead. Raises NoHealthyWorker."""
+        request = self._route_request(work, generated)
+        with self._lock:
+            self.stats.retries += 1
+            if not generated:
+                return self._place(request, admitted=True, avoid=avoid)
+            decode = self.decode_policy.choose(request, _preferring(healthy_workers(self.decode_pool), avoid)).worker
+            return self._book(request, decode=decode, prefill=None)
+
+    def _place(self, request: RouteRequest, admitted: bool = False, avoid: list[WorkerRef] = ()) -> Placement:
+        def open_workers(pool: list[WorkerRef], admission: PoolAdmission) -> list[WorkerRef]:
+            healthy = healthy_workers(pool)
+            return _preferring(healthy, avoid) if admitted else admission.open_workers(healthy)
+
+        decode_open = open_workers(self.decode_pool, self.decode_admission)
         if self.mode == "colocated":
-            worker = self._choose(self.prefill_policy, self.decode_pool, self.decode_admission, request)
-            return self._book(request, decode=worker, prefill=None)
-        decode = self._choose(self.decode_policy, self.decode_pool, self.decode_admission, request)
+            return self._book(request, decode=self.prefill_policy.choose(request, decode_open).worker, prefill=None)
+        decode = self.decode_policy.choose(request, decode_open).worker
         if self.settings.local_prefill_tokens is not None:  # the manifest's rule, as it says
             if request.new_tokens(decode) <= self.settings.local_prefill_tokens:
                 return self._book(request, decode=decode, prefill=None)
-        open_prefill = self.prefill_admission.open_workers(healthy_workers(self.prefill_pool))
-        choice = self.prefill_policy.choose(request, open_prefill)
+        choice = self.prefill_policy.choose(request, open_workers(self.prefill_pool, self.prefill_admission))
         if self._measured_local(request, decode, choice.estimate_s):
             return self._book(request, decode=decode, prefill=None)
         slo = self.settings.ttft_slo_s
-        if choice.estimate_s is not None and slo is not None and choice.estimate_s > self.settings.reject_factor * slo:
+        if (not admitted and choice.estimate_s is not None and slo is not None
+                and choice.estimate_s > self.settings.reject_factor * slo):
             self.stats.early_rejections += 1
             raise Overloaded(f"no prefill worker can meet the TTFT objective of {slo * 1e3:.0f} ms: the best "
                              f"estimate is {choice.estimate_s * 1e3:.0f} ms", choice.estimate_s - slo)
@@ -143,9 +163,6 @@ class Router:
         queued = sum(cost.compute_s(q.new_tokens, q.cached_tokens) for q in ahead)
         running = cost.step_s(decode.outstanding, 0)
         return queued + running + cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
-
-    def _choose(self, policy: Any, pool: list[WorkerRef], admission: PoolAdmission, request: RouteRequest) -> WorkerRef:
-        return policy.choose(request, admission.open_workers(healthy_workers(pool))).worker
 
     def _measured_local(self, request: RouteRequest, decode: WorkerRef, remote_estimate_s: float | None) -> bool:
         """With the pdserve policy and no manifest threshold: whether this prompt prefills on `decode`.
@@ -171,15 +188,17 @@ class Router:
         cost, transfer = decode.step_cost, self.transfer
         return cost.max_tokens_within(lambda n: min(cost.a, transfer.predict(n)), self.settings.max_model_len)
 
-    def _route_request(self, work: WorkRequest) -> RouteRequest:
-        n = len(work.prompt_token_ids)
+    def _route_request(self, work: WorkRequest, generated: list[int] = ()) -> RouteRequest:
+        """What the policies see of `work`; a resumed request's "prompt" is its prompt + `generated`."""
+        tokens = work.prompt_token_ids + list(generated)
+        n = len(tokens)
         # As the engine does: full blocks only, and never the last prompt token (its pass makes the logits).
         cacheable = (n - 1) // self.block_size * self.block_size
-        hashes = hash_prompt_blocks(work.prompt_token_ids[:cacheable], self.block_size)
+        hashes = hash_prompt_blocks(tokens[:cacheable], self.block_size)
         exact = self.index.match(hashes) if hashes else {}
         seen = self.approximate.match(hashes) if self.approximate is not None and hashes else exact
-        request = RouteRequest(work.request_id, n, work.params.max_tokens, self.block_size, hashes, seen,
-                               max_model_len=self.settings.max_model_len)
+        request = RouteRequest(work.request_id, n, work.params.max_tokens - len(generated), self.block_size, hashes,
+                               seen, max_model_len=self.settings.max_model_len)
         request.oracle_cached_tokens = max(exact.values(), default=0) * self.block_size
         return request
 
@@ -251,3 +270,8 @@ class Router:
                    local_prefill_tokens=self.local_prefill_limit(decode[0]) if decode and self.mode != "colocated" else 0,
                    transfer_cost={"x0_s": self.transfer.x0, "x1_s_per_token": self.transfer.x1})
         return out
+
+
+def _preferring(workers: list[WorkerRef], avoid: list[WorkerRef]) -> list[WorkerRef]:
+    """`workers` other than those in `avoid`, or all of them when no other is left."""
+    return [w for w in workers if w not in avoid] or workers

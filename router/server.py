@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,10 +18,10 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.client import GRPC_OPTIONS
 from pdserve.router.http_api import create_app
-from pdserve.router.service import RouterService
+from pdserve.router.service import RouterService, add_to_server
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -57,11 +58,15 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 class RouterServer:
     def __init__(self, service: RouterService, address: str, tls: tuple[Path, Path] | None = None,
-                 auth_token: str | None = None, http_address: str | None = None) -> None:
+                 auth_token: str | None = None, http_address: str | None = None,
+                 client_ca: Path | None = None) -> None:
+        if client_ca is not None and tls is None:
+            raise ValueError("client_ca (mutual TLS) needs tls: client certificates are checked over TLS")
         self.service = service
         self.requested_address = address
         self.requested_http_address = http_address
         self.tls = tls
+        self.client_ca = client_ca  # PEM of the CA whose certificates clients must present (gRPC and HTTPS)
         self.auth_token = auth_token
         self.address: str | None = None
         self.http_address: str | None = None  # HOST:PORT once started; None without an HTTP API
@@ -88,7 +93,7 @@ class RouterServer:
         deny = lambda: frontend.metrics.ended("grpc", "UNAUTHENTICATED")  # noqa: E731
         interceptors = [TokenAuth(self.auth_token, deny)] if self.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-        pdserve_pb2_grpc.add_PDServeServicer_to_server(self.service, server)
+        add_to_server(self.service, server)  # undecodable requests: INVALID_ARGUMENT, not UNKNOWN
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -96,7 +101,8 @@ class RouterServer:
         host = self.requested_address.rpartition(":")[0]
         if self.tls:  # (certificate chain, private key) files, PEM
             cert, key = (Path(f).read_bytes() for f in self.tls)
-            creds = grpc.ssl_server_credentials([(key, cert)])
+            ca = Path(self.client_ca).read_bytes() if self.client_ca is not None else None
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
             port = server.add_secure_port(self.requested_address, creds)
         else:
             port = server.add_insecure_port(self.requested_address)
@@ -114,9 +120,11 @@ class RouterServer:
         # (uvicorn would sys.exit, which ends this thread without a word).
         sock = _listen(host.strip("[]"), int(port), self.requested_http_address)
         app = create_app(self.service.frontend, self.auth_token, self.serving)
-        ssl = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
+        tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
+        if self.client_ca is not None:  # mutual TLS: the handshake fails without a certificate the CA signed
+            tls.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, **ssl)
+                                timeout_graceful_shutdown=2, **tls)
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.ensure_future(_serve(self._http, sock))
         deadline = asyncio.get_running_loop().time() + timeout_s

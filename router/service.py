@@ -2,6 +2,8 @@
 
 A refusal or failure (`RequestFailed`) ends the call with its gRPC status code; RESOURCE_EXHAUSTED
 carries the trailing metadata `retry-after-ms`. The client's `request_id` is only echoed back.
+`add_to_server` registers the service with request deserializers that never raise, so that bytes
+that are no message of the method's type get INVALID_ARGUMENT too (gRPC itself would answer UNKNOWN).
 """
 
 from __future__ import annotations
@@ -10,10 +12,20 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.frontend import Frontend, RequestFailed
+
+MAX_DETAILS_CHARS = 500  # a status message travels in a header (16 KiB at most, non-ASCII percent-encoded)
+
+
+class Undecodable:
+    """What a request deserializer gives for bytes that do not parse: the servicer refuses it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class RouterService(pdserve_pb2_grpc.PDServeServicer):
@@ -22,9 +34,13 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
 
     # --- RPCs -----------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):  # noqa: N802
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self.frontend.model.info
 
     async def Tokenize(self, request, context):  # noqa: N802
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             self.frontend.check_model(request.model)
         except RequestFailed as e:
@@ -36,6 +52,8 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
         frontend, accepted = self.frontend, time.time()
         try:
             with frontend.refusals("grpc"):
+                if isinstance(request, Undecodable):
+                    raise ValueError(request.message)
                 frontend.check_model(request.model)
                 kind = request.WhichOneof("prompt")
                 if kind is None:
@@ -65,7 +83,38 @@ def sampling_params(p: pdserve_pb2.SamplingParams) -> SamplingParams:
 
 async def abort(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:
     code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN)
+    # Cut: a longer message could exceed the header limit, and the client would see RESOURCE_EXHAUSTED instead.
+    message = e.message if len(e.message) <= MAX_DETAILS_CHARS else e.message[:MAX_DETAILS_CHARS] + "..."
     if e.retry_after_s is None:
-        await context.abort(code, e.message)
+        await context.abort(code, message)
     ms = max(1, round(e.retry_after_s * 1000))
-    await context.abort(code, f"{e.message} (retry after {ms} ms)", trailing_metadata=(("retry-after-ms", str(ms)),))
+    await context.abort(code, f"{message} (retry after {ms} ms)", trailing_metadata=(("retry-after-ms", str(ms)),))
+
+
+def _lenient(message_type: type[Message]):
+    """A request deserializer that returns `Undecodable` instead of raising."""
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return Undecodable(f"malformed request: not a {message_type.DESCRIPTOR.full_name} message ({e})")
+    return parse
+
+
+def add_to_server(service: RouterService, server: grpc.aio.Server) -> None:
+    """What the generated `add_PDServeServicer_to_server` does, with `_lenient` request deserializers."""
+    pb = pdserve_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=_lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=_lenient(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["PDServe"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 from pdserve.router.zmq_pull import bind_pull, drain
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, MalformedMessage, TokenMessage, parse_token_message
+from pdserve.wire import INTERNAL, ClusterSecret, MalformedMessage, TokenMessage, parse_token_message
 
 log = logging.getLogger(__name__)
 
 
 class TokenStreamHub:
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self._socket, self.address = bind_pull(host)
+    def __init__(self, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
+        self._socket, self.address = bind_pull(host, secret)
         self.malformed = 0
         self.error: str | None = None
         self.on_error: Callable[[], None] = lambda: None  # the router server publishes NOT_SERVING

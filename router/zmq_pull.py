@@ -8,13 +8,18 @@ from collections.abc import Callable
 
 import zmq
 
+from pdserve.wire import ClusterSecret
+
 POLL_MS = 100  # bounded waits, so a hub's close() is noticed
 
 
-def bind_pull(host: str) -> tuple[zmq.Socket, str]:
-    """A PULL socket on a free port of `host`, and its address for the workers' PUSH sockets."""
+def bind_pull(host: str, secret: ClusterSecret | None = None) -> tuple[zmq.Socket, str]:
+    """A PULL socket on a free port of `host`, and its address for the workers' PUSH sockets; with
+    `secret`, only the cluster's members get a message through."""
     socket = zmq.Context.instance().socket(zmq.PULL)
     socket.setsockopt(zmq.LINGER, 0)
+    if secret is not None:
+        secret.server(socket)
     port = socket.bind_to_random_port(f"tcp://{host}")
     return socket, f"tcp://{host}:{port}"
 

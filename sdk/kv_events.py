@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 
 from pdserve.proto.pdserve.v1.internal_pb2 import KVEvent, KVEventBatch
 from pdserve.threads import start_guarded
-from pdserve.wire import MalformedMessage
+from pdserve.wire import ClusterSecret, MalformedMessage
 
 __all__ = ["KVEvent", "KVEventBatch", "KVEventPublisher", "KVSnapshot", "parse_kv_event_batch"]
 
@@ -72,8 +72,10 @@ class KVEventPublisher:
     """
 
     def __init__(self, address: str, worker_id: str, *, heartbeat_s: float = 1.0, max_batch_events: int = 4096,
-                 on_crash: Callable[[BaseException], None] = lambda error: None) -> None:
+                 on_crash: Callable[[BaseException], None] = lambda error: None,
+                 secret: ClusterSecret | None = None) -> None:
         self.address = address
+        self._secret = secret
         self.worker_id = worker_id
         self.epoch = uuid.uuid4().hex
         self.dropped_batches = 0  # batches the socket would not take at once (the router resyncs)
@@ -120,6 +122,8 @@ class KVEventPublisher:
     def _run(self) -> None:
         socket = zmq.Context.instance().socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 1000)
+        if self._secret is not None:
+            self._secret.client(socket)
         socket.connect(self.address)
         last_sent = time.monotonic()
         try:

@@ -6,23 +6,33 @@
                      router's PULL socket; `parse_token_message` turns bytes back into a message or
                      raises `MalformedMessage`.
 
+`ClusterSecret` authenticates these sockets (and the KV events and KV control channels): CURVE,
+with one key per cluster; peers without it never get a message through.
+
 No torch here: the router imports this module.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import secrets
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
+import zmq.auth.thread
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
 __all__ = ["WorkRequest", "TokenMessage", "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones",
-           "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
+           "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
+
+log = logging.getLogger(__name__)
 
 # Error codes a worker puts on a failed request (gRPC status names; the router maps them).
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # a queue or KV memory is full: retry later
@@ -91,9 +101,11 @@ def parse_token_message(data: bytes) -> TokenMessage:
 class TokenSink:
     """A worker's sending end. Thread-safe: the engine loop and transfer threads both send."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
         self._socket = zmq.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 1000)
+        if secret is not None:
+            secret.client(self._socket)
         self._socket.connect(address)
         self._lock = threading.Lock()
 
@@ -110,3 +122,89 @@ class TokenSink:
 
     def close(self) -> None:
         self._socket.close()
+
+
+# --- the per-cluster secret of the internal channels ------------------------------------------------
+@dataclass(frozen=True)
+class ClusterSecret:
+    """What proves membership of one cluster on its internal channels. The launcher makes it and hands
+    it to the workers in their Ray actor arguments (Ray is the trusted control plane).
+
+    `public_key`/`secret_key`: one CURVE keypair (z85) per cluster. Every member holds both halves (a
+    decode worker serves its KV control channel and is a client of the router's token stream), so a
+    second keypair for clients would add nothing: a pyzmq server (`server`) proves itself with it, and
+    admits only clients (`client`) that present the same public key and prove they hold its secret.
+    `token`: sent with every gRPC KV stream, compared in constant time by the receiver.
+    """
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    token: str = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> ClusterSecret:
+        public_key, secret_key = zmq.curve_keypair()
+        return cls(public_key, secret_key, secrets.token_urlsafe(32))
+
+    @property
+    def zap_domain(self) -> str:
+        # Per cluster, so that servers of two clusters in one process (tests) admit only their own.
+        return "pdserve-" + hashlib.sha256(self.public_key).hexdigest()[:16]
+
+    def server(self, socket: zmq.Socket) -> None:
+        """Make `socket` (before it binds) a CURVE server that admits only this cluster's members:
+        a peer without CURVE fails the handshake, one with another key is refused by the ZAP handler;
+        either way no message of theirs is ever delivered."""
+        _members(socket.context).admit(self.zap_domain, self.public_key)
+        socket.zap_domain = self.zap_domain.encode()
+        socket.curve_secretkey = self.secret_key
+        socket.curve_publickey = self.public_key
+        socket.curve_server = True
+
+    def client(self, socket: zmq.Socket) -> None:
+        """Make `socket` (before it connects) a CURVE client of this cluster's servers."""
+        socket.curve_secretkey = self.secret_key
+        socket.curve_publickey = self.public_key
+        socket.curve_serverkey = self.public_key
+
+
+class _Members:
+    """The ZAP credentials callback of one zmq context: per domain (cluster), the one public key it admits."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.keys: dict[str, bytes] = {}
+        self.rejected = 0
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(context, log=log)
+        self._authenticator.start()
+
+    def admit(self, domain: str, public_key: bytes) -> None:
+        self.keys[domain] = public_key
+        self._authenticator.configure_curve_callback(domain, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        expected = self.keys.get(domain)
+        if expected is not None and hmac.compare_digest(key, expected):
+            return True
+        self.rejected += 1
+        if self.rejected == 1 or self.rejected % 100 == 0:  # bounded: a flood of strangers must not flood the log
+            log.warning("refused a pyzmq peer without this cluster's key (domain %s; %d refused so far)",
+                        domain, self.rejected)
+        return False
+
+
+# A ZAP handler is bound per zmq context (one inproc endpoint each): one per context, made on first use.
+_AUTHENTICATORS: dict[zmq.Context, _Members] = {}
+_AUTHENTICATORS_LOCK = threading.Lock()
+
+
+def _members(context: zmq.Context) -> _Members:
+    with _AUTHENTICATORS_LOCK:
+        if context not in _AUTHENTICATORS:
+            _AUTHENTICATORS[context] = _Members(context)
+        return _AUTHENTICATORS[context]
+
+
+def rejected_peers() -> int:
+    """How many pyzmq peers this process's servers refused for want of their cluster's key."""
+    with _AUTHENTICATORS_LOCK:
+        return sum(m.rejected for m in _AUTHENTICATORS.values())

@@ -4,7 +4,8 @@ Each sending channel has a DEALER socket connected to the receiving half's ROUTE
 `[kind, seq, *parts]`; the receiving half answers every one with `[seq, status, text]`, in order.
 Status OK: handled; CORRUPT: the frame was damaged (the receiver counted and dropped it; its layer is
 sent again after `commit` names it); FAILED: the transfer cannot go on (the text says why). Only
-plain bytes cross the socket: no pickle.
+plain bytes cross the socket: no pickle. With the cluster's secret (`pdserve.wire.ClusterSecret`),
+the channel is CURVE: the server takes messages only from the cluster's members.
 
 Every wait is bounded: a send that the peer does not take within SEND_TIMEOUT_S (its queue full, or
 gone) fails the channel, and so does an answer that does not come in time. A client may be closed
@@ -18,11 +19,15 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdserve.kv_transfer.interface import CorruptFrame, TransferError
 from pdserve.threads import start_guarded
+
+if TYPE_CHECKING:  # only its methods are used: pdserve.wire's own imports stay out of the transports
+    from pdserve.wire import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +44,19 @@ Handler = Callable[[bytes, list[zmq.Frame]], None]
 class ControlServer:
     """The receiving half's ROUTER: one thread takes messages in arrival order and answers each."""
 
-    def __init__(self, name: str, host: str, handle: Handler) -> None:
+    def __init__(self, name: str, host: str, handle: Handler, secret: ClusterSecret | None = None) -> None:
         self.name = name
         self._handle = handle
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            secret.server(self._socket)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.failure: BaseException | None = None  # set if the loop itself died (every peer then times out)
+        self.dropped = 0  # messages without kind and sequence number: not answered
+        self.refused = 0  # messages answered CORRUPT or FAILED
         self._stopped = threading.Event()
         self._thread = start_guarded(f"kv-{name}-receiver", self._serve, self._crashed)
         log.info("KV %s receiver listening on %s", name, self.address)
@@ -59,6 +68,7 @@ class ControlServer:
                     continue
                 identity, *message = self._socket.recv_multipart(copy=False)
                 if len(message) < 2 or len(message[1].bytes) != _SEQ.size:
+                    self.dropped += 1
                     log.warning("KV %s receiver: dropped a message of %d parts without kind and sequence number",
                                 self.name, len(message))
                     continue
@@ -73,8 +83,10 @@ class ControlServer:
             self._handle(kind, parts)
             return OK, ""
         except CorruptFrame as e:
+            self.refused += 1
             return CORRUPT, str(e)
         except Exception as e:  # one peer's bad message must not stop the loop for the others
+            self.refused += 1
             if not isinstance(e, TransferError):
                 log.exception("KV %s receiver: message %r failed", self.name, kind)
             return FAILED, f"{type(e).__name__}: {e}"
@@ -91,11 +103,14 @@ class ControlClient:
     """One sending channel's DEALER: sends messages, counts what is unanswered, collects answers.
     Thread-safe: its owner sends and waits, any thread may close it."""
 
-    def __init__(self, address: str, on_answer: Callable[[int], None] = lambda seq: None) -> None:
+    def __init__(self, address: str, on_answer: Callable[[int], None] = lambda seq: None,
+                 secret: ClusterSecret | None = None) -> None:
         self.on_answer = on_answer  # called with each answered message's seq (a channel frees its buffer)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        if secret is not None:
+            secret.client(self._socket)
         self._socket.connect(address)
         self._lock = threading.Lock()
         self.closed = False
@@ -149,10 +164,10 @@ class ControlClient:
             self._socket.close()
 
 
-def notify(address: str, kind: bytes, parts: list[bytes]) -> None:
+def notify(address: str, kind: bytes, parts: list[bytes], secret: ClusterSecret | None = None) -> None:
     """A last message to a receiving half (release, leave) on a socket of its own; best effort: it is
     not answered, and it goes nowhere if the peer is gone (the socket lingers LINGER_MS, no longer)."""
-    client = ControlClient(address)
+    client = ControlClient(address, secret=secret)
     try:
         client.send(kind, parts)
     except TransferError:

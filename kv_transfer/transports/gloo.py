@@ -17,6 +17,7 @@ import logging
 import struct
 import threading
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
+
+if TYPE_CHECKING:
+    from pdserve.wire import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +48,11 @@ def _gloo_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroupGlo
 class _Group:
     """The sending side of one pair's process group."""
 
-    def __init__(self, address: str, host: str) -> None:
+    def __init__(self, address: str, host: str, secret: ClusterSecret | None) -> None:
         self.id = uuid.uuid4().hex
         self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        join = ControlClient(address)
+        join = ControlClient(address, secret=secret)
         try:
             join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
             self.pg = _gloo_group(dist.PrefixStore(self.id, self.store), 0, host)
@@ -71,7 +75,7 @@ class GlooChannel:
         self.address = address
         self.transfer_id = transfer_id
         self.bytes_sent = 0
-        self.control = ControlClient(address)
+        self.control = ControlClient(address, secret=sender.secret)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
@@ -107,8 +111,9 @@ class GlooChannel:
 class GlooSender:
     name = "gloo"
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
         self.host = host  # where this side's store listens and its gloo device binds
+        self.secret = secret  # authenticates the control channel (the gloo group itself cannot be)
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
 
@@ -117,7 +122,7 @@ class GlooSender:
             group = self._groups.get(address)
             if group is None:
                 try:
-                    group = self._groups[address] = _Group(address, self.host)
+                    group = self._groups[address] = _Group(address, self.host, self.secret)
                 except (RuntimeError, TransferError) as e:
                     raise TransferError(f"cannot form a gloo group with {address}: {e}") from e
         return GlooChannel(self, group, address, transfer_id)
@@ -128,7 +133,7 @@ class GlooSender:
             if self._groups.get(address) is not group:
                 return
             del self._groups[address]
-        notify(address, LEAVE, [group.id.encode()])
+        notify(address, LEAVE, [group.id.encode()], self.secret)
 
     def forget(self, address: str) -> None:
         group = self._groups.get(address)
@@ -143,11 +148,11 @@ class GlooSender:
 class GlooReceiver:
     name = "gloo"
 
-    def __init__(self, sink: FrameSink, host: str = "127.0.0.1") -> None:
+    def __init__(self, sink: FrameSink, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
         self.sink = sink
         self.host = host
         self._groups: dict[str, dist.ProcessGroupGloo] = {}  # only the control thread touches it
-        self._server = ControlServer("gloo", host, self._handle)
+        self._server = ControlServer("gloo", host, self._handle, secret)
         self.address = self._server.address
 
     def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:

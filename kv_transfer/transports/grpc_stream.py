@@ -10,15 +10,21 @@ The messages are `KVFrame`s of kv_transfer.proto on the wire, but the payload fi
 copies: the sender writes the small fields with protobuf and appends the payload field itself (field
 order is free in protobuf), in one copy from the KV buffer; the receiver cuts the payload field out
 as a view and lets protobuf parse the rest (`_encode`, `_parse`). Any protobuf client interoperates.
+
+With the cluster's secret, every stream carries its token as call metadata (`CLUSTER_METADATA`); a
+receiver that has the secret ends any stream without it UNAUTHENTICATED before reading a message.
+Mutual TLS (the manifest's `kv_transfer.tls`) additionally keeps strangers from connecting at all.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,7 +32,12 @@ from google.protobuf.message import DecodeError
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, FrameSink, Payload, TransferError
 from pdserve.proto.pdserve.v1 import kv_transfer_pb2
 
+if TYPE_CHECKING:
+    from pdserve.wire import ClusterSecret
+
 log = logging.getLogger(__name__)
+
+CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the cluster's token
 
 PIECE_BYTES = 4 << 20
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
@@ -110,12 +121,13 @@ def _parse(data: bytes) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
 
 
 class GrpcChannel:
-    def __init__(self, push: grpc.StreamUnaryMultiCallable, transfer_id: str) -> None:
+    def __init__(self, push: grpc.StreamUnaryMultiCallable, transfer_id: str,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.transfer_id = transfer_id
         self.bytes_sent = 0
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ended = False
-        self._call = push.future(iter(self._queue.get, None))
+        self._call = push.future(iter(self._queue.get, None), metadata=metadata)
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         if self._ended:
@@ -153,7 +165,8 @@ class GrpcChannel:
 class GrpcSender:
     name = "grpc"
 
-    def __init__(self, tls: dict[str, str] | None = None) -> None:
+    def __init__(self, tls: dict[str, str] | None = None, secret: ClusterSecret | None = None) -> None:
+        self._metadata = ((CLUSTER_METADATA, secret.token),) if secret is not None else ()
         self._credentials = None
         if tls:
             cert, key, ca = _read_tls(tls)
@@ -170,7 +183,7 @@ class GrpcSender:
                 push = channel.stream_unary(f"/{_SERVICE.full_name}/PushKV", request_serializer=None,
                                             response_deserializer=kv_transfer_pb2.KVAck.FromString)
                 self._channels[address] = (channel, push)
-            return GrpcChannel(self._channels[address][1], transfer_id)
+            return GrpcChannel(self._channels[address][1], transfer_id, self._metadata)
 
     def forget(self, address: str) -> None:
         with self._lock:
@@ -184,8 +197,17 @@ class GrpcSender:
 
 
 class _KVTransferService:
-    def __init__(self, sink: FrameSink) -> None:
+    def __init__(self, sink: FrameSink, token: str | None = None) -> None:
         self.sink = sink
+        self._token = token.encode() if token is not None else None
+        self.refused = 0  # streams ended for want of the cluster's token
+        self.malformed = 0  # streams ended by a message that is no KVFrame, or by a frame's inconsistent pieces
+
+    def _is_member(self, context: grpc.ServicerContext) -> bool:
+        if self._token is None:
+            return True
+        given = dict(context.invocation_metadata() or ()).get(CLUSTER_METADATA, "")
+        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token)
 
     def handler(self) -> grpc.GenericRpcHandler:
         push = grpc.stream_unary_rpc_method_handler(self.push_kv, request_deserializer=None,
@@ -193,6 +215,11 @@ class _KVTransferService:
         return grpc.method_handlers_generic_handler(_SERVICE.full_name, {"PushKV": push})
 
     def push_kv(self, request_iterator, context) -> kv_transfer_pb2.KVAck:
+        if not self._is_member(context):  # before any message is read: a stranger's bytes are never parsed
+            self.refused += 1
+            log.warning("KV grpc receiver: refused a stream from %s without this cluster's secret (%d so far)",
+                        context.peer(), self.refused)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "KV stream without this cluster's secret: refused")
         frames = corrupt = 0
         assembling: tuple[FrameHeader, bytearray] | None = None
         try:
@@ -200,11 +227,13 @@ class _KVTransferService:
                 try:
                     message, piece = _parse(data)
                 except (ValueError, IndexError, DecodeError) as e:
+                    self.malformed += 1
                     raise TransferError(f"malformed KVFrame message: {e}") from None
                 header = FrameHeader(message.transfer_id, message.layer, message.start_token, message.num_tokens,
                                      message.codec, message.level, message.crc32, message.payload_bytes)
                 end = message.offset + piece.nbytes
                 if header.payload_bytes > MAX_FRAME_BYTES or end > header.payload_bytes:
+                    self.malformed += 1
                     raise TransferError(f"message bytes [{message.offset}, {end}) of a "
                                         f"{header.payload_bytes}-byte frame")
                 if message.offset == 0 and end == header.payload_bytes:
@@ -213,6 +242,7 @@ class _KVTransferService:
                     if message.offset == 0:
                         assembling = (header, bytearray(header.payload_bytes))
                     if assembling is None or assembling[0] != header:
+                        self.malformed += 1
                         raise TransferError("a frame's messages arrived out of order")
                     assembling[1][message.offset : end] = piece
                     if end < header.payload_bytes:
@@ -232,9 +262,10 @@ class GrpcReceiver:
     name = "grpc"
 
     def __init__(self, sink: FrameSink, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                 max_workers: int = 16) -> None:
+                 max_workers: int = 16, secret: ClusterSecret | None = None) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=OPTIONS)
-        self._server.add_generic_rpc_handlers([_KVTransferService(sink).handler()])
+        self.service = _KVTransferService(sink, secret.token if secret is not None else None)
+        self._server.add_generic_rpc_handlers([self.service.handler()])
         if tls:
             cert, key, ca = _read_tls(tls)
             credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
@@ -243,7 +274,8 @@ class GrpcReceiver:
             port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
         self.address = f"{host}:{port}"
-        log.info("KV grpc receiver listening on %s%s", self.address, " (mutual TLS)" if tls else "")
+        log.info("KV grpc receiver listening on %s%s%s", self.address, " (mutual TLS)" if tls else "",
+                 " (cluster secret)" if secret is not None else "")
 
     def stop(self) -> None:
         self._server.stop(grace=None)

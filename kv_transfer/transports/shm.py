@@ -22,11 +22,15 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
+
+if TYPE_CHECKING:
+    from pdserve.wire import ClusterSecret
 
 SLOT_BYTES = 8 << 20
 SLOTS = 8
@@ -35,6 +39,7 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 _NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
 _SLOT = struct.Struct("<QQ")  # offset, length
 FRAME, INLINE, RELEASE = b"F", b"I", b"R"
+_PARTS = {FRAME: 3, INLINE: 2, RELEASE: 1}  # after [kind, seq]: header, segment name, slot / header, payload / name
 
 
 class _Segment:
@@ -74,7 +79,7 @@ class ShmChannel:
         self.bytes_sent = 0
         self.segment = transport.take_segment(address)
         self._slot_of: dict[int, int] = {}  # message seq -> slot it occupies
-        self.control = ControlClient(address, on_answer=self._answered)
+        self.control = ControlClient(address, on_answer=self._answered, secret=transport.secret)
         self._closed = False
         self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
 
@@ -114,7 +119,7 @@ class ShmChannel:
             if self.control.unanswered or self.segment.path is not None:
                 # Unanswered: the receiver may still read it. Never answered: it may not have mapped
                 # it, and the name is still linked. Either way: not reused, released on both sides.
-                notify(self.address, RELEASE, [self.segment.name.encode()])
+                notify(self.address, RELEASE, [self.segment.name.encode()], self.transport.secret)
                 self.segment.close()
             else:
                 self.transport.return_segment(self.address, self.segment)
@@ -123,7 +128,8 @@ class ShmChannel:
 class ShmSender:
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: ClusterSecret | None = None) -> None:
+        self.secret = secret  # proves this side's membership on the control channel
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()
 
@@ -143,7 +149,7 @@ class ShmSender:
         with self._lock:
             segments = self._pools.pop(address, [])
         for segment in segments:
-            notify(address, RELEASE, [segment.name.encode()])
+            notify(address, RELEASE, [segment.name.encode()], self.secret)
             segment.close()
 
     def close(self) -> None:
@@ -154,13 +160,17 @@ class ShmSender:
 class ShmReceiver:
     name = "shm"
 
-    def __init__(self, sink: FrameSink, host: str = "127.0.0.1") -> None:
+    def __init__(self, sink: FrameSink, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
         self.sink = sink
         self._maps: dict[str, mmap.mmap] = {}  # only the control thread touches it
-        self._server = ControlServer("shm", host, self._handle)
+        self._server = ControlServer("shm", host, self._handle, secret)
         self.address = self._server.address
 
     def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+        # The shape first: a malformed message is refused as such (not an IndexError, nor a "corrupt
+        # frame" that the sender would send again).
+        if len(parts) != _PARTS.get(kind, -1) or (kind == FRAME and len(parts[2].bytes) != _SLOT.size):
+            raise TransferError(f"malformed control message: kind {kind[:8]!r} with {len(parts)} parts")
         if kind == RELEASE:
             mapping = self._maps.pop(_segment_name(parts[0].bytes), None)
             if mapping is not None:
@@ -169,14 +179,12 @@ class ShmReceiver:
         header = FrameHeader.unpack(parts[0].buffer)
         if kind == INLINE:
             self.sink(header, parts[1].buffer)
-        elif kind == FRAME:
+        else:  # FRAME
             offset, length = _SLOT.unpack(parts[2].bytes)
             mapping = self._mapping(_segment_name(parts[1].bytes))
             if offset + length > len(mapping):
                 raise TransferError(f"slot [{offset}, {offset + length}) outside a segment of {len(mapping)} bytes")
             self.sink(header, memoryview(mapping)[offset : offset + length])
-        else:
-            raise TransferError(f"unknown message kind {kind!r}")
 
     def _mapping(self, name: str) -> mmap.mmap:
         mapping = self._maps.get(name)

@@ -1,0 +1,293 @@
+"""`pdserve soak`: minutes of trace-driven load with faults injected, and proof that nothing was lost.
+
+A local cluster (2 prefill + 2 decode workers, `--kv-corrupt-percent` of every KV frame corrupted on
+the wire all along) serves the Azure conversation trace's arrivals, replayed at `--rate` requests/s
+for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Meanwhile the decode
+worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run and a prefill
+worker at two fifths; Ray restarts both. When the trace is done, `--storm` streams are opened and
+cancelled at once, between two throughput probes.
+
+Afterwards: every request ended completed or with an explicit error; completed outputs are compared
+token by token with the same prompts run undisturbed on one in-process engine (tokens duplicated,
+lost or wrong must be 0); every pool is fully free (the cluster's idle audit). The report: requests,
+faults, recoveries (per kill: the longest wait for a next token of any request in flight at the kill,
+and until the killed worker served again), the storm's time to free every pool, and throughput
+around it. Written as JSON; `docs/reliability.md` quotes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.loadgen import trace_arrivals
+from pdserve.cluster.manifest import load_manifest
+from pdserve.cluster.workload import RequestShape, find_trace, load_azure_trace, random_token_prompts, scale_requests
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.client import AsyncClient, Client, PDServeError
+from pdserve.router.placement import WorkerRef
+
+LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
+KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
+PROBE_S = 4.0  # each throughput probe around the storm
+STORM_PROMPT = 16
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 5.0
+    model: str = "llama-20m"
+    rate: float = 2.0  # trace requests per second
+    max_tokens: int = 32
+    max_model_len: int = 1024
+    input_scale: float = 0.25
+    storm: int = 1000
+    kv_corrupt_percent: float = 2.0
+    deadline_s: float = 120.0
+    seed: int = 0
+    out: Path = Path("bench-results/soak.json")
+    log: Any = print
+
+
+@dataclass
+class Stream:
+    """One trace request as the client saw it."""
+
+    prompt: list[int]
+    started: float = 0.0
+    ended: float = 0.0
+    code: str = ""  # OK or the gRPC status name it failed with
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+
+
+def _pid(worker: Any) -> int:
+    return os.getpid()
+
+
+class Soak:
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.cfg = cfg
+        self.duration = cfg.minutes * 60
+        self.streams: list[Stream] = []
+        self.kills: list[dict[str, Any]] = []
+        self.cluster: Cluster | None = None
+        self.vocab = 0
+
+    # --- the run --------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        room = 2 * cfg.storm + 64  # admission: the storm and the trace are let in whole
+        manifest = load_manifest({
+            "model": cfg.model, "max_model_len": cfg.max_model_len,
+            "pools": {p: {"replicas": 2, "num_cpus": 0.5, "max_restarts": 5} for p in ("prefill", "decode")},
+            "router": {"max_active_decodes": room, "max_queued_prefills": room},
+            "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
+            "faults": {"kv_corrupt_percent": cfg.kv_corrupt_percent, "seed": cfg.seed},
+        })
+        with Cluster(manifest, log=cfg.log) as cluster:
+            self.cluster = cluster
+            with Client(cluster.address, timeout=30) as client:
+                self.vocab = client.model_info().vocab_size
+            arrivals, prompts, outputs = self._workload()
+            self.streams = [Stream(p) for p in prompts]
+            cfg.log(f"soak: {len(prompts)} requests over {self.duration * LOAD_SHARE:.0f} s, kills at "
+                    f"{', '.join(f'{p} {t * self.duration:.0f} s' for p, t in KILLS)}, storm of {cfg.storm}")
+            storm = asyncio.run(self._drive(cluster.address, arrivals, outputs))
+            idle, status = cluster.wait_idle(60)
+            audit = self._wait_audit(cluster)
+            faults = self._fault_counts(cluster)
+            retries = cluster.router.stats.retries
+        cfg.log("soak: running the same prompts undisturbed on one engine for the reference ...")
+        reference = self._reference(prompts, outputs)
+        return self._report(storm, reference, idle, status, audit, faults, retries)
+
+    def _workload(self) -> tuple[list[float], list[list[int]], list[int]]:
+        cfg = self.cfg
+        trace = load_azure_trace(find_trace("azure2023_conv.csv"))
+        n = max(1, round(cfg.rate * self.duration * LOAD_SHARE))
+        rows = scale_requests([trace[i % len(trace)] for i in range(n)], cfg.input_scale, 1.0, cfg.max_model_len,
+                              max_output=cfg.max_tokens)
+        stamps = [r.arrival_s + (i // len(trace)) * (trace[-1].arrival_s + 1) for i, r in enumerate(rows)]
+        span = max(stamps[-1] - stamps[0], 1e-9)
+        arrivals = trace_arrivals(stamps, speedup=span / (self.duration * LOAD_SHARE))
+        prompts = random_token_prompts(rows, self.vocab, cfg.seed)
+        return arrivals, prompts, [r.output_len for r in rows]
+
+    async def _drive(self, address: str, arrivals: list[float], outputs: list[int]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        async with AsyncClient(address, timeout=self.cfg.deadline_s) as client:
+            load = [asyncio.create_task(self._one(client, s, t0 + a, n))
+                    for s, a, n in zip(self.streams, arrivals, outputs)]
+            for pool, at in KILLS:
+                await asyncio.sleep(max(0.0, t0 + at * self.duration - time.monotonic()))
+                await self._kill(pool)
+            await asyncio.gather(*load)
+            await asyncio.sleep(max(0.0, t0 + LOAD_SHARE * self.duration - time.monotonic()))
+            return await self._storm(client)
+
+    async def _one(self, client: AsyncClient, s: Stream, at: float, max_tokens: int) -> None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        s.started = time.monotonic()
+        try:
+            async for chunk in client.generate_stream(s.prompt, max_tokens=max_tokens, temperature=0,
+                                                      ignore_eos=True):
+                s.tokens += chunk.token_ids
+                s.token_times.append(time.monotonic())
+            s.code = "OK"
+        except PDServeError as e:
+            s.code = e.code.name
+        s.ended = time.monotonic()
+
+    async def _kill(self, pool: str) -> None:
+        """SIGKILL the worker of `pool` holding the most requests; note what was in flight."""
+        loop = asyncio.get_running_loop()
+        workers = [w for w in self.cluster.workers if w.pool == pool and w.healthy]
+        status = await loop.run_in_executor(None, lambda: ray.get([w.handle.ping.remote() for w in workers], timeout=30))
+        victim = max(zip(workers, status), key=lambda ws: ws[1]["requests"] + ws[1].get("jobs", 0))[0]
+        pid = await loop.run_in_executor(None, lambda: ray.get(victim.handle.__ray_call__.remote(_pid), timeout=30))
+        at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        in_flight = [i for i, s in enumerate(self.streams) if s.started and not s.ended]
+        self.cfg.log(f"soak: killed {victim.name} (pid {pid}) with {len(in_flight)} requests in flight")
+        kill = {"worker": victim.name, "pool": pool, "at": at, "in_flight": in_flight}
+        self.kills.append(kill)
+        asyncio.ensure_future(self._watch_rejoin(victim, kill))
+
+    async def _watch_rejoin(self, worker: WorkerRef, kill: dict[str, Any]) -> None:
+        while worker.healthy and time.monotonic() - kill["at"] < 10:  # the supervisor has yet to notice
+            await asyncio.sleep(0.05)
+        while not worker.healthy and time.monotonic() - kill["at"] < 300:
+            await asyncio.sleep(0.05)
+        kill["rejoined_s"] = time.monotonic() - kill["at"] if worker.healthy else None
+
+    async def _storm(self, client: AsyncClient) -> dict[str, Any]:
+        """Open `storm` streams, cancel them all at once, and time how long until every pool is free."""
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        before = await self._probe(client)
+        started = 0
+
+        async def hold(prompt: list[int]) -> None:
+            nonlocal started
+            async for _ in client.generate_stream(prompt, max_tokens=cfg.max_model_len - STORM_PROMPT - 1,
+                                                  temperature=0, ignore_eos=True):
+                started += 1
+                await asyncio.sleep(3600)  # holds the stream open until cancelled
+
+        prompts = random_token_prompts([RequestShape(STORM_PROMPT, 0)] * cfg.storm, self.vocab, cfg.seed + 1)
+        tasks = [asyncio.create_task(hold(p)) for p in prompts]
+        deadline = time.monotonic() + 60
+        while started < cfg.storm and time.monotonic() < deadline and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        opened = started
+        t_cancel = time.monotonic()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        idle, _ = await loop.run_in_executor(None, lambda: self.cluster.wait_idle(60))
+        freed_s = time.monotonic() - t_cancel
+        after = await self._probe(client)
+        cfg.log(f"soak: storm of {opened} open streams cancelled; every pool free after {freed_s:.2f} s; "
+                f"throughput {before:.0f} -> {after:.0f} tokens/s")
+        return {"streams": cfg.storm, "opened": opened, "freed_s": freed_s, "freed": idle,
+                "tokens_per_s_before": before, "tokens_per_s_after": after}
+
+    async def _probe(self, client: AsyncClient) -> float:
+        """Generated tokens per second of 4 greedy streams back to back for PROBE_S."""
+        prompts = random_token_prompts([RequestShape(32, 0)] * 4, self.vocab, self.cfg.seed + 2)
+        tokens, t_end = 0, time.monotonic() + PROBE_S
+
+        async def loop_one(prompt: list[int]) -> None:
+            nonlocal tokens
+            while time.monotonic() < t_end:
+                tokens += len((await client.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)).token_ids)
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(loop_one(p) for p in prompts))
+        return tokens / (time.monotonic() - t0)
+
+    def _wait_audit(self, cluster: Cluster) -> dict[str, Any]:
+        audits = cluster.audit.clean + cluster.audit.dirty
+        deadline = time.monotonic() + 60
+        while cluster.audit.clean + cluster.audit.dirty == audits and time.monotonic() < deadline:
+            time.sleep(0.2)
+        last = cluster.audit.last
+        return {"clean": bool(last and last.clean), "held": last.held if last else None,
+                "audits_clean": cluster.audit.clean, "audits_dirty": cluster.audit.dirty}
+
+    @staticmethod
+    def _fault_counts(cluster: Cluster) -> dict[str, int]:
+        """KV frames corrupted, as counted by the workers alive now (a killed worker's count died with it)."""
+        counts = ray.get([w.handle.__ray_call__.remote(lambda self: dict(self.faults.counts)) for w in cluster.workers],
+                         timeout=30)
+        return dict(sum((Counter(c) for c in counts), Counter()))
+
+    def _reference(self, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
+        done = [i for i, s in enumerate(self.streams) if s.code == "OK"]
+        llm = LLM(self.cfg.model, max_model_len=self.cfg.max_model_len, kv_memory_bytes=256 * 2**20)
+        results = llm.generate([prompts[i] for i in done],
+                               [SamplingParams.greedy(outputs[i], ignore_eos=True) for i in done])
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, r in zip(done, results):
+            out[i] = list(r.token_ids)
+        return out
+
+    # --- the report -----------------------------------------------------------------------------
+    def _report(self, storm: dict, reference: list[list[int]], idle: bool, status: list[dict],
+                audit: dict, faults: dict, retries: int) -> dict[str, Any]:
+        codes = Counter(s.code or "NEVER_ENDED" for s in self.streams)
+        duplicated = lost = wrong = 0
+        for s, ref in zip(self.streams, reference):
+            if s.code != "OK":
+                continue
+            duplicated += max(0, len(s.tokens) - len(ref))
+            lost += max(0, len(ref) - len(s.tokens))
+            wrong += sum(a != b for a, b in zip(s.tokens, ref))
+        recoveries = []
+        for k in self.kills:
+            waits = []
+            for i in k["in_flight"]:  # the longest wait for a next token, of a request in flight at the kill
+                s = self.streams[i]
+                times = [s.started, *s.token_times, s.ended]
+                waits += [b - max(a, k["at"]) for a, b in zip(times, times[1:]) if b > k["at"]]
+            k["recovery_s"] = max(waits, default=0.0)
+            k["in_flight"] = len(k["in_flight"])
+            del k["at"]
+            recoveries.append(k["recovery_s"])
+        report = {
+            "command": "pdserve soak", "config": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in asdict(self.cfg).items() if k != "log"},
+            "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "requests": len(self.streams), "codes": dict(codes), "retries": retries,
+            "faults": {"workers_killed": len(self.kills), **faults, "storm_streams": storm["opened"]},
+            "kills": self.kills,
+            "recovery_s": {"p50": statistics.median(recoveries) if recoveries else None,
+                           "max": max(recoveries, default=None)},
+            "tokens": {"duplicated": duplicated, "lost": lost, "wrong": wrong,
+                       "compared": sum(len(r) for r in reference)},
+            "storm": storm, "pools_free_at_end": idle, "audit": audit,
+            "held_at_end": [s for s in status if s["free_blocks"] != s["total_blocks"] or s["requests"]],
+        }
+        report["ok"] = (codes.get("NEVER_ENDED", 0) == 0 and duplicated == lost == wrong == 0 and idle
+                        and audit["clean"] and storm["freed"])
+        self.cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        self.cfg.out.write_text(json.dumps(report, indent=2))
+        return report
+
+
+def run_soak(cfg: SoakConfig) -> dict[str, Any]:
+    return Soak(cfg).run()

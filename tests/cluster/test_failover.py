@@ -1,0 +1,139 @@
+"""Failover without losing a token: worker processes killed for real (SIGKILL, by pid) mid-stream and
+by the manifest's fault injection, KV frames corrupted and dropped on the wire, streams cancelled in
+bulk; every request completes with exactly the undisturbed tokens, and the idle audit finds the pools
+fully free afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import ray
+from cluster_helpers import manifest, on_worker
+from conftest import random_prompts
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.router.client import Client
+
+ARCH = "tiny-llama"
+STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream
+WORKERS = ["prefill-0", "prefill-1", "decode-2", "decode-3"]
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run inside the workers travel by value
+
+
+def _pid(self) -> int:
+    return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    faults = {"kill_after_requests": {"prefill-0": 3}, "stall_every_steps": 1, "stall_ms": STALL_MS,
+              "kv_corrupt_percent": 20, "kv_drop_percent": 10, "workers": ["prefill-1", "decode-2", "decode-3"]}
+    pools = {pool: {"replicas": 2, "num_cpus": 0.25, "max_restarts": 5} for pool in ("prefill", "decode")}
+    # Round robin over the prefill pool: prefill-0 takes every other request, so its third comes soon.
+    router = {"prefill_policy": "round_robin"}
+    with Cluster(manifest(model_dirs[ARCH], pools=pools, faults=faults, router=router), log=lambda _: None) as c:
+        assert [w.name for w in c.workers] == WORKERS
+        yield c
+
+
+def wait_healthy(cluster: Cluster, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(w.healthy for w in cluster.workers):
+        assert time.monotonic() < deadline, [(w.name, w.healthy) for w in cluster.workers]
+        time.sleep(0.1)
+
+
+def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """Until an idle audit made from now on finds every pool fully free (bounded)."""
+    audits = cluster.audit.clean + cluster.audit.dirty
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = cluster.audit.last
+        if cluster.audit.clean + cluster.audit.dirty > audits and last.clean:
+            return
+        assert time.monotonic() < deadline, f"no clean idle audit within {timeout_s} s: {last}"
+        time.sleep(0.2)
+
+
+def decode_worker_serving(cluster: Cluster):
+    """The one decode worker with a request in its engine (one stream runs), by asking each."""
+    for _ in range(200):
+        for w in cluster.router.decode_pool:
+            if w.healthy and ray.get(w.handle.ping.remote(), timeout=10)["requests"] > 0:
+                return w
+        time.sleep(0.02)
+    pytest.fail("no decode worker holds the stream")
+
+
+def test_a_prefill_worker_killed_by_the_manifest_is_retried_on_another(cluster, hf_reference):
+    """prefill-0 kills itself on taking its third request; every request still completes, exactly."""
+    wait_healthy(cluster)
+    prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 20, 90, seed=11)
+    retries = cluster.router.stats.retries
+    with Client(cluster.address, timeout=120) as client:
+        # One at a time: prefill-0 is chosen for some of them, and dies with its third in flight.
+        outputs = [client.generate(p, max_tokens=6, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    assert outputs == [hf_reference[ARCH].greedy(p, 6) for p in prompts]
+    prefill_0 = cluster.workers[0]
+    assert cluster.router.stats.per_worker[prefill_0.name] >= 3, "prefill-0 never took its third request"
+    assert cluster.router.stats.retries > retries
+    wait_healthy(cluster)
+    assert on_worker(prefill_0, lambda self: ray.get_runtime_context().was_current_actor_reconstructed)
+    wait_clean_audit(cluster)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference, sampling):
+    wait_healthy(cluster)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
+    params = dict(max_tokens=160, ignore_eos=True, **sampling)
+    with Client(cluster.address, timeout=120) as client:
+        undisturbed = client.generate(prompt, **params).token_ids
+        if not sampling.get("seed"):
+            assert undisturbed == hf_reference[ARCH].greedy(prompt, 160)
+        retries = cluster.router.stats.retries
+        stream = client.generate(prompt, stream=True, **params)
+        streamed = []
+        for chunk in stream:
+            streamed += chunk.token_ids
+            if len(streamed) >= 20:
+                break
+        victim = decode_worker_serving(cluster)
+        os.kill(on_worker(victim, _pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        for chunk in stream:
+            streamed += chunk.token_ids
+            if chunk.finish_reason:
+                final = chunk
+        assert streamed == undisturbed  # no token repeated, none missing, the same tokens
+        assert final.finish_reason == "length"
+        assert cluster.router.stats.retries == retries + 1
+        assert time.monotonic() - t0 < 30
+    wait_healthy(cluster)  # Ray restarted it; it measured itself and rejoined
+    wait_clean_audit(cluster)
+
+
+def test_corrupt_and_dropped_kv_frames_change_no_token(cluster, hf_reference):
+    """prefill-1 corrupts a fifth of its frames and drops a tenth: resent or recomputed, never served."""
+    wait_healthy(cluster)
+    prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 100, 300, seed=13)
+    with Client(cluster.address, timeout=120) as client:
+        outputs = [client.generate(p, max_tokens=4, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    assert outputs == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
+    counts = on_worker(cluster.workers[1], lambda self: dict(self.faults.counts))
+    assert counts.get("kv_corrupted", 0) + counts.get("kv_dropped", 0) > 0, counts
+    wait_clean_audit(cluster)
+
+
+def test_the_idle_audit_is_on_metrics(cluster):
+    import urllib.request
+
+    wait_clean_audit(cluster)
+    text = urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10).read().decode()
+    assert 'pdserve_idle_audits_total{result="clean"}' in text
+    held = [line for line in text.splitlines() if line.startswith("pdserve_idle_audit_held_blocks{")]
+    assert len(held) == len(WORKERS) and all(line.endswith(" 0.0") for line in held), held

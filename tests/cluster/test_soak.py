@@ -1,0 +1,21 @@
+"""The soak command's short version: load from the Azure trace with a decode and a prefill worker
+killed (SIGKILL), KV frames corrupted and a storm of cancels; nothing lost, every pool free."""
+
+from __future__ import annotations
+
+from pdserve.cluster.soak import SoakConfig, run_soak
+
+
+def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
+    out = tmp_path / "soak.json"
+    report = run_soak(SoakConfig(minutes=0.75, model="tiny-llama", rate=3.0, storm=200, kv_corrupt_percent=5.0,
+                                 out=out, log=lambda _: None))
+    assert out.is_file()
+    assert report["codes"] == {"OK": report["requests"]}, report["codes"]  # a kill costs no request
+    assert report["faults"]["workers_killed"] == 2 and report["retries"] >= 1
+    assert report["tokens"]["compared"] > 0
+    assert report["tokens"] | {"compared": 0} == {"duplicated": 0, "lost": 0, "wrong": 0, "compared": 0}
+    assert all(k["rejoined_s"] is not None for k in report["kills"]), report["kills"]
+    assert report["storm"]["opened"] == 200 and report["storm"]["freed"]
+    assert report["pools_free_at_end"] and report["audit"]["clean"], report["audit"]
+    assert report["ok"]

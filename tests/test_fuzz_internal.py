@@ -1,0 +1,440 @@
+"""Property-based fuzzing (hypothesis) of every internal channel's message parser, through the real
+receiving objects: the router's token stream (`TokenStreamHub`, a real PULL socket), its KV event
+hub (`KVEventHub`), the KV frame header (`FrameHeader.unpack`), the gRPC KV stream (`GrpcReceiver`),
+the pyzmq KV control channel (`ShmReceiver` on `ControlServer`) and the decode side's `receive_frame`
+(checksum, ranges, codec) on a real engine. Generated messages mix valid ones, random bytes, mutated
+valid ones, hand-made protobuf wire (wrong wire types, bad UTF-8, huge varints, lengths past the end),
+huge values and odd unicode. Properties: nothing raises but the parser's declared error, every bad
+message is dropped and counted by exactly one, every good one after them is still delivered, and
+each receiver keeps serving. Each parser gets at least MIN_PER_PARSER messages; `test_zz_totals`
+checks the counts (derandomized: CI runs the same examples every time)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import struct
+import time
+import zlib
+from collections import Counter
+
+import grpc
+import pytest
+import zmq
+from fuzz_strategies import F32, ODD_TEXT, U32, fuzz_settings, messages
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.kv_events import KVEvent, KVEventBatch, parse_kv_event_batch
+from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2
+from pdserve.router.kv_event_hub import KVEventHub
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.token_hub import TokenStreamHub
+from pdserve.wire import ClusterSecret, MalformedMessage, TokenMessage, parse_token_message
+
+MIN_PER_PARSER = 2000
+SENT: Counter[str] = Counter()  # generated messages per parser, checked by test_zz_totals
+
+
+# --- token messages ---------------------------------------------------------------------------------
+GOOD_ID = "fuzz-good-\u2603"  # the request the test subscribes to
+
+
+def token_messages(request_id: st.SearchStrategy[str]) -> st.SearchStrategy[TokenMessage]:
+    return st.builds(
+        TokenMessage, request_id=request_id, token_ids=st.lists(U32, max_size=20), logprobs=st.lists(F32, max_size=20),
+        finish_reason=ODD_TEXT, text=ODD_TEXT, error=ODD_TEXT, error_code=ODD_TEXT,
+        events=st.dictionaries(ODD_TEXT, st.floats(), max_size=4), cached_tokens=U32)
+
+
+TOKEN_GOOD = token_messages(st.one_of(st.just(GOOD_ID), ODD_TEXT.filter(bool))).map(TokenMessage.SerializeToString)
+TOKEN_BAD = st.one_of(
+    token_messages(st.just("")).map(TokenMessage.SerializeToString),  # no request id
+    st.just(b"\x0a\x05ab"),  # a field longer than the message
+    st.binary(max_size=8).map(lambda b: b"\x0a\x02\xff\xfe" + b),  # a request id that is not UTF-8
+)
+TOKEN_MESSAGES = messages(TOKEN_GOOD, TOKEN_BAD, list(range(1, 10)))
+
+
+def classify(parse, kind: str, data: bytes, error: type[Exception]) -> bool:
+    """Whether `data` parses; only `error` may be raised, and the kind's verdict must hold."""
+    try:
+        parse(data)
+        ok = True
+    except error:
+        ok = False
+    assert kind == "any" or ok == (kind == "good"), (kind, data)
+    return ok
+
+
+@pytest.fixture(scope="module")
+def secret() -> ClusterSecret:
+    return ClusterSecret.generate()
+
+
+def push_socket(address: str, secret: ClusterSecret) -> zmq.Socket:
+    """An authenticated peer (a cluster member sending garbage: the parser is the last line)."""
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 0)
+    secret.client(socket)
+    socket.connect(address)
+    return socket
+
+
+@pytest.fixture(scope="module")
+def token_hub(secret):
+    hub = TokenStreamHub("127.0.0.1", secret=secret)
+    socket = push_socket(hub.address, secret)
+    yield hub, socket
+    socket.close()
+    hub.close()
+
+
+@fuzz_settings(300)
+@given(batch=st.lists(TOKEN_MESSAGES, min_size=5, max_size=12))
+def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch):
+    hub, socket = token_hub
+    good = [data for kind, data in batch if classify(parse_token_message, kind, data, MalformedMessage)]
+    bad = len(batch) - len(good)
+    mine = [d for d in good if parse_token_message(d).request_id == GOOD_ID]
+    sentinel = f"sentinel-{SENT['token_stream']}"
+
+    async def exchange() -> list[bytes]:
+        queue = hub.subscribe(GOOD_ID)
+        done = hub.subscribe(sentinel)
+        before = hub.malformed
+        try:
+            for _, data in batch:
+                socket.send(data)
+            socket.send(TokenMessage(request_id=sentinel, token_ids=[1]).SerializeToString())
+            await asyncio.wait_for(done.get(), 10)  # one connection keeps order: everything before is handled
+            assert hub.malformed - before == bad
+            return [queue.get_nowait().SerializeToString(deterministic=True) for _ in range(queue.qsize())]
+        finally:
+            hub.unsubscribe(GOOD_ID)
+            hub.unsubscribe(sentinel)
+
+    # Every good message of the request, in order, intact (as bytes: NaN != NaN in a message's fields).
+    assert asyncio.run(exchange()) == [parse_token_message(d).SerializeToString(deterministic=True) for d in mine]
+    assert hub.error is None
+    SENT["token_stream"] += len(batch)
+    SENT["token_stream_bad"] += bad
+    SENT["token_stream_delivered"] += len(mine)
+
+
+# --- KV events ------------------------------------------------------------------------------------
+HASH = st.binary(min_size=1, max_size=40)
+
+
+@st.composite
+def kv_batches(draw: st.DrawFn) -> KVEventBatch:
+    events = []
+    for _ in range(draw(st.integers(0, 6))):
+        block = draw(HASH)
+        parent = draw(st.one_of(st.just(b""), HASH.filter(lambda h: h != block)))
+        events.append(KVEvent(block_hash=block, parent_hash=parent, removed=draw(st.booleans())))
+    return KVEventBatch(worker_id=draw(ODD_TEXT.filter(lambda s: s and not s.startswith("sentinel"))),
+                        epoch=draw(st.sampled_from(["e1", "e2"]) | ODD_TEXT.filter(bool)),
+                        first_seq=draw(st.one_of(st.integers(1, 8), st.integers(1, 2**64 - 1))), events=events)
+
+
+def _broken(batch: KVEventBatch, how: str) -> bytes:
+    if how == "worker":
+        batch.worker_id = ""
+    elif how == "epoch":
+        batch.epoch = ""
+    elif how == "seq":
+        batch.first_seq = 0
+    elif how == "hash":
+        batch.events.add(block_hash=b"", parent_hash=b"p")
+    else:
+        batch.events.add(block_hash=b"h", parent_hash=b"h")  # chained on itself
+    return batch.SerializeToString()
+
+
+KV_GOOD = kv_batches().map(KVEventBatch.SerializeToString)
+KV_BAD = st.one_of(st.builds(_broken, kv_batches(), st.sampled_from(["worker", "epoch", "seq", "hash", "self"])),
+                   st.just(b"\x22\x03\x0a"))  # an event cut short
+KV_MESSAGES = messages(KV_GOOD, KV_BAD, [1, 2, 3, 4])
+
+
+@pytest.fixture(scope="module")
+def kv_hub(secret):
+    asked: list[str] = []
+    hub = KVEventHub(PrefixIndex(), asked.append, "127.0.0.1", secret=secret)
+    socket = push_socket(hub.address, secret)
+    yield hub, socket
+    socket.close()
+    hub.close()
+
+
+@fuzz_settings(300)
+@given(batch=st.lists(KV_MESSAGES, min_size=5, max_size=12))
+def test_kv_event_hub_drops_and_counts_every_malformed_batch(kv_hub, batch):
+    hub, socket = kv_hub
+    bad = sum(not classify(parse_kv_event_batch, kind, data, MalformedMessage) for kind, data in batch)
+    before = hub.malformed
+    for _, data in batch:
+        socket.send(data)
+    # The sentinel worker's events are numbered on: the hub applied everything before once it shows.
+    seq = SENT["kv_sentinel"] = SENT["kv_sentinel"] + 1
+    socket.send(KVEventBatch(worker_id="sentinel", epoch="s", first_seq=seq,
+                             events=[KVEvent(block_hash=b"s%d" % seq)]).SerializeToString())
+    deadline = time.monotonic() + 10
+    while hub.last_seq("sentinel") != seq and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert hub.last_seq("sentinel") == seq
+    assert hub.malformed - before == bad
+    assert hub.error is None and not hub.is_resyncing("sentinel")
+    SENT["kv_events"] += len(batch)
+    SENT["kv_events_bad"] += bad
+
+
+# --- KV frame headers -------------------------------------------------------------------------------
+NAME = st.text(st.characters(codec="utf-8", exclude_characters="\0"), max_size=40)
+FIELDS = st.tuples(U32, U32, U32, st.integers(0, 2**16 - 1), U32, st.integers(0, 2**64 - 1))
+HEADERS = st.builds(lambda f, t, c: FrameHeader(t, f[0], f[1], f[2], c, f[3], f[4], f[5]), FIELDS, NAME, NAME)
+HEADER_GOOD = HEADERS.map(FrameHeader.pack)
+HEADER_BAD = st.one_of(st.binary(max_size=FrameHeader._FIXED.size - 1),  # shorter than the fixed part
+                       HEADERS.map(lambda h: h.pack() + b"\0x"),  # a third name
+                       HEADERS.map(lambda h: h.pack()[: FrameHeader._FIXED.size] + b"no separator"),
+                       HEADERS.map(lambda h: h.pack() + b"\xff"))  # not UTF-8
+
+
+@fuzz_settings(MIN_PER_PARSER)
+@given(message=messages(HEADER_GOOD, HEADER_BAD, [1]), header=HEADERS)
+def test_frame_header_unpack_raises_only_corrupt_frame(message, header):
+    kind, data = message
+    classify(FrameHeader.unpack, kind, data, CorruptFrame)
+    classify(lambda b: FrameHeader.unpack(memoryview(b)), kind, data, CorruptFrame)  # as transports hand it
+    assert FrameHeader.unpack(header.pack()) == header  # and whatever packs, unpacks as it was
+    SENT["frame_header"] += 1
+
+
+# --- the decode side's receive_frame, on a real engine ---------------------------------------------
+@pytest.fixture(scope="module")
+def receiving(tmp_path_factory):
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.engine.presets import make_model
+    from pdserve.kv_transfer.receiver import KVReceiver
+
+    model = make_model("tiny-llama", tmp_path_factory.mktemp("fuzz-model") / "tiny-llama", seed=0)
+    engine = LLMEngine(model, EngineConfig(kv_memory_bytes=4 * 2**20))
+    loop = EngineLoop(engine, lambda outputs: None).start()
+    receiver = KVReceiver(loop, lease_s=600)
+    opened: list[str] = []
+
+    def open_transfer() -> str:
+        """The open transfer of 40 tokens' KV, reserved anew once a bad frame ended the last one (with
+        a prompt of its own: no block of it is cached, so every frame from token 0 on belongs to it)."""
+        if receiver.num_in_flight == 0:
+            n = len(opened)
+            prompt = [3 + n % 1000] + list(range(3 + n % 7, 42 + n % 7))
+            receiver.reserve(f"fz-{n}", f"fz-request-{n}", prompt, SamplingParams.greedy(max_tokens=1), 40)
+            opened.append(f"fz-{n}")
+        return opened[-1]
+
+    yield receiver, open_transfer, engine
+    receiver.abort_all("the fuzz test is over")
+    deadline = time.monotonic() + 10
+    while engine.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    assert engine.pool.num_free == engine.pool.num_blocks  # nothing a fuzzed frame touched leaked
+
+
+CURRENT = "\0current"  # stands for the open transfer's id in generated frames
+
+
+@st.composite
+def frames(draw: st.DrawFn, layers: int, token_bytes: int) -> tuple[FrameHeader, bytes]:
+    """A raw frame of the 40-token transfer, valid or with any of its fields broken."""
+    start = draw(st.integers(0, 39))
+    n = draw(st.integers(1, 40 - start))
+    payload = draw(st.binary(min_size=n * token_bytes, max_size=n * token_bytes)) if draw(st.booleans()) \
+        else bytes(n * token_bytes)
+    fields = {"transfer_id": CURRENT, "layer": draw(st.integers(0, layers - 1)), "start_token": start,
+              "num_tokens": n, "codec": "raw", "level": 0, "crc32": zlib.crc32(payload),
+              "payload_bytes": len(payload)}
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)):
+        fields[name] = draw({"transfer_id": ODD_TEXT, "codec": st.sampled_from(["int8", "cachegen", "?"]) | ODD_TEXT,
+                             "level": st.integers(0, 2**16 - 1)}.get(name, U32))
+    if draw(st.integers(0, 9)) == 0:
+        payload = draw(st.binary(max_size=64)) if draw(st.booleans()) else payload[:-1] + b"x"
+    return FrameHeader(**fields), payload
+
+
+def _valid(header: FrameHeader, payload: bytes, current: str, layers: int, token_bytes: int) -> bool:
+    return (header.transfer_id == current and header.payload_bytes == len(payload)
+            and header.crc32 == zlib.crc32(payload) and 0 <= header.layer < layers and header.codec == "raw"
+            and header.level == 0 and header.num_tokens >= 1 and header.start_token + header.num_tokens <= 40
+            and len(payload) == header.num_tokens * token_bytes)
+
+
+def _layout(engine) -> tuple[int, int]:
+    layout = engine.kv_layout
+    return layout.num_layers, 2 * layout.num_kv_heads * layout.head_dim * 4  # raw float32, K and V
+
+
+@fuzz_settings(MIN_PER_PARSER)
+@given(data=st.data())
+def test_receive_frame_takes_valid_frames_and_counts_every_other(receiving, data):
+    receiver, open_transfer, engine = receiving
+    layers, token_bytes = _layout(engine)
+    current = open_transfer()
+    header, payload = data.draw(frames(layers, token_bytes))
+    if header.transfer_id == CURRENT:
+        header = FrameHeader(current, *[getattr(header, f) for f in ("layer", "start_token", "num_tokens", "codec",
+                                                                      "level", "crc32", "payload_bytes")])
+    before = Counter(receiver.counters)
+    try:
+        receiver.receive_frame(header, memoryview(payload))
+        taken = True
+    except (CorruptFrame, TransferError):  # CorruptFrame is a TransferError: both are declared
+        taken = False
+    counted = {k: receiver.counters[k] - before[k] for k in ("frames", "corrupt_frames", "refused_frames")}
+    assert taken == _valid(header, payload, current, layers, token_bytes), (header, len(payload))
+    assert counted == {"frames": int(taken), "corrupt_frames": 0, "refused_frames": 0} if taken \
+        else sum(counted.values()) == 1 and counted["frames"] == 0, counted
+    SENT["receive_frame"] += 1
+    SENT["receive_frame_taken"] += taken
+
+
+# --- the gRPC KV stream -----------------------------------------------------------------------------
+def _kvframe(header: FrameHeader, payload: bytes, offset: int = 0, size: int | None = None) -> bytes:
+    piece = payload[offset:] if size is None else payload[offset : offset + size]
+    return kv_transfer_pb2.KVFrame(
+        transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
+        num_tokens=header.num_tokens, codec=header.codec, level=header.level, crc32=header.crc32,
+        payload_bytes=header.payload_bytes, offset=offset, payload=piece).SerializeToString()
+
+
+@st.composite
+def kvframe_messages(draw: st.DrawFn, current: str, layers: int, token_bytes: int) -> list[bytes]:
+    """One frame of the open transfer (whole, or in two pieces as large frames travel), valid or with
+    fields broken; or any message, of another transfer or malformed."""
+    header, payload = draw(frames(layers, token_bytes))
+    if header.transfer_id == CURRENT:
+        header = dataclasses.replace(header, transfer_id=current)
+    if draw(st.booleans()) and len(payload) > 1:
+        cut = draw(st.integers(1, len(payload) - 1))
+        return [_kvframe(header, payload, 0, cut), _kvframe(header, payload, cut)]
+    other = st.builds(_kvframe, HEADERS, st.binary(max_size=64))
+    bad = st.one_of(st.just(b"\x0a\x05ab"), st.just(b"\x52\x0a" + b"x" * 9),  # fields cut short
+                    st.builds(lambda n: kv_transfer_pb2.KVFrame(payload_bytes=n, offset=n + 1,
+                                                                payload=b"x").SerializeToString(), U32))
+    _, data = draw(messages(st.just(_kvframe(header, payload)), bad | other, list(range(1, 11))))
+    return [data]
+
+
+@pytest.fixture(scope="module")
+def grpc_kv(receiving, secret):
+    from pdserve.kv_transfer.transports.grpc_stream import CLUSTER_METADATA, GrpcReceiver
+
+    receiver, _, _ = receiving
+    server = GrpcReceiver(receiver.receive_frame, "127.0.0.1", secret=secret)
+    channel = grpc.insecure_channel(server.address)
+    push = channel.stream_unary("/pdserve.v1.KVTransfer/PushKV", request_serializer=None,
+                                response_deserializer=kv_transfer_pb2.KVAck.FromString)
+    yield server, lambda stream: push(iter(stream), timeout=30, metadata=((CLUSTER_METADATA, secret.token),))
+    channel.close()
+    server.stop()
+
+
+@fuzz_settings(300)
+@given(data=st.data())
+def test_grpc_kv_stream_ends_on_a_malformed_message_and_says_why(grpc_kv, receiving, data):
+    server, push = grpc_kv
+    receiver, open_transfer, engine = receiving
+    items = data.draw(st.lists(kvframe_messages(open_transfer(), *_layout(engine)), min_size=4, max_size=10))
+    stream = [message for item in items for message in item]
+    before, counters = server.service.malformed, Counter(receiver.counters)
+    ack = push(stream)  # an RpcError (INTERNAL, UNKNOWN) here would be a crash
+    reached = sum(receiver.counters[k] - counters[k] for k in ("frames", "corrupt_frames", "refused_frames"))
+    malformed = server.service.malformed - before
+    assert (ack.frames, ack.corrupt_frames) == (receiver.counters["frames"] - counters["frames"],
+                                                receiver.counters["corrupt_frames"] - counters["corrupt_frames"])
+    # A stream ends at its first bad message, with an error naming it, counted by the one that refused it:
+    # the transport (malformed) or the receiver (a frame that cannot belong to an open transfer).
+    assert malformed <= 1 and (malformed == 0 or "KVFrame" in ack.error or "bytes [" in ack.error
+                               or "out of order" in ack.error), ack
+    assert bool(ack.error) == bool(malformed or reached > ack.frames + ack.corrupt_frames), (ack, malformed, reached)
+    SENT["grpc_kv_stream"] += len(stream)
+    SENT["grpc_kv_frames_taken"] += ack.frames
+
+
+# --- the pyzmq KV control channel (shared memory transport) -----------------------------------------
+SEQ = struct.Struct("<Q")
+
+
+@st.composite
+def control_messages(draw: st.DrawFn) -> list[bytes]:
+    """[kind, seq, *parts]: well formed or not, for every kind of the shared-memory receiver."""
+    from pdserve.kv_transfer.transports.shm import FRAME, INLINE, RELEASE
+
+    kind = draw(st.sampled_from([FRAME, INLINE, RELEASE, b"", b"?", b"FF"]) | st.binary(max_size=3))
+    parts = [draw(HEADER_GOOD | st.binary(max_size=40)) for _ in range(draw(st.integers(0, 3)))]
+    if draw(st.booleans()) and parts:
+        parts[min(1, len(parts) - 1)] = draw(st.sampled_from([b"pdserve-kv-" + b"0" * 32, b"../../etc/passwd",
+                                                               b"pdserve-kv-\xff"]))
+    seq = SEQ.pack(draw(st.integers(0, 2**64 - 1))) if draw(st.integers(0, 7)) else draw(st.binary(max_size=9))
+    return draw(st.sampled_from([[kind, seq, *parts], [kind], []]))
+
+
+@pytest.fixture(scope="module")
+def shm_control(secret):
+    from pdserve.kv_transfer.transports.shm import ShmReceiver
+
+    sunk: list[FrameHeader] = []
+    receiver = ShmReceiver(lambda header, payload: sunk.append(header), "127.0.0.1", secret)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    secret.client(socket)
+    socket.connect(receiver.address)
+    yield receiver, socket
+    socket.close()
+    receiver.stop()
+
+
+@fuzz_settings(300)
+@given(batch=st.lists(control_messages(), min_size=5, max_size=12))
+def test_kv_control_channel_answers_or_drops_and_counts_every_message(shm_control, batch):
+    from pdserve.kv_transfer.transports.control import CORRUPT, FAILED, OK
+    from pdserve.kv_transfer.transports.shm import RELEASE
+
+    receiver, socket = shm_control
+    server = receiver._server
+    dropped, refused = server.dropped, server.refused
+    envelopes = [m for m in batch if len(m) >= 2 and len(m[1]) == SEQ.size]
+    for message in batch:
+        socket.send_multipart(message) if message else socket.send(b"")
+    socket.send_multipart([RELEASE, SEQ.pack(2**64 - 1), b"pdserve-kv-" + b"f" * 32])  # a no-op: answered OK
+    answers = []
+    while True:
+        assert socket.poll(10_000), "the control channel stopped answering"
+        seq, status, text = socket.recv_multipart()
+        answers.append(status[0])
+        # Refused as declared (CorruptFrame, TransferError), never by an accident of parsing (IndexError, ...).
+        assert status[0] == OK or text.split(b":")[0] in (b"CorruptFrame", b"TransferError"), text
+        if seq == SEQ.pack(2**64 - 1) and len(answers) == len(envelopes) + 1:
+            break
+    assert answers[-1] == OK and set(answers) <= {OK, CORRUPT, FAILED}
+    assert server.dropped - dropped == len(batch) - len(envelopes)
+    assert server.refused - refused == sum(a != OK for a in answers)
+    assert server.failure is None
+    SENT["kv_control"] += len(batch)
+
+
+# --- the totals ---------------------------------------------------------------------------------------
+def test_zz_totals():
+    """Runs last in this file: every parser got its share of generated messages."""
+    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "kv_control"]
+    counts = {name: SENT[name] for name in parsers}
+    print(f"fuzzed internal messages: {counts}, total {sum(counts.values())}; {dict(SENT)}")
+    assert all(n >= MIN_PER_PARSER for n in counts.values()), counts
+    # Not vacuous: many messages were bad, and many good ones got through.
+    assert min(SENT["token_stream_bad"], SENT["token_stream_delivered"], SENT["kv_events_bad"],
+               SENT["receive_frame_taken"], SENT["grpc_kv_frames_taken"]) >= 50, SENT
+    assert sum(counts.values()) >= 10_000, counts
