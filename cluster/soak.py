@@ -88,6 +88,7 @@ class Soak:
         self.kills: list[dict[str, Any]] = []
         self.cluster: Cluster | None = None
         self.vocab = 0
+        self._watchers: list[asyncio.Task] = []  # one per kill: until the killed worker serves again
 
     # --- the run --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -146,7 +147,9 @@ class Soak:
                 await self._kill(pool)
             await asyncio.gather(*load)
             await asyncio.sleep(max(0.0, t0 + LOAD_SHARE * self.duration - time.monotonic()))
-            return await self._storm(client)
+            storm = await self._storm(client)
+            await asyncio.gather(*self._watchers)
+            return storm
 
     async def _one(self, client: AsyncClient, s: Stream, at: float, max_tokens: int) -> None:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -174,7 +177,7 @@ class Soak:
         self.cfg.log(f"soak: killed {victim.name} (pid {pid}) with {len(in_flight)} requests in flight")
         kill = {"worker": victim.name, "pool": pool, "at": at, "in_flight": in_flight}
         self.kills.append(kill)
-        asyncio.ensure_future(self._watch_rejoin(victim, kill))
+        self._watchers.append(asyncio.create_task(self._watch_rejoin(victim, kill)))
 
     async def _watch_rejoin(self, worker: WorkerRef, kill: dict[str, Any]) -> None:
         while worker.healthy and time.monotonic() - kill["at"] < 10:  # the supervisor has yet to notice

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from pdserve.kv_transfer.transports.grpc_stream import _varint  # protobuf's wire varint
 
 
 def fuzz_settings(examples: int) -> settings:
@@ -22,15 +23,6 @@ ODD_TEXT = st.one_of(
 )
 U32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2**31 - 1, 2**32 - 1]))
 F32 = st.floats(width=32)  # NaN, infinities, subnormals included
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 @st.composite

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 
@@ -34,3 +35,13 @@ def assert_pool_idle(engine: LLMEngine) -> None:
     assert engine.pool.num_free == engine.pool.num_blocks, (
         f"{engine.pool.num_blocks - engine.pool.num_free} blocks still referenced"
     )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

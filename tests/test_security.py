@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from helpers import wait_until
 import zmq
 
 from pdserve.kv_events import KVEvent, KVEventBatch, KVEventPublisher
@@ -35,15 +36,6 @@ from pdserve.router.token_hub import TokenStreamHub
 from pdserve.wire import ClusterSecret, TokenMessage, TokenSink, rejected_peers
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def rogue(kind: int, address: str, server_key: bytes | None) -> zmq.Socket:

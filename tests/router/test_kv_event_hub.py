@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from helpers import wait_until
 import zmq
 
 from pdserve.engine.block_pool import BlockPool, hash_prompt_blocks
@@ -24,15 +25,6 @@ from pdserve.wire import MalformedMessage
 
 BLOCK = 4
 PREFIXES = [[base + i for i in range(6 * BLOCK)] for base in (100, 200, 300)]  # shared prompt heads
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class PoolWorker:
