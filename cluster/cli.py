@@ -127,8 +127,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.router.client import Client, PDServeError
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    pem = {name: path.read_bytes() if path else None for name, path in
+           (("root_certificates", args.tls_ca), ("client_cert", args.client_cert), ("client_key", args.client_key))}
     try:
-        with Client(args.address, timeout=args.timeout, token=args.token) as client:
+        with Client(args.address, timeout=args.timeout, token=args.token, **pem) as client:
             if args.stream:
                 for chunk in client.generate(args.prompt, stream=True, **params):
                     print(chunk.text_delta, end="", flush=True)
@@ -207,6 +209,10 @@ def _soak(args: argparse.Namespace) -> int:
                                  out=Path(args.out)))
     t, r = report["tokens"], report["recovery_s"]
     print(f"requests {report['requests']}: {report['codes']}; retries {report['retries']}; faults {report['faults']}")
+    for k in report["kills"]:
+        detect = f"{k['detect_s']:.2f} s" if k["detect_s"] is not None else "-"
+        print(f"killed {k['worker']}: {k['affected']} of {k['in_flight']} requests in flight retried, detected after "
+              f"{detect}, next token after {k['recovery_s']:.2f} s (longest wait of any: {k['longest_wait_s']:.2f} s)")
     print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
           f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
     print(f"storm: {report['storm']['opened']} streams cancelled, pools free after {report['storm']['freed_s']:.2f} s; "
@@ -314,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--timeout", type=float, default=60.0)
     gen.add_argument("--token", default=None, help="auth token, when the server requires one")
+    gen.add_argument("--tls-ca", type=Path, default=None,
+                     help="PEM of the CA that signed the server's certificate: connect over TLS")
+    gen.add_argument("--client-cert", type=Path, default=None,
+                     help="PEM client certificate, when the server requires mutual TLS (with --client-key)")
+    gen.add_argument("--client-key", type=Path, default=None, help="PEM private key of --client-cert")
     gen.set_defaults(func=_generate)
 
     sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "

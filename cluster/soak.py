@@ -3,22 +3,24 @@
 A local cluster (2 prefill + 2 decode workers, `--kv-corrupt-percent` of every KV frame corrupted on
 the wire all along) serves the Azure conversation trace's arrivals, replayed at `--rate` requests/s
 for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Meanwhile the decode
-worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run and a prefill
-worker at two fifths; Ray restarts both. When the trace is done, `--storm` streams are opened and
-cancelled at once, between two throughput probes.
+worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run (or as soon after
+as one holds a request) and a prefill worker at two fifths; Ray restarts both. When the trace is
+done, `--storm` streams are opened and cancelled at once, between two throughput probes.
 
 Afterwards: every request ended completed or with an explicit error; completed outputs are compared
 token by token with the same prompts run undisturbed on one in-process engine (tokens duplicated,
 lost or wrong must be 0); every pool is fully free (the cluster's idle audit). The report: requests,
-faults, recoveries (per kill: the longest wait for a next token of any request in flight at the kill,
-and until the killed worker served again), the storm's time to free every pool, and throughput
-around it. Written as JSON; `docs/reliability.md` quotes it.
+faults, recoveries (per kill, over the requests the router retried because of it, read from their
+lifetime records: from the kill to the retry, and to the request's next token; the longest wait of
+any request in flight at the kill; and until the killed worker served again), the storm's time to
+free every pool, and throughput around it. Written as JSON; `docs/reliability.md` quotes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import platform
 import signal
@@ -45,6 +47,7 @@ from pdserve.router.placement import WorkerRef
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
 PROBE_S = 4.0  # each throughput probe around the storm
+VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
 STORM_PROMPT = 16
 
 
@@ -74,6 +77,19 @@ class Stream:
     code: str = ""  # OK or the gRPC status name it failed with
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    lifetime: dict[str, Any] = field(default_factory=dict)  # the router's lifetime record
+
+
+class _LifetimeRecords(logging.Handler):
+    """Collects the router's lifetime records (one JSON log line per request) by client request id."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: dict[str, dict[str, Any]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lifetime = json.loads(record.getMessage())
+        self.records[lifetime["client_request_id"]] = lifetime
 
 
 def _pid(worker: Any) -> int:
@@ -88,6 +104,7 @@ class Soak:
         self.kills: list[dict[str, Any]] = []
         self.cluster: Cluster | None = None
         self.vocab = 0
+        self.outputs: list[int] = []  # each trace request's output length
         self._watchers: list[asyncio.Task] = []  # one per kill: until the killed worker serves again
 
     # --- the run --------------------------------------------------------------------------------
@@ -101,22 +118,35 @@ class Soak:
             "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
             "faults": {"kv_corrupt_percent": cfg.kv_corrupt_percent, "seed": cfg.seed},
         })
+        lifetimes, logger = _LifetimeRecords(), logging.getLogger("pdserve.lifetime")
+        saved = logger.level, logger.propagate
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # the records are for the report, not the console
+        logger.addHandler(lifetimes)
+        try:
+            storm, idle, status, audit, faults, retries = self._serve(manifest)
+        finally:
+            logger.removeHandler(lifetimes)
+            logger.level, logger.propagate = saved
+        for i, s in enumerate(self.streams):
+            s.lifetime = lifetimes.records.get(_label(i), {})
+        cfg.log("soak: running the same prompts undisturbed on one engine for the reference ...")
+        reference = self._reference([s.prompt for s in self.streams], self.outputs)
+        return self._report(storm, reference, idle, status, audit, faults, retries)
+
+    def _serve(self, manifest: Any) -> tuple[dict, bool, list[dict], dict, dict, int]:
+        cfg = self.cfg
         with Cluster(manifest, log=cfg.log) as cluster:
             self.cluster = cluster
             with Client(cluster.address, timeout=30) as client:
                 self.vocab = client.model_info().vocab_size
-            arrivals, prompts, outputs = self._workload()
+            arrivals, prompts, self.outputs = self._workload()
             self.streams = [Stream(p) for p in prompts]
             cfg.log(f"soak: {len(prompts)} requests over {self.duration * LOAD_SHARE:.0f} s, kills at "
                     f"{', '.join(f'{p} {t * self.duration:.0f} s' for p, t in KILLS)}, storm of {cfg.storm}")
-            storm = asyncio.run(self._drive(cluster.address, arrivals, outputs))
+            storm = asyncio.run(self._drive(cluster.address, arrivals, self.outputs))
             idle, status = cluster.wait_idle(60)
-            audit = self._wait_audit(cluster)
-            faults = self._fault_counts(cluster)
-            retries = cluster.router.stats.retries
-        cfg.log("soak: running the same prompts undisturbed on one engine for the reference ...")
-        reference = self._reference(prompts, outputs)
-        return self._report(storm, reference, idle, status, audit, faults, retries)
+            return storm, idle, status, self._wait_audit(cluster), self._fault_counts(cluster), cluster.router.stats.retries
 
     def _workload(self) -> tuple[list[float], list[list[int]], list[int]]:
         cfg = self.cfg
@@ -140,8 +170,8 @@ class Soak:
     async def _drive(self, address: str, arrivals: list[float], outputs: list[int]) -> dict[str, Any]:
         t0 = time.monotonic()
         async with AsyncClient(address, timeout=self.cfg.deadline_s) as client:
-            load = [asyncio.create_task(self._one(client, s, t0 + a, n))
-                    for s, a, n in zip(self.streams, arrivals, outputs)]
+            load = [asyncio.create_task(self._one(client, i, t0 + a, n))
+                    for i, (a, n) in enumerate(zip(arrivals, outputs))]
             for pool, at in KILLS:
                 await asyncio.sleep(max(0.0, t0 + at * self.duration - time.monotonic()))
                 await self._kill(pool)
@@ -151,12 +181,13 @@ class Soak:
             await asyncio.gather(*self._watchers)
             return storm
 
-    async def _one(self, client: AsyncClient, s: Stream, at: float, max_tokens: int) -> None:
+    async def _one(self, client: AsyncClient, i: int, at: float, max_tokens: int) -> None:
+        s = self.streams[i]
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         s.started = time.monotonic()
         try:
             async for chunk in client.generate_stream(s.prompt, max_tokens=max_tokens, temperature=0,
-                                                      ignore_eos=True):
+                                                      ignore_eos=True, request_id=_label(i)):
                 s.tokens += chunk.token_ids
                 s.token_times.append(time.monotonic())
             s.code = "OK"
@@ -165,17 +196,25 @@ class Soak:
         s.ended = time.monotonic()
 
     async def _kill(self, pool: str) -> None:
-        """SIGKILL the worker of `pool` holding the most requests; note what was in flight."""
+        """SIGKILL the worker of `pool` holding the most requests, once one holds any (waiting up to
+        `VICTIM_WAIT_S`: a kill in a lull would measure nothing); note what was in flight."""
         loop = asyncio.get_running_loop()
         workers = [w for w in self.cluster.workers if w.pool == pool and w.healthy]
-        status = await loop.run_in_executor(None, lambda: ray.get([w.handle.ping.remote() for w in workers], timeout=30))
-        victim = max(zip(workers, status), key=lambda ws: ws[1]["requests"] + ws[1].get("jobs", 0))[0]
+        deadline = time.monotonic() + VICTIM_WAIT_S
+        while True:
+            status = await loop.run_in_executor(
+                None, lambda: ray.get([w.handle.ping.remote() for w in workers], timeout=30))
+            held, victim = max((s["requests"] + s.get("jobs", 0), w.name) for w, s in zip(workers, status))
+            if held or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        victim = next(w for w in workers if w.name == victim)
         pid = await loop.run_in_executor(None, lambda: ray.get(victim.handle.__ray_call__.remote(_pid), timeout=30))
-        at = time.monotonic()
+        at, wall = time.monotonic(), time.time()
         os.kill(pid, signal.SIGKILL)
         in_flight = [i for i, s in enumerate(self.streams) if s.started and not s.ended]
         self.cfg.log(f"soak: killed {victim.name} (pid {pid}) with {len(in_flight)} requests in flight")
-        kill = {"worker": victim.name, "pool": pool, "at": at, "in_flight": in_flight}
+        kill = {"worker": victim.name, "pool": pool, "at": at, "wall": wall, "in_flight": in_flight}
         self.kills.append(kill)
         self._watchers.append(asyncio.create_task(self._watch_rejoin(victim, kill)))
 
@@ -270,14 +309,7 @@ class Soak:
             wrong += sum(a != b for a, b in zip(s.tokens, ref))
         recoveries = []
         for k in self.kills:
-            waits = []
-            for i in k["in_flight"]:  # the longest wait for a next token, of a request in flight at the kill
-                s = self.streams[i]
-                times = [s.started, *s.token_times, s.ended]
-                waits += [b - max(a, k["at"]) for a, b in zip(times, times[1:]) if b > k["at"]]
-            k["recovery_s"] = max(waits, default=0.0)
-            k["in_flight"] = len(k["in_flight"])
-            del k["at"]
+            k.update(self._recovery(k))
             recoveries.append(k["recovery_s"])
         report = {
             "command": "pdserve soak", "config": {k: str(v) if isinstance(v, Path) else v
@@ -298,6 +330,31 @@ class Soak:
         self.cfg.out.parent.mkdir(parents=True, exist_ok=True)
         self.cfg.out.write_text(json.dumps(report, indent=2))
         return report
+
+
+    def _recovery(self, kill: dict[str, Any]) -> dict[str, Any]:
+        """What one kill cost the requests in flight at that moment. Those the router retried after the
+        kill were affected: from the kill to their retry (detection) and to their next token (recovery).
+        Every one of them: the longest wait for a next token that spans the kill."""
+        at, wall = kill.pop("at"), kill.pop("wall")
+        in_flight = [self.streams[i] for i in kill.pop("in_flight")]
+        detect, recover, waits = [], [], []
+        for s in in_flight:
+            times = [s.started, *s.token_times, s.ended]
+            waits += [b - max(a, at) for a, b in zip(times, times[1:]) if b > at]
+            record = s.lifetime
+            retried = [record["accepted"] + ms / 1e3 - wall for name, ms in record.get("events_ms", {}).items()
+                       if name.startswith("retry_") and record["accepted"] + ms / 1e3 >= wall]
+            if retried:
+                detect.append(min(retried))
+                recover.append(next((t - at for t in s.token_times if t > at), s.ended - at))
+        return {"in_flight": len(in_flight), "affected": len(recover),
+                "detect_s": max(detect, default=None), "recovery_s": max(recover, default=0.0),
+                "longest_wait_s": max(waits, default=0.0)}
+
+
+def _label(i: int) -> str:
+    return f"soak-{i}"
 
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:

@@ -174,13 +174,17 @@ class DecodeWorker:
             self._events.pop(work.request_id, None)
             self.loop.submit(lambda e: e.abort_request(work.request_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Client went away: free whatever the request holds here (queued, running or mid-transfer)."""
-        self._events.pop(request_id, None)
-        in_transfer = self.receiver.abort_request(request_id, "aborted by the router")
-        if not self.loop.running:
-            return in_transfer
-        return self.loop.call(lambda e: e.abort_request(request_id)) or in_transfer
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Clients went away: free whatever the requests hold here (queued, running or mid-transfer),
+        in one engine command. Returns the ids of those this worker held."""
+        held = set()
+        for request_id in request_ids:
+            self._events.pop(request_id, None)
+            if self.receiver.abort_request(request_id, "aborted by the router"):
+                held.add(request_id)
+        if self.loop.running:
+            held.update(self.loop.call(lambda e: [r for r in request_ids if e.abort_request(r)]))
+        return [r for r in request_ids if r in held]
 
     def shutdown(self) -> None:
         self._stop.set()

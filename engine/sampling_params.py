@@ -10,13 +10,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature == 0 means greedy. A request with a `seed` samples the same tokens whatever else runs
-    in its batch: its randomness comes from (seed, output position) alone.
+    temperature == 0 means greedy, and so does any temperature below `GREEDY_BELOW` (dividing the
+    logits by it would overflow into NaN probabilities; vLLM draws the same line). A request with a
+    `seed` samples the same tokens whatever else runs in its batch: its randomness comes from (seed,
+    output position) alone.
     """
 
     temperature: float = 1.0
@@ -41,7 +45,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed range."""

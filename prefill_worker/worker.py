@@ -21,6 +21,12 @@ than the transfer, nothing is sent at all. `_finish` ends every job, on every pa
 aborts the transfer on both sides unless it committed, frees the local blocks and, for a failure,
 tells the router why. A cancel (`abort`) is honoured in every state.
 
+Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
+(`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
+delivered, a commit answered) for `lease_s` + `PREFILL_LEASE_MARGIN_S`: a decode worker that hangs
+mid-commit frees this side's blocks within the lease, not after every bounded wait in turn, and the
+router retries the request.
+
 Before serving, the worker profiles its prompt passes (`profile`, called by the launcher, and by the
 supervisor after a restart); its health report carries the fitted step cost, the LAPS threshold and
 chunk derived from it, and whether it has been profiled. It publishes every change of its prefix
@@ -63,6 +69,8 @@ from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAIL
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
+LEASE_CHECK_S = 0.5
+PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one is the backstop
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
 _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
@@ -86,6 +94,7 @@ class _Job:
     last_layer_at: float = 0.0  # the sender handed the last frame to the channel
     prompt_done_at: float = 0.0  # the prompt pass wrote its last layer
     delivered_at: float = 0.0  # the receiver answered every frame
+    lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
 
     @property
     def request_id(self) -> str:
@@ -121,7 +130,8 @@ class PrefillWorker:
         self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
         self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
-        self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0}
+        self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0,
+                                         "leases_expired": 0}
         self.metrics = TransferMetrics()
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -135,6 +145,8 @@ class PrefillWorker:
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
         start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
+        start_guarded("prefill-lease-expiry", self._expire_leases,
+                      lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time), then set up
@@ -248,17 +260,19 @@ class PrefillWorker:
         self.queues.put(job, new_tokens)
         self.faults.took_request()
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request in whatever state it is; frees what it holds here and on its decode worker."""
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Cancel requests, each in whatever state it is; frees what they hold here and on their decode
+        workers. Returns the ids of those this worker held."""
         with self._lock:
-            self.aborted.add(request_id)
-            job = self._jobs.get(request_id)
-            if job is not None:
-                job.cancelled = True
-        if job is None:
-            return False
-        self._finish(job, reason="aborted by the router")
-        return True
+            jobs = []
+            for request_id in request_ids:
+                self.aborted.add(request_id)
+                if (job := self._jobs.get(request_id)) is not None:
+                    job.cancelled = True
+                    jobs.append(job)
+        for job in jobs:
+            self._finish(job, reason="aborted by the router")
+        return [job.request_id for job in jobs]
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -323,6 +337,7 @@ class PrefillWorker:
                     transfer.advance(TransferState.RESERVED)
                     job.lease, job.outgoing = lease, outgoing
                     job.state, job.prefill_started = "prefilling", time.time()
+                    self._renew(job)
             if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
                 if outgoing is not None:
                     outgoing.channel.close()
@@ -412,6 +427,7 @@ class PrefillWorker:
         try:
             job.outgoing.send_through(layer, block_ids, end)
             job.last_layer_at = time.time()
+            self._renew(job)
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
         finally:
@@ -420,6 +436,20 @@ class PrefillWorker:
     def _renew_lease(self, job: _Job) -> None:
         if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
             job.decode.renew_lease.remote(job.transfer.transfer_id)  # the commit reports that
+            self._renew(job)
+
+    def _renew(self, job: _Job) -> None:
+        job.lease_until = time.time() + self.kv.lease_s + PREFILL_LEASE_MARGIN_S
+
+    def _expire_leases(self) -> None:
+        while not self._stop.wait(LEASE_CHECK_S):
+            now = time.time()
+            with self._lock:
+                late = [j for j in self._jobs.values() if 0 < j.lease_until < now]
+            for job in late:
+                self.counters["leases_expired"] += 1
+                self._finish(job, error=f"lease expired: the transfer to its decode worker made no progress for "
+                                        f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE)
 
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
@@ -432,8 +462,10 @@ class PrefillWorker:
                 if outgoing is not None:
                     outgoing.channel.finish(COMMIT_TIMEOUT_S)
                     job.delivered_at = job.delivered_at or time.time()
+                    self._renew(job)
                 incomplete = ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, recompute),
                                      timeout=COMMIT_TIMEOUT_S)
+                self._renew(job)
                 if not incomplete:
                     break
                 if attempt == 0:

@@ -28,6 +28,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams, check_prompt
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.aborts import AbortBatcher
 from pdserve.router.admission import Overloaded
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import NoHealthyWorker
@@ -77,6 +78,7 @@ class Frontend:
         self.hub = hub
         self.retry = retry
         self.metrics = RouterMetrics(router)
+        self.aborts = AbortBatcher()
 
     @contextmanager
     def refusals(self, api: str) -> Iterator[None]:
@@ -252,7 +254,7 @@ class ActiveRequest:
         frontend.router.finished(placement, None if self.retry_causes else self.events)
         if aborted:  # cancelled, deadline, failed or retried: free its KV wherever it is
             for worker in placement.touched:
-                worker.handle.abort.remote(self.work.request_id)
+                frontend.aborts.add(worker.name, worker.handle, self.work.request_id)
 
     def finish(self) -> None:
         """End the request (once): free what it holds, count it, log its lifetime."""

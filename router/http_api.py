@@ -183,10 +183,10 @@ class _OpenAIApi:
     async def model(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        name = request.path_params["model"]
-        if name != self.frontend.model.name:
-            return error_response(RequestFailed("NOT_FOUND", f"unknown model {name!r}; this server serves "
-                                                             f"{self.frontend.model.name!r}"))
+        try:
+            self.frontend.check_model(request.path_params["model"])
+        except RequestFailed as e:
+            return error_response(e)
         return JSONResponse(self._model_card())
 
     async def metrics(self, request: Request) -> Response:

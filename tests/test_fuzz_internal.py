@@ -1,13 +1,14 @@
 """Property-based fuzzing (hypothesis) of every internal channel's message parser, through the real
 receiving objects: the router's token stream (`TokenStreamHub`, a real PULL socket), its KV event
 hub (`KVEventHub`), the KV frame header (`FrameHeader.unpack`), the gRPC KV stream (`GrpcReceiver`),
-the pyzmq KV control channel (`ShmReceiver` on `ControlServer`) and the decode side's `receive_frame`
-(checksum, ranges, codec) on a real engine. Generated messages mix valid ones, random bytes, mutated
-valid ones, hand-made protobuf wire (wrong wire types, bad UTF-8, huge varints, lengths past the end),
-huge values and odd unicode. Properties: nothing raises but the parser's declared error, every bad
-message is dropped and counted by exactly one, every good one after them is still delivered, and
-each receiver keeps serving. Each parser gets at least MIN_PER_PARSER messages; `test_zz_totals`
-checks the counts (derandomized: CI runs the same examples every time)."""
+the pyzmq KV control channels (`ShmReceiver` and `GlooReceiver` on `ControlServer`) and the decode
+side's `receive_frame` (checksum, ranges, codec) on a real engine. Generated messages mix valid
+ones, random bytes, mutated valid ones, hand-made protobuf wire (wrong wire types, bad UTF-8, huge
+varints, lengths past the end), huge values and odd unicode. Properties: nothing raises but the
+parser's declared error, every bad message is dropped and counted by exactly one, every good one
+after them is still delivered, and each receiver keeps serving. Each parser gets at least
+MIN_PER_PARSER messages; `test_zz_totals` checks the counts (derandomized: CI runs the same examples
+every time)."""
 
 from __future__ import annotations
 
@@ -365,52 +366,60 @@ def test_grpc_kv_stream_ends_on_a_malformed_message_and_says_why(grpc_kv, receiv
     SENT["grpc_kv_frames_taken"] += ack.frames
 
 
-# --- the pyzmq KV control channel (shared memory transport) -----------------------------------------
+# --- the pyzmq KV control channels (shared memory and gloo transports) ------------------------------
 SEQ = struct.Struct("<Q")
+# Parts that look like what each kind carries: segment names (shm), group ids and store addresses
+# (gloo; none names a reachable store, so no JOIN waits for one to answer).
+LOOKALIKE_PARTS = [b"pdserve-kv-" + b"0" * 32, b"../../etc/passwd", b"pdserve-kv-\xff", b"0" * 32,
+                   b"10.9.8.7:29500", b"127.0.0.1:0", b"127.0.0.1:99999", b"127.0.0.1:x", b"no-port", b"\xff:1"]
 
 
 @st.composite
 def control_messages(draw: st.DrawFn) -> list[bytes]:
-    """[kind, seq, *parts]: well formed or not, for every kind of the shared-memory receiver."""
-    from pdserve.kv_transfer.transports.shm import FRAME, INLINE, RELEASE
+    """[kind, seq, *parts]: well formed or not, for every kind of the shm and gloo receivers."""
+    from pdserve.kv_transfer.transports import gloo, shm
 
-    kind = draw(st.sampled_from([FRAME, INLINE, RELEASE, b"", b"?", b"FF"]) | st.binary(max_size=3))
+    kinds = [shm.FRAME, shm.INLINE, shm.RELEASE, gloo.JOIN, gloo.LEAVE, b"", b"?", b"FF"]
+    kind = draw(st.sampled_from(kinds) | st.binary(max_size=3))
     parts = [draw(HEADER_GOOD | st.binary(max_size=40)) for _ in range(draw(st.integers(0, 3)))]
     if draw(st.booleans()) and parts:
-        parts[min(1, len(parts) - 1)] = draw(st.sampled_from([b"pdserve-kv-" + b"0" * 32, b"../../etc/passwd",
-                                                               b"pdserve-kv-\xff"]))
+        parts[draw(st.integers(0, len(parts) - 1))] = draw(st.sampled_from(LOOKALIKE_PARTS))
     seq = SEQ.pack(draw(st.integers(0, 2**64 - 1))) if draw(st.integers(0, 7)) else draw(st.binary(max_size=9))
     return draw(st.sampled_from([[kind, seq, *parts], [kind], []]))
 
 
-@pytest.fixture(scope="module")
-def shm_control(secret):
+@pytest.fixture(scope="module", params=["shm", "gloo"])
+def kv_control(request, secret):
+    from pdserve.kv_transfer.transports.gloo import GlooReceiver
     from pdserve.kv_transfer.transports.shm import ShmReceiver
 
     sunk: list[FrameHeader] = []
-    receiver = ShmReceiver(lambda header, payload: sunk.append(header), "127.0.0.1", secret)
+    receiver_class = {"shm": ShmReceiver, "gloo": GlooReceiver}[request.param]
+    receiver = receiver_class(lambda header, payload: sunk.append(header), "127.0.0.1", secret)
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     secret.client(socket)
     socket.connect(receiver.address)
-    yield receiver, socket
+    yield request.param, receiver, socket
     socket.close()
     receiver.stop()
 
 
 @fuzz_settings(300)
 @given(batch=st.lists(control_messages(), min_size=5, max_size=12))
-def test_kv_control_channel_answers_or_drops_and_counts_every_message(shm_control, batch):
+def test_kv_control_channel_answers_or_drops_and_counts_every_message(kv_control, batch):
     from pdserve.kv_transfer.transports.control import CORRUPT, FAILED, OK
+    from pdserve.kv_transfer.transports.gloo import LEAVE
     from pdserve.kv_transfer.transports.shm import RELEASE
 
-    receiver, socket = shm_control
+    name, receiver, socket = kv_control
     server = receiver._server
     dropped, refused = server.dropped, server.refused
     envelopes = [m for m in batch if len(m) >= 2 and len(m[1]) == SEQ.size]
     for message in batch:
         socket.send_multipart(message) if message else socket.send(b"")
-    socket.send_multipart([RELEASE, SEQ.pack(2**64 - 1), b"pdserve-kv-" + b"f" * 32])  # a no-op: answered OK
+    no_op = {"shm": [RELEASE, b"pdserve-kv-" + b"f" * 32], "gloo": [LEAVE, b"f" * 32]}[name]
+    socket.send_multipart([no_op[0], SEQ.pack(2**64 - 1), *no_op[1:]])  # a release of nothing: answered OK
     answers = []
     while True:
         assert socket.poll(10_000), "the control channel stopped answering"
@@ -425,13 +434,14 @@ def test_kv_control_channel_answers_or_drops_and_counts_every_message(shm_contro
     assert server.dropped - dropped == len(batch) - len(envelopes)
     assert server.refused - refused == sum(a != OK for a in answers)
     assert server.failure is None
-    SENT["kv_control"] += len(batch)
+    SENT[f"kv_control_{name}"] += len(batch)
 
 
 # --- the totals ---------------------------------------------------------------------------------------
 def test_zz_totals():
     """Runs last in this file: every parser got its share of generated messages."""
-    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "kv_control"]
+    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "kv_control_shm",
+               "kv_control_gloo"]
     counts = {name: SENT[name] for name in parsers}
     print(f"fuzzed internal messages: {counts}, total {sum(counts.values())}; {dict(SENT)}")
     assert all(n >= MIN_PER_PARSER for n in counts.values()), counts

@@ -35,7 +35,15 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
 JOIN, FRAME, LEAVE = b"J", b"F", b"L"
+_PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
 _TAG = struct.Struct("<I")
+
+
+def _text(frame: zmq.Frame) -> str:
+    try:
+        return frame.bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise TransferError(f"gloo control message: {frame.bytes[:40]!r} is not ASCII") from None
 
 
 def _gloo_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroupGloo:
@@ -156,20 +164,25 @@ class GlooReceiver:
         self.address = self._server.address
 
     def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+        # The shape first: a malformed message is refused as such, not by an accident of parsing.
+        if len(parts) != _PARTS.get(kind, -1) or (kind == FRAME and len(parts[2].bytes) != _TAG.size):
+            raise TransferError(f"malformed gloo control message: kind {kind[:8]!r} with {len(parts)} parts")
         if kind == JOIN:
-            group_id, store_address = parts[0].bytes.decode(), parts[1].bytes.decode()
-            store_host, port = store_address.rsplit(":", 1)
+            group_id, store_address = _text(parts[0]), _text(parts[1])
+            store_host, _, port = store_address.rpartition(":")
             peer = parts[0].get("Peer-Address")  # where the JOIN came from, as the socket saw it
             if store_host != peer:  # never dial an address a message names on someone else's behalf
-                raise TransferError(f"gloo JOIN from {peer} names a store on {store_host}")
+                raise TransferError(f"gloo JOIN from {peer} names a store on {store_host[:80]!r}")
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise TransferError(f"gloo JOIN names no valid store port: {port[:20]!r}")
             store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False,
                                   timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
             self._groups[group_id] = _gloo_group(dist.PrefixStore(group_id, store), 1, self.host)
         elif kind == LEAVE:
-            self._groups.pop(parts[0].bytes.decode(), None)
-        elif kind == FRAME:
+            self._groups.pop(_text(parts[0]), None)
+        else:  # FRAME
             header = FrameHeader.unpack(parts[0].buffer)
-            group_id = parts[1].bytes.decode()
+            group_id = _text(parts[1])
             group = self._groups.get(group_id)
             if group is None:
                 raise TransferError(f"no gloo group {group_id[:40]!r} (never joined, or torn down)")
@@ -184,8 +197,6 @@ class GlooReceiver:
                 self._groups.pop(group_id, None)
                 raise TransferError(f"gloo receive failed, group torn down: {e}") from e
             self.sink(header, memoryview(buffer.numpy()))
-        else:
-            raise TransferError(f"unknown message kind {kind!r}")
 
     def stop(self) -> None:
         self._server.stop()

@@ -1,9 +1,12 @@
-"""Helpers for the cluster tests: small manifests, waiting until every pool is free again, and running
-code inside a worker actor (Ray's `__ray_call__`) to gate or break it."""
+"""Helpers for the cluster tests: small manifests, waiting until every pool is free again, running
+code inside a worker actor (Ray's `__ray_call__`) to gate or break it, and the `pdserve` command."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import threading
 
 import ray
 
@@ -28,6 +31,13 @@ def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
         **extra,
     }
     return load_manifest(data)
+
+
+def pdserve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The `pdserve` command line, run as a user runs it (a real subprocess)."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
@@ -58,3 +68,22 @@ def attribute_owner(self, path: str) -> tuple[object, str]:
     for part in filter(None, owner_path.split(".")):
         owner = getattr(owner, part)
     return owner, name
+
+
+def install_gate(self, path: str) -> None:
+    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
+    owner, name = attribute_owner(self, path)
+    original, gate = getattr(owner, name), threading.Event()
+
+    def gated(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, gated)
+    self.test_gate = (gate, lambda: setattr(owner, name, original))
+
+
+def open_gate(self) -> None:
+    gate, restore = self.test_gate
+    restore()
+    gate.set()

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-
-
-def pdserve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+from cluster_helpers import pdserve
 
 
 def test_make_model_writes_a_checkpoint(tmp_path):

@@ -10,7 +10,7 @@ import json
 import ssl
 
 import pytest
-from cluster_helpers import manifest
+from cluster_helpers import manifest, pdserve
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.router.client import Client, Unauthenticated, Unavailable
@@ -99,3 +99,14 @@ def test_the_manifest_checks_the_client_ca(tmp_path):
         load_manifest({"server": {"tls_cert": str(ca), "tls_key": str(ca), "tls_client_ca": str(tmp_path / "none")}})
     assert load_manifest({}).security.cluster_secret and not load_manifest(
         {"security": {"cluster_secret": False}}).security.cluster_secret
+
+
+def test_the_cli_generates_over_mutual_tls(mtls_cluster):
+    cluster, d = mtls_cluster
+    tls = ["--address", cluster.address, "--tls-ca", str(d / "server-ca.pem"), "--token", TOKEN]
+    ok = pdserve("generate", *tls, "--client-cert", str(d / "client.pem"), "--client-key", str(d / "client.key"),
+                 "--max-tokens", "2", "--temperature", "0", "hello")
+    assert ok.returncode == 0, ok.stderr
+    assert "[2 tokens" in ok.stderr
+    refused = pdserve("generate", *tls, "--timeout", "10", "hello")  # no client certificate
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused.stderr

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 from transformers import AutoConfig
-from cluster_helpers import assert_idle, manifest, on_worker, worker
+from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, worker
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
@@ -161,6 +161,32 @@ def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_referenc
         on_worker(prefill, resume)
         caller.join(90)
     assert outcomes == [hf_reference[ARCH].greedy(prompt, 4)], outcomes
+    assert cluster.router.stats.retries == retries + 1
+    assert_idle(cluster)
+
+
+def test_a_decode_worker_hanging_in_the_commit_lets_the_prefill_lease_expire(cluster, hf_reference):
+    """The decode worker takes every frame but never answers the commit (a hang, not a death: its
+    pings still answer). Both leases lapse: the decode side's (no frame for `lease_s`) and then the
+    prefill side's (no progress for `lease_s` + margin), which frees the prefill worker's blocks and
+    tells the router; the request is retried and completes with exactly the undisturbed tokens."""
+    decode = worker(cluster, "decode")
+    expired_before = counters(cluster, "prefill")["leases_expired"]
+    on_worker(decode, install_gate, "receiver.commit")
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=37)[0]
+    outcomes: list[object] = []
+    retries = cluster.router.stats.retries
+    caller = threading.Thread(target=lambda: outcomes.append(generate(cluster, prompt).token_ids))
+    caller.start()
+    try:
+        deadline = time.time() + cluster.manifest.kv_transfer.lease_s + 20
+        while counters(cluster, "prefill")["leases_expired"] == expired_before:
+            assert time.time() < deadline, "the prefill side's lease never expired"
+            time.sleep(0.2)
+    finally:
+        on_worker(decode, open_gate)
+        caller.join(90)
+    assert outcomes == [hf_reference[ARCH].greedy(prompt, NEW_TOKENS)], outcomes
     assert cluster.router.stats.retries == retries + 1
     assert_idle(cluster)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import ray
-from cluster_helpers import assert_idle, attribute_owner, manifest, on_worker, wait_until_idle, worker
+from cluster_helpers import (assert_idle, attribute_owner, install_gate, manifest, on_worker, open_gate,
+                             wait_until_idle, worker)
 from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -22,25 +22,6 @@ from pdserve.router.client import AsyncClient, Client, DeadlineExceeded, PDServe
 
 ARCH = "tiny-llama"
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
-
-
-def install_gate(self, path: str) -> None:
-    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
-    owner, name = attribute_owner(self, path)
-    original, gate = getattr(owner, name), threading.Event()
-
-    def gated(*args, **kwargs):
-        gate.wait(30)
-        return original(*args, **kwargs)
-
-    setattr(owner, name, gated)
-    self.test_gate = (gate, lambda: setattr(owner, name, original))
-
-
-def open_gate(self) -> None:
-    gate, restore = self.test_gate
-    restore()
-    gate.set()
 
 
 def prefill_job_states(self) -> list[str]:
@@ -150,7 +131,10 @@ def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
     on_worker(gated, install_gate, path)
     try:
         with Client(cluster.address) as client, ThreadPoolExecutor(1) as background:
-            call = background.submit(client.generate, [7] * 80, timeout=2.0, temperature=0, max_tokens=50)
+            # A prompt of its own: a cancel lands a little after the client gives up, so an earlier
+            # phase's prompt may have run to the end and be cached on the decode worker.
+            prompt = [7 + list(PHASES).index(phase)] * 80
+            call = background.submit(client.generate, prompt, timeout=2.0, temperature=0, max_tokens=50)
             deadline = time.time() + 10
             while state not in on_worker(prefill, prefill_job_states):
                 assert time.time() < deadline, f"the request never reached {state!r}"
@@ -172,6 +156,36 @@ def test_a_cancel_while_decoding_frees_both_pools(cluster):
                 break
         stream.close()
     assert_idle(cluster)
+
+
+def test_streams_cancelled_at_once_are_aborted_in_batches(cluster):
+    """40 streams cancelled together: their aborts reach each worker in a few calls carrying many ids
+    (one call per request and worker would be 80), and both pools end fully free."""
+    streams, started = 40, 0
+
+    async def hold(client: AsyncClient, prompt: list[int]) -> None:
+        nonlocal started
+        async for _ in client.generate_stream(prompt, temperature=0, max_tokens=400, ignore_eos=True):
+            started += 1
+            await asyncio.sleep(3600)  # open until cancelled
+
+    async def storm() -> None:
+        async with AsyncClient(cluster.address, timeout=120) as client:
+            tasks = [asyncio.create_task(hold(client, [5 + i] * 40)) for i in range(streams)]
+            for _ in range(1200):  # 60 s at most
+                if started >= streams or any(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.05)
+            assert started >= streams, [t.exception() for t in tasks if t.done()][:3]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    aborts = cluster._server.service.frontend.aborts
+    calls_before = aborts.calls
+    asyncio.run(storm())
+    assert_idle(cluster)
+    assert 0 < aborts.calls - calls_before <= streams, aborts.calls - calls_before
 
 
 def test_overload_ends_in_completions_or_resource_exhausted(model_dirs, hf_reference):

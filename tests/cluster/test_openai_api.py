@@ -176,6 +176,10 @@ def test_errors_carry_openai_status_codes(api, cluster, model):
                         {"authorization": f"Bearer {TOKEN}"})
     assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
     assert [m.id for m in api.models.list().data] == [model]
+    assert api.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as e:  # a huge name is not echoed whole
+        api.models.retrieve("m" * 5000)
+    assert "(5000 characters)" in str(e.value) and len(str(e.value)) < 1000
     with pytest.raises(openai.BadRequestError, match="response_format"):
         api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                     response_format={"type": "json_object"})

@@ -16,6 +16,9 @@ def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     assert report["tokens"]["compared"] > 0
     assert report["tokens"] | {"compared": 0} == {"duplicated": 0, "lost": 0, "wrong": 0, "compared": 0}
     assert all(k["rejoined_s"] is not None for k in report["kills"]), report["kills"]
+    # The retries are found in the router's lifetime records and timed from the kill.
+    assert sum(k["affected"] for k in report["kills"]) >= 1, report["kills"]
+    assert all(k["recovery_s"] >= (k["detect_s"] or 0) >= 0 for k in report["kills"]), report["kills"]
     assert report["storm"]["opened"] == 200 and report["storm"]["freed"]
     assert report["pools_free_at_end"] and report["audit"]["clean"], report["audit"]
     assert report["ok"]

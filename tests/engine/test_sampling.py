@@ -53,6 +53,13 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine, prompts, hf_reference):
     assert [o.token_ids for o in run_all(engine, prompts[:4], p_small)] == greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-6])
+def test_a_vanishing_temperature_is_greedy(engine, prompts, hf_reference, temperature):
+    """Dividing the logits by 1e-45 overflows to inf and NaN probabilities; such a request samples greedily."""
+    params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
+    assert run_all(engine, [prompts[2]], params)[0].token_ids == hf_reference[ARCH].greedy(prompts[2], 8)
+
+
 def test_top_k_limits_the_choice(engine, prompts, hf_reference):
     """With top_k=3 every sampled token is among the 3 most likely under the model."""
     model = hf_reference[ARCH].model
