@@ -5,7 +5,10 @@ blocking work on a worker's other threads delays them. A worker is unhealthy whe
 goes unanswered for MISSES_TO_FAIL rounds (the actor died or hangs) or when it reports itself dead (its engine loop or
 another of its threads failed: it has already failed its requests with an explicit error). Such a
 worker is killed so that Ray restarts it (`max_restarts`); it is healthy again once a ping answers
-alive (a restarted worker first profiles its prompt passes: placement needs its step costs). Placement skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and
+alive (a restarted worker first profiles its prompt passes: placement needs its step costs). A
+restarted worker rejoins after a back-off (`RestartBackoff`) that doubles with each restart in a
+short while, so a worker in a crash loop (a bad node, a request that kills it) is kept out longer
+and longer instead of failing requests at the pace Ray restarts it. Placement skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and
 `on_change` hears of every change (the router server publishes it on the standard gRPC health
 service). A worker whose last ping is still unanswered gets no new one, so a stalled actor does not
 pile pings up.
@@ -29,16 +32,43 @@ MISSES_TO_FAIL = 2  # rounds in a row without an answer before a worker counts a
 HEALTH_GROUP = "health"  # the actors' concurrency group for pings (see launcher)
 
 
+class RestartBackoff:
+    """When a restarted worker may rejoin: `first_s` after it is seen restarted, doubling with each
+    restart of the same worker within `window_s`, at most `max_s`."""
+
+    def __init__(self, first_s: float = 1.0, max_s: float = 30.0, window_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s, self.max_s, self.window_s = first_s, max_s, window_s
+        self._clock = clock
+        self._restarts: dict[str, list[float]] = {}  # worker name -> when each recent restart was seen
+        self._rejoin_at: dict[str, float] = {}  # workers restarted and not yet back
+
+    def may_rejoin(self, name: str) -> bool:
+        """Whether restarted worker `name` has waited out its back-off; the first call after a restart
+        counts the restart and starts the wait."""
+        now = self._clock()
+        if name not in self._rejoin_at:
+            recent = [t for t in self._restarts.get(name, []) if now - t < self.window_s] + [now]
+            self._restarts[name] = recent
+            self._rejoin_at[name] = now + min(self.first_s * 2 ** (len(recent) - 1), self.max_s)
+        return now >= self._rejoin_at[name]
+
+    def rejoined(self, name: str) -> None:
+        self._rejoin_at.pop(name, None)
+
+
 class Supervisor:
     def __init__(self, workers: list[WorkerRef], on_change: Callable[[], None],
                  interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S,
-                 after_round: Callable[[], object] = lambda: None) -> None:
+                 after_round: Callable[[], object] = lambda: None,
+                 backoff: RestartBackoff | None = None) -> None:
         self.workers = workers
         self.on_change = on_change
         self.after_round = after_round  # the idle audit reads the reports of each round
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.restarts: dict[str, int] = {}  # worker name -> restarts the supervisor asked Ray for
+        self.backoff = backoff or RestartBackoff()
         self._pending: dict[str, ray.ObjectRef] = {}  # worker name -> its unanswered ping
         self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
         self._restarting: set[str] = set()
@@ -88,6 +118,7 @@ class Supervisor:
                 self._profile(worker)
                 return False
             worker.status = status | {"reported_at": time.monotonic()}  # free blocks, step cost: what placement reads
+            self.backoff.rejoined(worker.name)
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
             log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))
@@ -101,7 +132,8 @@ class Supervisor:
         in the next ping) is forgotten, so a failed one is started again next round."""
         ref = self._profiling.get(worker.name)
         if ref is None:
-            self._profiling[worker.name] = worker.handle.profile.remote()
+            if self.backoff.may_rejoin(worker.name):
+                self._profiling[worker.name] = worker.handle.profile.remote()
         elif ray.wait([ref], timeout=0)[0]:
             del self._profiling[worker.name]
 

@@ -16,6 +16,7 @@ from cluster_helpers import manifest, on_worker
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.supervisor import RestartBackoff
 from pdserve.router.client import Client
 
 ARCH = "tiny-llama"
@@ -137,3 +138,24 @@ def test_the_idle_audit_is_on_metrics(cluster):
     assert 'pdserve_idle_audits_total{result="clean"}' in text
     held = [line for line in text.splitlines() if line.startswith("pdserve_idle_audit_held_blocks{")]
     assert len(held) == len(WORKERS) and all(line.endswith(" 0.0") for line in held), held
+
+
+def test_a_worker_restarted_again_and_again_waits_longer_each_time_before_rejoining():
+    now = [0.0]
+    backoff = RestartBackoff(first_s=1.0, max_s=4.0, window_s=60.0, clock=lambda: now[0])
+
+    def wait_out() -> float:
+        start = now[0]
+        while not backoff.may_rejoin("decode-2"):
+            now[0] += 0.25
+        backoff.rejoined("decode-2")
+        return now[0] - start
+
+    waits = []
+    for _ in range(4):
+        waits.append(wait_out())
+        now[0] += 5  # serves a while, then dies again
+    assert waits == [1.0, 2.0, 4.0, 4.0]  # doubling, up to max_s
+    now[0] += 61  # a restart long after the last ones starts afresh
+    assert wait_out() == 1.0
+    assert backoff.may_rejoin("prefill-0") is False  # each worker has its own count
