@@ -215,8 +215,11 @@ def _soak(args: argparse.Namespace) -> int:
               f"{detect}, next token after {k['recovery_s']:.2f} s (longest wait of any: {k['longest_wait_s']:.2f} s)")
     print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
           f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
-    print(f"storm: {report['storm']['opened']} streams cancelled, pools free after {report['storm']['freed_s']:.2f} s; "
-          f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")
+    st = report["storm"]
+    print(f"storm: {st['opened']} streams cancelled, pools free after {st['freed_s']:.2f} s; throughput "
+          f"{st['tokens_per_s_before']:.0f} -> {st['tokens_per_s_after']:.0f} -> {st['tokens_per_s_settled']:.0f} "
+          f"tokens/s (before, right after, settled)")
+    print(f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")
     print(f"{'PASS' if report['ok'] else 'FAIL'}; report in {args.out}")
     return 0 if report["ok"] else 1
 

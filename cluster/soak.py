@@ -5,7 +5,8 @@ the wire all along) serves the Azure conversation trace's arrivals, replayed at 
 for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Meanwhile the decode
 worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run (or as soon after
 as one holds a request) and a prefill worker at two fifths; Ray restarts both. When the trace is
-done, `--storm` streams are opened and cancelled at once, between two throughput probes.
+done and both are back, `--storm` streams are opened and cancelled at once; throughput probes run
+before, right after, and `SETTLE_S` after.
 
 Afterwards: every request ended completed or with an explicit error; completed outputs are compared
 token by token with the same prompts run undisturbed on one in-process engine (tokens duplicated,
@@ -47,6 +48,7 @@ from pdserve.router.placement import WorkerRef
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
 PROBE_S = 4.0  # each throughput probe around the storm
+SETTLE_S = 10.0  # before a third probe: is the second one the storm's after-effect or the steady state?
 VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
 STORM_PROMPT = 16
 
@@ -177,9 +179,8 @@ class Soak:
                 await self._kill(pool)
             await asyncio.gather(*load)
             await asyncio.sleep(max(0.0, t0 + LOAD_SHARE * self.duration - time.monotonic()))
-            storm = await self._storm(client)
-            await asyncio.gather(*self._watchers)
-            return storm
+            await asyncio.gather(*self._watchers)  # the storm measures aborts on the whole cluster
+            return await self._storm(client)
 
     async def _one(self, client: AsyncClient, i: int, at: float, max_tokens: int) -> None:
         s = self.streams[i]
@@ -200,6 +201,9 @@ class Soak:
         `VICTIM_WAIT_S`: a kill in a lull would measure nothing); note what was in flight."""
         loop = asyncio.get_running_loop()
         workers = [w for w in self.cluster.workers if w.pool == pool and w.healthy]
+        # The pids first: a short prompt pass is over sooner than one more call would take.
+        pids = await loop.run_in_executor(
+            None, lambda: ray.get([w.handle.__ray_call__.remote(_pid) for w in workers], timeout=30))
         deadline = time.monotonic() + VICTIM_WAIT_S
         while True:
             status = await loop.run_in_executor(
@@ -208,8 +212,7 @@ class Soak:
             if held or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
-        victim = next(w for w in workers if w.name == victim)
-        pid = await loop.run_in_executor(None, lambda: ray.get(victim.handle.__ray_call__.remote(_pid), timeout=30))
+        victim, pid = next((w, pid) for w, pid in zip(workers, pids) if w.name == victim)
         at, wall = time.monotonic(), time.time()
         os.kill(pid, signal.SIGKILL)
         in_flight = [i for i, s in enumerate(self.streams) if s.started and not s.ended]
@@ -251,10 +254,12 @@ class Soak:
         idle, _ = await loop.run_in_executor(None, lambda: self.cluster.wait_idle(60))
         freed_s = time.monotonic() - t_cancel
         after = await self._probe(client)
+        await asyncio.sleep(SETTLE_S)
+        settled = await self._probe(client)
         cfg.log(f"soak: storm of {opened} open streams cancelled; every pool free after {freed_s:.2f} s; "
-                f"throughput {before:.0f} -> {after:.0f} tokens/s")
+                f"throughput {before:.0f} -> {after:.0f} tokens/s ({settled:.0f} after {SETTLE_S:.0f} s more)")
         return {"streams": cfg.storm, "opened": opened, "freed_s": freed_s, "freed": idle,
-                "tokens_per_s_before": before, "tokens_per_s_after": after}
+                "tokens_per_s_before": before, "tokens_per_s_after": after, "tokens_per_s_settled": settled}
 
     async def _probe(self, client: AsyncClient) -> float:
         """Generated tokens per second of 4 greedy streams back to back for PROBE_S."""
