@@ -336,7 +336,6 @@ class Soak:
         self.cfg.out.write_text(json.dumps(report, indent=2))
         return report
 
-
     def _recovery(self, kill: dict[str, Any]) -> dict[str, Any]:
         """What one kill cost the requests in flight at that moment. Those the router retried after the
         kill were affected: from the kill to their retry (detection) and to their next token (recovery).
@@ -348,8 +347,9 @@ class Soak:
             times = [s.started, *s.token_times, s.ended]
             waits += [b - max(a, at) for a, b in zip(times, times[1:]) if b > at]
             record = s.lifetime
-            retried = [record["accepted"] + ms / 1e3 - wall for name, ms in record.get("events_ms", {}).items()
-                       if name.startswith("retry_") and record["accepted"] + ms / 1e3 >= wall]
+            since_kill = [record["accepted"] + ms / 1e3 - wall for name, ms in record.get("events_ms", {}).items()
+                          if name.startswith("retry_")]
+            retried = [t for t in since_kill if t >= 0]
             if retried:
                 detect.append(min(retried))
                 recover.append(next((t - at for t in s.token_times if t > at), s.ended - at))

@@ -2,16 +2,16 @@
 
 Liveness is not load: pings run in the actors' own `health` concurrency group, so no amount of
 blocking work on a worker's other threads delays them. A worker is unhealthy when its ping fails or
-goes unanswered for MISSES_TO_FAIL rounds (the actor died or hangs) or when it reports itself dead (its engine loop or
-another of its threads failed: it has already failed its requests with an explicit error). Such a
-worker is killed so that Ray restarts it (`max_restarts`); it is healthy again once a ping answers
-alive (a restarted worker first profiles its prompt passes: placement needs its step costs). A
-restarted worker rejoins after a back-off (`RestartBackoff`) that doubles with each restart in a
-short while, so a worker in a crash loop (a bad node, a request that kills it) is kept out longer
-and longer instead of failing requests at the pace Ray restarts it. Placement skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and
-`on_change` hears of every change (the router server publishes it on the standard gRPC health
-service). A worker whose last ping is still unanswered gets no new one, so a stalled actor does not
-pile pings up.
+goes unanswered for MISSES_TO_FAIL rounds (the actor died or hangs) or when it reports itself dead
+(its engine loop or another of its threads failed: it has already failed its requests with an
+explicit error). Such a worker is killed so that Ray restarts it (`max_restarts`); it is healthy
+again once a ping answers alive (a restarted worker first profiles its prompt passes: placement
+needs its step costs). A restarted worker rejoins after a back-off (`RestartBackoff`) that doubles
+with each restart in a short while, so a worker in a crash loop (a bad node, a request that kills
+it) is kept out longer and longer instead of failing requests at the pace Ray restarts it. Placement
+skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and `on_change` hears of
+every change (the router server publishes it on the standard gRPC health service). A worker whose
+last ping is still unanswered gets no new one, so a stalled actor does not pile pings up.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ import asyncio
 import threading
 from typing import Any
 
+from pdserve.router.placement import WorkerRef
+
 BATCH_S = 0.01  # how long an abort waits for others to the same worker: nothing next to freeing KV
 
 
@@ -22,13 +24,13 @@ class AbortBatcher:
         self._scheduled = False
         self.calls = 0  # Ray calls sent, for tests and the storm's figures
 
-    def add(self, worker_name: str, handle: Any, request_id: str) -> None:
+    def add(self, worker: WorkerRef, request_id: str) -> None:
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         with self._lock:
-            self._pending.setdefault(worker_name, (handle, []))[1].append(request_id)
+            self._pending.setdefault(worker.name, (worker.handle, []))[1].append(request_id)
             schedule = loop is not None and not self._scheduled
             self._scheduled = self._scheduled or schedule
         if loop is None:

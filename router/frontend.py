@@ -254,7 +254,7 @@ class ActiveRequest:
         frontend.router.finished(placement, None if self.retry_causes else self.events)
         if aborted:  # cancelled, deadline, failed or retried: free its KV wherever it is
             for worker in placement.touched:
-                frontend.aborts.add(worker.name, worker.handle, self.work.request_id)
+                frontend.aborts.add(worker, self.work.request_id)
 
     def finish(self) -> None:
         """End the request (once): free what it holds, count it, log its lifetime."""
