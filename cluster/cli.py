@@ -216,7 +216,7 @@ def _soak(args: argparse.Namespace) -> int:
     print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
           f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
     st = report["storm"]
-    print(f"storm: {st['opened']} streams cancelled, pools free after {st['freed_s']:.2f} s; throughput "
+    print(f"storm: {st['placed']} streams ({st['opened']} streaming) cancelled, pools free after {st['freed_s']:.2f} s; throughput "
           f"{st['tokens_per_s_before']:.0f} -> {st['tokens_per_s_after']:.0f} -> {st['tokens_per_s_settled']:.0f} "
           f"tokens/s (before, right after, settled)")
     print(f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")

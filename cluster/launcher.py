@@ -173,7 +173,7 @@ class Cluster:
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
-                                ttft_slo_s=m.router.ttft_slo_s, secret=self._secret)
+                                ttft_slo_s=m.router.ttft_slo_s, recompute=kv.recompute, secret=self._secret)
 
     @property
     def http_address(self) -> str | None:

@@ -110,6 +110,9 @@ class KVTransferSpec(_Strict):
     frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
     lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every frame that arrives
     reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks
+    # The decode worker may recompute a prompt's KV from its tokens when that is expected to be faster
+    # than receiving it (a slow link, a short prompt); false: the KV is always sent (drills of the KV path).
+    recompute: bool = True
 
     @property
     def codecs(self) -> tuple[str, ...]:

@@ -51,6 +51,7 @@ PROBE_S = 4.0  # each throughput probe around the storm
 SETTLE_S = 10.0  # before a third probe: is the second one the storm's after-effect or the steady state?
 VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
 STORM_PROMPT = 16
+STORM_QUIET_S = 1.0  # the storm's cancel waits this long after the last stream that started
 
 
 @dataclass
@@ -229,9 +230,14 @@ class Soak:
         kill["rejoined_s"] = time.monotonic() - kill["at"] if worker.healthy else None
 
     async def _storm(self, client: AsyncClient) -> dict[str, Any]:
-        """Open `storm` streams, cancel them all at once, and time how long until every pool is free."""
+        """Open `storm` streams, cancel them all at once, and time how long until every pool is free.
+
+        The cancel comes once the router has placed every stream and those it can run are streaming:
+        beyond the decode pools' batch limit (`max_num_seqs` per worker) the rest wait in a queue, so
+        the storm hits streams in every state (streaming, transferring, queued)."""
         cfg, loop = self.cfg, asyncio.get_running_loop()
         before = await self._probe(client)
+        routed_before = self.cluster.router_stats()["requests_routed"]
         started = 0
 
         async def hold(prompt: list[int]) -> None:
@@ -243,22 +249,33 @@ class Soak:
 
         prompts = random_token_prompts([RequestShape(STORM_PROMPT, 0)] * cfg.storm, self.vocab, cfg.seed + 1)
         tasks = [asyncio.create_task(hold(p)) for p in prompts]
-        deadline = time.monotonic() + 60
+        deadline, last_start, seen = time.monotonic() + 60, time.monotonic(), 0
         while started < cfg.storm and time.monotonic() < deadline and not any(t.done() for t in tasks):
             await asyncio.sleep(0.05)
-        opened = started
+            if started > seen:
+                seen, last_start = started, time.monotonic()
+            placed = self.cluster.router_stats()["requests_routed"] - routed_before
+            if placed >= cfg.storm and time.monotonic() - last_start > STORM_QUIET_S:
+                break  # every stream is placed and no more are starting: the rest are queued
+        opened, placed = started, self.cluster.router_stats()["requests_routed"] - routed_before
         t_cancel = time.monotonic()
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [e for e in ended if isinstance(e, Exception)]  # cancelled ones end in CancelledError
+        refused = Counter(e.code.name if isinstance(e, PDServeError) else type(e).__name__ for e in failed)
+        if failed:
+            cfg.log(f"soak: {len(failed)} storm streams failed before the cancel, e.g. {failed[0]}")
         idle, _ = await loop.run_in_executor(None, lambda: self.cluster.wait_idle(60))
         freed_s = time.monotonic() - t_cancel
         after = await self._probe(client)
         await asyncio.sleep(SETTLE_S)
         settled = await self._probe(client)
-        cfg.log(f"soak: storm of {opened} open streams cancelled; every pool free after {freed_s:.2f} s; "
-                f"throughput {before:.0f} -> {after:.0f} tokens/s ({settled:.0f} after {SETTLE_S:.0f} s more)")
-        return {"streams": cfg.storm, "opened": opened, "freed_s": freed_s, "freed": idle,
+        cfg.log(f"soak: storm of {placed} streams ({opened} streaming) cancelled; every pool free after "
+                f"{freed_s:.2f} s; throughput {before:.0f} -> {after:.0f} tokens/s ({settled:.0f} after "
+                f"{SETTLE_S:.0f} s more)")
+        return {"streams": cfg.storm, "placed": placed, "opened": opened, "refused": dict(refused),
+                "freed_s": freed_s, "freed": idle,
                 "tokens_per_s_before": before, "tokens_per_s_after": after, "tokens_per_s_settled": settled}
 
     async def _probe(self, client: AsyncClient) -> float:
@@ -321,7 +338,7 @@ class Soak:
                                                   for k, v in asdict(self.cfg).items() if k != "log"},
             "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "requests": len(self.streams), "codes": dict(codes), "retries": retries,
-            "faults": {"workers_killed": len(self.kills), **faults, "storm_streams": storm["opened"]},
+            "faults": {"workers_killed": len(self.kills), **faults, "storm_streams": storm["placed"]},
             "kills": self.kills,
             "recovery_s": {"p50": statistics.median(recoveries) if recoveries else None,
                            "max": max(recoveries, default=None)},
@@ -338,7 +355,8 @@ class Soak:
 
     def _recovery(self, kill: dict[str, Any]) -> dict[str, Any]:
         """What one kill cost the requests in flight at that moment. Those the router retried after the
-        kill were affected: from the kill to their retry (detection) and to their next token (recovery).
+        kill were affected: from the kill to their retry (detection) and to their first token after the
+        retry (recovery; a token the dead worker sent just before dying can arrive after the kill).
         Every one of them: the longest wait for a next token that spans the kill."""
         at, wall = kill.pop("at"), kill.pop("wall")
         in_flight = [self.streams[i] for i in kill.pop("in_flight")]
@@ -352,7 +370,7 @@ class Soak:
             retried = [t for t in since_kill if t >= 0]
             if retried:
                 detect.append(min(retried))
-                recover.append(next((t - at for t in s.token_times if t > at), s.ended - at))
+                recover.append(next((t - at for t in s.token_times if t - at > min(retried)), s.ended - at))
         return {"in_flight": len(in_flight), "affected": len(recover),
                 "detect_s": max(detect, default=None), "recovery_s": max(recover, default=0.0),
                 "longest_wait_s": max(waits, default=0.0)}

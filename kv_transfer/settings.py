@@ -24,6 +24,7 @@ class TransferSettings:
     lease_s: float = 30.0
     reserve_wait_s: float = 10.0
     ttft_slo_s: float | None = None  # the level controller fits each transfer into it
+    recompute: bool = True  # the decode worker may recompute the KV instead when that is faster
     # The cluster's secret (the manifest's `security.cluster_secret`): authenticates the KV channels,
     # and the workers' token and KV event streams too (they get it with these settings). None: off.
     secret: ClusterSecret | None = field(default=None, repr=False)

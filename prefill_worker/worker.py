@@ -365,7 +365,8 @@ class PrefillWorker:
         num_tokens = len(job.work.prompt_token_ids)
         first = lease.cached_blocks * layout.block_size
         transfer_s = controller.transfer_s((num_tokens - first) * layout.num_layers)
-        if lease.recompute_s is not None and transfer_s is not None and transfer_s > lease.recompute_s:
+        if self.kv.recompute and lease.recompute_s is not None and transfer_s is not None \
+                and transfer_s > lease.recompute_s:
             self.counters["recompute_chosen"] += 1
             return None
         job.transport = self._transport_name(lease)

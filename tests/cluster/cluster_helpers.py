@@ -18,13 +18,14 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
-    """A small test cluster. Every disaggregated request takes the KV transfer path unless the test
-    says otherwise (`router={"local_prefill_tokens": None}` measures conditional disaggregation's
-    threshold, which sends short prompts to their decode worker)."""
+    """A small test cluster. Every disaggregated request takes the KV transfer path and sends its KV
+    unless the test says otherwise (`router={"local_prefill_tokens": None}` measures conditional
+    disaggregation's threshold, which sends short prompts to their decode worker;
+    `kv_transfer={"recompute": True}` lets a slow link make the decode worker recompute the KV)."""
     router = {"local_prefill_tokens": 0, **extra.pop("router", {})}
     data = {
         "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
-        "kv_transfer": {"transport": transport, "lease_s": 5, **extra.pop("kv_transfer", {})},
+        "kv_transfer": {"transport": transport, "lease_s": 5, "recompute": False, **extra.pop("kv_transfer", {})},
         "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0", **extra.pop("server", {})},
         "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
         "router": router,

@@ -101,6 +101,25 @@ def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_ref
     assert_idle(cluster)
 
 
+def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(cluster, hf_reference):
+    def link(self, recompute: bool, bytes_per_s: float | None):
+        self.kv = dataclasses.replace(self.kv, recompute=recompute)
+        self._bandwidth = {peer: bytes_per_s for peer in self._bandwidth} if bytes_per_s else {}
+
+    prefill = worker(cluster, "prefill")
+    before = counters(cluster, "prefill")
+    on_worker(prefill, link, True, 1.0)  # one byte per second: any prompt is faster to recompute
+    try:
+        prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=36)[0]
+        assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    finally:
+        on_worker(prefill, link, False, None)
+    assert counters(cluster, "prefill")["recompute_chosen"] == before["recompute_chosen"] + 1
+    sent = last_transfer(cluster)
+    assert sent["recomputed"] and sent["bytes"] == 0
+    assert_idle(cluster)
+
+
 def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
     def offer(self, codecs):
         self.kv = dataclasses.replace(self.kv, codecs=tuple(codecs))
