@@ -47,7 +47,8 @@ from pdserve.router.placement import WorkerRef
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
-PROBE_S = 4.0  # each throughput probe around the storm
+PROBE_S = 6.0  # each throughput probe around the storm
+PROBE_PROMPTS = (8, 8, 256, 256)  # prompt lengths of the probe's streams
 SETTLE_S = 10.0  # before a third probe: is the second one the storm's after-effect or the steady state?
 VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
 STORM_PROMPT = 16
@@ -279,8 +280,12 @@ class Soak:
                 "tokens_per_s_before": before, "tokens_per_s_after": after, "tokens_per_s_settled": settled}
 
     async def _probe(self, client: AsyncClient) -> float:
-        """Generated tokens per second of 4 greedy streams back to back for PROBE_S."""
-        prompts = random_token_prompts([RequestShape(32, 0)] * 4, self.vocab, self.cfg.seed + 2)
+        """Generated tokens per second of 4 greedy streams back to back for PROBE_S: two short prompts
+        and two long ones, each far from the router's bound for prefilling on the decode worker
+        (measured 30 to 60 tokens here), so that every probe takes the same paths. A 32-token probe
+        sat on that bound and flipped between the paths with the step costs, by up to 40%."""
+        shapes = [RequestShape(n, 0) for n in PROBE_PROMPTS]
+        prompts = random_token_prompts(shapes, self.vocab, self.cfg.seed + 2)
         tokens, t_end = 0, time.monotonic() + PROBE_S
 
         async def loop_one(prompt: list[int]) -> None:

@@ -7,16 +7,21 @@ A step that computes N tokens, chunk i being m_i new tokens after p_i already in
 a: the fixed cost of a step (launch, scheduling, sampling), b: the per-token cost (the matmuls),
 c: attention over the context (for one fresh prompt of n tokens Q = n², the a + b·n + c·n² of the
 design). The fit starts from a profile taken when the worker starts (`engine.profiler`) and is
-refined online from every step the engine runs: the profile's samples stay as anchors, the latest
-`window` steps are added, and the three coefficients are refitted, non-negative, every
-`refit_every` steps. The router reads the coefficients (`coefficients`) from the worker's health
-report and predicts with `StepCost`; no torch here, so the router can import it.
+refined online from every step the engine runs: the profile's samples stay as anchors, the steps of
+the last `horizon_s` seconds (at most `window` of them) are added, and the three coefficients are
+refitted, non-negative, every `refit_every` steps, and on reading once steps have aged out. The
+horizon is in time, not steps, because conditions change: steps measured under an abort storm's
+contention made prompts look three times dearer, and a window of 512 steps kept them for seconds of
+serving after the storm (or for good, when no step followed). The router reads the coefficients
+(`coefficients`) from the worker's health report and predicts with `StepCost`; no torch here, so
+the router can import it.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,13 +95,23 @@ def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 class StepCostModel:
     """Thread-safe: the engine loop observes, any thread reads `coefficients`."""
 
-    def __init__(self, window: int = 512, refit_every: int = 32) -> None:
+    def __init__(self, window: int = 512, refit_every: int = 32, horizon_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._anchors: list[tuple[float, float, float]] = []  # the start-up profile: kept for good
-        self._recent: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=window)  # (time, tokens, quad, s)
         self._refit_every = refit_every
         self._since_fit = 0
+        self.horizon_s = horizon_s
+        self._clock = clock
         self._lock = threading.Lock()
-        self.coefficients = StepCost()
+        self._coefficients = StepCost()
+
+    @property
+    def coefficients(self) -> StepCost:
+        """The current fit; refitted first when recent steps have aged past the horizon since."""
+        with self._lock:
+            aged = bool(self._recent) and self._recent[0][0] < self._clock() - self.horizon_s
+        return self.refit() if aged else self._coefficients
 
     def add_profile(self, samples: list[tuple[int, int, float]]) -> None:
         """(tokens, quad, seconds) of the start-up profile; fits at once. The steps observed so far (the
@@ -110,7 +125,7 @@ class StepCostModel:
         if tokens <= 0:
             return
         with self._lock:
-            self._recent.append((float(tokens), float(quad), float(seconds)))
+            self._recent.append((self._clock(), float(tokens), float(quad), float(seconds)))
             self._since_fit += 1
             due = self._since_fit >= self._refit_every
         if due:
@@ -118,10 +133,13 @@ class StepCostModel:
 
     def refit(self) -> StepCost:
         with self._lock:
-            samples = self._anchors + list(self._recent)
+            oldest = self._clock() - self.horizon_s
+            while self._recent and self._recent[0][0] < oldest:
+                self._recent.popleft()
+            samples = self._anchors + [step[1:] for step in self._recent]
             self._since_fit = 0
         if len(samples) >= 3:
             data = np.array(samples)
             features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-            self.coefficients = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
-        return self.coefficients
+            self._coefficients = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
+        return self._coefficients

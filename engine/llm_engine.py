@@ -6,7 +6,7 @@ engine: `add_request(..., prefill_only=True)` stops after the first token and ho
 sees each layer's KV the moment the forward pass has written it; on the receiving engine
 `begin_import` reserves blocks (sharing the leading ones its own prefix cache already holds, which
 then need no transfer), `import_kv` (or a direct write into the reserved blocks) fills them, and
-`commit_import(handoff)` puts the request into the running batch; `resume_request(handoff)` instead
+`commit_import(handoff)` queues the request for the batch (it takes the next free slot); `resume_request(handoff)` instead
 recomputes the KV from the tokens. `abort_request` frees whatever a request holds, in any state.
 """
 
@@ -324,7 +324,7 @@ class LLMEngine:
         seq.num_computed_tokens = reserved
         seq.exact_kv = exact
         self.scheduler.publish_full_blocks(seq)
-        self.scheduler.add_running(seq)
+        self.scheduler.add_ready(seq)
 
     def resume_request(self, handoff: RequestHandoff) -> None:
         """Continue a request from its tokens alone (prompt + those sampled so far), recomputing the KV

@@ -3,7 +3,8 @@
 Every sequence is a list of tokens of which the first `num_computed_tokens` have KV in the pool. A
 step gives each scheduled sequence a number of new tokens to compute: one for a decoding sequence,
 a chunk for one still prefilling. Running sequences are served first, in admission order; waiting
-ones are admitted while the token budget, `max_num_seqs` and free blocks allow. When a running
+ones are admitted while the token budget, `max_num_seqs` and free blocks allow, after committed
+imports (`ready`: KV already in the pool, waiting only for a batch slot). When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the head of the queue, to be recomputed (cheaply, through the
 prefix cache, when its blocks were not evicted in the meantime).
@@ -47,24 +48,26 @@ class Scheduler:
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.ready: deque[Sequence] = deque()  # committed imports, waiting for a batch slot
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose KV is already in the pool (an import that was committed)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add_ready(self, seq: Sequence) -> None:
+        """Queue a sequence whose KV is already in the pool (an import that was committed): it joins
+        the batch at the first step with a slot under `max_num_seqs`, before any waiting prompt."""
+        seq.status = SequenceStatus.WAITING
+        self.ready.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     @property
     def num_pending_tokens(self) -> int:
         """Tokens still to compute for every queued and running sequence (the work ahead)."""
-        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(s.num_uncomputed_tokens for s in self.running)
+        return sum(s.num_uncomputed_tokens for queue in (self.waiting, self.running, self.ready) for s in queue)
 
     # --- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -79,6 +82,19 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
             index += 1
+
+        while self.ready and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.ready[0]
+            n = min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
+            need = self._blocks_needed(seq, n)
+            if not self.pool.can_allocate(need):
+                break
+            self.ready.popleft()
+            seq.block_table.extend(self.pool.allocate(need))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -155,10 +171,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence; a prefill-only one keeps its blocks (HELD) until `release`."""
         seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.ready):
+            if seq in queue:
+                queue.remove(seq)
+                break
         if seq.prefill_only and reason == "prefilled":
             seq.status = SequenceStatus.HELD
             return

@@ -8,12 +8,16 @@ receiver answered its message. A frame larger than a slot travels inline in the 
 
 Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
 answered a message that used it (both have it mapped by then), so the memory goes away with the last
-mapping. A channel takes a segment from its transport's pool for the peer and returns it when it
-closes with nothing unanswered, so sequential transfers reuse one mapping.
+mapping. Until then the sender holds a lock on the file; a sender killed in between leaves a file
+nobody holds, which the next sender started on the node removes (`sweep_orphan_segments`). A channel
+takes a segment from its transport's pool for the peer and returns it when it closes with nothing
+unanswered, so sequential transfers reuse one mapping.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import re
@@ -42,22 +46,25 @@ FRAME, INLINE, RELEASE = b"F", b"I", b"R"
 _PARTS = {FRAME: 3, INLINE: 2, RELEASE: 1}  # after [kind, seq]: header, segment name, slot / header, payload / name
 
 
+log = logging.getLogger(__name__)
+
+
 class _Segment:
     def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
         self.name = f"pdserve-kv-{uuid.uuid4().hex}"
         self.slot_bytes = slot_bytes
         self.path: Path | None = SHM_DIR / self.name
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Open, and locked, for as long as the name is linked: the lock dies with this process.
+        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
             # Allocated now, not on first touch: a full /dev/shm is an error here, not a SIGBUS later.
-            os.posix_fallocate(fd, 0, slots * slot_bytes)
-            self.map = mmap.mmap(fd, slots * slot_bytes)
+            os.posix_fallocate(self._fd, 0, slots * slot_bytes)
+            self.map = mmap.mmap(self._fd, slots * slot_bytes)
         except OSError as e:
-            self.path.unlink(missing_ok=True)
+            self.unlink()
             raise TransferError(f"cannot make a {slots * slot_bytes >> 20} MiB shared memory segment in "
                                 f"{SHM_DIR}: {e}") from e
-        finally:
-            os.close(fd)
         self.free = list(range(slots))
 
     def unlink(self) -> None:
@@ -65,6 +72,7 @@ class _Segment:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+            os.close(self._fd)
 
     def close(self) -> None:
         self.unlink()
@@ -125,10 +133,34 @@ class ShmChannel:
                 self.transport.return_segment(self.address, self.segment)
 
 
+def sweep_orphan_segments(directory: Path = SHM_DIR) -> int:
+    """Remove the segment files no living sender holds locked: left by one killed between making a
+    segment and its receiver mapping it. Returns how many."""
+    removed = 0
+    for path in directory.glob("pdserve-kv-*"):
+        if not _NAME.fullmatch(path.name):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink(missing_ok=True)
+            removed += 1
+        except BlockingIOError:
+            pass  # its sender is alive
+        finally:
+            os.close(fd)
+    return removed
+
+
 class ShmSender:
     name = "shm"
 
     def __init__(self, secret: ClusterSecret | None = None) -> None:
+        if removed := sweep_orphan_segments():
+            log.warning("removed %d shared memory segment(s) left in %s by a KV sender that died", removed, SHM_DIR)
         self.secret = secret  # proves this side's membership on the control channel
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()

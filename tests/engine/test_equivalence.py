@@ -85,7 +85,7 @@ def test_preemption_under_a_tiny_pool(model_dirs, hf_reference, prefix_caching):
 def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_by_layer):
     prompts = random_prompts(6, hf_reference[arch].vocab_size, 1, 200, seed=11)
     prefill = make_engine(model_dirs, arch)
-    decode = make_engine(model_dirs, arch)
+    decode = make_engine(model_dirs, arch, max_num_seqs=4)  # 6 imports: 2 wait for a slot in the batch
     ids = [prefill.add_request(p, GREEDY, prefill_only=True) for p in prompts]
     while prefill.has_unfinished_requests():
         prefill.step()
@@ -107,6 +107,7 @@ def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_b
     done = {}
     while decode.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+        assert len(decode.scheduler.running) <= 4
     assert [done[i] for i in ids] == expected(hf_reference, arch, prompts)
     assert_pool_idle(decode)
 

@@ -4,6 +4,10 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -188,3 +192,27 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
         sender.close()
         receiver.stop()
     assert set(SHM_DIR.glob("pdserve-kv-*")) <= before
+
+
+def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
+    """A sender SIGKILLed after making a segment, before its receiver mapped it, leaves the file linked;
+    the next sender started on the node removes it, and leaves the segments of living senders alone."""
+    from pdserve.kv_transfer.transports.shm import SHM_DIR, _Segment, sweep_orphan_segments
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "from pdserve.kv_transfer.transports.shm import _Segment\n"
+                              "print(_Segment(slots=1, slot_bytes=4096).name, flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = SHM_DIR / child.stdout.readline().strip()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    living = _Segment(slots=1, slot_bytes=4096)
+    try:
+        assert orphan.is_file() and living.path.is_file()
+        assert sweep_orphan_segments() >= 1
+        assert not orphan.exists() and living.path.is_file()
+    finally:
+        living.close()
+        orphan.unlink(missing_ok=True)

@@ -145,6 +145,20 @@ def test_step_cost_model_recovers_coefficients_and_stays_non_negative():
     assert min(flat.coefficients.as_tuple()) >= 0
 
 
+def test_step_cost_model_forgets_steps_older_than_its_horizon():
+    """Steps slowed by contention (an abort storm) count only while recent: once they age out, the
+    next read refits from the profile and the newer steps, even when no step ran since."""
+    now = [0.0]
+    model = StepCostModel(refit_every=8, horizon_s=3.0, clock=lambda: now[0])
+    a, b, c = 0.01, 0.0004, 3e-7
+    model.add_profile([(n, n * n, a + b * n + c * n * n) for n in (4, 16, 64, 256, 1024)])
+    for n in range(200, 264):  # big decode batches, three times slower per token than profiled
+        model.observe(n, n * 300, a + 3 * b * n + c * n * 300)
+    assert model.coefficients.prefill_s(32) > 1.5 * (a + b * 32 + c * 32 * 32)
+    now[0] = 3.5
+    assert model.coefficients.b == pytest.approx(b, rel=0.01)
+
+
 # --- the router -----------------------------------------------------------------------------------------
 def cached(index: PrefixIndex, worker_name: str, prompt: list[int], blocks: int) -> None:
     hashes = hash_prompt_blocks(prompt, BS)[:blocks]
