@@ -125,7 +125,8 @@ class DecodeWorker:
         return self.receiver.renew(transfer_id)
 
     def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
-        """Admit the request; returns the layers still incomplete instead (see `KVReceiver.commit`)."""
+        """Queue the request for the batch (`decode_start`: from here on it is this worker's to decode);
+        returns the layers still incomplete instead (see `KVReceiver.commit`)."""
         request_id = handoff.request_id
         events = self._events[request_id] = {"transfer_end": time.time()}  # every frame has been delivered
         try:

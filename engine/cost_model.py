@@ -9,7 +9,8 @@ c: attention over the context (for one fresh prompt of n tokens Q = n², the a +
 design). The fit starts from a profile taken when the worker starts (`engine.profiler`) and is
 refined online from every step the engine runs: the profile's samples stay as anchors, the steps of
 the last `horizon_s` seconds (at most `window` of them) are added, and the three coefficients are
-refitted, non-negative, every `refit_every` steps, and on reading once steps have aged out. The
+refitted, non-negative, every `refit_every` steps, and on reading when no step has refitted them
+for a horizon. The
 horizon is in time, not steps, because conditions change: steps measured under an abort storm's
 contention made prompts look three times dearer, and a window of 512 steps kept them for seconds of
 serving after the storm (or for good, when no step followed). The router reads the coefficients
@@ -105,13 +106,15 @@ class StepCostModel:
         self._clock = clock
         self._lock = threading.Lock()
         self._coefficients = StepCost()
+        self._fitted_at = clock()
 
     @property
     def coefficients(self) -> StepCost:
-        """The current fit; refitted first when recent steps have aged past the horizon since."""
+        """The current fit; refitted first when no step has refitted it for a horizon (an idle engine
+        still holding the steps of a busy spell)."""
         with self._lock:
-            aged = bool(self._recent) and self._recent[0][0] < self._clock() - self.horizon_s
-        return self.refit() if aged else self._coefficients
+            stale = bool(self._recent) and self._fitted_at < self._clock() - self.horizon_s
+        return self.refit() if stale else self._coefficients
 
     def add_profile(self, samples: list[tuple[int, int, float]]) -> None:
         """(tokens, quad, seconds) of the start-up profile; fits at once. The steps observed so far (the
@@ -132,14 +135,14 @@ class StepCostModel:
             self.refit()
 
     def refit(self) -> StepCost:
-        with self._lock:
-            oldest = self._clock() - self.horizon_s
-            while self._recent and self._recent[0][0] < oldest:
+        with self._lock:  # the fit too (about a millisecond): concurrent refits land in order
+            self._fitted_at = now = self._clock()
+            while self._recent and self._recent[0][0] < now - self.horizon_s:
                 self._recent.popleft()
             samples = self._anchors + [step[1:] for step in self._recent]
             self._since_fit = 0
-        if len(samples) >= 3:
-            data = np.array(samples)
-            features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-            self._coefficients = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
-        return self._coefficients
+            if len(samples) >= 3:
+                data = np.array(samples)
+                features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+                self._coefficients = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
+            return self._coefficients

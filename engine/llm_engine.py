@@ -306,7 +306,7 @@ class LLMEngine:
         self.kv_cache.write([seq.block_table[i] for i in kv.block_indices], kv.data, kv.layer)
 
     def commit_import(self, handoff: RequestHandoff, exact: bool = True) -> None:
-        """The KV is complete: add the tokens sampled so far and put the request into the batch.
+        """The KV is complete: add the tokens sampled so far and queue the request for the batch.
         `exact`: False when the KV came through a lossy codec (it is then never cached as a prefix)."""
         seq = self.requests.get(handoff.request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:

@@ -87,7 +87,13 @@ class Scheduler:
             seq = self.ready[0]
             n = min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
             need = self._blocks_needed(seq, n)
-            if not self.pool.can_allocate(need):
+            # Imports queued behind it give their blocks back (recomputed later, through the prefix
+            # cache); with nothing running to finish and free blocks, at last the head itself does.
+            while not self.pool.can_allocate(need) and (len(self.ready) > 1 or not self.running):
+                victim = self.ready.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if not self.ready or self.ready[0] is not seq or not self.pool.can_allocate(need):
                 break
             self.ready.popleft()
             seq.block_table.extend(self.pool.allocate(need))

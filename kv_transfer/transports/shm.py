@@ -54,22 +54,30 @@ class _Segment:
         self.name = f"pdserve-kv-{uuid.uuid4().hex}"
         self.slot_bytes = slot_bytes
         self.path: Path | None = SHM_DIR / self.name
-        # Open, and locked, for as long as the name is linked: the lock dies with this process.
-        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._lock = threading.Lock()  # the owner's answer handler and a close may both unlink
+        # Open, and locked, for as long as the name is linked: the lock dies with this process. Made
+        # under a name the sweep ignores and renamed once locked, so no sweep sees it unlocked.
+        making = SHM_DIR / f".making-{self.name}"
+        self._fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             # Allocated now, not on first touch: a full /dev/shm is an error here, not a SIGBUS later.
             os.posix_fallocate(self._fd, 0, slots * slot_bytes)
             self.map = mmap.mmap(self._fd, slots * slot_bytes)
+            os.rename(making, self.path)
         except OSError as e:
-            self.unlink()
+            making.unlink(missing_ok=True)
+            self.path = None
+            os.close(self._fd)
             raise TransferError(f"cannot make a {slots * slot_bytes >> 20} MiB shared memory segment in "
                                 f"{SHM_DIR}: {e}") from e
         self.free = list(range(slots))
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid); once both sides mapped it, nothing can leak."""
-        if self.path is not None:
+        with self._lock:
+            if self.path is None:
+                return
             self.path.unlink(missing_ok=True)
             self.path = None
             os.close(self._fd)
@@ -146,10 +154,11 @@ def sweep_orphan_segments(directory: Path = SHM_DIR) -> int:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            path.unlink(missing_ok=True)
-            removed += 1
-        except BlockingIOError:
-            pass  # its sender is alive
+            if os.fstat(fd).st_nlink:  # not unlinked by its sender meanwhile
+                path.unlink()
+                removed += 1
+        except (BlockingIOError, FileNotFoundError):
+            pass  # its sender is alive, or was until it unlinked the file just now
         finally:
             os.close(fd)
     return removed

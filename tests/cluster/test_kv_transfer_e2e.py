@@ -102,18 +102,24 @@ def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_ref
 
 
 def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(cluster, hf_reference):
-    def link(self, recompute: bool, bytes_per_s: float | None):
+    def link(self, recompute: bool, bandwidth: dict | None) -> dict:
+        """Set the choice and the measured bandwidths (None: one byte/s to every peer); the old ones."""
+        old = self._bandwidth
         self.kv = dataclasses.replace(self.kv, recompute=recompute)
-        self._bandwidth = {peer: bytes_per_s for peer in self._bandwidth} if bytes_per_s else {}
+        self._bandwidth = dict.fromkeys(old, 1.0) if bandwidth is None else bandwidth
+        return old
 
+    vocab = hf_reference[ARCH].vocab_size
+    generate(cluster, random_prompts(1, vocab, 60, 60, seed=37)[0])  # sent: the frame sizes are measured
     prefill = worker(cluster, "prefill")
     before = counters(cluster, "prefill")
-    on_worker(prefill, link, True, 1.0)  # one byte per second: any prompt is faster to recompute
+    measured = on_worker(prefill, link, True, None)  # one byte per second: any prompt is faster to recompute
+    assert measured, "the launcher's probe measured no bandwidth"
     try:
-        prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=36)[0]
+        prompt = random_prompts(1, vocab, 60, 60, seed=36)[0]
         assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     finally:
-        on_worker(prefill, link, False, None)
+        on_worker(prefill, link, False, measured)
     assert counters(cluster, "prefill")["recompute_chosen"] == before["recompute_chosen"] + 1
     sent = last_transfer(cluster)
     assert sent["recomputed"] and sent["bytes"] == 0

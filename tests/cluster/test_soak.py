@@ -20,6 +20,6 @@ def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     assert sum(k["affected"] for k in report["kills"]) >= 1, report["kills"]
     assert all(k["recovery_s"] >= (k["detect_s"] or 0) >= 0 for k in report["kills"]), report["kills"]
     storm = report["storm"]
-    assert storm["placed"] == 200 and 0 < storm["opened"] <= 200 and not storm["refused"] and storm["freed"], storm
+    assert storm["placed"] >= 200 and 0 < storm["opened"] <= 200 and not storm["refused"] and storm["freed"], storm
     assert report["pools_free_at_end"] and report["audit"]["clean"], report["audit"]
     assert report["ok"]

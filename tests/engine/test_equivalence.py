@@ -80,12 +80,8 @@ def test_preemption_under_a_tiny_pool(model_dirs, hf_reference, prefix_caching):
     assert_pool_idle(engine_small)
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-mistral", "tiny-gemma2"])
-@pytest.mark.parametrize("layer_by_layer", [False, True])
-def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_by_layer):
-    prompts = random_prompts(6, hf_reference[arch].vocab_size, 1, 200, seed=11)
-    prefill = make_engine(model_dirs, arch)
-    decode = make_engine(model_dirs, arch, max_num_seqs=4)  # 6 imports: 2 wait for a slot in the batch
+def hand_over(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], layer_by_layer: bool = False) -> list[str]:
+    """Prefill `prompts` on `prefill`, move each one's KV into `decode` and commit it there."""
     ids = [prefill.add_request(p, GREEDY, prefill_only=True) for p in prompts]
     while prefill.has_unfinished_requests():
         prefill.step()
@@ -104,11 +100,44 @@ def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_b
         decode.commit_import(handoff)
         prefill.release(request_id)
     assert_pool_idle(prefill)
+    return ids
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-mistral", "tiny-gemma2"])
+@pytest.mark.parametrize("layer_by_layer", [False, True])
+def test_export_import_continues_exactly(model_dirs, hf_reference, arch, layer_by_layer):
+    prompts = random_prompts(6, hf_reference[arch].vocab_size, 1, 200, seed=11)
+    prefill = make_engine(model_dirs, arch)
+    decode = make_engine(model_dirs, arch, max_num_seqs=4)  # 6 imports: 2 wait for a slot in the batch
+    ids = hand_over(prefill, decode, prompts, layer_by_layer)
     done = {}
     while decode.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
         assert len(decode.scheduler.running) <= 4
     assert [done[i] for i in ids] == expected(hf_reference, arch, prompts)
+    assert_pool_idle(decode)
+
+
+def test_imports_that_fill_the_pool_still_complete_exactly(model_dirs, hf_reference):
+    """Three committed imports of two full blocks each hold all six blocks of the pool, and each needs
+    a seventh for its first step: those queued behind give their blocks back and are recomputed, so
+    all complete, token-exact. An import aborted while it waits for its slot frees its blocks."""
+    arch = "tiny-llama"
+    prefill = make_engine(model_dirs, arch)
+    decode = make_engine(model_dirs, arch, max_model_len=96, kv_memory_bytes=6 * prefill.kv_layout.bytes_per_block)
+    prompts = random_prompts(3, hf_reference[arch].vocab_size, 32, 32, seed=13)
+    ids = hand_over(prefill, decode, prompts)
+    assert decode.pool.num_free == 0
+    done = {}
+    for _ in range(200):  # bounded: a stuck engine fails here instead of hanging
+        if not decode.has_unfinished_requests():
+            break
+        done.update({o.request_id: o.token_ids for o in decode.step() if o.finished})
+    assert [done.get(i) for i in ids] == expected(hf_reference, arch, prompts)
+    assert decode.scheduler.num_preemptions >= 1
+    assert_pool_idle(decode)
+    [waiting] = hand_over(prefill, decode, prompts[:1])
+    assert decode.abort_request(waiting)
     assert_pool_idle(decode)
 
 
