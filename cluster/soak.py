@@ -238,8 +238,11 @@ class Soak:
         the storm hits streams in every state (streaming, transferring, queued)."""
         cfg, loop = self.cfg, asyncio.get_running_loop()
         before = await self._probe(client)
-        routed_before = self.cluster.router_stats()["requests_routed"]
+        routed_before = self.cluster.router.stats.requests_routed
         started = 0
+
+        def placed_now() -> int:  # placements count a retried stream again: at most every stream
+            return min(cfg.storm, self.cluster.router.stats.requests_routed - routed_before)
 
         async def hold(prompt: list[int]) -> None:
             nonlocal started
@@ -255,11 +258,9 @@ class Soak:
             await asyncio.sleep(0.05)
             if started > seen:
                 seen, last_start = started, time.monotonic()
-            placed = self.cluster.router_stats()["requests_routed"] - routed_before
-            if placed >= cfg.storm and time.monotonic() - last_start > STORM_QUIET_S:
+            if placed_now() == cfg.storm and time.monotonic() - last_start > STORM_QUIET_S:
                 break  # every stream is placed and no more are starting: the rest are queued
-        # Placements count a retried stream again: at most every stream is placed.
-        opened, placed = started, min(cfg.storm, self.cluster.router_stats()["requests_routed"] - routed_before)
+        opened, placed = started, placed_now()
         t_cancel = time.monotonic()
         for t in tasks:
             t.cancel()
@@ -375,8 +376,8 @@ class Soak:
                           if name.startswith("retry_")]
             retried = [t for t in since_kill if t >= 0]
             if retried:
-                detect.append(min(retried))
-                recover.append(next((t - at for t in s.token_times if t - at > min(retried)), s.ended - at))
+                detect.append(first := min(retried))
+                recover.append(next((t - at for t in s.token_times if t - at > first), s.ended - at))
         return {"in_flight": len(in_flight), "affected": len(recover),
                 "detect_s": max(detect, default=None), "recovery_s": max(recover, default=0.0),
                 "longest_wait_s": max(waits, default=0.0)}

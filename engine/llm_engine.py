@@ -6,8 +6,9 @@ engine: `add_request(..., prefill_only=True)` stops after the first token and ho
 sees each layer's KV the moment the forward pass has written it; on the receiving engine
 `begin_import` reserves blocks (sharing the leading ones its own prefix cache already holds, which
 then need no transfer), `import_kv` (or a direct write into the reserved blocks) fills them, and
-`commit_import(handoff)` queues the request for the batch (it takes the next free slot); `resume_request(handoff)` instead
-recomputes the KV from the tokens. `abort_request` frees whatever a request holds, in any state.
+`commit_import(handoff)` queues the request for the batch (it takes the next free slot);
+`resume_request(handoff)` instead recomputes the KV from the tokens. `abort_request` frees whatever
+a request holds, in any state.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Scheduler:
                 victim = self.ready.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
-            if not self.ready or self.ready[0] is not seq or not self.pool.can_allocate(need):
+            if not self.ready or not self.pool.can_allocate(need):  # empty: the head itself gave way
                 break
             self.ready.popleft()
             seq.block_table.extend(self.pool.allocate(need))
