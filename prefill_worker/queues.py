@@ -4,8 +4,9 @@ With one queue a short prompt waits behind every long prompt ahead of it. Length
 She et al., "A Length-Aware-Prefill LLM Serving System", 2026): prompts whose uncached part is at
 most `short_tokens` go to a short queue that goes first; a short batch is released when its oldest
 prompt has waited `window_s` (so shorts arriving together share one step) or when it fills the
-step's room for shorts; a long prompt starts when no short batch is due and no other long prompt is
-still in its prompt pass. The engine chunks long prompts and runs a running chunk and newly
+step's room for shorts; a long prompt starts when no short batch is due and no other long prompt has
+more than its last chunk to compute (the worker's `long_busy`: the next long reserves its decode
+blocks while that chunk runs). The engine chunks long prompts and runs a running chunk and newly
 admitted shorts in one step, so a short prompt waits behind at most one chunk.
 """
 

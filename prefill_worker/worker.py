@@ -300,7 +300,16 @@ class PrefillWorker:
             return [j for j in self._jobs.values() if j.short == short and j.state in ("reserving", "prefilling")]
 
     def _long_busy(self) -> bool:
-        return bool(self._in_pass(short=False))
+        """Whether a long prompt holds the engine beyond its last chunk. The next long starts (reserves,
+        joins the engine) while that last chunk runs: waiting for the whole pass left the engine idle
+        for every long prompt's reservation, a quarter of a worker's throughput in a burst. It joins the
+        step after, so a short still waits behind one chunk at most."""
+        chunk = self.engine.config.chunk_limit
+        for job in self._in_pass(short=False):
+            seq = self.engine.requests.get(job.request_id)  # None while reserving
+            if seq is None or seq.num_uncomputed_tokens > chunk:
+                return True
+        return False
 
     def _short_inflight(self) -> int:
         return sum(j.new_tokens for j in self._in_pass(short=True))

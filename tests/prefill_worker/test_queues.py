@@ -1,0 +1,54 @@
+"""LAPS's two queues on a prefill worker: what `take` releases, and when."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.prefill_worker.queues import PrefillQueues
+
+
+def never() -> bool:
+    return False
+
+
+def none_inflight() -> int:
+    return 0
+
+
+def test_one_fcfs_queue_releases_in_arrival_order() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(False)
+    for job, tokens in (("long", 500), ("short", 8), ("long2", 300)):
+        queues.put(job, tokens)
+    taken = [job for _ in range(3) for job in queues.take(0.1, lambda: True, none_inflight)]
+    assert taken == ["long", "short", "long2"]  # a busy long holds nothing back in one FCFS queue
+    assert not queues.is_short(8)
+
+
+def test_shorts_pass_a_waiting_long_and_leave_as_one_batch() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=100)
+    queues.put("long", 500)
+    queues.put("s1", 8)
+    queues.put("s2", 30)
+    assert queues.take(0.1, lambda: True, none_inflight) == ["s1", "s2"]
+    assert queues.take(0.05, lambda: True, none_inflight) == []  # a long still holds the engine: the next waits
+    assert queues.take(0.1, never, none_inflight) == ["long"]
+
+
+def test_a_short_batch_waits_for_its_window_unless_it_fills_the_room() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.2, short_room=40)
+    queues.put("s1", 8)
+    t0 = time.monotonic()
+    assert queues.take(1.0, never, none_inflight) == ["s1"]
+    assert time.monotonic() - t0 >= 0.19  # released by its window
+    queues.put("s2", 30)
+    queues.put("s3", 30)  # 60 tokens queued: more than the room, so the batch leaves at once
+    t0 = time.monotonic()
+    assert queues.take(1.0, never, none_inflight) == ["s2"]  # as many as fit the room (always at least one)
+    assert time.monotonic() - t0 < 0.15
+
+
+def test_shorts_in_flight_use_up_the_room() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=40)
+    queues.put("s1", 8)
+    assert queues.take(0.05, never, lambda: 40) == []  # the step's room for shorts is taken
+    assert queues.take(0.1, never, lambda: 20) == ["s1"]
