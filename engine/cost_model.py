@@ -12,9 +12,9 @@ the last `horizon_s` seconds (at most `window` of them) are added, and the three
 refitted, non-negative, every `refit_every` steps, and on reading when no step has refitted them
 for a horizon. The horizon is in time, not steps, because conditions change: steps measured under
 an abort storm's contention made prompts look three times dearer, and a window of 512 steps kept
-them for seconds of serving after the storm (or for good, when no step followed). The router reads the coefficients
-(`coefficients`) from the worker's health report and predicts with `StepCost`; no torch here, so
-the router can import it.
+them for seconds of serving after the storm (or for good, when no step followed). The router reads
+the coefficients (`coefficients`) from the worker's health report and predicts with `StepCost`; no
+torch here, so the router can import it.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Each request is a job that moves through
 `prefill` only queues the job (bounded: past `max_queued` the request fails at once with
 RESOURCE_EXHAUSTED), in one FCFS line or in LAPS's short and long queues (`queues`). One feeder
 thread takes jobs when they are due (FCFS: when the engine has less than one step's budget of work
-ahead, so a reservation is made just before the prompt pass, not while the job queues), reserves blocks on the chosen decode worker (the lease; the decode side waits a
-bounded time for free blocks; the lease says which leading blocks it already holds and which codec
-it agreed to), opens a channel on the transport chosen for the pair, and adds the prompt to the
+ahead, so a reservation is made just before the prompt pass, not while the job queues; LAPS: a long
+prompt when the one before is on its last chunk), reserves blocks on the chosen decode worker (the
+lease; the decode side waits a bounded time for free blocks; the lease says which leading blocks it
+already holds and which codec it agreed to), opens a channel on the transport chosen for the pair, and adds the prompt to the
 engine with `prefill_only`. During the forward pass the engine's layer hook hands each layer of each
 chunk, as soon as it is written, to a sender thread, which sends what the decode worker lacks of it
 (`kv_transfer.sender`; the level controller picks each frame's quality level). After the last layer
