@@ -212,7 +212,7 @@ class DecodeWorker:
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
                            finish_reason=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events,
-                           cached_tokens=out.num_cached_tokens)
+                           cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
 
     def _on_loop_fatal(self, error: BaseException) -> None:
         self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")

@@ -116,3 +116,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled"
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0
+
+    @property
+    def first_new_index(self) -> int:
+        """The output position of `new_token_ids[0]`."""
+        return len(self.token_ids) - len(self.new_token_ids)

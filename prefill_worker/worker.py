@@ -414,14 +414,14 @@ class PrefillWorker:
                 events["transfer_start"] = job.transfer.events["transferring"]
             if out.finish_reason == "prefilled":
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
-                               cached_tokens=out.num_cached_tokens)
+                               cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
                 handoff = self.engine.export_handoff(out.request_id)
                 job.state = "committing"
                 self._finishers.submit(self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                finish_reason=out.finish_reason, text=out.text, events=events,
-                               cached_tokens=out.num_cached_tokens)
+                               cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
                 self._finish(job, reason="request finished at prefill")
 
     def _on_loop_fatal(self, error: BaseException) -> None:

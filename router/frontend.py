@@ -239,7 +239,7 @@ class ActiveRequest:
                     raise RequestFailed(UNAVAILABLE, f"{cause}; no worker to retry on within {budget.wait_s:.0f} s: "
                                                      f"{e}") from None
                 await asyncio.sleep(RETRY_POLL_S)
-        self._queue = frontend.hub.subscribe(self.work.request_id)
+        self._queue = frontend.hub.subscribe(self.work.request_id, first_index=len(self.generated))
         self._attempt_started = False
         try:
             _dispatch(self.work, self.placement, self.generated, self.logprobs)

@@ -1,7 +1,9 @@
 """The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues.
 
-Messages are `pdserve.wire.TokenMessage`s. One that does not parse is dropped and counted
-(`malformed`), never fatal: the hub serves every other request on. If the hub's thread itself fails,
+Messages are `pdserve.wire.TokenMessage`s. Each request's reach its queue in output order
+(`OutputOrder`): its first token comes from the prefill worker and the rest from the decode worker,
+over two sockets that the PULL socket reads fairly, not in the order they were sent. One that does
+not parse is dropped and counted (`malformed`), never fatal: the hub serves every other request on. If the hub's thread itself fails,
 every waiting request gets an INTERNAL error naming the cause and `error` is set (the router then
 refuses new requests and reports NOT_SERVING) instead of leaving streams waiting forever.
 """
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.router.zmq_pull import bind_pull, drain
 from pdserve.threads import start_guarded
@@ -20,24 +23,58 @@ from pdserve.wire import INTERNAL, ClusterSecret, MalformedMessage, TokenMessage
 log = logging.getLogger(__name__)
 
 
+class OutputOrder:
+    """One request's token messages put back in output order by their `first_index`. An error acts at
+    once, whatever its position: the request ends, or is tried again under another id."""
+
+    def __init__(self, next_index: int = 0) -> None:
+        self.next_index = next_index  # the output position of the next token to deliver
+        self._early: list[TokenMessage] = []  # arrived before a message they follow
+
+    def add(self, message: TokenMessage) -> list[TokenMessage]:
+        """The messages that can be delivered now, in order (none while one before them is missing)."""
+        if message.error:
+            return [message]
+        if message.first_index < self.next_index:  # no worker sends a position twice: a bug, not a race
+            log.warning("dropped a token message of %s at output position %d, already delivered up to %d",
+                        message.request_id, message.first_index, self.next_index)
+            return []
+        self._early.append(message)
+        ready = []
+        while (nxt := next((m for m in self._early if m.first_index == self.next_index), None)) is not None:
+            self._early.remove(nxt)
+            ready.append(nxt)
+            self.next_index += len(nxt.token_ids)
+        return ready
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenMessage]
+    order: OutputOrder = field(default_factory=OutputOrder)
+
+
 class TokenStreamHub:
     def __init__(self, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
         self._socket, self.address = bind_pull(host, secret)
         self.malformed = 0
         self.error: str | None = None
         self.on_error: Callable[[], None] = lambda: None  # the router server publishes NOT_SERVING
-        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenMessage]]] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = start_guarded("token-hub", self._run, self._crashed)
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[TokenMessage]:
-        """Messages for `request_id` arrive on the returned queue (call from the consuming event loop)."""
+    def subscribe(self, request_id: str, first_index: int = 0) -> asyncio.Queue[TokenMessage]:
+        """Messages for `request_id` arrive on the returned queue in output order, starting at output
+        position `first_index` (the tokens a resumed request's client already has come before it).
+        Call from the consuming event loop."""
         queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
         with self._lock:
             if self.error is not None:  # checked under the lock `_crashed` sets it under: no stream is missed
                 queue.put_nowait(self._failure(request_id))
-            self._subscribers[request_id] = (asyncio.get_running_loop(), queue)
+            self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, OutputOrder(first_index))
         return queue
 
     def unsubscribe(self, request_id: str) -> None:
@@ -53,9 +90,9 @@ class TokenStreamHub:
         with self._lock:
             self.error = f"{type(error).__name__}: {error}"
             waiting = list(self._subscribers.items())
-        for request_id, (loop, queue) in waiting:
+        for request_id, subscriber in waiting:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, self._failure(request_id))
+                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, self._failure(request_id))
             except RuntimeError:  # that stream's event loop is closed: nobody is waiting there
                 pass
         self.on_error()
@@ -75,7 +112,9 @@ class TokenStreamHub:
             log.warning("dropped a malformed token message (%d so far): %s", self.malformed, e)
             return
         with self._lock:
-            target = self._subscribers.get(message.request_id)
-        if target is not None:  # messages of requests nobody waits for (cancelled) are dropped
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, message)
+            subscriber = self._subscribers.get(message.request_id)
+            if subscriber is None:  # messages of requests nobody waits for (cancelled) are dropped
+                return
+            ready = subscriber.order.add(message)
+        for message in ready:  # queued in this order: the event loop runs its callbacks in call order
+            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, message)

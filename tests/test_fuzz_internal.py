@@ -46,7 +46,8 @@ def token_messages(request_id: st.SearchStrategy[str]) -> st.SearchStrategy[Toke
     return st.builds(
         TokenMessage, request_id=request_id, token_ids=st.lists(U32, max_size=20), logprobs=st.lists(F32, max_size=20),
         finish_reason=ODD_TEXT, text=ODD_TEXT, error=ODD_TEXT, error_code=ODD_TEXT,
-        events=st.dictionaries(ODD_TEXT, st.floats(), max_size=4), cached_tokens=U32)
+        events=st.dictionaries(ODD_TEXT, st.floats(), max_size=4), cached_tokens=U32,
+        first_index=st.one_of(st.integers(0, 30), U32))
 
 
 TOKEN_GOOD = token_messages(st.one_of(st.just(GOOD_ID), ODD_TEXT.filter(bool))).map(TokenMessage.SerializeToString)
@@ -116,8 +117,19 @@ def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch)
             hub.unsubscribe(GOOD_ID)
             hub.unsubscribe(sentinel)
 
-    # Every good message of the request, in order, intact (as bytes: NaN != NaN in a message's fields).
-    assert asyncio.run(exchange()) == [parse_token_message(d).SerializeToString(deterministic=True) for d in mine]
+    # The request's good messages come through intact (as bytes: NaN != NaN in a message's fields), in
+    # output order: every error; the others as the longest chain from position 0 that they allow.
+    delivered_bytes = asyncio.run(exchange())
+    sent = [parse_token_message(d) for d in mine]
+    assert Counter(delivered_bytes) <= Counter(m.SerializeToString(deterministic=True) for m in sent)
+    delivered = [parse_token_message(d) for d in delivered_bytes]
+    assert sum(bool(m.error) for m in delivered) == sum(bool(m.error) for m in sent)
+    position = 0
+    for m in (m for m in delivered if not m.error):
+        assert m.first_index == position, (m.first_index, position)
+        position += len(m.token_ids)
+    held = [m for m in sent if not m.error and m.SerializeToString(deterministic=True) not in delivered_bytes]
+    assert all(m.first_index != position for m in held), "a message that continues the chain was held"
     assert hub.error is None
     SENT["token_stream"] += len(batch)
     SENT["token_stream_bad"] += bad

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.token_hub import TokenStreamHub
+from pdserve.router.token_hub import OutputOrder, TokenStreamHub
 from pdserve.wire import MalformedMessage, TokenMessage, TokenSink, WorkRequest, parse_token_message
 
 
@@ -47,7 +47,7 @@ def test_hub_delivers_token_messages_and_drops_malformed_ones():
             raw.send(b"\x0a\xff")
             raw.send(TokenMessage(token_ids=[1]).SerializeToString())
             sink.send("r1", [5, 6], logprobs=[-0.5, -1.0], events={"prefill_start": 1.5}, cached_tokens=3)
-            sink.send("r1", [7], finish_reason="length", text="abc")
+            sink.send("r1", [7], finish_reason="length", text="abc", first_index=2)
             first = await asyncio.wait_for(queue.get(), 5)
             last = await asyncio.wait_for(queue.get(), 5)
             deadline = time.monotonic() + 5  # the two sockets' messages may interleave either way
@@ -64,3 +64,44 @@ def test_hub_delivers_token_messages_and_drops_malformed_ones():
     assert dict(first.events) == {"prefill_start": 1.5} and first.cached_tokens == 3 and not first.finish_reason
     assert list(last.token_ids) == [7] and last.finish_reason == "length" and last.text == "abc"
     assert malformed == 2
+
+
+def test_a_request_s_messages_reach_it_in_output_order_across_workers():
+    """The reported failure: the decode worker's tokens overtook the prefill worker's first token
+    (two sockets) and the stream ended without it. Here the decode side's messages go out first."""
+    async def scenario() -> tuple[list[list[int]], list[list[int]]]:
+        hub = TokenStreamHub("127.0.0.1")
+        prefill, decode = TokenSink(hub.address), TokenSink(hub.address)
+        try:
+            fresh = hub.subscribe("r1")
+            resumed = hub.subscribe("r2", first_index=3)  # a retry: the client has 3 tokens already
+            decode.send("r1", [11], first_index=1)
+            decode.send("r1", [12, 13], first_index=2)
+            decode.send("r1", [14], finish_reason="length", first_index=4)
+            decode.send("r2", [21], finish_reason="length", first_index=4)
+            decode.send("r2", [20], first_index=3)
+            await asyncio.sleep(0.3)  # all four of r1's later messages are in, and held
+            assert fresh.empty()
+            prefill.send("r1", [10], cached_tokens=5, first_index=0)
+            got = [await asyncio.wait_for(fresh.get(), 5) for _ in range(4)]
+            got_resumed = [await asyncio.wait_for(resumed.get(), 5) for _ in range(2)]
+            return [list(m.token_ids) for m in got], [list(m.token_ids) for m in got_resumed]
+        finally:
+            prefill.close()
+            decode.close()
+            hub.close()
+
+    fresh, resumed = asyncio.run(scenario())
+    assert fresh == [[10], [11], [12, 13], [14]]
+    assert resumed == [[20], [21]]
+
+
+def test_an_error_is_delivered_at_once_and_a_repeated_position_is_dropped():
+    order = OutputOrder()
+    assert order.add(TokenMessage(request_id="r", token_ids=[2], first_index=1)) == []
+    failure = TokenMessage(request_id="r", error="peer lost", error_code="UNAVAILABLE", first_index=7)
+    assert order.add(failure) == [failure]  # the request is retried now, not after a gap that may never fill
+    first = TokenMessage(request_id="r", token_ids=[1], first_index=0)
+    assert [list(m.token_ids) for m in order.add(first)] == [[1], [2]] and order.next_index == 2
+    assert order.add(TokenMessage(request_id="r", token_ids=[9], first_index=1)) == []  # a second position 1
+    assert order.next_index == 2
