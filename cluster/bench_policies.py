@@ -140,7 +140,8 @@ MIN_RATE_FACTOR = 0.5  # the goodput search goes no lower than this x the common
 
 ROUTER_COUNTERS = ("requests_routed", "prompt_tokens", "predicted_cached_tokens", "oracle_cached_tokens",
                    "local_prefills", "early_rejections")
-ROUTER_SETTINGS = ("prefill_policy", "decode_policy", "short_prompt_tokens", "local_prefill_tokens")
+ROUTER_SETTINGS = ("prefill_policy", "decode_policy", "short_prompt_tokens", "long_chunk_tokens",
+                   "local_prefill_tokens")
 
 # The run-time estimate: a cluster's start and stop, its warm-up, one idle request, the rate assumed
 # before calibration. Each search run lasts about as long as the first (it goes up as often as down).

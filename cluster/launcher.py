@@ -162,7 +162,8 @@ class Cluster:
             r = m.router
             window = None if r.short_batch_window_ms is None else r.short_batch_window_ms / 1000
             kwargs.update(max_queued=r.max_queued_prefills, length_aware=r.laps,
-                          short_prompt_tokens=r.short_prompt_tokens, short_batch_window_s=window)
+                          short_prompt_tokens=r.short_prompt_tokens, short_batch_window_s=window,
+                          long_chunk_tokens=r.long_prompt_chunk_tokens)
         return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode",
                          handle=actor.remote(*args, **kwargs))
 

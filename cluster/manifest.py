@@ -63,10 +63,11 @@ class RouterSpec(_Strict):
     reject_factor: float = Field(2.0, gt=0)
     # Length-aware prefill (LAPS): short prompts in their own queue, batched within a short window;
     # long ones chunked. None: on with the pdserve prefill policy. The threshold and the window are
-    # measured on the worker at start-up unless set.
+    # measured on the worker at start-up unless set; the chunk is half the step budget unless set.
     length_aware: bool | None = None
     short_prompt_tokens: int | None = Field(None, ge=1)
     short_batch_window_ms: float | None = Field(None, ge=0)
+    long_prompt_chunk_tokens: int | None = Field(None, ge=1)
     # Conditional disaggregation: a prompt whose uncached part is at most this prefills on its decode
     # worker. None: measured with the pdserve prefill policy (prefill compute vs transfer), else off; 0: off.
     local_prefill_tokens: int | None = Field(None, ge=0)

@@ -75,7 +75,6 @@ PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one i
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
 _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
-CHUNK_OVERHEAD = 8  # LAPS chunks: a step's fixed cost is at most 1/8 of a chunk's compute
 
 
 @dataclass(eq=False)
@@ -106,7 +105,8 @@ class PrefillWorker:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, max_queued: int = 64, kv_events: str | None = None,
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
-                 short_batch_window_s: float | None = None, faults: FaultSettings | None = None) -> None:
+                 short_batch_window_s: float | None = None, long_chunk_tokens: int | None = None,
+                 faults: FaultSettings | None = None) -> None:
         self.worker_id = worker_id
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
@@ -115,7 +115,7 @@ class PrefillWorker:
         self.node_ip = ray.util.get_node_ip_address()
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
-        self._laps = (length_aware, short_prompt_tokens, short_batch_window_s)
+        self._laps = (length_aware, short_prompt_tokens, short_batch_window_s, long_chunk_tokens)
         self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS's up from the measured costs
         self._profiled = False
         self.engine.set_layer_hook(self._push_layer)
@@ -157,11 +157,14 @@ class PrefillWorker:
         self._profiled = True
         return self.ping()
 
-    def _make_queues(self, length_aware: bool, short_tokens: int | None, window_s: float | None) -> PrefillQueues:
-        """LAPS settings not given are derived from the measured step cost: a prompt is short when its
-        compute costs no more than a step's fixed cost (batching shorts then nearly divides their
-        cost); shorts wait at most one fixed cost to be batched; long prompts are chunked where the
-        fixed cost is 1/CHUNK_OVERHEAD of a chunk's compute, so a short waits behind little work."""
+    def _make_queues(self, length_aware: bool, short_tokens: int | None, window_s: float | None,
+                     chunk_tokens: int | None) -> PrefillQueues:
+        """LAPS settings not given are derived: a prompt is short when its compute costs no more than a
+        step's fixed cost (measured; batching shorts then nearly divides their cost); shorts wait at
+        most one fixed cost to be batched; long prompts are chunked at half the step budget, the other
+        half being the shorts' room, so a short waits behind at most half a step of long work. Smaller
+        chunks (where the fixed cost was 1/8 of a chunk's compute, ~250 tokens here) cost long prompts
+        a third more TTFT p90 with four workers sharing two cores (docs/benchmarks.md, issue 8)."""
         config, cost = self.engine.config, self.engine.step_costs.coefficients
         if not length_aware or (cost.a <= 0 and short_tokens is None):  # no fixed cost measured: no shorts
             return PrefillQueues(False)
@@ -169,8 +172,7 @@ class PrefillWorker:
         half = max(1, budget // 2)  # a step holds a chunk and a batch of shorts
         limit = min(half, self.engine.max_model_len)
         short = min(short_tokens or max(1, cost.max_tokens_within(cost.a, limit)), half)
-        chunk = max(config.block_size, short, cost.max_tokens_within(CHUNK_OVERHEAD * cost.a, budget))
-        chunk = min(chunk, max(half, budget - short))
+        chunk = min(max(chunk_tokens or half, short), max(half, budget - short))
         config.prefill_chunk_size = chunk
         window = cost.a if window_s is None else window_s
         return PrefillQueues(True, short, window, short_room=config.max_num_batched_tokens - chunk)

@@ -155,7 +155,8 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
 @pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-gemma2"])
 def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs, hf_reference, arch):
     """The equivalence matrix across the pools: concurrent prompts across block boundaries, prompts
-    chunked by a 64-token step budget, shared prefixes hitting the prefill worker's cache; Gemma 2 also
+    chunked by a 64-token step budget (and by the manifest's LAPS chunk of 24 tokens, or the short
+    threshold where that is longer), shared prefixes hitting the prefill worker's cache; Gemma 2 also
     brings its 24-token windows and soft-capping through the KV handoff."""
     vocab = hf_reference[arch].vocab_size
     shared = random_prompts(1, vocab, 70, 70, seed=21)[0]
@@ -169,8 +170,10 @@ def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs,
                 client.generate(p, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts))
             return [warm, *rest]
 
-    with Cluster(manifest(model_dirs[arch], "disaggregated", "grpc", max_num_batched_tokens=64),
-                 log=lambda _: None) as cluster:
+    with Cluster(manifest(model_dirs[arch], "disaggregated", "grpc", max_num_batched_tokens=64,
+                          router={"long_prompt_chunk_tokens": 24}), log=lambda _: None) as cluster:
+        (prefill,) = [ray.get(w.handle.ping.remote()) for w in cluster.workers if w.pool == "prefill"]
+        assert prefill["chunk_tokens"] == max(24, prefill["short_prompt_tokens"])
         results = asyncio.run(run(cluster.address))
         assert [r.token_ids for r in results] == [hf_reference[arch].greedy(p, NEW_TOKENS)
                                                   for p in [shared, *prompts]]
