@@ -29,8 +29,8 @@ mid-commit frees this side's blocks within the lease, not after every bounded wa
 router retries the request.
 
 Before serving, the worker profiles its prompt passes (`profile`, called by the launcher, and by the
-supervisor after a restart); its health report carries the fitted step cost, the LAPS threshold and
-chunk derived from it, and whether it has been profiled. It publishes every change of its prefix
+supervisor after a restart); its health report carries the fitted step cost, the LAPS threshold
+derived from it, the LAPS chunk, and whether it has been profiled. It publishes every change of its prefix
 cache to the router (`pdserve.kv_events`).
 """
 
