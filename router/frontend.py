@@ -39,6 +39,9 @@ from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAIL
 log = logging.getLogger(__name__)
 lifetime_log = logging.getLogger("pdserve.lifetime")
 DEAD_WORKER_CHECK_S = 0.5  # how often a waiting stream looks whether its workers are still healthy
+# Later tokens held this long for an earlier one: that one was lost (its worker died with it unsent,
+# and may be back already), so the attempt is retried from the tokens the client has.
+LOST_MESSAGE_S = 2.0
 RETRY_POLL_S = 0.1  # how often a retry that found no healthy worker looks again
 # A worker's fault or a failed transfer: another worker may well serve the request.
 RETRYABLE = (INTERNAL, UNAVAILABLE)
@@ -180,6 +183,9 @@ class ActiveRequest:
                 dead = [w.name for w in self.placement.depends_on if not w.healthy]
                 if dead:
                     await self._retry(f"worker {', '.join(dead)} stopped responding while serving the request")
+                elif frontend.hub.gap_s(self.work.request_id) > LOST_MESSAGE_S:
+                    await self._retry(f"a token message was lost: later tokens waited {LOST_MESSAGE_S:.0f} s for "
+                                      f"the one at output position {len(self.generated)}")
                 continue
             if msg.error:
                 code = msg.error_code or UNAVAILABLE

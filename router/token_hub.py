@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class OutputOrder:
     def __init__(self, next_index: int = 0) -> None:
         self.next_index = next_index  # the output position of the next token to deliver
         self._early: list[TokenMessage] = []  # arrived before a message they follow
+        self.held_since: float | None = None  # monotonic time the oldest held message arrived
 
     def add(self, message: TokenMessage) -> list[TokenMessage]:
         """The messages that can be delivered now, in order (none while one before them is missing)."""
@@ -45,6 +47,10 @@ class OutputOrder:
             self._early.remove(nxt)
             ready.append(nxt)
             self.next_index += len(nxt.token_ids)
+        if not self._early:
+            self.held_since = None
+        elif self.held_since is None:
+            self.held_since = time.monotonic()
         return ready
 
 
@@ -76,6 +82,15 @@ class TokenStreamHub:
                 queue.put_nowait(self._failure(request_id))
             self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, OutputOrder(first_index))
         return queue
+
+    def gap_s(self, request_id: str) -> float:
+        """How long messages of `request_id` have been held for one before them that has not come
+        (0 when none is held). A gap that lasts means a message was lost: its worker died with it
+        unsent."""
+        with self._lock:
+            subscriber = self._subscribers.get(request_id)
+            since = subscriber.order.held_since if subscriber is not None else None
+        return 0.0 if since is None else time.monotonic() - since
 
     def unsubscribe(self, request_id: str) -> None:
         with self._lock:

@@ -104,4 +104,28 @@ def test_an_error_is_delivered_at_once_and_a_repeated_position_is_dropped():
     first = TokenMessage(request_id="r", token_ids=[1], first_index=0)
     assert [list(m.token_ids) for m in order.add(first)] == [[1], [2]] and order.next_index == 2
     assert order.add(TokenMessage(request_id="r", token_ids=[9], first_index=1)) == []  # a second position 1
-    assert order.next_index == 2
+    assert order.next_index == 2 and order.held_since is None
+
+
+def test_the_hub_reports_how_long_a_gap_has_held_a_request_s_messages():
+    """What the router's stream reads to retry an attempt whose earlier message was lost."""
+    async def scenario() -> tuple[float, float, float]:
+        hub = TokenStreamHub("127.0.0.1")
+        sink = TokenSink(hub.address)
+        try:
+            queue = hub.subscribe("r1")
+            sink.send("r1", [11], first_index=1)  # position 0 never comes
+            deadline = time.monotonic() + 5
+            while hub.gap_s("r1") == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            held = hub.gap_s("r1")
+            sink.send("r1", [10], first_index=0)
+            await asyncio.wait_for(queue.get(), 5)
+            return held, hub.gap_s("r1"), hub.gap_s("nobody")
+        finally:
+            sink.close()
+            hub.close()
+
+    held, after, unknown = asyncio.run(scenario())
+    assert held >= 0.2 and after == 0 and unknown == 0
