@@ -162,9 +162,10 @@ class PrefillWorker:
         """LAPS settings not given are derived: a prompt is short when its compute costs no more than a
         step's fixed cost (measured; batching shorts then nearly divides their cost); shorts wait at
         most one fixed cost to be batched; long prompts are chunked at half the step budget, the other
-        half being the shorts' room, so a short waits behind at most half a step of long work. Smaller
-        chunks (where the fixed cost was 1/8 of a chunk's compute, ~250 tokens here) cost long prompts
-        a third more TTFT p90 with four workers sharing two cores (docs/benchmarks.md, issue 8)."""
+        half being the shorts' room, so a short waits behind at most one step of long work (a chunk,
+        and the last chunk of the long before it where the two share a step). Smaller chunks (where
+        the fixed cost was 1/8 of a chunk's compute, ~250 tokens here) cost long prompts a third more
+        TTFT p90 with four workers sharing two cores (docs/benchmarks.md, issue 8)."""
         config, cost = self.engine.config, self.engine.step_costs.coefficients
         if not length_aware or (cost.a <= 0 and short_tokens is None):  # no fixed cost measured: no shorts
             return PrefillQueues(False)

@@ -30,27 +30,28 @@ class OutputOrder:
 
     def __init__(self, next_index: int = 0) -> None:
         self.next_index = next_index  # the output position of the next token to deliver
-        self._early: list[TokenMessage] = []  # arrived before a message they follow
-        self.held_since: float | None = None  # monotonic time the oldest held message arrived
+        self._early: list[tuple[float, TokenMessage]] = []  # (arrived, message): held for one before them
+
+    @property
+    def held_since(self) -> float | None:
+        """Monotonic time the oldest held message arrived; None when none is held."""
+        return min((arrived for arrived, _ in self._early), default=None)
 
     def add(self, message: TokenMessage) -> list[TokenMessage]:
         """The messages that can be delivered now, in order (none while one before them is missing)."""
         if message.error:
             return [message]
-        if message.first_index < self.next_index:  # no worker sends a position twice: a bug, not a race
-            log.warning("dropped a token message of %s at output position %d, already delivered up to %d",
-                        message.request_id, message.first_index, self.next_index)
-            return []
-        self._early.append(message)
+        self._early.append((time.monotonic(), message))
         ready = []
-        while (nxt := next((m for m in self._early if m.first_index == self.next_index), None)) is not None:
+        while (nxt := next((e for e in self._early if e[1].first_index == self.next_index), None)) is not None:
             self._early.remove(nxt)
-            ready.append(nxt)
-            self.next_index += len(nxt.token_ids)
-        if not self._early:
-            self.held_since = None
-        elif self.held_since is None:
-            self.held_since = time.monotonic()
+            ready.append(nxt[1])
+            self.next_index += len(nxt[1].token_ids)
+        stale = [e for e in self._early if e[1].first_index < self.next_index]
+        for entry in stale:  # no worker sends a position twice: a bug, not a race
+            self._early.remove(entry)
+            log.warning("dropped a token message of %s at output position %d, already delivered up to %d",
+                        message.request_id, entry[1].first_index, self.next_index)
         return ready
 
 

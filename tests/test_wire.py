@@ -105,6 +105,13 @@ def test_an_error_is_delivered_at_once_and_a_repeated_position_is_dropped():
     assert [list(m.token_ids) for m in order.add(first)] == [[1], [2]] and order.next_index == 2
     assert order.add(TokenMessage(request_id="r", token_ids=[9], first_index=1)) == []  # a second position 1
     assert order.next_index == 2 and order.held_since is None
+    # A repeat held before the gap filled is dropped once it is behind, and holds nothing up.
+    assert order.add(TokenMessage(request_id="r", token_ids=[4], first_index=3)) == []
+    assert order.add(TokenMessage(request_id="r", token_ids=[9], first_index=3)) == []
+    assert order.held_since is not None
+    assert [list(m.token_ids) for m in order.add(TokenMessage(request_id="r", token_ids=[3], first_index=2))] \
+        == [[3], [4]]
+    assert order.next_index == 4 and order.held_since is None
 
 
 def test_the_hub_reports_how_long_a_gap_has_held_a_request_s_messages():
