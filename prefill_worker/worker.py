@@ -11,8 +11,8 @@ thread takes jobs when they are due (FCFS: when the engine has less than one ste
 ahead, so a reservation is made just before the prompt pass, not while the job queues; LAPS: a long
 prompt when the one before is on its last chunk), reserves blocks on the chosen decode worker (the
 lease; the decode side waits a bounded time for free blocks; the lease says which leading blocks it
-already holds and which codec it agreed to), opens a channel on the transport chosen for the pair, and adds the prompt to the
-engine with `prefill_only`. During the forward pass the engine's layer hook hands each layer of each
+already holds and which codec it agreed to), opens a channel on the transport chosen for the pair,
+and adds the prompt to the engine with `prefill_only`. During the forward pass the engine's layer hook hands each layer of each
 chunk, as soon as it is written, to a sender thread, which sends what the decode worker lacks of it
 (`kv_transfer.sender`; the level controller picks each frame's quality level). After the last layer
 a commit thread commits the handoff (first token included); layers the decode side reports
@@ -30,8 +30,8 @@ router retries the request.
 
 Before serving, the worker profiles its prompt passes (`profile`, called by the launcher, and by the
 supervisor after a restart); its health report carries the fitted step cost, the LAPS threshold
-derived from it, the LAPS chunk, and whether it has been profiled. It publishes every change of its prefix
-cache to the router (`pdserve.kv_events`).
+derived from it, the LAPS chunk, and whether it has been profiled. It publishes every change of its
+prefix cache to the router (`pdserve.kv_events`).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class PrefillWorker:
         half = max(1, budget // 2)  # a step holds a chunk and a batch of shorts
         limit = min(half, self.engine.max_model_len)
         short = min(short_tokens or max(1, cost.max_tokens_within(cost.a, limit)), half)
-        chunk = min(max(chunk_tokens or half, short), max(half, budget - short))
+        chunk = min(max(chunk_tokens or half, short), budget - short)  # short <= half: room for one short
         config.prefill_chunk_size = chunk
         window = cost.a if window_s is None else window_s
         return PrefillQueues(True, short, window, short_room=config.max_num_batched_tokens - chunk)

@@ -58,6 +58,11 @@ class WorkerRef:
     def short_prompt_tokens(self) -> int:
         return int(self.status.get("short_prompt_tokens", 0))
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The longest prompt chunk one step computes (LAPS's chunk, else the step budget)."""
+        return int(self.status.get("chunk_tokens", 0))
+
 
 class NoHealthyWorker(RuntimeError):
     pass

@@ -267,7 +267,7 @@ class Router:
         out.update(prefill_policy=self.settings.prefill_policy, decode_policy=self.settings.decode_policy,
                    prefix_index=self.settings.prefix_index,
                    short_prompt_tokens=prefill[0].short_prompt_tokens if prefill else 0,
-                   long_chunk_tokens=int(prefill[0].status.get("chunk_tokens", 0)) if prefill else 0,
+                   long_chunk_tokens=prefill[0].chunk_tokens if prefill else 0,
                    local_prefill_tokens=self.local_prefill_limit(decode[0]) if decode and self.mode != "colocated" else 0,
                    transfer_cost={"x0_s": self.transfer.x0, "x1_s_per_token": self.transfer.x1})
         return out

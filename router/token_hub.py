@@ -3,9 +3,10 @@
 Messages are `pdserve.wire.TokenMessage`s. Each request's reach its queue in output order
 (`OutputOrder`): its first token comes from the prefill worker and the rest from the decode worker,
 over two sockets that the PULL socket reads fairly, not in the order they were sent. One that does
-not parse is dropped and counted (`malformed`), never fatal: the hub serves every other request on. If the hub's thread itself fails,
-every waiting request gets an INTERNAL error naming the cause and `error` is set (the router then
-refuses new requests and reports NOT_SERVING) instead of leaving streams waiting forever.
+not parse is dropped and counted (`malformed`), never fatal: the hub serves every other request on.
+If the hub's thread itself fails, every waiting request gets an INTERNAL error naming the cause and
+`error` is set (the router then refuses new requests and reports NOT_SERVING) instead of leaving
+streams waiting forever.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.router.zmq_pull import bind_pull, drain
 from pdserve.threads import start_guarded
@@ -47,11 +48,11 @@ class OutputOrder:
             self._early.remove(nxt)
             ready.append(nxt[1])
             self.next_index += len(nxt[1].token_ids)
-        stale = [e for e in self._early if e[1].first_index < self.next_index]
-        for entry in stale:  # no worker sends a position twice: a bug, not a race
-            self._early.remove(entry)
+        for _, stale in [e for e in self._early if e[1].first_index < self.next_index]:
+            # No worker sends a position twice: a bug, not a race.
             log.warning("dropped a token message of %s at output position %d, already delivered up to %d",
-                        message.request_id, entry[1].first_index, self.next_index)
+                        stale.request_id, stale.first_index, self.next_index)
+        self._early = [e for e in self._early if e[1].first_index >= self.next_index]
         return ready
 
 
@@ -59,7 +60,7 @@ class OutputOrder:
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenMessage]
-    order: OutputOrder = field(default_factory=OutputOrder)
+    order: OutputOrder
 
 
 class TokenStreamHub:

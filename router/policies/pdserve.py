@@ -72,9 +72,9 @@ class PdservePrefill:
         """The prompt work placed on `worker` that this request would wait for."""
         ahead = list(worker.queued.values())
         if is_short(request, worker):  # shorts pass longs: at most the long chunk in flight is ahead
-            chunk = int(worker.status.get("chunk_tokens", 0))
             longs = sum(q.new_tokens for q in ahead if not q.short)
-            ahead = [q for q in ahead if q.short] + ([QueuedPrefill(min(longs, chunk), 0, False)] if longs else [])
+            ahead = [q for q in ahead if q.short] + ([QueuedPrefill(min(longs, worker.chunk_tokens), 0, False)]
+                                                     if longs else [])
         budget = int(worker.status.get("step_budget", 1))
         return worker.step_cost.work_s(sum(q.new_tokens for q in ahead), sum(q.quad for q in ahead), budget)
 
