@@ -122,6 +122,7 @@ class Supervisor:
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
             log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))
+            worker.healthy = False  # before the count: whoever sees the restart counted sees it out too
             self._restarting.add(worker.name)
             self.restarts[worker.name] = self.restarts.get(worker.name, 0) + 1
             ray.kill(worker.handle, no_restart=False)
