@@ -7,8 +7,8 @@ For each deployment (disaggregated over shm, grpc and gloo, colocated):
   - streaming overhead per token: the client's median gap between tokens minus the decode worker's
     median step time for the same steps (batch 1): what gRPC + pyzmq + detokenizing add per token;
   - KV bytes/s (disaggregated): 2K-token prompts, bytes moved over (commit acknowledged - first layer
-    pushed); the "tail" is the time from the end of the prompt pass (its last layer written) until
-    the receiver has answered every frame: the transfer that layer-wise streaming does not hide
+    pushed); the "tail" is the time from the end of the prompt pass (its step sampled the first
+    token) until the receiver has answered every frame: the transfer that layer-wise streaming does not hide
     behind the prompt pass (the commit call after it is not transfer); the hidden share is
     1 - tail / (the time the same bytes take on the transport alone, measured by probes beside it).
 """
@@ -60,7 +60,7 @@ class DeploymentResult:
     kv_mb_per_request: float | None = None
     transport_mb_per_s: float | None = None
     hidden_share: float | None = None
-    sender_done_ms: float | None = None  # after the prompt pass, until the sender handed its last frame over
+    sender_done_ms: float | None = None  # the sender handed its last frame over, from the pass's end (< 0: before)
     raw: dict = field(default_factory=dict)
 
 
@@ -127,7 +127,7 @@ def bench_deployment(cfg: ClusterBenchConfig, mode: str, transport: str, prompts
                 f"{result.kv_mb_per_s:.0f} MiB/s overlapped with the prompt pass, tail after the prompt pass "
                 f"{result.kv_tail_ms:.1f} ms; transport alone {result.transport_mb_per_s:.0f} MiB/s "
                 f"({alone_ms:.1f} ms for these bytes: {result.hidden_share:.0%} hidden; the sender handed its last frame "
-                f"over {result.sender_done_ms:.1f} ms after the prompt pass)")
+                f"over {result.sender_done_ms:+.1f} ms from the prompt pass's end)")
     return result
 
 
@@ -155,10 +155,10 @@ def summary_table(results: list[DeploymentResult]) -> str:
                      f"{r.first_token_delivery_ms:.1f} | {r.kv_transfer_ms:.1f} | {r.client_itl_ms:.2f} | "
                      f"{r.worker_step_ms:.2f} | {r.client_itl_ms - r.worker_step_ms:.2f} |")
     lines += ["", "| transport | KV per request (MiB) | transport alone (MiB/s) | in serving, first layer to commit "
-              "(MiB/s) | tail after the prompt pass (ms) | of which sending the last frames (ms) | hidden behind the "
+              "(MiB/s) | tail after the prompt pass (ms) | sender's last frame, from the pass's end (ms) | hidden behind the "
               "prompt pass |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if r.kv_mb_per_s is not None:
             lines.append(f"| {r.name} | {r.kv_mb_per_request:.2f} | {r.transport_mb_per_s:.0f} | {r.kv_mb_per_s:.0f} | "
-                         f"{r.kv_tail_ms:.1f} | {r.sender_done_ms:.1f} | {r.hidden_share:.0%} |")
+                         f"{r.kv_tail_ms:.1f} | {r.sender_done_ms:+.1f} | {r.hidden_share:.0%} |")
     return "\n".join(lines)

@@ -5,8 +5,9 @@ frames from this process to a receiving half in a child process, whose sink copi
 one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
 bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
 `grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), the most
-any gRPC transport written in Python can get here. Medians of
-`repeats` runs, after one warm-up (connections, groups and segments set up).
+any gRPC transport written in Python can get here. `nccl` (asked for with `--transports`, on a
+machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians of `repeats` runs,
+after one warm-up (connections, groups and segments set up).
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
 frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts
@@ -79,10 +80,16 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
         listener.close()
         return
     position = [0]
+    if kind == "nccl":  # the receiving rank on a GPU of its own: NCCL refuses two ranks on one device
+        torch.cuda.set_device(1)
+        on_gpu = torch.empty(capacity, dtype=torch.uint8, device="cuda")
 
-    def sink(header: FrameHeader, payload: memoryview) -> None:
+    def sink(header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         start = position[0] % (capacity - header.payload_bytes + 1)
-        buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
+        if isinstance(payload, torch.Tensor):
+            on_gpu[start : start + header.payload_bytes].copy_(payload)
+        else:
+            buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
         position[0] += header.payload_bytes
 
     if kind == "grpc-bytes":  # grpcio's own ceiling: a stream of bare bytes messages, no framing at all
@@ -151,12 +158,14 @@ def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], rep
             parent.send(None)
         else:
             sender = make_sender(kind)
+            device = getattr(sender, "device", None)  # NCCL's frames start on the GPU, as the KV does
+            payloads = [data if device is None else torch.from_numpy(data).to(device) for _, data in frames]
             try:
                 for run in range(repeats + 1):
                     t0 = time.perf_counter()
                     channel = sender.open(address, f"bench-{run}")
-                    for header, data in frames:
-                        channel.send(header, data)
+                    for (header, _), payload in zip(frames, payloads):
+                        channel.send(header, payload)
                     channel.finish(timeout=120)
                     channel.close()
                     if run:

@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a raw TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)")
     bk.add_argument("--model", default="pystd-llama")
-    bk.add_argument("--transports", nargs="+", default=["shm", "grpc", "gloo"])
+    bk.add_argument("--transports", nargs="+", default=["shm", "grpc", "gloo"],
+                    help="of shm, grpc, gloo, nccl (nccl needs two GPUs)")
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
     bk.add_argument("--repeats", type=int, default=5)
     bk.add_argument("--codecs", nargs="+", default=["raw", "fp8", "int8", "cachegen"])

@@ -101,8 +101,9 @@ class KVTLSSpec(_Strict):
 
 
 class KVTransferSpec(_Strict):
-    # auto: shared memory between workers on one node, gRPC across nodes; or one of shm, grpc, gloo for every pair.
-    transport: Literal["auto", "shm", "grpc", "gloo"] = "auto"
+    # auto: shared memory between workers on one node, gRPC across nodes; or one of shm, grpc, gloo, nccl
+    # (GPU pools) for every pair.
+    transport: Literal["auto", "shm", "grpc", "gloo", "nccl"] = "auto"
     # Offered in this order; each decode worker takes the first it can decode (cachegen needs the model's
     # profiled tables: `pdserve kv-profile`), else raw.
     codec: str | list[str] = "raw"
@@ -223,6 +224,14 @@ class Manifest(_Strict):
     security: SecuritySpec = SecuritySpec()
     ray: RaySpec = RaySpec()
     faults: FaultsSpec = FaultsSpec()
+
+    @model_validator(mode="after")
+    def _nccl_has_gpus(self) -> "Manifest":
+        no_gpu = [name for name in ("prefill", "decode") if getattr(self.pools, name).num_gpus <= 0]
+        if self.mode == "disaggregated" and self.kv_transfer.transport == "nccl" and no_gpu:
+            raise ValueError(f"kv_transfer.transport nccl moves KV from GPU to GPU: pools {' and '.join(no_gpu)} "
+                             "need num_gpus > 0 (gloo is the CPU equivalent)")
+        return self
 
     @model_validator(mode="after")
     def _pools_fit_the_mode(self) -> "Manifest":

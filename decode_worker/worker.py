@@ -2,7 +2,7 @@
 
 The receiving half of the KV-transfer protocol: its control plane (`reserve`, `renew_lease`,
 `commit`, `abort_transfer`) as actor methods, its data plane as the receiving halves of the
-transports the manifest allows (shared memory, gRPC, gloo), all delivering frames into one
+transports the manifest allows (shared memory, gRPC, gloo or NCCL), all delivering frames into one
 `KVReceiver`. A lease tells the sender where those listen and on which node this worker runs. Tokens go to the router over pyzmq, one message
 per request per step. `generate` runs a whole request here: the colocated mode, and the declared
 fallback for prompts that are not worth a transfer.

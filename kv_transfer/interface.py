@@ -2,7 +2,8 @@
 
 A transfer moves the KV of the tokens the decode worker does not already hold, layer by layer, as
 frames: one frame carries tokens [start, start + num_tokens) of one layer's K and V (positions in
-the request's prompt), encoded by one codec at one quality level, with a CRC32 of the encoded bytes.
+the request's prompt), encoded by one codec at one quality level, with a checksum of the encoded
+bytes (CRC32; for a payload on a GPU, one computed there: `codecs.checksum`).
 
 The receiving side (`receiver.KVReceiver`) grants a `Lease` and takes frames through a `FrameSink`,
 whichever transport brought them; the sending side opens a `LayerChannel` per transfer and sends
@@ -19,7 +20,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-Payload = bytes | bytearray | memoryview | np.ndarray
+# Host bytes, or a flat uint8 tensor on a channel's device (NCCL: the KV never leaves the GPU).
+Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
 PROBE_PREFIX = "probe-"  # request ids of the launcher's transfer probes, which carry no client request
@@ -81,15 +83,17 @@ class Lease:
     recompute_s: float | None = None  # the decode worker's estimate of recomputing the KV from the tokens
 
 
-# Takes one frame; the payload view is valid only during the call. Raises CorruptFrame for a frame
-# that may be sent again, TransferError for one that ends the transfer.
-FrameSink = Callable[[FrameHeader, memoryview], None]
+# Takes one frame: a view of host bytes, or the received tensor from a transport whose payloads live
+# on a device; valid only during the call. Raises CorruptFrame for a frame that may be sent again,
+# TransferError for one that ends the transfer.
+FrameSink = Callable[[FrameHeader, memoryview | torch.Tensor], None]
 
 
 class LayerChannel(Protocol):
     """The sending half of one transfer."""
 
     bytes_sent: int
+    device: torch.device | None  # where payloads must be (a uint8 tensor there); None: host bytes
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         """Queue one frame (returns before it is delivered). The payload must stay unchanged until

@@ -130,7 +130,7 @@ class KVReceiver:
                 raise TransferError(f"decode worker cannot take request {request_id!r}: {e}") from e
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
-    def receive_frame(self, header: FrameHeader, payload: memoryview) -> None:
+    def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         try:
             incoming = self._get(header.transfer_id)
         except TransferError:
@@ -160,7 +160,7 @@ class KVReceiver:
         self.counters["frames"] += 1
         self.counters["bytes"] += payload.nbytes
 
-    def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview) -> torch.Tensor:
+    def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
         """The frame's KV, checked; CorruptFrame for damaged bytes, TransferError for a frame that
         could not belong to this transfer."""
         if payload.nbytes != header.payload_bytes or checksum(payload) != header.crc32:

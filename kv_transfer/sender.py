@@ -6,18 +6,23 @@ that layer (layer-wise streaming); the first call also sends what its own prefix
 decode worker already holds (the lease's `cached_blocks`) are never sent. Frames are cut at chunk ends
 and at multiples of `frame_tokens` (CacheGen's context chunks); the receiver tracks which tokens of
 each layer arrived, so a layer sent again may be cut differently. The `LevelController` picks each
-frame's quality level. On CUDA, frames are read out on a side stream (`read_to_host`).
+frame's quality level. On CUDA, frames are read out on a side stream (`off_the_compute_stream`), to
+pinned host memory, or, for a channel whose payloads live on the GPU (NCCL) and the raw codec, not
+copied out at all.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_transfer.codecs import Codec, checksum
+from pdserve.kv_transfer.codecs.base import device_bytes, payload_nbytes
 from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
@@ -70,27 +75,44 @@ class LevelController:
 
     def _encode(self, kv: torch.Tensor, layer: int, level: int) -> Payload:
         payload = self.codec.encode(kv, layer, level)
-        self.sizes.observe(level, kv.shape[1], memoryview(payload).nbytes)
+        self.sizes.observe(level, kv.shape[1], payload_nbytes(payload))
         return payload
 
 
-def read_to_host(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int, n: int) -> torch.Tensor:
-    """K and V of tokens [start, start + n) of one layer, in host memory.
+def make_frame(transfer_id: str, layer: int, start: int, num_tokens: int, codec: str, level: int, payload: Payload,
+               device: torch.device | None) -> tuple[FrameHeader, Payload]:
+    """A frame's header and its payload as it travels: host bytes, or a uint8 tensor on `device` (the
+    channel's); the checksum is taken of exactly that."""
+    travelling = memoryview(payload).cast("B") if device is None else device_bytes(payload, device)
+    header = FrameHeader(transfer_id, layer, start, num_tokens, codec, level, checksum(travelling),
+                         payload_nbytes(travelling))
+    return header, travelling
 
-    On CUDA the gather and the device-to-host copy run on a side stream that first waits for what the
-    compute stream has queued so far (this layer's writes included), into pinned memory, so the copy
-    never blocks the next layer's kernels; only this (sender) thread waits for it."""
-    slots = kv_cache.token_slots(block_ids, start, n)
-    if kv_cache.data.device.type != "cuda":
-        return kv_cache.read_tokens(layer, slots)
-    device = kv_cache.data.device
+
+@contextmanager
+def off_the_compute_stream(device: torch.device) -> Iterator[None]:
+    """On CUDA, what runs inside queues on a side stream that first waits for what the compute stream
+    has queued so far (this layer's writes included), so reading a layer out never delays the next
+    layer's kernels; only the sender thread waits for it. Elsewhere, nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
     side = _side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        on_device = kv_cache.read_tokens(layer, slots)
-        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
-        host.copy_(on_device, non_blocking=True)
-    side.synchronize()
+        yield
+
+
+def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int, n: int,
+            to_host: bool = True) -> torch.Tensor:
+    """K and V of tokens [start, start + n) of one layer: in host memory (from a GPU, through pinned
+    memory), or where the cache is (`to_host=False`). On CUDA, call it `off_the_compute_stream`."""
+    kv = kv_cache.read_tokens(layer, kv_cache.token_slots(block_ids, start, n))
+    if not to_host or kv.device.type == "cpu":
+        return kv
+    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+    host.copy_(kv, non_blocking=True)
+    torch.cuda.current_stream(kv.device).synchronize()
     return host
 
 
@@ -138,12 +160,13 @@ class OutgoingTransfer:
             start = stop
 
     def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
-        kv = read_to_host(self.kv_cache, layer, block_ids, start, n)
-        level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
-        view = memoryview(payload).cast("B")
-        header = FrameHeader(self.transfer_id, layer, start, n, self.controller.codec.name, level,
-                             checksum(view), view.nbytes)
-        self.channel.send(header, view)
+        codec, device = self.controller.codec, self.channel.device
+        with off_the_compute_stream(self.kv_cache.data.device):
+            # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.
+            kv = read_kv(self.kv_cache, layer, block_ids, start, n, to_host=device is None or codec.name != "raw")
+            level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
+            header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
+            self.channel.send(header, payload)
         self.frames_sent += 1
         self.levels_used[level] = self.levels_used.get(level, 0) + 1
         if not resend:

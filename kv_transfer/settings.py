@@ -11,7 +11,7 @@ from pdserve.kv_transfer.sender import FRAME_TOKENS
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
-TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo")
+TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo", "nccl")
 
 
 @dataclass(frozen=True)

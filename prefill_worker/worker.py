@@ -8,13 +8,14 @@ Each request is a job that moves through
 `prefill` only queues the job (bounded: past `max_queued` the request fails at once with
 RESOURCE_EXHAUSTED), in one FCFS line or in LAPS's short and long queues (`queues`). One feeder
 thread takes jobs when they are due (FCFS: when the engine has less than one step's budget of work
-ahead, so a reservation is made just before the prompt pass, not while the job queues; LAPS: a long
-prompt when the one before is on its last chunk), reserves blocks on the chosen decode worker (the
-lease; the decode side waits a bounded time for free blocks; the lease says which leading blocks it
-already holds and which codec it agreed to), opens a channel on the transport chosen for the pair,
-and adds the prompt to the engine with `prefill_only`. During the forward pass the engine's layer hook hands each layer of each
-chunk, as soon as it is written, to a sender thread, which sends what the decode worker lacks of it
-(`kv_transfer.sender`; the level controller picks each frame's quality level). After the last layer
+ahead, so a reservation is made as the prompt pass starts, not while the job queues; LAPS: a long
+prompt when the one before is on its last chunk), adds the prompt to the engine with `prefill_only`
+and, beside the pass, reserves blocks on the chosen decode worker (the lease; the decode side waits a
+bounded time for free blocks; the lease says which leading blocks it already holds and which codec
+it agreed to) and opens a channel on the transport chosen for the pair. The engine's layer hook
+records each layer of each chunk as soon as it is written; once the lease is there, a sender thread
+sends what the decode worker lacks of it (`kv_transfer.sender`; the level controller picks each
+frame's quality level). After the last layer
 a commit thread commits the handoff (first token included); layers the decode side reports
 incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
 recomputes the request from its tokens. When the controller expects that recomputation to be faster
@@ -54,11 +55,11 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.codecs import checksum, make_codec
-from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, FrameHeader, KVMemoryFull, Lease, LayerChannel,
+from pdserve.kv_transfer.codecs import make_codec
+from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, KVMemoryFull, Lease, LayerChannel,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer
+from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.kv_transfer.transports import make_sender
@@ -92,9 +93,14 @@ class _Job:
     arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
     last_layer_at: float = 0.0  # the sender handed the last frame to the channel
-    prompt_done_at: float = 0.0  # the prompt pass wrote its last layer
+    # The prompt pass ended: its step sampled the first token. Not when the last layer's KV was
+    # written: that layer's attention and MLP still run then, a layer's compute of hiding left.
+    prompt_done_at: float = 0.0
     delivered_at: float = 0.0  # the receiver answered every frame
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
+    # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
+    written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    reserved: threading.Event = field(default_factory=threading.Event)  # `_start` is done with the lease
 
     @property
     def request_id(self) -> str:
@@ -218,9 +224,9 @@ class PrefillWorker:
             for layer in range(layout.num_layers):
                 for start in range(first, num_tokens, self.kv.frame_tokens):
                     n = min(self.kv.frame_tokens, num_tokens - start)
-                    payload = memoryview(raw.encode(data[:, start - first : start - first + n], layer)).cast("B")
-                    channel.send(FrameHeader(transfer_id, layer, start, n, raw.name, 0, checksum(payload),
-                                             payload.nbytes), payload)
+                    channel.send(*make_frame(transfer_id, layer, start, n, raw.name, 0,
+                                             raw.encode(data[:, start - first : start - first + n], layer),
+                                             channel.device))
             channel.finish(COMMIT_TIMEOUT_S)
             seconds = time.perf_counter() - t0
         finally:
@@ -331,39 +337,47 @@ class PrefillWorker:
         return self._jobs.get(job.request_id) is job
 
     def _start(self, job: _Job) -> None:
+        """Start the prompt pass and reserve on the decode worker at once: the reservation (a Ray round
+        trip, and a bounded wait when the decode pool is full) runs beside the pass instead of before
+        it; layers written before the lease comes are sent when it does. The feeder waits for the
+        lease before it starts the next job, so a full decode pool still holds prefill back."""
         work = job.work
         transfer = Transfer(uuid.uuid4().hex, work.request_id)
         with self._lock:
             if not self._owns(job):
                 return
-            job.state, job.transfer = "reserving", transfer
+            job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
         try:
-            lease = ray.get(job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                      work.params, len(work.prompt_token_ids), list(self.kv.codecs)),
-                            timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
-            # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
-            # pings and cancels take the lock.
-            outgoing = self._outgoing(job, lease)
-            with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
-                owned = self._owns(job)
-                if owned:
-                    transfer.advance(TransferState.RESERVED)
-                    job.lease, job.outgoing = lease, outgoing
-                    job.state, job.prefill_started = "prefilling", time.time()
-                    self._renew(job)
-            if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
-                if outgoing is not None:
-                    outgoing.channel.close()
-                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
-                return
+            reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
+                                                    work.params, len(work.prompt_token_ids), list(self.kv.codecs))
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
             with self._lock:
                 owned = self._owns(job)
             if not owned:  # `_finish`'s own engine command may have run before the add
                 self.loop.submit(lambda e: e.abort_request(work.request_id))
+            lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
+            # pings and cancels take the lock.
+            outgoing = self._outgoing(job, lease) if owned else None
+            with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
+                owned = self._owns(job)
+                if owned:
+                    transfer.advance(TransferState.RESERVED)
+                    job.lease, job.outgoing = lease, outgoing
+                    job.state = "prefilling" if job.state == "reserving" else job.state  # not if already done
+                    self._renew(job)
+            if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
+                if outgoing is not None:
+                    outgoing.channel.close()
+                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
+                return
+            for layer in list(job.written):  # written before the lease came: send them now
+                self._forward_layer(job, layer)
         except Exception as e:
             self._finish(job, error=f"prefill could not start: {_reason(e)}", code=_code(e))
+        finally:
+            job.reserved.set()
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead
@@ -389,21 +403,27 @@ class PrefillWorker:
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
-        """A layer of these chunks is written: queue what the decode worker lacks of it for sending."""
+        """A layer of these chunks is written: queue what the decode worker lacks of it for sending
+        (once the job has its lease; `_start` forwards what was written before)."""
         for chunk in chunks:
             job = self._jobs.get(chunk.seq.request_id)
             if job is None or job.transfer is None:
                 continue
-            if layer == 0:
-                job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-            end = chunk.seq.num_computed_tokens + chunk.num_tokens  # KV of every token before is final
-            if chunk.samples and layer == self.engine.kv_layout.num_layers - 1:
-                job.prompt_done_at = time.time()
-            if job.outgoing is not None:
-                # The blocks stay held until the job ends, so reading them later on the sender is safe.
-                self._sender.submit(self._send_layer, job, layer, list(chunk.seq.block_table), end)
-            elif layer == 0 and not chunk.samples:  # recomputed there: keep the lease of a long prompt alive
-                self._sender.submit(self._renew_lease, job)
+            # The KV of every token before `end` is final. The blocks stay held until the job ends, so
+            # reading them later on the sender is safe.
+            job.written[layer] = (chunk.seq.num_computed_tokens + chunk.num_tokens, list(chunk.seq.block_table))
+            if job.lease is not None:
+                self._forward_layer(job, layer)
+
+    def _forward_layer(self, job: _Job, layer: int) -> None:
+        """Hand what is written of `layer` to the sender thread (or, when the decode worker recomputes
+        the KV, keep its lease alive while a long prompt runs). Forwarding twice sends nothing twice."""
+        if layer == 0:
+            job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+        if job.outgoing is not None:
+            self._sender.submit(self._send_layer, job, layer)
+        elif layer == 0:
+            self._sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
@@ -416,6 +436,7 @@ class PrefillWorker:
             if job.transfer is not None and "transferring" in job.transfer.events:  # its first layer is on the way
                 events["transfer_start"] = job.transfer.events["transferring"]
             if out.finish_reason == "prefilled":
+                job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
                 handoff = self.engine.export_handoff(out.request_id)
@@ -434,11 +455,12 @@ class PrefillWorker:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
 
     # --- on the sender and commit threads -------------------------------------------------------
-    def _send_layer(self, job: _Job, layer: int, block_ids: list[int], end: int) -> None:
+    def _send_layer(self, job: _Job, layer: int) -> None:
         if job.transfer.state.is_terminal:
             return
         t0 = time.perf_counter()
         try:
+            end, block_ids = job.written[layer]
             job.outgoing.send_through(layer, block_ids, end)
             job.last_layer_at = time.time()
             self._renew(job)
@@ -468,6 +490,10 @@ class PrefillWorker:
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
         that arrived corrupt) are sent once more; if they still are, it recomputes the request."""
+        job.reserved.wait()  # `_start` ends it on every path, within its bounded wait for the lease
+        with self._lock:
+            if not self._owns(job):  # the reservation failed, or a cancel came: already finished
+                return
         transfer, outgoing = job.transfer, job.outgoing
         try:
             self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued frame is sent

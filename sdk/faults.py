@@ -72,8 +72,9 @@ class FaultInjector:
         """`channel` as it is, or wrapped to delay, drop and corrupt frames when the settings say so."""
         return _FaultyChannel(channel, self) if self.settings.kv_faults else channel
 
-    def frame(self, payload: memoryview) -> memoryview | None:
-        """What to send instead of `payload` (after the delay): None to drop it, a damaged copy, or it."""
+    def frame(self, payload: Any) -> Any:
+        """What to send instead of `payload` (a memoryview, or a uint8 tensor on a device), after the
+        delay: None to drop it, a damaged copy, or it."""
         s = self.settings
         if s.kv_delay_ms:
             time.sleep(s.kv_delay_ms / 1000)
@@ -84,9 +85,13 @@ class FaultInjector:
             self.counts["kv_dropped"] += 1
             return None
         if draw < s.kv_drop_percent + s.kv_corrupt_percent and payload.nbytes:
+            self.counts["kv_corrupted"] += 1
+            if not isinstance(payload, memoryview):  # a uint8 tensor on a device (NCCL)
+                damaged = payload.clone()
+                damaged[position] ^= 0xFF
+                return damaged
             damaged = bytearray(payload)
             damaged[position] ^= 0xFF
-            self.counts["kv_corrupted"] += 1
             return memoryview(damaged)
         return payload
 
@@ -98,7 +103,7 @@ class _FaultyChannel:
         self._channel = channel
         self._injector = injector
 
-    def send(self, header: Any, payload: memoryview) -> None:
+    def send(self, header: Any, payload: Any) -> None:
         sent = self._injector.frame(payload)
         if sent is not None:
             self._channel.send(header, sent)

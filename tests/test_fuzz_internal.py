@@ -1,7 +1,7 @@
 """Property-based fuzzing (hypothesis) of every internal channel's message parser, through the real
 receiving objects: the router's token stream (`TokenStreamHub`, a real PULL socket), its KV event
 hub (`KVEventHub`), the KV frame header (`FrameHeader.unpack`), the gRPC KV stream (`GrpcReceiver`),
-the pyzmq KV control channels (`ShmReceiver` and `GlooReceiver` on `ControlServer`) and the decode
+the pyzmq KV control channels (`ShmReceiver` and `P2PReceiver` on `ControlServer`) and the decode
 side's `receive_frame` (checksum, ranges, codec) on a real engine. Generated messages mix valid
 ones, random bytes, mutated valid ones, hand-made protobuf wire (wrong wire types, bad UTF-8, huge
 varints, lengths past the end), huge values and odd unicode. Properties: nothing raises but the
@@ -389,9 +389,9 @@ LOOKALIKE_PARTS = [b"pdserve-kv-" + b"0" * 32, b"../../etc/passwd", b"pdserve-kv
 @st.composite
 def control_messages(draw: st.DrawFn) -> list[bytes]:
     """[kind, seq, *parts]: well formed or not, for every kind of the shm and gloo receivers."""
-    from pdserve.kv_transfer.transports import gloo, shm
+    from pdserve.kv_transfer.transports import p2p, shm
 
-    kinds = [shm.FRAME, shm.INLINE, shm.RELEASE, gloo.JOIN, gloo.LEAVE, b"", b"?", b"FF"]
+    kinds = [shm.FRAME, shm.INLINE, shm.RELEASE, p2p.JOIN, p2p.LEAVE, b"", b"?", b"FF"]
     kind = draw(st.sampled_from(kinds) | st.binary(max_size=3))
     parts = [draw(HEADER_GOOD | st.binary(max_size=40)) for _ in range(draw(st.integers(0, 3)))]
     if draw(st.booleans()) and parts:
@@ -402,12 +402,12 @@ def control_messages(draw: st.DrawFn) -> list[bytes]:
 
 @pytest.fixture(scope="module", params=["shm", "gloo"])
 def kv_control(request, secret):
-    from pdserve.kv_transfer.transports.gloo import GlooReceiver
+    from pdserve.kv_transfer.transports.p2p import P2PReceiver
     from pdserve.kv_transfer.transports.shm import ShmReceiver
 
     sunk: list[FrameHeader] = []
-    receiver_class = {"shm": ShmReceiver, "gloo": GlooReceiver}[request.param]
-    receiver = receiver_class(lambda header, payload: sunk.append(header), "127.0.0.1", secret)
+    receiver_class = {"shm": ShmReceiver, "gloo": P2PReceiver}[request.param]
+    receiver = receiver_class(lambda header, payload: sunk.append(header), host="127.0.0.1", secret=secret)
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     secret.client(socket)
@@ -421,7 +421,7 @@ def kv_control(request, secret):
 @given(batch=st.lists(control_messages(), min_size=5, max_size=12))
 def test_kv_control_channel_answers_or_drops_and_counts_every_message(kv_control, batch):
     from pdserve.kv_transfer.transports.control import CORRUPT, FAILED, OK
-    from pdserve.kv_transfer.transports.gloo import LEAVE
+    from pdserve.kv_transfer.transports.p2p import LEAVE
     from pdserve.kv_transfer.transports.shm import RELEASE
 
     name, receiver, socket = kv_control

@@ -16,6 +16,8 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+import torch
+
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.codecs.base import CodecUnavailable
 from pdserve.kv_transfer.interface import Codec, Payload
@@ -47,5 +49,22 @@ def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Cod
 
 
 def checksum(payload: Payload) -> int:
-    """CRC32 of a payload's bytes (what every frame header carries)."""
+    """What every frame header carries: CRC32 of host bytes; for a tensor payload (on a GPU, for
+    NCCL), a position-weighted sum of its 32-bit words computed where it lives, so checking it never
+    copies the payload to the host. A frame is checksummed as it travels, so both sides agree."""
+    if isinstance(payload, torch.Tensor):
+        return _tensor_checksum(payload)
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
+
+
+def _tensor_checksum(payload: torch.Tensor) -> int:
+    data = payload.reshape(-1).view(torch.uint8)
+    pad = -data.numel() % 4
+    if pad or data.storage_offset() % 4:  # whole, aligned 32-bit words
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int32).to(torch.int64)
+    positions = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+    # Integer sums wrap the same way in any order, so every device gets the same answer; the
+    # weighted sum catches reordered words, which the plain sum cannot.
+    plain, weighted = int(words.sum()), int((words * positions).sum())
+    return (plain ^ weighted ^ (weighted >> 32)) & 0xFFFFFFFF

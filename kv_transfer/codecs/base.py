@@ -13,12 +13,27 @@ class CodecUnavailable(RuntimeError):
 
 
 def payload_bytes(payload: Payload) -> np.ndarray:
-    """A flat uint8 view of a payload's bytes (no copy); read-only when the payload is."""
+    """A flat uint8 view of a payload's bytes (no copy of host bytes; a tensor on a device is copied
+    to the host); read-only when the payload is."""
+    if isinstance(payload, torch.Tensor):
+        return tensor_bytes(payload)
     if isinstance(payload, np.ndarray):
         if not payload.flags.c_contiguous:
             raise CorruptFrame("payload array is not contiguous")
         return payload.reshape(-1).view(np.uint8)
     return np.frombuffer(payload, dtype=np.uint8)
+
+
+def payload_nbytes(payload: Payload) -> int:
+    return payload.nbytes if isinstance(payload, torch.Tensor) else memoryview(payload).nbytes
+
+
+def device_bytes(payload: Payload, device: torch.device) -> torch.Tensor:
+    """A payload as a flat uint8 tensor on `device` (a view when it is there already)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.reshape(-1).view(torch.uint8).to(device)
+    data = payload_bytes(payload)
+    return torch.from_numpy(data if data.flags.writeable else data.copy()).to(device)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:

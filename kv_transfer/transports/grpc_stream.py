@@ -121,6 +121,8 @@ def _parse(data: bytes) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
 
 
 class GrpcChannel:
+    device = None  # payloads are host bytes
+
     def __init__(self, push: grpc.StreamUnaryMultiCallable, transfer_id: str,
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.transfer_id = transfer_id

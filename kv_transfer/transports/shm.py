@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
@@ -64,6 +65,9 @@ class _Segment:
             # Allocated now, not on first touch: a full /dev/shm is an error here, not a SIGBUS later.
             os.posix_fallocate(self._fd, 0, slots * slot_bytes)
             self.map = mmap.mmap(self._fd, slots * slot_bytes)
+            # Frames are copied in through numpy, which lets go of the GIL while it copies (an mmap
+            # slice assignment holds it, stalling the prompt pass's Python for the whole copy).
+            self.bytes = np.frombuffer(self.map, dtype=np.uint8)
             os.rename(making, self.path)
         except OSError as e:
             making.unlink(missing_ok=True)
@@ -84,10 +88,13 @@ class _Segment:
 
     def close(self) -> None:
         self.unlink()
+        del self.bytes  # the map cannot close while a view of it lives
         self.map.close()
 
 
 class ShmChannel:
+    device = None  # payloads are host bytes
+
     def __init__(self, transport: ShmSender, address: str, transfer_id: str) -> None:
         self.transport = transport
         self.address = address
@@ -111,7 +118,7 @@ class ShmChannel:
                 self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
                 slot = segment.free.pop()
                 offset = slot * segment.slot_bytes
-                segment.map[offset : offset + view.nbytes] = view
+                np.copyto(segment.bytes[offset : offset + view.nbytes], np.frombuffer(view, dtype=np.uint8))
                 seq = self.control.send(FRAME, [header.pack(), segment.name.encode(),
                                                 _SLOT.pack(offset, view.nbytes)])
                 self._slot_of[seq] = slot

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,13 +107,15 @@ def test_duplicate_client_request_ids_are_harmless(cluster, hf_reference):
     assert_idle(cluster)
 
 
-# Where the request is held when its deadline passes: (pool, method gated, the prefill job's state).
+# Where the request is held when its deadline passes: (pool, method gated, the prefill job's states
+# there). The prompt pass runs beside the reservation: held there, the job is "committing" (waiting
+# for the lease) as soon as its short prompt is done.
 PHASES = {
-    "queued": ("prefill", "_start", "queued"),
-    "reserving": ("decode", "receiver.reserve", "reserving"),
-    "prefilling": ("prefill", "engine.step", "prefilling"),
-    "transferring": ("decode", "receiver._decode", "committing"),  # a frame being taken in
-    "committing": ("decode", "receiver.commit", "committing"),
+    "queued": ("prefill", "_start", ("queued",)),
+    "reserving": ("decode", "receiver.reserve", ("reserving", "committing")),
+    "prefilling": ("prefill", "engine.step", ("prefilling",)),
+    "transferring": ("decode", "receiver._decode", ("committing",)),  # a frame being taken in
+    "committing": ("decode", "receiver.commit", ("committing",)),
 }
 
 
@@ -126,7 +129,7 @@ def transport_cluster(request, model_dirs):
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
     cluster = transport_cluster
-    pool, path, state = PHASES[phase]
+    pool, path, states = PHASES[phase]
     gated, prefill = worker(cluster, pool), worker(cluster, "prefill")
     on_worker(gated, install_gate, path)
     try:
@@ -136,8 +139,8 @@ def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
             prompt = [7 + list(PHASES).index(phase)] * 80
             call = background.submit(client.generate, prompt, timeout=2.0, temperature=0, max_tokens=50)
             deadline = time.time() + 10
-            while state not in on_worker(prefill, prefill_job_states):
-                assert time.time() < deadline, f"the request never reached {state!r}"
+            while not set(states) & set(on_worker(prefill, prefill_job_states)):
+                assert time.time() < deadline, f"the request never reached {states}"
                 time.sleep(0.02)
             with pytest.raises(DeadlineExceeded):
                 call.result(15)
@@ -146,6 +149,51 @@ def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
     assert_idle(cluster)
     with Client(cluster.address, timeout=30) as client:  # and the cluster serves on
         assert len(client.generate([7] * 30, max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def hold_reservations(self) -> None:
+    """Hold the decode worker's reservations until `release_reservations`; `self.reserved` is set
+    once one has been granted."""
+    original, self.release, self.reserved = self.receiver.reserve, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        self.release.wait(60)
+        lease = original(*args, **kwargs)
+        self.reserved.set()
+        return lease
+
+    self.receiver.reserve = held
+    self.restore_reserve = lambda: setattr(self.receiver, "reserve", original)
+
+
+def release_reservations(self) -> bool:
+    """Release them; whether one had been granted before."""
+    granted = self.reserved.is_set()
+    self.restore_reserve()
+    self.release.set()
+    return granted
+
+
+def test_the_prompt_pass_runs_beside_the_reservation(cluster, hf_reference):
+    """The first token comes while the decode worker's reservation is held up; the layers written
+    before the lease came are sent when it does, and the output is exact."""
+    decode = worker(cluster, "decode")
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=21)[0]
+    on_worker(decode, hold_reservations)
+    granted_before_first_token = None
+    try:
+        with Client(cluster.address, timeout=90) as client:
+            tokens: list[int] = []
+            for chunk in client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True):
+                if granted_before_first_token is None:
+                    granted_before_first_token = on_worker(decode, release_reservations)
+                tokens.extend(chunk.token_ids)
+    finally:
+        if granted_before_first_token is None:
+            on_worker(decode, release_reservations)
+    assert granted_before_first_token is False, "the first token waited for the reservation"
+    assert tokens == hf_reference[ARCH].greedy(prompt, 8)
+    assert_idle(cluster)
 
 
 def test_a_cancel_while_decoding_frees_both_pools(cluster):

@@ -13,7 +13,8 @@ import torch
 from kv_helpers import LAYOUT, synthetic_kv, synthetic_tables
 
 from pdserve.engine.kv_cache import KVLayout
-from pdserve.kv_transfer.codecs import CODEC_NAMES, CodecUnavailable, make_codec
+from pdserve.kv_transfer.codecs import CODEC_NAMES, CodecUnavailable, checksum, make_codec
+from pdserve.kv_transfer.codecs.base import device_bytes, payload_nbytes
 from pdserve.kv_transfer.codecs.cachegen import CacheGenCodec
 from pdserve.kv_transfer.interface import CorruptFrame
 
@@ -36,6 +37,41 @@ def test_raw_round_trips_bit_exactly(dtype):
     out = raw.decode(memoryview(payload), 1, 0, 37, dtype)
     assert torch.equal(out.view(torch.uint8 if dtype != torch.float32 else torch.int32),
                        kv.view(torch.uint8 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_a_payload_on_a_device_decodes_as_its_host_bytes_do(name, tables_dir):
+    """What an NCCL receiver gets is a uint8 tensor (on its GPU; here the CPU stands in): every codec
+    decodes it to what the same bytes give, raw as a view of the received buffer."""
+    c = codec(name, tables_dir)
+    kv = synthetic_kv(23, seed=4)
+    payload = c.encode(kv, 1, 0)
+    received = device_bytes(payload, torch.device("cpu"))
+    assert received.dtype == torch.uint8 and received.nbytes == payload_nbytes(payload)
+    from_host = c.decode(memoryview(payload), 1, 0, 23, torch.float32)
+    assert torch.equal(c.decode(received, 1, 0, 23, torch.float32), from_host)
+    if name == "raw":
+        assert torch.equal(from_host, kv) and c.decode(received, 1, 0, 23, torch.float32).data_ptr() == received.data_ptr()
+
+
+def test_a_tensor_payloads_checksum_catches_a_flipped_bit_and_swapped_words():
+    data = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 4099, dtype=np.uint8))  # not whole words
+    base = checksum(data)
+    assert checksum(data.clone()) == base and 0 <= base < 2**32
+    flipped = data.clone()
+    flipped[4098] ^= 1
+    swapped = data.clone()
+    swapped[0:4], swapped[4:8] = data[4:8].clone(), data[0:4].clone()
+    assert checksum(flipped) != base and checksum(swapped) != base
+    assert checksum(data[1:]) == checksum(data[1:].clone())  # a view at an unaligned offset
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_raw_kv_on_a_gpu_stays_there_with_the_checksum_its_bytes_have_on_the_cpu():
+    kv = synthetic_kv(40, seed=5).cuda()
+    payload = make_codec("raw", None, LAYOUT).encode(kv, 0)
+    assert payload.device == kv.device and payload.dtype == torch.uint8
+    assert checksum(payload) == checksum(payload.cpu())
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "cachegen"])

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import random_prompts
 from helpers import assert_pool_idle
 
@@ -15,6 +16,8 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
+from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
 from pdserve.kv_transfer.state import IllegalTransition, Transfer, TransferState
 
 ARCH = "tiny-llama"
@@ -131,6 +134,42 @@ def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_
     send_layer(receiver, prefill, request_id, 1)
     assert receiver.commit("t1", handoff) == [0] and receiver.counters["corrupt_frames"] == 1
     send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
+
+
+def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_reference):
+    """NCCL's code path with gloo on the CPU standing in for the GPUs: the sender keeps raw KV where
+    the cache is (no host copy), frames travel as tensors in lockstep and are checksummed where they
+    live, the receiver decodes the received tensor in place; a damaged one is caught."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 45, 45, seed=9)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, lease = reserve(receiver, prefill, request_id)
+    cpu = torch.device("cpu")
+    receiving = P2PReceiver(receiver.receive_frame, "gloo", device=cpu)
+    sending = P2PSender("gloo", device=cpu)
+    try:
+        channel = sending.open(receiving.address, "t1")
+        raw = make_codec("raw", None, prefill.kv_layout)
+        outgoing = OutgoingTransfer("t1", channel, LevelController(raw, LevelSizes({}), 1e9, None), prefill.kv_cache,
+                                    0, len(prompt), frame_tokens=32)
+        seq = prefill.requests[request_id]
+        for layer in range(decode.kv_layout.num_layers):
+            outgoing.send_through(layer, seq.block_table, len(prompt))
+        channel.finish(timeout=30)
+        channel.close()
+        assert outgoing.frames_sent == 2 * decode.kv_layout.num_layers and receiver.counters["corrupt_frames"] == 0
+        layout = decode.kv_layout
+        zeros = torch.zeros(2, 32, layout.num_kv_heads, layout.head_dim)
+        header, payload = make_frame("t1", 0, 0, 32, "raw", 0, raw.encode(zeros, 0), cpu)
+        payload[7] ^= 1  # damaged on the way
+        with pytest.raises(CorruptFrame, match="checksum mismatch"):
+            receiver.receive_frame(header, payload)
+    finally:
+        sending.close()
+        receiving.stop()
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
     prefill.release(request_id)

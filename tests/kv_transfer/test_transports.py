@@ -4,6 +4,7 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,12 +12,16 @@ import sys
 import threading
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, start_receiver
+from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
 
 
 class RecordingSink:
@@ -25,25 +30,46 @@ class RecordingSink:
         self.verdict = verdict
         self.lock = threading.Lock()
 
-    def __call__(self, header: FrameHeader, payload: memoryview) -> None:
+    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        data = bytes(payload) if isinstance(payload, memoryview) else payload.cpu().numpy().tobytes()
         with self.lock:
-            self.frames.append((header, bytes(payload)))
+            self.frames.append((header, data))
         if self.verdict is not None:
             raise self.verdict("the sink says no")
 
 
-def frame(layer: int, nbytes: int, seed: int) -> tuple[FrameHeader, np.ndarray]:
+def frame(layer: int, nbytes: int, seed: int, device: torch.device | None = None) -> tuple[FrameHeader, Any]:
+    """A frame of random bytes: host bytes, or a uint8 tensor on `device` (the channel's)."""
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    return FrameHeader("t1", layer, 16 * layer, 16, "raw", 0, zlib.crc32(data), nbytes), data
+    header = FrameHeader("t1", layer, 16 * layer, 16, "raw", 0, zlib.crc32(data), nbytes)
+    return header, data if device is None else torch.from_numpy(data).to(device)
 
 
-@pytest.fixture(params=TRANSPORT_NAMES)
+# The torch.distributed transport with payloads on a device: (backend, sender's device, receiver's).
+# `gloo-tensors` runs NCCL's code path (tensor payloads, frames in lockstep) with gloo on the CPU;
+# `nccl` needs two GPUs, since NCCL refuses two ranks on one device.
+ON_DEVICE = {"gloo-tensors": ("gloo", "cpu", "cpu"), "nccl": ("nccl", "cuda:0", "cuda:1")}
+
+
+def skip_without_two_gpus() -> None:
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()):
+        pytest.skip(f"NCCL needs two GPUs here (this machine: {torch.cuda.device_count()} visible)")
+
+
+@pytest.fixture(params=[*(name for name in TRANSPORT_NAMES if name != "nccl"), *ON_DEVICE])
 def pair(request):
     made = []
 
     def make(sink, tls=None):
-        receiver = start_receiver(request.param, sink, "127.0.0.1", tls=tls)
-        sender = make_sender(request.param, "127.0.0.1", tls=tls)
+        if request.param in ON_DEVICE:
+            if request.param == "nccl":
+                skip_without_two_gpus()
+            backend, send_on, receive_on = ON_DEVICE[request.param]
+            receiver = P2PReceiver(sink, backend, "127.0.0.1", device=torch.device(receive_on))
+            sender = P2PSender(backend, "127.0.0.1", device=torch.device(send_on))
+        else:
+            receiver = start_receiver(request.param, sink, "127.0.0.1", tls=tls)
+            sender = make_sender(request.param, "127.0.0.1", tls=tls)
         made.append((sender, receiver))
         return sender, receiver
 
@@ -62,7 +88,7 @@ def test_frames_arrive_whole_and_in_order(pair):
     for round_ in range(2):  # a second transfer reuses what the first set up (segment, group, connection)
         channel = sender.open(receiver.address, "t1")
         for header, data in frames:
-            channel.send(header, data)
+            channel.send(header, data if channel.device is None else torch.from_numpy(data).to(channel.device))
         channel.finish(timeout=30)
         channel.close()
         assert channel.bytes_sent == sum(sizes)
@@ -73,17 +99,42 @@ def test_a_corrupt_verdict_is_not_an_error_a_failure_is(pair):
     corrupt = RecordingSink(CorruptFrame)
     sender, receiver = pair(corrupt)
     channel = sender.open(receiver.address, "t1")
-    channel.send(*frame(0, 100, seed=0))
+    channel.send(*frame(0, 100, seed=0, device=channel.device))
     channel.finish(timeout=30)  # the receiver counted it; `commit` names the layer for a resend
     channel.close()
 
     failing = RecordingSink(TransferError)
     sender, receiver = pair(failing)
     channel = sender.open(receiver.address, "t1")
-    channel.send(*frame(0, 100, seed=0))
-    with pytest.raises(TransferError, match="the sink says no"):
+    with pytest.raises(TransferError, match="the sink says no"):  # at the send (frames in lockstep) or finish
+        channel.send(*frame(0, 100, seed=0, device=channel.device))
         channel.finish(timeout=30)
     channel.close()
+
+
+def test_concurrent_transfers_to_one_receiver_each_arrive_whole(pair):
+    """Two transfers share one receiving half (and, for torch.distributed, one process group, whose
+    NCCL sends match receives in issue order): no frame of one lands in the other's."""
+    sink = RecordingSink()
+    sender, receiver = pair(sink)
+    sent: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    def transfer(transfer_id: str, seed: int) -> None:
+        channel = sender.open(receiver.address, transfer_id)
+        for i in range(12):
+            header, data = frame(i % 3, 1000 * (1 + (i * seed) % 7), seed=seed * 100 + i, device=channel.device)
+            channel.send(dataclasses.replace(header, transfer_id=transfer_id), data)
+            sent[transfer_id].append(data.tobytes() if channel.device is None else data.cpu().numpy().tobytes())
+        channel.finish(timeout=30)
+        channel.close()
+
+    threads = [threading.Thread(target=transfer, args=(t, seed)) for t, seed in (("a", 3), ("b", 5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for transfer_id in sent:
+        assert [d for h, d in sink.frames if h.transfer_id == transfer_id] == sent[transfer_id]
 
 
 def test_a_receiver_that_is_gone_fails_the_channel_within_its_timeout():

@@ -1,0 +1,268 @@
+"""torch.distributed point-to-point between a prefill and a decode worker (gloo or NCCL), with pyzmq control.
+
+In the manner of vLLM's P2P-NCCL connector: a two-rank process group per worker pair, created lazily
+on the pair's first transfer and torn down when the peer leaves (`forget`) or fails. The sending half
+(rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
+channel; both construct the group at once and meet in the store. Each frame is then a control message
+(header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
+`recv` into a buffer and hands it to the sink. A pair whose transfer fails (peer gone, a refused
+frame) drops its group and forms a new one on its next transfer.
+
+Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
+memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
+GPU to GPU without touching host memory, and the sink gets the received tensor. The sender checksums
+what travels (`codecs.checksum`: a device payload's checksum is computed on the device).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import struct
+import threading
+import uuid
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
+
+if TYPE_CHECKING:
+    from pdserve.wire import ClusterSecret
+
+MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
+GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+JOIN, FRAME, LEAVE = b"J", b"F", b"L"
+_PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
+_TAG = struct.Struct("<I")
+
+
+def _text(frame: zmq.Frame) -> str:
+    try:
+        return frame.bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise TransferError(f"p2p control message: {frame.bytes[:40]!r} is not ASCII") from None
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+
+
+def _process_group(backend: str, store: dist.Store, rank: int, host: str) -> dist.Backend:
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = _timeout()
+        return dist.ProcessGroupGloo(store, rank, 2, options)
+    # A timed-out NCCL operation must end this pair's group, not the worker: the default (3) tears
+    # the whole process down. Read when the group is made.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = _timeout()
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def check_backend(backend: str, device: torch.device | None) -> None:
+    """Raise ValueError naming what is missing for `backend` with payloads on `device`."""
+    if backend == "gloo":
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"gloo moves host memory, not {device}")
+    elif backend == "nccl":
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("KV transport 'nccl' needs a CUDA GPU and a torch built with NCCL "
+                             f"(cuda available: {torch.cuda.is_available()}, nccl: {dist.is_nccl_available()})")
+        if device is None or device.type != "cuda":
+            raise ValueError(f"NCCL moves CUDA memory, not {device or 'host bytes'}")
+    else:
+        raise ValueError(f"unknown torch.distributed backend {backend!r}")
+
+
+class _Group:
+    """The sending side of one pair's process group."""
+
+    def __init__(self, backend: str, address: str, host: str, secret: ClusterSecret | None) -> None:
+        self.id = uuid.uuid4().hex
+        self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, wait_for_workers=False, timeout=_timeout())
+        join = ControlClient(address, secret=secret)
+        try:
+            join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
+            self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
+            join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
+        finally:
+            join.close()
+        self._next_tag = 0
+        self._lock = threading.Lock()
+        self.in_order = threading.Lock()  # held from a frame's control message until its answer (NCCL)
+
+    def tag(self) -> int:
+        with self._lock:
+            self._next_tag = (self._next_tag + 1) % (1 << 31)
+            return self._next_tag
+
+
+class P2PChannel:
+    def __init__(self, sender: P2PSender, group: _Group, address: str, transfer_id: str) -> None:
+        self.sender = sender
+        self.group = group
+        self.address = address
+        self.transfer_id = transfer_id
+        self.device = sender.device  # where payloads must be (`LayerChannel.device`)
+        self.bytes_sent = 0
+        self.control = ControlClient(address, secret=sender.secret)
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
+
+    def send(self, header: FrameHeader, payload: Payload | torch.Tensor) -> None:
+        tensor = self._as_tensor(payload)  # held until the send completes
+        if self.device is None:
+            self._post(header, tensor)
+            return
+        # NCCL matches sends to receives in the order they are issued, whatever their tags, and the
+        # receiving half posts receives in the order control messages reach it, over one socket per
+        # channel. So a device frame goes out only after the pair's previous frame was answered (its
+        # receive done): frames of concurrent transfers to one peer cannot cross.
+        with self.group.in_order:
+            seq = self._post(header, tensor)
+            try:
+                self.control.wait(lambda: seq not in self.control.unanswered, GROUP_TIMEOUT_S)
+            except TransferError as e:
+                self.sender.drop_group(self.address, self.group)  # a send without its receive: unusable
+                raise TransferError(f"p2p frame to {self.address} failed: {e}") from e
+
+    def _as_tensor(self, payload: Payload | torch.Tensor) -> torch.Tensor:
+        if isinstance(payload, torch.Tensor):
+            if payload.device != (self.device or torch.device("cpu")) or payload.dtype != torch.uint8:
+                raise TransferError(f"p2p channel takes uint8 payloads on {self.device or 'cpu'}, got "
+                                    f"{payload.dtype} on {payload.device}")
+            return payload
+        if self.device is not None:
+            raise TransferError(f"p2p channel takes payloads on {self.device}, got host bytes")
+        data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+        return torch.from_numpy(data if data.flags.writeable else data.copy())
+
+    def _post(self, header: FrameHeader, tensor: torch.Tensor) -> int:
+        tag = self.group.tag()
+        seq = self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
+        self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
+        self.bytes_sent += tensor.numel()
+        return seq
+
+    def finish(self, timeout: float) -> None:
+        """The receiver's answers first: a frame it refused has no matching receive, so its send
+        would never complete; then the sends, which every accepted frame has completed."""
+        try:
+            self.control.wait(lambda: not self.control.unanswered, timeout)
+            for work, _ in self._pending:
+                work.wait(datetime.timedelta(seconds=timeout))  # with a timeout, NCCL's wait blocks too
+        except (RuntimeError, TransferError) as e:
+            # Sends without receives (or a broken pair) leave the group unusable: the next transfer
+            # to this peer forms a new one.
+            self.sender.drop_group(self.address, self.group)
+            raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
+        finally:
+            self._pending.clear()
+
+    def close(self) -> None:
+        if self._pending:  # not finished: sends may be left without receives
+            self.sender.drop_group(self.address, self.group)
+        self._pending.clear()
+        self.control.close()
+
+
+class P2PSender:
+    """The sending half. `backend`: gloo or nccl; `device`: where payloads travel from (None: host
+    bytes; NCCL needs a CUDA device)."""
+
+    def __init__(self, backend: str = "gloo", host: str = "127.0.0.1", secret: ClusterSecret | None = None,
+                 device: torch.device | None = None) -> None:
+        check_backend(backend, device)
+        self.name = self.backend = backend
+        self.host = host  # where this side's store listens and its gloo device binds
+        self.secret = secret  # authenticates the control channel (the process group itself cannot be)
+        self.device = device
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+
+    def open(self, address: str, transfer_id: str) -> P2PChannel:
+        with self._lock:
+            group = self._groups.get(address)
+            if group is None:
+                try:
+                    group = self._groups[address] = _Group(self.backend, address, self.host, self.secret)
+                except (RuntimeError, TransferError) as e:
+                    raise TransferError(f"cannot form a {self.backend} group with {address}: {e}") from e
+        return P2PChannel(self, group, address, transfer_id)
+
+    def drop_group(self, address: str, group: _Group) -> None:
+        """Tear down a pair's group (if it is still the current one) and tell the peer."""
+        with self._lock:
+            if self._groups.get(address) is not group:
+                return
+            del self._groups[address]
+        notify(address, LEAVE, [group.id.encode()], self.secret)
+
+    def forget(self, address: str) -> None:
+        group = self._groups.get(address)
+        if group is not None:
+            self.drop_group(address, group)
+
+    def close(self) -> None:
+        for address in list(self._groups):
+            self.forget(address)
+
+
+class P2PReceiver:
+    """The receiving half: hands the sink a memoryview of host bytes, or (with a `device`) the
+    received tensor on it."""
+
+    def __init__(self, sink: FrameSink, backend: str = "gloo", host: str = "127.0.0.1",
+                 secret: ClusterSecret | None = None, device: torch.device | None = None) -> None:
+        check_backend(backend, device)
+        self.sink = sink
+        self.name = self.backend = backend
+        self.host = host
+        self.device = device
+        self._groups: dict[str, dist.Backend] = {}  # only the control thread touches it
+        self._server = ControlServer(backend, host, self._handle, secret)
+        self.address = self._server.address
+
+    def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+        # The shape first: a malformed message is refused as such, not by an accident of parsing.
+        if len(parts) != _PARTS.get(kind, -1) or (kind == FRAME and len(parts[2].bytes) != _TAG.size):
+            raise TransferError(f"malformed p2p control message: kind {kind[:8]!r} with {len(parts)} parts")
+        if kind == JOIN:
+            group_id, store_address = _text(parts[0]), _text(parts[1])
+            store_host, _, port = store_address.rpartition(":")
+            peer = parts[0].get("Peer-Address")  # where the JOIN came from, as the socket saw it
+            if store_host != peer:  # never dial an address a message names on someone else's behalf
+                raise TransferError(f"p2p JOIN from {peer} names a store on {store_host[:80]!r}")
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise TransferError(f"p2p JOIN names no valid store port: {port[:20]!r}")
+            store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False, timeout=_timeout())
+            self._groups[group_id] = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
+        elif kind == LEAVE:
+            self._groups.pop(_text(parts[0]), None)
+        else:  # FRAME
+            header = FrameHeader.unpack(parts[0].buffer)
+            group_id = _text(parts[1])
+            group = self._groups.get(group_id)
+            if group is None:
+                raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
+            (tag,) = _TAG.unpack(parts[2].bytes)
+            if header.payload_bytes > MAX_FRAME_BYTES:
+                self._groups.pop(group_id, None)  # the stream cannot be resynchronised
+                raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
+            buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+            try:
+                group.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
+            except RuntimeError as e:  # the peer is gone or stalled: this group is done
+                self._groups.pop(group_id, None)
+                raise TransferError(f"p2p receive failed, group torn down: {e}") from e
+            self.sink(header, memoryview(buffer.numpy()) if self.device is None else buffer)
+
+    def stop(self) -> None:
+        self._server.stop()
+        self._groups.clear()
