@@ -130,6 +130,7 @@ class DecodeWorker:
         request_id = handoff.request_id
         events = self._events[request_id] = {"transfer_end": time.time()}  # every frame has been delivered
         try:
+            events["transfer_start"] = self.receiver.started_at(transfer_id)
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
             if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)
                 events.setdefault("decode_start", time.time())

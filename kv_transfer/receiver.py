@@ -211,6 +211,11 @@ class KVReceiver:
         incoming.transfer.advance(TransferState.SUCCESS)
         return []
 
+    def started_at(self, transfer_id: str) -> float:
+        """When the transfer's first frame arrived (when it was reserved, if none did: recomputed here)."""
+        events = self._get(transfer_id).transfer.events
+        return events.get("transferring", events["reserved"])
+
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""
         with self._lock:

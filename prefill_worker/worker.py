@@ -432,9 +432,8 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
                 continue
+            # `transfer_start` comes from the decode worker: the first token may leave before the lease.
             events = {"prefill_queued": job.arrived, "prefill_start": job.prefill_started, "prefill_end": now}
-            if job.transfer is not None and "transferring" in job.transfer.events:  # its first layer is on the way
-                events["transfer_start"] = job.transfer.events["transferring"]
             if out.finish_reason == "prefilled":
                 job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
