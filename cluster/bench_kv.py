@@ -81,6 +81,9 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
         return
     position = [0]
     if kind == "nccl":  # the receiving rank on a GPU of its own: NCCL refuses two ranks on one device
+        if torch.cuda.device_count() < 2:
+            conn.send(None)  # the parent says why, instead of waiting for an address
+            return
         torch.cuda.set_device(1)
         on_gpu = torch.empty(capacity, dtype=torch.uint8, device="cuda")
 
@@ -134,6 +137,8 @@ def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], rep
     seconds = []
     try:
         address = parent.recv()
+        if address is None:
+            raise RuntimeError(f"KV transport {kind!r} needs two GPUs for this benchmark")
         if kind == "tcp":
             host, port = address.rsplit(":", 1)
             with socket.create_connection((host, int(port))) as sock:

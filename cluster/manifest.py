@@ -227,10 +227,11 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _nccl_has_gpus(self) -> "Manifest":
-        no_gpu = [name for name in ("prefill", "decode") if getattr(self.pools, name).num_gpus <= 0]
+        # Whole GPUs: NCCL refuses two ranks on one device, which fractions would let Ray place.
+        no_gpu = [name for name in ("prefill", "decode") if getattr(self.pools, name).num_gpus < 1]
         if self.mode == "disaggregated" and self.kv_transfer.transport == "nccl" and no_gpu:
             raise ValueError(f"kv_transfer.transport nccl moves KV from GPU to GPU: pools {' and '.join(no_gpu)} "
-                             "need num_gpus > 0 (gloo is the CPU equivalent)")
+                             "need num_gpus >= 1, a GPU of their own (gloo is the CPU equivalent)")
         return self
 
     @model_validator(mode="after")

@@ -4,11 +4,11 @@ A reservation shares the leading blocks the decode worker's prefix cache already
 says how many: the sender skips them) and agrees on a codec: the first of those offered that this
 side can decode, else raw. It waits a bounded time (`reserve_wait_s`) for free blocks before it gives
 up with `KVMemoryFull`, so a full decode pool slows prefill down instead of failing requests at once.
-A lease starts at the reservation, which the prefill side makes just before the prompt pass, and
+A lease starts at the reservation, which the prefill side makes as the prompt pass starts, and
 every frame that arrives (and every `renew`) extends it: it cannot expire under a transfer that makes
 progress.
 
-Frames arrive from any transport, on its threads, through `receive_frame`: checked (CRC32), decoded
+Frames arrive from any transport, on its threads, through `receive_frame`: checked (its checksum), decoded
 and written straight into the reserved blocks (one copy), without a round trip through the engine
 loop; no running request reads those blocks. Each transfer's lock orders writes against an abort,
 so a block is never written after it was freed. A corrupt frame is counted and dropped; `commit`

@@ -354,12 +354,13 @@ class PrefillWorker:
                                                    prefill_only=True))
             with self._lock:
                 owned = self._owns(job)
-            if not owned:  # `_finish`'s own engine command may have run before the add
-                self.loop.submit(lambda e: e.abort_request(work.request_id))
+            if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
+                self.loop.submit(lambda e: e.abort_request(work.request_id))  # its engine command may precede the add
+                return
             lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
             # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
             # pings and cancels take the lock.
-            outgoing = self._outgoing(job, lease) if owned else None
+            outgoing = self._outgoing(job, lease)
             with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
                 owned = self._owns(job)
                 if owned:
@@ -439,7 +440,8 @@ class PrefillWorker:
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
                 handoff = self.engine.export_handoff(out.request_id)
-                job.state = "committing"
+                with self._lock:  # `_start` reads and writes the state under it
+                    job.state = "committing"
                 self._finishers.submit(self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,

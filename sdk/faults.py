@@ -86,7 +86,7 @@ class FaultInjector:
             return None
         if draw < s.kv_drop_percent + s.kv_corrupt_percent and payload.nbytes:
             self.counts["kv_corrupted"] += 1
-            if not isinstance(payload, memoryview):  # a uint8 tensor on a device (NCCL)
+            if hasattr(payload, "clone"):  # a uint8 tensor on a device (NCCL)
                 damaged = payload.clone()
                 damaged[position] ^= 0xFF
                 return damaged

@@ -84,13 +84,16 @@ def check_backend(backend: str, device: torch.device | None) -> None:
 class _Group:
     """The sending side of one pair's process group."""
 
-    def __init__(self, backend: str, address: str, host: str, secret: ClusterSecret | None) -> None:
+    def __init__(self, backend: str, address: str, host: str, secret: ClusterSecret | None,
+                 device: torch.device | None) -> None:
         self.id = uuid.uuid4().hex
         self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, wait_for_workers=False, timeout=_timeout())
         join = ControlClient(address, secret=secret)
         try:
             join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
+            if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
+                self.pg.send([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 0).wait(_timeout())
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
         finally:
             join.close()
@@ -124,29 +127,40 @@ class P2PChannel:
         # receiving half posts receives in the order control messages reach it, over one socket per
         # channel. So a device frame goes out only after the pair's previous frame was answered (its
         # receive done): frames of concurrent transfers to one peer cannot cross.
+        # Once answered, its receive is done: the send is waited for here and nothing stays pending (no
+        # second copy of the prompt's KV held on the GPU; a channel closed early leaves the group whole).
         with self.group.in_order:
             seq = self._post(header, tensor)
             try:
                 self.control.wait(lambda: seq not in self.control.unanswered, GROUP_TIMEOUT_S)
-            except TransferError as e:
+                work, _ = self._pending.pop()
+                work.wait(_timeout())
+            except (RuntimeError, TransferError) as e:
                 self.sender.drop_group(self.address, self.group)  # a send without its receive: unusable
                 raise TransferError(f"p2p frame to {self.address} failed: {e}") from e
 
     def _as_tensor(self, payload: Payload | torch.Tensor) -> torch.Tensor:
-        if isinstance(payload, torch.Tensor):
-            if payload.device != (self.device or torch.device("cpu")) or payload.dtype != torch.uint8:
-                raise TransferError(f"p2p channel takes uint8 payloads on {self.device or 'cpu'}, got "
-                                    f"{payload.dtype} on {payload.device}")
-            return payload
+        """The payload as the group sends it. Tensors only on a device channel: a tensor's checksum
+        is the tensor kind, which a host-bytes receiver would not match."""
+        is_tensor = isinstance(payload, torch.Tensor)
         if self.device is not None:
-            raise TransferError(f"p2p channel takes payloads on {self.device}, got host bytes")
+            if is_tensor and payload.device == self.device and payload.dtype == torch.uint8:
+                return payload
+            got = f"{payload.dtype} on {payload.device}" if is_tensor else type(payload).__name__
+            raise TransferError(f"p2p channel takes uint8 tensors on {self.device}, got {got}")
+        if is_tensor:
+            raise TransferError("p2p channel for host bytes got a tensor payload")
         data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
         return torch.from_numpy(data if data.flags.writeable else data.copy())
 
     def _post(self, header: FrameHeader, tensor: torch.Tensor) -> int:
         tag = self.group.tag()
         seq = self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
-        self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
+        try:
+            self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
+        except RuntimeError as e:  # announced but not sent: the receiver waits for it, the group is done
+            self.sender.drop_group(self.address, self.group)
+            raise TransferError(f"p2p send to {self.address} failed: {e}") from e
         self.bytes_sent += tensor.numel()
         return seq
 
@@ -191,7 +205,8 @@ class P2PSender:
             group = self._groups.get(address)
             if group is None:
                 try:
-                    group = self._groups[address] = _Group(self.backend, address, self.host, self.secret)
+                    group = self._groups[address] = _Group(self.backend, address, self.host, self.secret,
+                                                           self.device)
                 except (RuntimeError, TransferError) as e:
                     raise TransferError(f"cannot form a {self.backend} group with {address}: {e}") from e
         return P2PChannel(self, group, address, transfer_id)
@@ -242,7 +257,13 @@ class P2PReceiver:
             if not port.isdigit() or not 0 < int(port) < 65536:
                 raise TransferError(f"p2p JOIN names no valid store port: {port[:20]!r}")
             store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False, timeout=_timeout())
-            self._groups[group_id] = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
+            group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
+            if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
+                try:
+                    group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
+                except RuntimeError as e:
+                    raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
+            self._groups[group_id] = group
         elif kind == LEAVE:
             self._groups.pop(_text(parts[0]), None)
         else:  # FRAME

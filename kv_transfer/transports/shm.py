@@ -88,8 +88,9 @@ class _Segment:
 
     def close(self) -> None:
         self.unlink()
-        del self.bytes  # the map cannot close while a view of it lives
-        self.map.close()
+        if not self.map.closed:
+            del self.bytes  # the map cannot close while a view of it lives
+            self.map.close()
 
 
 class ShmChannel:
