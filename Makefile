@@ -16,7 +16,7 @@ demo: install
 	pdserve demo
 
 test: install
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
 
 bench: install
 	pdserve bench engine

@@ -69,8 +69,8 @@ class ModelRunner:
         logits = self.model(
             input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_index, pdserve_batch=batch
         ).logits[0]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if dev.type == "cuda":  # this stream only: KV read-outs and NCCL sends on other streams go on
+            torch.cuda.current_stream(dev).synchronize()
         self.last_forward_s = time.perf_counter() - t0
         return logits
 

@@ -57,14 +57,21 @@ def checksum(payload: Payload) -> int:
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
 
 
+_CHECKSUM_PASS_WORDS = 1 << 20  # bounds the int64 temporaries of one pass at 8 MiB each
+
+
 def _tensor_checksum(payload: torch.Tensor) -> int:
     data = payload.reshape(-1).view(torch.uint8)
     pad = -data.numel() % 4
     if pad or data.storage_offset() % 4:  # whole, aligned 32-bit words
         data = torch.cat([data, data.new_zeros(pad)])
-    words = data.view(torch.int32).to(torch.int64)
-    positions = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-    # Integer sums wrap the same way in any order, so every device gets the same answer; the
-    # weighted sum catches reordered words, which the plain sum cannot.
-    plain, weighted = int(words.sum()), int((words * positions).sum())
+    words = data.view(torch.int32)
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    # Integer sums wrap the same way in any order, so every device (and any slicing into passes)
+    # gets the same answer; the weighted sum catches reordered words, which the plain sum cannot.
+    for start in range(0, words.numel(), _CHECKSUM_PASS_WORDS):
+        chunk = words[start : start + _CHECKSUM_PASS_WORDS].to(torch.int64)
+        positions = torch.arange(start + 1, start + chunk.numel() + 1, dtype=torch.int64, device=words.device)
+        plain, weighted = plain + chunk.sum(), weighted + (chunk * positions).sum()
+    plain, weighted = int(plain), int(weighted)  # one wait for the device, at the end
     return (plain ^ weighted ^ (weighted >> 32)) & 0xFFFFFFFF

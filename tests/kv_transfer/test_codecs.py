@@ -66,6 +66,16 @@ def test_a_tensor_payloads_checksum_catches_a_flipped_bit_and_swapped_words():
     assert checksum(data[1:]) == checksum(data[1:].clone())  # a view at an unaligned offset
 
 
+def test_a_tensor_checksum_taken_in_several_passes_sees_every_pass():
+    data = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8))  # > 2 passes
+    base = checksum(data)
+    flipped, swapped = data.clone(), data.clone()
+    flipped[-1] ^= 0x80
+    last_of_first, first_of_second = slice((4 << 20) - 4, 4 << 20), slice(4 << 20, (4 << 20) + 4)  # passes of 1M words
+    swapped[last_of_first], swapped[first_of_second] = data[first_of_second], data[last_of_first]
+    assert len({base, checksum(flipped), checksum(swapped)}) == 3 and checksum(data.clone()) == base
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_raw_kv_on_a_gpu_stays_there_with_the_checksum_its_bytes_have_on_the_cpu():
     kv = synthetic_kv(40, seed=5).cuda()

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from conftest import random_prompts
-from helpers import assert_pool_idle
+from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
@@ -173,6 +173,51 @@ def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_r
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
     prefill.release(request_id)
+
+
+class DeviceHandover:
+    """A channel that hands each frame, still on the GPU, straight to the receiver: the CUDA ends of
+    the NCCL path without its wire (NCCL refuses two ranks on one GPU; the wire is tested on two)."""
+
+    def __init__(self, receive, device: torch.device) -> None:
+        self.receive, self.device, self.bytes_sent = receive, device, 0
+
+    def send(self, header: FrameHeader, payload: torch.Tensor) -> None:
+        assert payload.device.type == "cuda"
+        self.receive(header, payload)
+        self.bytes_sent += header.payload_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_raw_kv_goes_from_cache_to_cache_and_decodes_exactly(model_dirs, hf_reference):
+    """Prefill and decode engines on CUDA: each layer is read out on the side stream while the next
+    ones are queued, checksummed and decoded on the device; the output is that of a colocated run."""
+    config = EngineConfig(device="cuda", kv_memory_bytes=64 * 2**20)
+    prefill, decode, colocated = (LLMEngine(model_dirs[ARCH], config) for _ in range(3))
+    prompts = random_prompts(4, hf_reference[ARCH].vocab_size, 20, 400, seed=11)
+    want = [o.token_ids for o in run_all(colocated, prompts, GREEDY)]
+    outputs = []
+    loop = EngineLoop(decode, outputs.extend).start()
+    receiver = KVReceiver(loop, lease_s=5.0)
+    raw = make_codec("raw", None, prefill.kv_layout)
+    try:
+        for i, prompt in enumerate(prompts):
+            transfer_id = f"t{i}"
+            request_id = prefilled(prefill, prompt)
+            handoff, _ = reserve(receiver, prefill, request_id, transfer_id)
+            channel = DeviceHandover(receiver.receive_frame, decode.kv_cache.data.device)
+            outgoing = OutgoingTransfer(transfer_id, channel, LevelController(raw, LevelSizes({}), 1e9, None),
+                                        prefill.kv_cache, 0, len(prompt), frame_tokens=128)
+            for layer in range(prefill.kv_layout.num_layers):
+                outgoing.send_through(layer, prefill.requests[request_id].block_table, len(prompt))
+            assert receiver.commit(transfer_id, handoff) == [] and receiver.counters["corrupt_frames"] == 0
+            assert wait_finished(outputs).token_ids == want[i]
+            outputs.clear()
+            prefill.release(request_id)
+    finally:
+        loop.stop()
+    assert_pool_idle(prefill)
 
 
 def test_a_request_whose_kv_never_arrives_is_recomputed_from_its_tokens(sides, hf_reference):
