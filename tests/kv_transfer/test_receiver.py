@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import TEST_PRESETS, random_prompts
 from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -175,24 +175,73 @@ def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_r
     prefill.release(request_id)
 
 
-class DeviceHandover:
-    """A channel that hands each frame, still on the GPU, straight to the receiver: the CUDA ends of
-    the NCCL path without its wire (NCCL refuses two ranks on one GPU; the wire is tested on two)."""
+class DirectChannel:
+    """A channel that hands each frame straight to the receiver as it travels: host bytes, or a tensor
+    on `device` (the CUDA ends of the NCCL path without its wire: NCCL refuses two ranks on one GPU,
+    and its wire is tested on two)."""
 
-    def __init__(self, receive, device: torch.device) -> None:
+    def __init__(self, receive, device: torch.device | None = None) -> None:
         self.receive, self.device, self.bytes_sent = receive, device, 0
 
-    def send(self, header: FrameHeader, payload: torch.Tensor) -> None:
-        assert payload.device.type == "cuda"
+    def send(self, header: FrameHeader, payload) -> None:
         self.receive(header, payload)
         self.bytes_sent += header.payload_bytes
+
+
+def hand_off(prefill: LLMEngine, receiver: KVReceiver, prompt: list[int], transfer_id: str, codec: str = "raw",
+             device: torch.device | None = None) -> tuple[int, int]:
+    """Prefill `prompt`, reserve on the decode side offering `codec`, send each layer what the decode
+    side lacks, commit. Returns (tokens the decode side held already, payload bytes sent)."""
+    request_id = prefilled(prefill, prompt)
+    handoff = prefill.export_handoff(request_id)
+    lease = receiver.reserve(transfer_id, request_id, handoff.prompt_token_ids, handoff.params,
+                             handoff.num_computed_tokens, codecs=[codec])
+    assert lease.codec == codec
+    held = lease.cached_blocks * prefill.kv_layout.block_size
+    channel = DirectChannel(receiver.receive_frame, device)
+    chosen = make_codec(codec, None, prefill.kv_layout)
+    outgoing = OutgoingTransfer(transfer_id, channel, LevelController(chosen, LevelSizes({}), 1e9, None),
+                                prefill.kv_cache, held, len(prompt), frame_tokens=32)
+    for layer in range(prefill.kv_layout.num_layers):
+        outgoing.send_through(layer, prefill.requests[request_id].block_table, len(prompt))
+    assert receiver.commit(transfer_id, handoff) == [] and receiver.counters["corrupt_frames"] == 0
+    prefill.release(request_id)
+    return held, channel.bytes_sent
+
+
+@pytest.mark.parametrize("arch", TEST_PRESETS)
+def test_every_family_hands_off_exactly_sends_only_the_missing_prefix_and_takes_lossy_codecs(
+        model_dirs, hf_reference, arch):
+    """Sliding windows, local/global layers, QKV biases, norms after attention: the KV that travels is
+    whatever each family's layers cache, and raw KV gives transformers' own greedy output."""
+    config = EngineConfig(kv_memory_bytes=8 * 2**20)
+    prefill, decode = LLMEngine(model_dirs[arch], config), LLMEngine(model_dirs[arch], config)
+    outputs = []
+    loop = EngineLoop(decode, outputs.extend).start()
+    receiver = KVReceiver(loop, lease_s=5.0)
+    vocab = hf_reference[arch].vocab_size
+    first, rest = random_prompts(2, vocab, 40, 40, seed=21)
+    try:
+        for i, prompt in enumerate((first, first[:32] + rest)):  # the second starts with two blocks the first left
+            held, sent = hand_off(prefill, receiver, prompt, f"raw{i}")
+            layout = prefill.kv_layout
+            assert (held, sent) == (32 * i, (len(prompt) - 32 * i) * layout.bytes_per_block // layout.block_size)
+            assert wait_finished(outputs).token_ids == hf_reference[arch].greedy(prompt, 6)
+            outputs.clear()
+        for codec in ("int8", "fp8"):
+            hand_off(prefill, receiver, rest, codec, codec=codec)
+            assert len(wait_finished(outputs).token_ids) == 6
+            outputs.clear()
+    finally:
+        loop.stop()
+    assert_pool_idle(prefill)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_raw_kv_goes_from_cache_to_cache_and_decodes_exactly(model_dirs, hf_reference):
-    """Prefill and decode engines on CUDA: each layer is read out on the side stream while the next
-    ones are queued, checksummed and decoded on the device; the output is that of a colocated run."""
+    """Prefill and decode engines on CUDA: each layer's KV is read out on the side stream, checksummed
+    and decoded on the device, never through the host; the output is that of a colocated run."""
     config = EngineConfig(device="cuda", kv_memory_bytes=64 * 2**20)
     prefill, decode, colocated = (LLMEngine(model_dirs[ARCH], config) for _ in range(3))
     prompts = random_prompts(4, hf_reference[ARCH].vocab_size, 20, 400, seed=11)
@@ -200,21 +249,11 @@ def test_on_a_gpu_raw_kv_goes_from_cache_to_cache_and_decodes_exactly(model_dirs
     outputs = []
     loop = EngineLoop(decode, outputs.extend).start()
     receiver = KVReceiver(loop, lease_s=5.0)
-    raw = make_codec("raw", None, prefill.kv_layout)
     try:
         for i, prompt in enumerate(prompts):
-            transfer_id = f"t{i}"
-            request_id = prefilled(prefill, prompt)
-            handoff, _ = reserve(receiver, prefill, request_id, transfer_id)
-            channel = DeviceHandover(receiver.receive_frame, decode.kv_cache.data.device)
-            outgoing = OutgoingTransfer(transfer_id, channel, LevelController(raw, LevelSizes({}), 1e9, None),
-                                        prefill.kv_cache, 0, len(prompt), frame_tokens=128)
-            for layer in range(prefill.kv_layout.num_layers):
-                outgoing.send_through(layer, prefill.requests[request_id].block_table, len(prompt))
-            assert receiver.commit(transfer_id, handoff) == [] and receiver.counters["corrupt_frames"] == 0
+            hand_off(prefill, receiver, prompt, f"t{i}", device=decode.kv_cache.data.device)
             assert wait_finished(outputs).token_ids == want[i]
             outputs.clear()
-            prefill.release(request_id)
     finally:
         loop.stop()
     assert_pool_idle(prefill)
