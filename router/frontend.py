@@ -204,6 +204,8 @@ class ActiveRequest:
             if not self._attempt_started:  # this attempt's prompt pass is over
                 self._attempt_started = True
                 frontend.router.first_token(self.placement)
+            else:  # a later message is the decode worker's: the KV handoff is over
+                frontend.router.handed_over(self.placement)
             if "first_token" not in self.events:
                 self.events["first_token"] = time.time()
                 self.cached_tokens = msg.cached_tokens

@@ -74,6 +74,8 @@ class Placement:
     request: RouteRequest
     decode: WorkerRef
     prefill: WorkerRef | None = None  # None: it prefills on `decode` (colocated, or conditional)
+    # The workers whose death loses the attempt: both until the decode worker has the request (the
+    # first token may leave before the KV handoff commits), then the decode worker alone.
     depends_on: list[WorkerRef] = field(default_factory=list)
     prefill_pending: bool = True  # until the first token
     decode_pending: bool = True  # until the end
@@ -228,7 +230,8 @@ class Router:
         return p
 
     def first_token(self, p: Placement) -> None:
-        """The prompt pass is over: later tokens come from the decode worker alone."""
+        """The prompt pass is over: its load on the prefill worker is given back (that worker may still
+        be sending the KV: the request depends on it until `handed_over`)."""
         with self._lock:
             if not p.prefill_pending:
                 return
@@ -238,7 +241,11 @@ class Router:
                 p.prefill.outstanding -= 1
                 p.prefill.active_blocks -= p.request.num_blocks
                 self.prefill_admission.left()
-            p.depends_on = [p.decode]
+
+    @staticmethod
+    def handed_over(p: Placement) -> None:
+        """The decode worker sent tokens: it holds the request, whatever becomes of the prefill worker."""
+        p.depends_on = [p.decode]
 
     def finished(self, p: Placement, events: dict[str, float] | None = None) -> None:
         """The request ended (completed, failed or cancelled): give back all it holds."""

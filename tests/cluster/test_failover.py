@@ -12,7 +12,7 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import manifest, on_worker
+from cluster_helpers import install_gate, manifest, on_worker, open_gate
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
@@ -115,6 +115,51 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
         assert cluster.router.stats.retries == retries + 1
         assert time.monotonic() - t0 < 30
     wait_healthy(cluster)  # Ray restarted it; it measured itself and rejoined
+    wait_clean_audit(cluster)
+
+
+def holding_a_transfer(cluster: Cluster, pool: str):
+    """The worker of `pool` with a KV transfer in flight, by asking each (bounded)."""
+    for _ in range(200):
+        for w in (w for w in cluster.workers if w.pool == pool and w.healthy):
+            if ray.get(w.handle.ping.remote(), timeout=10)["transfers"] > 0:
+                return w
+        time.sleep(0.02)
+    pytest.fail(f"no {pool} worker holds the transfer")
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_worker_killed_after_the_first_token_before_the_kv_is_committed_costs_no_token(
+        cluster, hf_reference, victim):
+    """The first token leaves as the prompt pass ends, before the handoff commits; the prefill or the
+    decode worker of the transfer dies in between. The request is tried again elsewhere, and the
+    client sees each token once: the first one is not sent again."""
+    wait_healthy(cluster)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=17)[0]
+    prefill_workers = [w for w in cluster.workers if w.pool == "prefill"]
+    for w in prefill_workers:  # every commit waits: the transfer stays open after the first token
+        on_worker(w, install_gate, "_commit")
+    retries = cluster.router.stats.retries
+    try:
+        with Client(cluster.address, timeout=120) as client:
+            stream = client.generate(prompt, stream=True, max_tokens=12, temperature=0, ignore_eos=True)
+            streamed = list(next(stream).token_ids)
+            killed = holding_a_transfer(cluster, victim)
+            os.kill(on_worker(killed, _pid), signal.SIGKILL)
+            for w in prefill_workers:
+                if w is not killed:
+                    on_worker(w, open_gate)
+            for chunk in stream:
+                streamed += chunk.token_ids
+    finally:
+        for w in prefill_workers:  # a gate still closed is opened (a killed worker restarts ungated)
+            try:
+                on_worker(w, open_gate)
+            except Exception:
+                pass
+    assert streamed == hf_reference[ARCH].greedy(prompt, 12)
+    assert cluster.router.stats.retries == retries + 1
+    wait_healthy(cluster)
     wait_clean_audit(cluster)
 
 
