@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -128,35 +129,57 @@ def holding_a_transfer(cluster: Cluster, pool: str):
     pytest.fail(f"no {pool} worker holds the transfer")
 
 
+def gate_after_layer_0(self) -> None:
+    """The worker's prompt passes stop after layer 0's KV went out, until `open_gate`."""
+    runner = self.engine.runner
+    original, gate = runner.layer_hook, threading.Event()
+
+    def hook(layer, chunks):
+        original(layer, chunks)
+        if layer == 0:
+            gate.wait(30)
+
+    runner.layer_hook = hook
+    self.test_gate = (gate, lambda: setattr(runner, "layer_hook", original))
+
+
+def gate_the_commit(self) -> None:
+    """The worker's KV handoffs wait before their commit, until `open_gate`: the first token leaves."""
+    install_gate(self, "_commit")
+
+
+@pytest.mark.parametrize("moment", [gate_after_layer_0, gate_the_commit], ids=["mid-pass", "after-first-token"])
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
-def test_a_worker_killed_after_the_first_token_before_the_kv_is_committed_costs_no_token(
-        cluster, hf_reference, victim):
-    """The first token leaves as the prompt pass ends, before the handoff commits; the prefill or the
-    decode worker of the transfer dies in between. The request is tried again elsewhere, and the
-    client sees each token once: the first one is not sent again."""
+def test_a_worker_killed_during_the_kv_handoff_costs_no_token(cluster, hf_reference, moment, victim):
+    """The prefill or the decode worker of a transfer dies in the middle of the prompt pass (layer 0
+    sent), or after the first token left but before the handoff committed. The request is tried again
+    elsewhere; the client sees each token once (a first token already sent is not sent again)."""
     wait_healthy(cluster)
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=17)[0]
     prefill_workers = [w for w in cluster.workers if w.pool == "prefill"]
-    for w in prefill_workers:  # every commit waits: the transfer stays open after the first token
-        on_worker(w, install_gate, "_commit")
-    retries = cluster.router.stats.retries
-    try:
+    for w in prefill_workers:
+        on_worker(w, moment)
+    retries, streamed, first = cluster.router.stats.retries, [], threading.Event()
+
+    def consume():
         with Client(cluster.address, timeout=120) as client:
-            stream = client.generate(prompt, stream=True, max_tokens=12, temperature=0, ignore_eos=True)
-            streamed = list(next(stream).token_ids)
-            killed = holding_a_transfer(cluster, victim)
-            os.kill(on_worker(killed, _pid), signal.SIGKILL)
-            for w in prefill_workers:
-                if w is not killed:
-                    on_worker(w, open_gate)
-            for chunk in stream:
-                streamed += chunk.token_ids
+            for chunk in client.generate(prompt, stream=True, max_tokens=12, temperature=0, ignore_eos=True):
+                streamed.extend(chunk.token_ids)
+                first.set()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    killed = None
+    try:
+        if moment is gate_the_commit:
+            assert first.wait(60), "no first token"
+        killed = holding_a_transfer(cluster, victim)
+        os.kill(on_worker(killed, _pid), signal.SIGKILL)
     finally:
-        for w in prefill_workers:  # a gate still closed is opened (a killed worker restarts ungated)
-            try:
+        for w in prefill_workers:  # a killed worker restarts ungated
+            if w is not killed:
                 on_worker(w, open_gate)
-            except Exception:
-                pass
+        consumer.join(120)
     assert streamed == hf_reference[ARCH].greedy(prompt, 12)
     assert cluster.router.stats.retries == retries + 1
     wait_healthy(cluster)
