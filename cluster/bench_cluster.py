@@ -42,7 +42,7 @@ class ClusterBenchConfig:
     max_tokens: int = 16
     long_prompt: int = 2000  # "2K tokens", within the benchmark's max_model_len of 2048
     num_long: int = 8
-    gpus_per_pool: float = 0.0  # > 0: both pools' engines on CUDA (0.5 each shares one GPU)
+    gpus_per_worker: float = 0.0  # > 0: every worker's engine on CUDA (0.5 each: both pools share one GPU)
     out: Path = Path("bench-results/cluster.json")
 
 
@@ -74,7 +74,7 @@ def bench_deployment(cfg: ClusterBenchConfig, mode: str, transport: str, prompts
     manifest = load_manifest({
         "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport}, "max_model_len": 2048,
         "kv_memory_mb": 256, "server": {"address": "127.0.0.1:0", "http_address": None},
-        "pools": {name: {"num_cpus": 1, "threads": 1, "num_gpus": cfg.gpus_per_pool} for name in ("prefill", "decode")},
+        "pools": {pool: {"num_cpus": 1, "threads": 1, "num_gpus": cfg.gpus_per_worker} for pool in ("prefill", "decode")},
     })
     result = DeploymentResult(f"{mode}/{transport}" if mode == "disaggregated" else mode)
     with Cluster(manifest, log=lambda _: None) as cluster, Client(cluster.address, timeout=300) as client:
@@ -142,7 +142,8 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({
         "date": date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor()}",
-        "model": cfg.model, "gpus_per_pool": cfg.gpus_per_pool, "workload": source, "results": [r.__dict__ for r in results]}, indent=2))
+        "model": cfg.model, "gpus_per_worker": cfg.gpus_per_worker, "workload": source,
+        "results": [r.__dict__ for r in results]}, indent=2))
     log(summary_table(results))
     log(f"results written to {cfg.out}")
     return results

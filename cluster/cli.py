@@ -187,8 +187,8 @@ def _kv_profile(args: argparse.Namespace) -> int:
 def _bench_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
-    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, gpus_per_pool=args.gpus_per_pool,
-                           out=Path(args.out)))
+    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests,
+                           gpus_per_worker=args.gpus_per_worker, out=Path(args.out)))
     return 0
 
 
@@ -367,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24)
-    bc.add_argument("--gpus-per-pool", type=float, default=0.0,
-                    help="GPUs for each pool's worker (engines on CUDA; 0.5 shares one GPU between the pools)")
+    bc.add_argument("--gpus-per-worker", type=float, default=0.0,
+                    help="GPUs for each worker (engines on CUDA; 0.5: the two pools' workers share one GPU)")
     bc.add_argument("--out", default="bench-results/cluster.json")
     bc.set_defaults(func=_bench_cluster)
     bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "

@@ -205,7 +205,7 @@ class ActiveRequest:
                 self._attempt_started = True
                 frontend.router.first_token(self.placement)
             else:  # a later message is the decode worker's: the KV handoff is over
-                frontend.router.handed_over(self.placement)
+                self.placement.handed_over()
             if "first_token" not in self.events:
                 self.events["first_token"] = time.time()
                 self.cached_tokens = msg.cached_tokens

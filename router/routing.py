@@ -92,6 +92,10 @@ class Placement:
     def local(self) -> bool:
         return self.prefill is None
 
+    def handed_over(self) -> None:
+        """The decode worker sent tokens: it holds the request, whatever becomes of the prefill worker."""
+        self.depends_on = [self.decode]
+
 
 class Router:
     def __init__(self, mode: str, prefill_pool: list[WorkerRef], decode_pool: list[WorkerRef], block_size: int,
@@ -231,7 +235,7 @@ class Router:
 
     def first_token(self, p: Placement) -> None:
         """The prompt pass is over: its load on the prefill worker is given back (that worker may still
-        be sending the KV: the request depends on it until `handed_over`)."""
+        be sending the KV: the request depends on it until `Placement.handed_over`)."""
         with self._lock:
             if not p.prefill_pending:
                 return
@@ -241,11 +245,6 @@ class Router:
                 p.prefill.outstanding -= 1
                 p.prefill.active_blocks -= p.request.num_blocks
                 self.prefill_admission.left()
-
-    @staticmethod
-    def handed_over(p: Placement) -> None:
-        """The decode worker sent tokens: it holds the request, whatever becomes of the prefill worker."""
-        p.depends_on = [p.decode]
 
     def finished(self, p: Placement, events: dict[str, float] | None = None) -> None:
         """The request ended (completed, failed or cancelled): give back all it holds."""

@@ -66,7 +66,8 @@ def _tensor_checksum(payload: torch.Tensor) -> int:
     if pad or data.storage_offset() % 4:  # whole, aligned 32-bit words
         data = torch.cat([data, data.new_zeros(pad)])
     words = data.view(torch.int32)
-    plain = weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    plain = torch.zeros((), dtype=torch.int64, device=words.device)
+    weighted = torch.zeros_like(plain)
     # Integer sums wrap the same way in any order, so every device (and any slicing into passes)
     # gets the same answer; the weighted sum catches reordered words, which the plain sum cannot.
     for start in range(0, words.numel(), _CHECKSUM_PASS_WORDS):

@@ -184,7 +184,17 @@ class DirectChannel:
         self.receive, self.device, self.bytes_sent = receive, device, 0
 
     def send(self, header: FrameHeader, payload) -> None:
-        self.receive(header, payload)
+        if self.device is not None and self.device.type == "cuda":
+            assert payload.is_cuda  # raw KV bound for a GPU never goes through the host
+            # As NCCL's receiving thread does: on the default stream, once the frame is whole (the
+            # sender made it on its side stream), and done with it before it is freed.
+            torch.cuda.current_stream(self.device).synchronize()
+            default = torch.cuda.default_stream(self.device)
+            with torch.cuda.stream(default):
+                self.receive(header, payload)
+            default.synchronize()
+        else:
+            self.receive(header, payload)
         self.bytes_sent += header.payload_bytes
 
 
@@ -240,12 +250,12 @@ def test_every_family_hands_off_exactly_sends_only_the_missing_prefix_and_takes_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_raw_kv_goes_from_cache_to_cache_and_decodes_exactly(model_dirs, hf_reference):
-    """Prefill and decode engines on CUDA: each layer's KV is read out on the side stream, checksummed
-    and decoded on the device, never through the host; the output is that of a colocated run."""
+    """Prefill and decode engines on CUDA: each layer's KV is read out on the side stream as a tensor
+    on the GPU, checksummed and decoded there; the output is that of a colocated run on the GPU."""
     config = EngineConfig(device="cuda", kv_memory_bytes=64 * 2**20)
     prefill, decode, colocated = (LLMEngine(model_dirs[ARCH], config) for _ in range(3))
     prompts = random_prompts(4, hf_reference[ARCH].vocab_size, 20, 400, seed=11)
-    want = [o.token_ids for o in run_all(colocated, prompts, GREEDY)]
+    want = [run_all(colocated, [p], GREEDY)[0].token_ids for p in prompts]  # one at a time, as handed off
     outputs = []
     loop = EngineLoop(decode, outputs.extend).start()
     receiver = KVReceiver(loop, lease_s=5.0)

@@ -182,6 +182,9 @@ def test_router_books_load_until_first_token_and_end():
     assert d.active_blocks == -(-108 // BS) and p.active_blocks == -(-100 // BS)
     router.first_token(placement)
     assert p.outstanding == 0 and not p.queued and p.active_blocks == 0 and d.outstanding == 1
+    assert placement.depends_on == [p, d]  # the first token may leave before the KV handoff commits
+    placement.handed_over()
+    assert placement.depends_on == [d]
     router.finished(placement, {"prefill_end": 1.0, "decode_start": 1.25})
     router.finished(placement)  # a second end changes nothing
     assert d.outstanding == 0 and d.active_blocks == 0
