@@ -1,7 +1,7 @@
 """`pdserve bench cluster`: deployments side by side on the same machine, model and requests.
 
 For each deployment (disaggregated over shm, grpc and gloo, colocated):
-  - TTFT at low load: requests one at a time (prompt lengths from the Azure conversation trace), with
+  - TTFT at low load: requests one at a time (prompt lengths from an Azure trace, `--trace`), with
     the breakdown the API returns: queue, prefill, first-token delivery (TTFT - queue - prefill), and
     the KV transfer that runs after the prompt pass and before the second token;
   - streaming overhead per token: the client's median gap between tokens minus the decode worker's
@@ -27,7 +27,7 @@ import ray
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
+from pdserve.cluster.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.presets import resolve_model
 from pdserve.router.client import Client
@@ -42,6 +42,7 @@ class ClusterBenchConfig:
     max_tokens: int = 16
     long_prompt: int = 2000  # "2K tokens", within the benchmark's max_model_len of 2048
     num_long: int = 8
+    trace: str = DEFAULT_TRACE  # prompt lengths from this Azure trace (in the trace folders)
     gpus_per_worker: float = 0.0  # > 0: every worker's engine on CUDA (0.5 each: both pools share one GPU)
     out: Path = Path("bench-results/cluster.json")
 
@@ -133,8 +134,8 @@ def bench_deployment(cfg: ClusterBenchConfig, mode: str, transport: str, prompts
 
 
 def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
-    shapes, source = azure_conv_shapes(cfg.num_requests, input_scale=0.25, output_scale=1.0, max_prompt=512,
-                                       max_output=cfg.max_tokens)
+    shapes, source = azure_trace_shapes(cfg.num_requests, input_scale=0.25, output_scale=1.0, max_prompt=512,
+                                        max_output=cfg.max_tokens, trace=cfg.trace)
     log(f"workload: {len(shapes)} requests, one at a time, prompt lengths from {source}; "
         f"{cfg.max_tokens} output tokens each; model {cfg.model}")
     prompts = random_token_prompts(shapes, len(load_tokenizer(resolve_model(cfg.model))))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.cluster.workload import RequestShape, azure_conv_shapes, random_token_prompts
+from pdserve.cluster.workload import RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
 
@@ -107,8 +107,8 @@ def run(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
-    shapes, source = azure_conv_shapes(cfg.num_prompts, input_scale=0.25, output_scale=0.5,
-                                       max_prompt=512, max_output=128)
+    shapes, source = azure_trace_shapes(cfg.num_prompts, input_scale=0.25, output_scale=0.5,
+                                        max_prompt=512, max_output=128)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     prompts = random_token_prompts(shapes, hf_model.config.vocab_size)
     engine = _engine(model_dir, max_len=1024)

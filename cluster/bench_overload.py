@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import azure_conv_shapes, random_token_prompts
+from pdserve.cluster.workload import azure_trace_shapes, random_token_prompts
 from pdserve.engine.presets import resolve_model
 from pdserve.router.client import AsyncClient, PDServeError, ResourceExhausted
 
@@ -90,7 +90,7 @@ def run(cfg: OverloadConfig) -> dict:
     manifest.server.address, manifest.server.http_address = "127.0.0.1:0", None
     model_dir = resolve_model(manifest.model)
     limit = manifest.max_model_len or 1024
-    shapes, source = azure_conv_shapes(cfg.num_requests, 0.25, 1.0, limit - cfg.max_tokens, cfg.max_tokens)
+    shapes, source = azure_trace_shapes(cfg.num_requests, 0.25, 1.0, limit - cfg.max_tokens, cfg.max_tokens)
     prompts = random_token_prompts(shapes, AutoConfig.from_pretrained(model_dir).vocab_size, seed=cfg.seed)
     max_tokens = [s.output_len for s in shapes]
     rss_mb = lambda b: round(b / 2**20, 1)  # noqa: E731

@@ -68,7 +68,7 @@ from pdserve.cluster.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.workload import TraceRequest, find_trace, load_azure_trace, scale_requests
+from pdserve.cluster.workload import TraceRequest, check_azure_trace, find_trace, load_azure_trace, scale_requests
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
 CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP
@@ -141,9 +141,7 @@ def roundtrip_prompt(tokenizer: Any, n: int, rng: random.Random, attempts: int =
 
 
 def build_workload(cfg: ServeBenchConfig, tokenizer: Any) -> tuple[list[Request], list[TraceRequest], str]:
-    if not cfg.trace.endswith(".csv"):
-        raise ValueError(f"--trace takes an Azure CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens); "
-                         f"got {cfg.trace!r}")
+    check_azure_trace(cfg.trace)
     path = find_trace(cfg.trace)
     shapes = scale_requests(load_azure_trace(path, cfg.requests_per_rate), cfg.input_scale, cfg.output_scale,
                             cfg.max_model_len, cfg.max_output)

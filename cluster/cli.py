@@ -187,7 +187,7 @@ def _kv_profile(args: argparse.Namespace) -> int:
 def _bench_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
-    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests,
+    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, trace=args.trace,
                            gpus_per_worker=args.gpus_per_worker, out=Path(args.out)))
     return 0
 
@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24)
+    bc.add_argument("--trace", default="azure2023_conv.csv", help="Azure CSV trace (in ../shared/traces) "
+                    "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="GPUs for each worker (engines on CUDA; 0.5: the two pools' workers share one GPU)")
     bc.add_argument("--out", default="bench-results/cluster.json")
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: say what is wrong, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad input: say what is wrong, no traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
 

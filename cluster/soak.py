@@ -38,7 +38,7 @@ import ray
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.loadgen import poisson_arrivals, trace_arrivals
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import (RequestShape, TraceRequest, azure_conv_shapes, find_trace, load_azure_trace,
+from pdserve.cluster.workload import (RequestShape, TraceRequest, azure_trace_shapes, find_trace, load_azure_trace,
                                       random_token_prompts, scale_requests)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
@@ -159,8 +159,8 @@ class Soak:
             trace = load_azure_trace(find_trace("azure2023_conv.csv"))
         except FileNotFoundError as e:  # a checkout without ../shared/traces: Poisson arrivals, trace-like lengths
             cfg.log(f"soak: {e}; Poisson arrivals and the trace's median lengths instead")
-            shapes, _ = azure_conv_shapes(n, cfg.input_scale, 1.0, cfg.max_model_len - cfg.max_tokens,
-                                          cfg.max_tokens, seed=cfg.seed)
+            shapes, _ = azure_trace_shapes(n, cfg.input_scale, 1.0, cfg.max_model_len - cfg.max_tokens,
+                                           cfg.max_tokens, seed=cfg.seed)
             trace = [TraceRequest(t, s.prompt_len, s.output_len)
                      for t, s in zip(poisson_arrivals(n, cfg.rate, cfg.seed), shapes)]
         rows = scale_requests([trace[i % len(trace)] for i in range(n)], cfg.input_scale, 1.0, cfg.max_model_len,

@@ -26,15 +26,28 @@ class RequestShape:
     output_len: int
 
 
-def azure_conv_shapes(n: int, input_scale: float, output_scale: float, max_prompt: int, max_output: int,
-                      trace_dir: Path | None = None, seed: int = 0) -> tuple[list[RequestShape], str]:
-    """`n` request shapes from the Azure conversation trace (first rows), scaled and clipped.
+DEFAULT_TRACE = "azure2023_conv.csv"
 
-    Falls back to a seeded log-normal with the trace's median lengths when the trace is absent;
-    the second value says which source was used.
+
+def check_azure_trace(name: str) -> None:
+    """Raise ValueError unless `name` is an Azure CSV trace, the kind these benchmarks read."""
+    if not name.endswith(".csv"):
+        raise ValueError(f"the trace must be an Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens); got {name!r}")
+
+
+def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prompt: int, max_output: int,
+                      trace_dir: Path | None = None, seed: int = 0,
+                      trace: str = DEFAULT_TRACE) -> tuple[list[RequestShape], str]:
+    """`n` request shapes from an Azure trace (first rows; the conversation trace by default), scaled
+    and clipped.
+
+    Falls back to a seeded log-normal with the conversation trace's median lengths when the default
+    trace is absent (another one that is absent is an error); the second value says which source was
+    used.
     """
+    check_azure_trace(trace)
     for d in ([trace_dir] if trace_dir else []) + list(TRACE_DIRS):
-        path = Path(d) / "azure2023_conv.csv"
+        path = Path(d) / trace
         if path.is_file():
             with path.open() as f:
                 rows = list(csv.DictReader(f))[:n]
@@ -46,6 +59,8 @@ def azure_conv_shapes(n: int, input_scale: float, output_scale: float, max_promp
                 for r in rows
             ]
             return shapes, str(path)
+    if trace != DEFAULT_TRACE:
+        find_trace(trace, trace_dir)  # raises, naming the folders searched
     rng = random.Random(seed)
     shapes = [
         RequestShape(

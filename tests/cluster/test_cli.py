@@ -1,4 +1,4 @@
-"""The `pdserve` command line, run as a user runs it (a real subprocess)."""
+"""The `pdserve` command line, run as a user runs it (a real subprocess; its argument checks in-process)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import time
 
 import pytest
 from cluster_helpers import pdserve
+
+from pdserve.cluster import cli
 
 
 def test_make_model_writes_a_checkpoint(tmp_path):
@@ -23,6 +25,14 @@ def test_make_model_writes_a_checkpoint(tmp_path):
 def test_unknown_preset_is_a_clear_error(tmp_path):
     result = pdserve("make-model", "gpt-9", str(tmp_path / "x"))
     assert result.returncode == 2 and "unknown preset 'gpt-9'" in result.stderr
+
+
+@pytest.mark.parametrize(("trace", "error"), [("no-such-trace.csv", "trace 'no-such-trace.csv' not found in"),
+                                              ("mooncake_synthetic_trace.jsonl", "must be an Azure CSV")])
+def test_a_benchmark_trace_it_cannot_use_is_a_clear_error(tmp_path, capsys, trace, error):
+    for command in (["bench", "cluster", "--out"], ["bench", "serve", "--out-dir"]):  # refused before any cluster starts
+        assert cli.main([*command, str(tmp_path / "out"), "--trace", trace]) == 2
+        assert error in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
