@@ -67,7 +67,16 @@ from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, Tombstones, TokenSink, WorkRequest
+from pdserve.wire import (
+    HANDOFF_COMMITTED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    Tombstones,
+    TokenSink,
+    WorkRequest,
+)
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
@@ -525,6 +534,7 @@ class PrefillWorker:
                     ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, True), timeout=COMMIT_TIMEOUT_S)
             if not transfer.advance_unless_finished(TransferState.SUCCESS):
                 return  # cancelled during the commit: the router aborts the request on the decode worker
+            self.sink.send(job.request_id, events={HANDOFF_COMMITTED: time.time()})  # this worker may go now
             sent = outgoing.channel.bytes_sent if outgoing is not None else 0
             transfer.bytes_moved = sent
             ev = transfer.events

@@ -34,7 +34,15 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import NoHealthyWorker
 from pdserve.router.routing import Placement, Router
 from pdserve.router.token_hub import TokenStreamHub
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, TokenMessage, WorkRequest
+from pdserve.wire import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    TokenMessage,
+    WorkRequest,
+    is_handoff_notice,
+)
 
 log = logging.getLogger(__name__)
 lifetime_log = logging.getLogger("pdserve.lifetime")
@@ -194,6 +202,9 @@ class ActiveRequest:
                     continue
                 retry = frontend.router.retry_after_s() if code == RESOURCE_EXHAUSTED else None
                 raise RequestFailed(code, msg.error, retry)
+            if is_handoff_notice(msg):  # the decode worker holds the request: the prefill worker may go
+                self.placement.handed_over()
+                continue
             self.events.update(msg.events)
             tokens = list(msg.token_ids)
             self.output_tokens += len(tokens)
@@ -204,7 +215,7 @@ class ActiveRequest:
             if not self._attempt_started:  # this attempt's prompt pass is over
                 self._attempt_started = True
                 frontend.router.first_token(self.placement)
-            else:  # a later message is the decode worker's: the KV handoff is over
+            else:  # a later message is the decode worker's (should it overtake the notice)
                 self.placement.handed_over()
             if "first_token" not in self.events:
                 self.events["first_token"] = time.time()

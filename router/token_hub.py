@@ -20,14 +20,22 @@ from dataclasses import dataclass
 
 from pdserve.router.zmq_pull import bind_pull, drain
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, ClusterSecret, MalformedMessage, TokenMessage, parse_token_message
+from pdserve.wire import (
+    INTERNAL,
+    ClusterSecret,
+    MalformedMessage,
+    TokenMessage,
+    is_handoff_notice,
+    parse_token_message,
+)
 
 log = logging.getLogger(__name__)
 
 
 class OutputOrder:
     """One request's token messages put back in output order by their `first_index`. An error acts at
-    once, whatever its position: the request ends, or is tried again under another id."""
+    once, whatever its position: the request ends, or is tried again under another id; so does the
+    notice that the KV handoff committed, which has no position."""
 
     def __init__(self, next_index: int = 0) -> None:
         self.next_index = next_index  # the output position of the next token to deliver
@@ -40,7 +48,7 @@ class OutputOrder:
 
     def add(self, message: TokenMessage) -> list[TokenMessage]:
         """The messages that can be delivered now, in order (none while one before them is missing)."""
-        if message.error:
+        if message.error or is_handoff_notice(message):
             return [message]
         self._early.append((time.monotonic(), message))
         ready = []

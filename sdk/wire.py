@@ -4,7 +4,9 @@
   worker -> router   `TokenMessage` (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
                      worker's `TokenSink` PUSHes one message per request per engine step to the
                      router's PULL socket; `parse_token_message` turns bytes back into a message or
-                     raises `MalformedMessage`.
+                     raises `MalformedMessage`. A message with no tokens whose events name
+                     `HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
+                     the request (its KV handoff committed): it has no output position.
 
 `ClusterSecret` authenticates these sockets (and the KV events and KV control channels): CURVE,
 with one key per cluster; peers without it never get a message through.
@@ -29,7 +31,7 @@ from google.protobuf.message import DecodeError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "TokenMessage", "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones",
+__all__ = ["WorkRequest", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones",
            "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,13 @@ class Tombstones:
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._ids
+
+
+HANDOFF_COMMITTED = "handoff_committed"
+
+
+def is_handoff_notice(message: TokenMessage) -> bool:
+    return HANDOFF_COMMITTED in message.events and not message.token_ids and not message.error
 
 
 class MalformedMessage(ValueError):

@@ -11,7 +11,15 @@ import zmq
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
-from pdserve.wire import MalformedMessage, TokenMessage, TokenSink, WorkRequest, parse_token_message
+from pdserve.wire import (
+    HANDOFF_COMMITTED,
+    MalformedMessage,
+    TokenMessage,
+    TokenSink,
+    WorkRequest,
+    is_handoff_notice,
+    parse_token_message,
+)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -94,6 +102,17 @@ def test_a_request_s_messages_reach_it_in_output_order_across_workers():
     fresh, resumed = asyncio.run(scenario())
     assert fresh == [[10], [11], [12, 13], [14]]
     assert resumed == [[20], [21]]
+
+
+def test_the_handoff_notice_is_delivered_at_once_and_holds_no_position():
+    order = OutputOrder()
+    assert order.add(TokenMessage(request_id="r", token_ids=[1], first_index=0)) != []
+    assert order.add(TokenMessage(request_id="r", token_ids=[3], first_index=2)) == []  # waits for position 1
+    notice = TokenMessage(request_id="r", events={HANDOFF_COMMITTED: 1.0})
+    assert is_handoff_notice(notice) and order.add(notice) == [notice]
+    later = TokenMessage(request_id="r", token_ids=[2], first_index=1)
+    assert [list(m.token_ids) for m in order.add(later)] == [[2], [3]] and order.next_index == 3
+    assert not is_handoff_notice(later) and not is_handoff_notice(TokenMessage(request_id="r", events={"x": 1.0}))
 
 
 def test_an_error_is_delivered_at_once_and_a_repeated_position_is_dropped():

@@ -65,7 +65,7 @@ def test_streaming_text_and_tokens(cluster, hf_reference):
     assert [t for c in chunks for t in c.token_ids] == hf_reference[ARCH].greedy(prompt, 8) == full.token_ids
     assert "".join(c.text_delta for c in chunks) == full.text
     assert chunks[-1].finish_reason == "length" and chunks[-1].timings is not None
-    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert all(c.finish_reason is None and c.token_ids for c in chunks[:-1])  # no empty chunk (the handoff notice)
 
 
 def test_cancel_mid_stream_frees_both_pools(cluster):

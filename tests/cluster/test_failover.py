@@ -14,12 +14,13 @@ from functools import partial
 
 import pytest
 import ray
-from cluster_helpers import manifest, on_worker, open_gate
+from cluster_helpers import install_gate, manifest, on_worker, open_gate
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import RestartBackoff
 from pdserve.router.client import Client
+from pdserve.router.frontend import DEAD_WORKER_CHECK_S
 
 ARCH = "tiny-llama"
 STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream
@@ -203,6 +204,48 @@ def test_a_worker_killed_during_the_kv_handoff_costs_no_token(cluster, hf_refere
         consumer.join(120)
     assert not failures and streamed == hf_reference[ARCH].greedy(prompt, 12), failures
     assert cluster.router.stats.retries == retries + 1
+    wait_healthy(cluster)
+    wait_clean_audit(cluster)
+
+
+def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_reference):
+    """Once the handoff committed, the prefill worker tells the router: losing it before the decode
+    worker's first token (here: held back) costs no retry."""
+    wait_healthy(cluster)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=19)[0]
+    decode_workers = [w for w in cluster.workers if w.pool == "decode"]
+    for w in decode_workers:
+        on_worker(w, install_gate, "sink.send")  # their tokens wait: the router hears only of the commit
+    committed = {w.name: on_worker(w, lambda self: len(self.transfer_log))
+                 for w in cluster.workers if w.pool == "prefill"}
+    retries, streamed, failures = cluster.router.stats.retries, [], []
+
+    def consume():
+        try:
+            with Client(cluster.address, timeout=120) as client:
+                for chunk in client.generate(prompt, stream=True, max_tokens=8, temperature=0, ignore_eos=True):
+                    streamed.extend(chunk.token_ids)
+        except Exception as e:  # seen by the test below, not lost with the thread
+            failures.append(e)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        serving = first_worker(cluster, "prefill", lambda self, before=committed: len(self.transfer_log) > before.get(
+            self.worker_id, 0))
+        time.sleep(1.0)  # the notice, sent before the log entry, reaches the router
+        os.kill(on_worker(serving, _pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while serving.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not serving.healthy, "the supervisor never noticed the kill"
+        time.sleep(2 * DEAD_WORKER_CHECK_S)  # the waiting stream has looked at its workers since
+    finally:
+        for w in decode_workers:
+            on_worker(w, open_gate)
+        consumer.join(120)
+    assert not failures and streamed == hf_reference[ARCH].greedy(prompt, 8), failures
+    assert cluster.router.stats.retries == retries
     wait_healthy(cluster)
     wait_clean_audit(cluster)
 
