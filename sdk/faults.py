@@ -86,13 +86,9 @@ class FaultInjector:
             return None
         if draw < s.kv_drop_percent + s.kv_corrupt_percent and payload.nbytes:
             self.counts["kv_corrupted"] += 1
-            if hasattr(payload, "clone"):  # a uint8 tensor on a device (NCCL)
-                damaged = payload.clone()
-                damaged[position] ^= 0xFF
-                return damaged
-            damaged = bytearray(payload)
+            damaged = payload.clone() if hasattr(payload, "clone") else bytearray(payload)  # clone: a device tensor
             damaged[position] ^= 0xFF
-            return memoryview(damaged)
+            return damaged
         return payload
 
 

@@ -63,14 +63,15 @@ def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def decode_worker_serving(cluster: Cluster):
-    """The one decode worker with a request in its engine (one stream runs), by asking each."""
-    for _ in range(200):
-        for w in cluster.router.decode_pool:
-            if w.healthy and ray.get(w.handle.ping.remote(), timeout=10)["requests"] > 0:
+def first_worker(cluster: Cluster, pool: str, condition, timeout_s: float = 30.0):
+    """The first worker of `pool` for which `condition(worker instance)` holds, asking each (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for w in (w for w in cluster.workers if w.pool == pool and w.healthy):
+            if on_worker(w, condition):
                 return w
         time.sleep(0.02)
-    pytest.fail("no decode worker holds the stream")
+    pytest.fail(f"no {pool} worker got there within {timeout_s} s")
 
 
 def test_a_prefill_worker_killed_by_the_manifest_is_retried_on_another(cluster, hf_reference):
@@ -106,7 +107,7 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
             streamed += chunk.token_ids
             if len(streamed) >= 20:
                 break
-        victim = decode_worker_serving(cluster)
+        victim = first_worker(cluster, "decode", lambda self: len(self.engine.requests) > 0)  # one stream runs
         os.kill(on_worker(victim, _pid), signal.SIGKILL)
         t0 = time.monotonic()
         for chunk in stream:
@@ -119,17 +120,6 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
         assert time.monotonic() - t0 < 30
     wait_healthy(cluster)  # Ray restarted it; it measured itself and rejoined
     wait_clean_audit(cluster)
-
-
-def first_worker(cluster: Cluster, pool: str, condition, timeout_s: float = 30.0):
-    """The first worker of `pool` for which `condition(worker instance)` holds, asking each (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for w in (w for w in cluster.workers if w.pool == pool and w.healthy):
-            if on_worker(w, condition):
-                return w
-        time.sleep(0.02)
-    pytest.fail(f"no {pool} worker got there within {timeout_s} s")
 
 
 def gate_handoffs(self, moment: str) -> None:
