@@ -97,7 +97,7 @@ class LayerChannel(Protocol):
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         """Queue one frame (returns before it is delivered). The payload must stay unchanged until
-        `finish` returns: a transport may send from it until then (gloo does; shm and gRPC copy it).
+        `finish` returns: a transport may send from it until then (gloo and gRPC do; shm copies it).
         Raises TransferError when the channel cannot take it (closed, or the receiver stuck or gone)."""
 
     def finish(self, timeout: float) -> None:
