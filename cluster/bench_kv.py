@@ -4,8 +4,8 @@ Transports: a prompt's KV (of the model's layout, 2K and 16K tokens, random byte
 frames from this process to a receiving half in a child process, whose sink copies every frame into
 one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
 bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
-`grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), the most
-any gRPC transport written in Python can get here. `nccl` (asked for with `--transports`, on a
+`grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), what
+grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with `--transports`, on a
 machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians of `repeats` runs,
 after one warm-up (connections, groups and segments set up).
 
@@ -95,7 +95,7 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
             buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
         position[0] += header.payload_bytes
 
-    if kind == "grpc-bytes":  # grpcio's own ceiling: a stream of bare bytes messages, no framing at all
+    if kind == "grpc-bytes":  # grpcio alone: a stream of bare bytes messages, no framing at all
         server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPC_OPTIONS)
 
         def take(messages, context):
