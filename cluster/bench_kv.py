@@ -5,8 +5,8 @@ frames from this process to a receiving half in a child process, whose sink copi
 one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
 bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
 `grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), what
-grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with `--transports`, on a
-machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians of `repeats` runs,
+grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with
+`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians of `repeats` runs,
 after one warm-up (connections, groups and segments set up).
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded

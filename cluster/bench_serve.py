@@ -68,7 +68,8 @@ from pdserve.cluster.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.workload import TraceRequest, check_azure_trace, find_trace, load_azure_trace, scale_requests
+from pdserve.cluster.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace, load_azure_trace,
+                                      scale_requests)
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
 CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP
@@ -104,7 +105,7 @@ class ServeBenchConfig:
     rel_tol: float = 0.1
     max_runs: int = 10  # per configuration, over all objective pairs
     seed: int = 0
-    trace: str = "azure2023_conv.csv"
+    trace: str = DEFAULT_TRACE
     trace_arrivals: bool = False
     input_scale: float = 0.25
     output_scale: float = 0.25

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.cluster.workload import DEFAULT_TRACE
+
 # The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
     "def read_config(path):\n",
@@ -367,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24)
-    bc.add_argument("--trace", default="azure2023_conv.csv", help="Azure CSV trace (in ../shared/traces) "
+    bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
                     "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="GPUs for each worker (engines on CUDA; 0.5: the two pools' workers share one GPU)")
@@ -399,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 10); with --policies, per trace and configuration, the common-rate run included "
                     "(default 3)")
     bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--trace", default="azure2023_conv.csv", help="Azure CSV trace in ../shared/traces")
+    bs.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace in ../shared/traces")
     bs.add_argument("--trace-arrivals", action="store_true",
                     help="replay the trace's timestamps (scaled to each rate) instead of Poisson arrivals")
     bs.add_argument("--input-scale", type=float, default=0.25, help="prompt length factor")

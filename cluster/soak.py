@@ -38,8 +38,8 @@ import ray
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.loadgen import poisson_arrivals, trace_arrivals
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import (RequestShape, TraceRequest, azure_trace_shapes, find_trace, load_azure_trace,
-                                      random_token_prompts, scale_requests)
+from pdserve.cluster.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes, find_trace,
+                                      load_azure_trace, random_token_prompts, scale_requests)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.client import AsyncClient, Client, PDServeError
@@ -156,7 +156,7 @@ class Soak:
         cfg = self.cfg
         n = max(1, round(cfg.rate * self.duration * LOAD_SHARE))
         try:
-            trace = load_azure_trace(find_trace("azure2023_conv.csv"))
+            trace = load_azure_trace(find_trace(DEFAULT_TRACE))
         except FileNotFoundError as e:  # a checkout without ../shared/traces: Poisson arrivals, trace-like lengths
             cfg.log(f"soak: {e}; Poisson arrivals and the trace's median lengths instead")
             shapes, _ = azure_trace_shapes(n, cfg.input_scale, 1.0, cfg.max_model_len - cfg.max_tokens,

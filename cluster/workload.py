@@ -36,8 +36,8 @@ def check_azure_trace(name: str) -> None:
 
 
 def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prompt: int, max_output: int,
-                      trace_dir: Path | None = None, seed: int = 0,
-                      trace: str = DEFAULT_TRACE) -> tuple[list[RequestShape], str]:
+                       trace_dir: Path | None = None, seed: int = 0,
+                       trace: str = DEFAULT_TRACE) -> tuple[list[RequestShape], str]:
     """`n` request shapes from an Azure trace (first rows; the conversation trace by default), scaled
     and clipped.
 
@@ -46,30 +46,30 @@ def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prom
     used.
     """
     check_azure_trace(trace)
-    for d in ([trace_dir] if trace_dir else []) + list(TRACE_DIRS):
-        path = Path(d) / trace
-        if path.is_file():
-            with path.open() as f:
-                rows = list(csv.DictReader(f))[:n]
-            shapes = [
-                RequestShape(
-                    max(4, min(max_prompt, round(int(r["ContextTokens"]) * input_scale))),
-                    max(2, min(max_output, round(int(r["GeneratedTokens"]) * output_scale))),
-                )
-                for r in rows
-            ]
-            return shapes, str(path)
-    if trace != DEFAULT_TRACE:
-        find_trace(trace, trace_dir)  # raises, naming the folders searched
-    rng = random.Random(seed)
+    try:
+        path = find_trace(trace, trace_dir)
+    except FileNotFoundError:
+        if trace != DEFAULT_TRACE:
+            raise
+        rng = random.Random(seed)
+        shapes = [
+            RequestShape(
+                max(4, min(max_prompt, round(rng.lognormvariate(6.9, 0.9) * input_scale))),
+                max(2, min(max_output, round(rng.lognormvariate(4.9, 0.9) * output_scale))),
+            )
+            for _ in range(n)
+        ]
+        return shapes, "synthetic log-normal (trace not found)"
+    with path.open() as f:
+        rows = list(csv.DictReader(f))[:n]
     shapes = [
         RequestShape(
-            max(4, min(max_prompt, round(rng.lognormvariate(6.9, 0.9) * input_scale))),
-            max(2, min(max_output, round(rng.lognormvariate(4.9, 0.9) * output_scale))),
+            max(4, min(max_prompt, round(int(r["ContextTokens"]) * input_scale))),
+            max(2, min(max_output, round(int(r["GeneratedTokens"]) * output_scale))),
         )
-        for _ in range(n)
+        for r in rows
     ]
-    return shapes, "synthetic log-normal (trace not found)"
+    return shapes, str(path)
 
 
 def random_token_prompts(shapes: list[RequestShape], vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -31,8 +31,9 @@ from google.protobuf.message import DecodeError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones",
-           "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
+__all__ = ["WorkRequest", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage",
+           "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL",
+           "UNAVAILABLE", "INVALID_ARGUMENT"]
 
 log = logging.getLogger(__name__)
 

@@ -122,6 +122,31 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
     wait_clean_audit(cluster)
 
 
+class BackgroundStream:
+    """One greedy streaming request, consumed on a thread: its tokens, when the first came, and any
+    failure (seen by the test, not lost with the thread)."""
+
+    def __init__(self, cluster: Cluster, prompt: list[int], max_tokens: int) -> None:
+        self.tokens: list[int] = []
+        self.first = threading.Event()
+        self.failures: list[Exception] = []
+        self._thread = threading.Thread(target=self._consume, args=(cluster.address, prompt, max_tokens))
+        self._thread.start()
+
+    def _consume(self, address: str, prompt: list[int], max_tokens: int) -> None:
+        try:
+            with Client(address, timeout=120) as client:
+                for chunk in client.generate(prompt, stream=True, max_tokens=max_tokens, temperature=0,
+                                             ignore_eos=True):
+                    self.tokens.extend(chunk.token_ids)
+                    self.first.set()
+        except Exception as e:
+            self.failures.append(e)
+
+    def join(self) -> None:
+        self._thread.join(120)
+
+
 def gate_handoffs(self, moment: str) -> None:
     """Stop the worker's KV handoffs until `open_gate`, and set `test_reached` when one is stopped:
     "mid-pass" after layer 0's KV went out, "before-commit" once the prompt pass is over (the first
@@ -166,24 +191,13 @@ def test_a_worker_killed_during_the_kv_handoff_costs_no_token(cluster, hf_refere
     prefill_workers = [w for w in cluster.workers if w.pool == "prefill"]
     for w in prefill_workers:
         on_worker(w, gate_handoffs, moment)
-    retries, streamed, first, failures = cluster.router.stats.retries, [], threading.Event(), []
-
-    def consume():
-        try:
-            with Client(cluster.address, timeout=120) as client:
-                for chunk in client.generate(prompt, stream=True, max_tokens=12, temperature=0, ignore_eos=True):
-                    streamed.extend(chunk.token_ids)
-                    first.set()
-        except Exception as e:  # seen by the test below, not lost with the thread
-            failures.append(e)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
+    retries = cluster.router.stats.retries
+    stream = BackgroundStream(cluster, prompt, 12)
     killed = None
     try:
         serving = first_worker(cluster, "prefill", lambda self: self.test_reached.is_set())
         if moment == "before-commit":
-            assert first.wait(60), "no first token"
+            assert stream.first.wait(60), "no first token"
         killed = serving if victim == "prefill" else first_worker(
             cluster, "decode", lambda self: self.receiver.num_in_flight > 0)
         os.kill(on_worker(killed, _pid), signal.SIGKILL)
@@ -191,8 +205,8 @@ def test_a_worker_killed_during_the_kv_handoff_costs_no_token(cluster, hf_refere
         for w in prefill_workers:  # a killed worker restarts ungated
             if w is not killed:
                 on_worker(w, open_gate)
-        consumer.join(120)
-    assert not failures and streamed == hf_reference[ARCH].greedy(prompt, 12), failures
+        stream.join()
+    assert not stream.failures and stream.tokens == hf_reference[ARCH].greedy(prompt, 12), stream.failures
     assert cluster.router.stats.retries == retries + 1
     wait_healthy(cluster)
     wait_clean_audit(cluster)
@@ -208,18 +222,8 @@ def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_
         on_worker(w, install_gate, "sink.send")  # their tokens wait: the router hears only of the commit
     committed = {w.name: on_worker(w, lambda self: len(self.transfer_log))
                  for w in cluster.workers if w.pool == "prefill"}
-    retries, streamed, failures = cluster.router.stats.retries, [], []
-
-    def consume():
-        try:
-            with Client(cluster.address, timeout=120) as client:
-                for chunk in client.generate(prompt, stream=True, max_tokens=8, temperature=0, ignore_eos=True):
-                    streamed.extend(chunk.token_ids)
-        except Exception as e:  # seen by the test below, not lost with the thread
-            failures.append(e)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
+    retries = cluster.router.stats.retries
+    stream = BackgroundStream(cluster, prompt, 8)
     try:
         serving = first_worker(cluster, "prefill", lambda self, before=committed: len(self.transfer_log) > before.get(
             self.worker_id, 0))
@@ -233,8 +237,8 @@ def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_
     finally:
         for w in decode_workers:
             on_worker(w, open_gate)
-        consumer.join(120)
-    assert not failures and streamed == hf_reference[ARCH].greedy(prompt, 8), failures
+        stream.join()
+    assert not stream.failures and stream.tokens == hf_reference[ARCH].greedy(prompt, 8), stream.failures
     assert cluster.router.stats.retries == retries
     wait_healthy(cluster)
     wait_clean_audit(cluster)
