@@ -189,8 +189,8 @@ def _kv_profile(args: argparse.Namespace) -> int:
 def _bench_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
-    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, trace=args.trace,
-                           gpus_per_worker=args.gpus_per_worker, out=Path(args.out)))
+    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, rounds=args.rounds,
+                           trace=args.trace, gpus_per_worker=args.gpus_per_worker, out=Path(args.out)))
     return 0
 
 
@@ -368,11 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bench_sub.add_parser("cluster", help="disaggregated (shm, grpc, gloo) vs colocated: TTFT breakdown, "
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
-    bc.add_argument("--num-requests", type=int, default=24)
+    bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
+    bc.add_argument("--rounds", type=int, default=3, help="requests per prompt length (fresh tokens each round)")
     bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
                     "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
-                    help="GPUs for each worker (engines on CUDA; 0.5: the two pools' workers share one GPU)")
+                    help="GPUs for each worker (engines on CUDA); all 4 deployments' 8 workers run at once, "
+                         "so 0.125 puts them all on one GPU")
     bc.add_argument("--out", default="bench-results/cluster.json")
     bc.set_defaults(func=_bench_cluster)
     bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "
