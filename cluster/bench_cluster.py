@@ -50,7 +50,7 @@ BASELINE = "colocated"
 @dataclass
 class ClusterBenchConfig:
     model: str = "llama-20m"
-    num_requests: int = 24
+    num_requests: int = 24  # prompt lengths taken from the trace; each deployment serves num_requests x rounds
     rounds: int = 3  # every prompt length this many times, with fresh tokens
     max_tokens: int = 16
     long_prompt: int = 2000  # "2K tokens", within the benchmark's max_model_len of 2048
@@ -67,7 +67,7 @@ class ClusterBenchConfig:
 class DeploymentResult:
     name: str
     ttft_ms: float = 0.0
-    ttft_vs_colocated: float | None = None  # median over prompts of TTFT / colocated's TTFT, same prompt
+    ttft_vs_colocated: float = 0.0  # median over prompts of TTFT / colocated's TTFT, same prompt
     queued_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_delivery_ms: float = 0.0
@@ -132,7 +132,7 @@ def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: l
         order_rng.shuffle(order)
         for d in order:
             _one_request(d, prompt, cfg.max_tokens)
-        if (i + 1) % 24 == 0 or i + 1 == len(prompts):
+        if (i + 1) % (len(prompts) // cfg.rounds) == 0:  # once per round
             log(f"  low load: {i + 1}/{len(prompts)} prompts, each to all {len(deployments)} deployments")
     baseline = next(d for d in deployments if d.result.name == BASELINE)
     for d in deployments:
@@ -183,39 +183,48 @@ def kv_transfers(cfg: ClusterBenchConfig, d: _Deployment, log=print) -> None:
 
 
 def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
+    if cfg.num_requests < 1 or cfg.rounds < 1:
+        raise ValueError(f"need at least one prompt length and one round (got {cfg.num_requests}, {cfg.rounds})")
     shapes, source = azure_trace_shapes(cfg.num_requests, input_scale=0.25, output_scale=1.0, max_prompt=512,
                                         max_output=cfg.max_tokens, trace=cfg.trace)
     vocab = len(load_tokenizer(resolve_model(cfg.model)))
     prompts = [p for rnd in range(cfg.rounds) for p in random_token_prompts(shapes, vocab, seed=cfg.seed + rnd)]
+    warm_up = random_token_prompts(shapes[:2], vocab, seed=cfg.seed + cfg.rounds)  # not measured, so no prefix hits
     log(f"workload: {len(prompts)} requests per deployment ({cfg.rounds} rounds of {len(shapes)} prompt lengths "
         f"from {source}), one at a time, each prompt to every deployment in turn; {cfg.max_tokens} output tokens "
         f"each; model {cfg.model}")
     # One Ray instance holds every deployment's workers at once; they are idle but for their own requests.
-    workers = 2 * len(DEPLOYMENTS)
-    ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
+    manifests = [_manifest(cfg, mode, transport) for mode, transport in DEPLOYMENTS]
+    cpus = sum(p.num_cpus * p.replicas for m in manifests for p in (m.pools.prefill, m.pools.decode))
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=int(cpus + 0.999), include_dashboard=False, logging_level=logging.WARNING,
+                 configure_logging=True)
     try:
         with ExitStack() as stack:
             deployments = []
-            for mode, transport in DEPLOYMENTS:
+            for (mode, transport), manifest in zip(DEPLOYMENTS, manifests):
                 log(f"starting {mode}/{transport} ...")
-                cluster = stack.enter_context(Cluster(_manifest(cfg, mode, transport), log=lambda _: None))
+                cluster = stack.enter_context(Cluster(manifest, log=lambda _: None))
                 client = stack.enter_context(Client(cluster.address, timeout=300))
                 name = f"{mode}/{transport}" if mode == "disaggregated" else mode
                 deployments.append(_Deployment(DeploymentResult(name), mode, cluster, client))
             for d in deployments:  # warm-up
-                for p in prompts[:2]:
+                for p in warm_up:
                     d.client.generate(p, temperature=0, max_tokens=4, ignore_eos=True)
             low_load(cfg, deployments, prompts, log)
             for d in deployments:
                 if d.mode == "disaggregated":
                     kv_transfers(cfg, d, log)
     finally:
-        ray.shutdown()
+        if started_ray:
+            ray.shutdown()
     results = [d.result for d in deployments]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({
         "date": date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor()}",
-        "model": cfg.model, "gpus_per_worker": cfg.gpus_per_worker, "workload": source, "rounds": cfg.rounds,
+        "model": cfg.model, "gpus_per_worker": cfg.gpus_per_worker, "workload": source,
+        "prompt_lengths": cfg.num_requests, "rounds": cfg.rounds, "seed": cfg.seed,
         "results": [r.__dict__ for r in results]}, indent=2))
     log(summary_table(results))
     log(f"results written to {cfg.out}")
@@ -228,8 +237,8 @@ def summary_table(results: list[DeploymentResult]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.name} | {r.ttft_ms:.1f} | {r.ttft_vs_colocated:.3f} | {r.queued_ms:.1f} | "
-                     f"{r.prefill_ms:.1f} | {r.first_token_delivery_ms:.1f} | {r.kv_transfer_ms:.1f} | {r.client_itl_ms:.2f} | "
-                     f"{r.worker_step_ms:.2f} | {r.client_itl_ms - r.worker_step_ms:.2f} |")
+                     f"{r.prefill_ms:.1f} | {r.first_token_delivery_ms:.1f} | {r.kv_transfer_ms:.1f} | "
+                     f"{r.client_itl_ms:.2f} | {r.worker_step_ms:.2f} | {r.client_itl_ms - r.worker_step_ms:.2f} |")
     lines += ["", "| transport | KV per request (MiB) | transport alone (MiB/s) | in serving, first layer to commit "
               "(MiB/s) | tail after the prompt pass (ms) | sender's last frame, from the pass's end (ms) | hidden behind the "
               "prompt pass |", "|---|---|---|---|---|---|---|"]
