@@ -104,7 +104,7 @@ def test_bad_input_gets_a_clear_error(cluster, prompt, params, error, message):
     with Client(cluster.address, timeout=30) as client:
         with pytest.raises(error, match=message):
             client.generate(prompt, **params)
-        assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
+        assert len(client.generate("still serving", max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
 def test_model_info_health_and_reflection(cluster):
@@ -140,7 +140,7 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
         with Client(cluster.address, timeout=5) as plaintext, pytest.raises(Unavailable):
             plaintext.generate("hello", max_tokens=2)  # the server speaks TLS only
         with Client(cluster.address, timeout=30, token="sesame", root_certificates=roots) as client:
-            assert len(client.generate("hello", max_tokens=2).token_ids) == 2
+            assert len(client.generate("hello", max_tokens=2, ignore_eos=True).token_ids) == 2
             decode = next(w for w in cluster.workers if w.pool == "decode")
             ray.kill(decode.handle)
             deadline = time.time() + 5
