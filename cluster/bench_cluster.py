@@ -91,7 +91,6 @@ class _Deployment:
     client: Client
     timings: list[dict] = field(default_factory=list)  # per low-load request, in prompt order
     gaps: list[float] = field(default_factory=list)  # client gaps between tokens after the second
-    steps_before: list[int] = field(default_factory=list)  # decode workers' step-log lengths
 
     @property
     def decode_workers(self) -> list:
@@ -125,8 +124,8 @@ def _one_request(d: _Deployment, prompt: list[int], max_tokens: int) -> None:
 def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: list[list[int]], log=print) -> None:
     """Every prompt to every deployment, one request at a time, in a shuffled order per prompt."""
     order_rng = random.Random(cfg.seed)
-    for d in deployments:
-        d.steps_before = [len(ray.get(w.handle.stats.remote())["steps"]) for w in d.decode_workers]
+    steps_before = {d.result.name: [len(ray.get(w.handle.stats.remote())["steps"]) for w in d.decode_workers]
+                    for d in deployments}
     for i, prompt in enumerate(prompts):
         order = list(deployments)
         order_rng.shuffle(order)
@@ -138,7 +137,7 @@ def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: l
     for d in deployments:
         r, timings = d.result, d.timings
         steps = []
-        for w, before in zip(d.decode_workers, d.steps_before):
+        for w, before in zip(d.decode_workers, steps_before[d.result.name]):
             steps += [s for n, s in ray.get(w.handle.stats.remote())["steps"][before:] if n == 1]
         r.ttft_ms = _median_ms([t["ttft"] for t in timings])
         r.ttft_vs_colocated = statistics.median(t["ttft"] / b["ttft"] for t, b in zip(timings, baseline.timings))

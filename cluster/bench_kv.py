@@ -6,8 +6,8 @@ one preallocated buffer, as the receiver's write into the reserved blocks does. 
 bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
 `grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), what
 grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with
-`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians of `repeats` runs,
-after one warm-up (connections, groups and segments set up).
+`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians
+of `repeats` runs, after one warm-up (connections, groups and segments set up).
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
 frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts

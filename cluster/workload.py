@@ -52,24 +52,16 @@ def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prom
         if trace != DEFAULT_TRACE:
             raise
         rng = random.Random(seed)
-        shapes = [
-            RequestShape(
-                max(4, min(max_prompt, round(rng.lognormvariate(6.9, 0.9) * input_scale))),
-                max(2, min(max_output, round(rng.lognormvariate(4.9, 0.9) * output_scale))),
-            )
-            for _ in range(n)
-        ]
-        return shapes, "synthetic log-normal (trace not found)"
-    with path.open() as f:
-        rows = list(csv.DictReader(f))[:n]
-    shapes = [
-        RequestShape(
-            max(4, min(max_prompt, round(int(r["ContextTokens"]) * input_scale))),
-            max(2, min(max_output, round(int(r["GeneratedTokens"]) * output_scale))),
-        )
-        for r in rows
-    ]
-    return shapes, str(path)
+        lengths = [(rng.lognormvariate(6.9, 0.9), rng.lognormvariate(4.9, 0.9)) for _ in range(n)]
+        source = "synthetic log-normal (trace not found)"
+    else:
+        with path.open() as f:
+            lengths = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in list(csv.DictReader(f))[:n]]
+        source = str(path)
+    shapes = [RequestShape(max(4, min(max_prompt, round(prompt * input_scale))),
+                           max(2, min(max_output, round(output * output_scale))))
+              for prompt, output in lengths]
+    return shapes, source
 
 
 def random_token_prompts(shapes: list[RequestShape], vocab_size: int, seed: int = 0) -> list[list[int]]:
