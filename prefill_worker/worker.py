@@ -80,6 +80,11 @@ from pdserve.wire import (
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
+# A job that ends without error (a request finished at its first token, a cancel) waits this long for
+# its frames in flight to be answered before its channel closes: a channel closed with nothing
+# unanswered keeps its resources for the next transfer (shm: its mapped segment, whose making costs
+# more than a short prompt's whole transfer).
+DRAIN_S = 0.5
 LEASE_CHECK_S = 0.5
 PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one is the backstop
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
@@ -561,7 +566,7 @@ class PrefillWorker:
         if error is not None:
             log.warning("request %s: %s", job.request_id, error)
         if job.outgoing is not None:
-            job.outgoing.channel.close()
+            self._close_channel(job.outgoing.channel, drain=error is None)
         if job.transfer is not None and job.transfer.fail(error or reason):
             job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
             if error is not None:  # a cancel is no failure of the transfer
@@ -570,6 +575,26 @@ class PrefillWorker:
         self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
+
+    def _close_channel(self, channel: LayerChannel, drain: bool) -> None:
+        """Close a channel; with `drain`, on a commit thread once its frames in flight are answered
+        (within `DRAIN_S`; a frame the decode side refused, its transfer aborted, is answered too)."""
+        def drain_and_close() -> None:
+            try:
+                self._sender.submit(lambda: None).result(DRAIN_S)  # the job's queued frames are skipped or sent
+                channel.finish(DRAIN_S)
+            except (TransferError, TimeoutError, RuntimeError):  # RuntimeError: the worker is shutting down
+                pass  # not drained: `close` releases what it cannot reuse
+            finally:
+                channel.close()
+
+        if drain:
+            try:
+                self._finishers.submit(drain_and_close)
+                return
+            except RuntimeError:  # shutting down: no commit thread takes it
+                pass
+        channel.close()
 
     def _on_fault(self, reason: str) -> None:
         """Fail every job with an explicit error; `ping` now reports the worker dead (it gets restarted)."""

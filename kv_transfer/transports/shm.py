@@ -181,6 +181,7 @@ class ShmSender:
         self.secret = secret  # proves this side's membership on the control channel
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()
+        self.segments_made = 0  # each one costs its whole size in zeroed pages: steady traffic should make none
 
     def open(self, address: str, transfer_id: str) -> ShmChannel:
         return ShmChannel(self, address, transfer_id)
@@ -188,7 +189,10 @@ class ShmSender:
     def take_segment(self, address: str) -> _Segment:
         with self._lock:
             pool = self._pools.setdefault(address, [])
-            return pool.pop() if pool else _Segment()
+            if pool:
+                return pool.pop()
+            self.segments_made += 1
+        return _Segment()
 
     def return_segment(self, address: str, segment: _Segment) -> None:
         with self._lock:

@@ -77,6 +77,27 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again(cluster, hf_referenc
     assert_idle(cluster)
 
 
+def test_requests_ending_at_their_first_token_leave_their_shm_segment_to_the_next(cluster, hf_reference):
+    """A request that ends at its first token needs no handoff, but its frames are already on their
+    way: its channel closes once they are answered, so the next transfer reuses the mapped segment
+    instead of making a new one (64 MiB of zeroed pages, costlier than a short prompt's transfer)."""
+    def segments_made(self) -> int:
+        return self._transports["shm"].segments_made
+
+    prefill = worker(cluster, "prefill")
+    prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 60, 60, seed=38)
+    with Client(cluster.address) as client:
+        for prompt in prompts[:2]:  # a second segment may be made while the first one's channel drains
+            client.generate(prompt, max_tokens=1, temperature=0)
+        made = on_worker(prefill, segments_made)
+        for prompt in prompts[2:]:
+            out = client.generate(prompt, max_tokens=1, temperature=0)
+            assert out.token_ids == hf_reference[ARCH].greedy(prompt, 1)
+    assert_idle(cluster)
+    # Before, every one of these 6 requests made a segment (its channel closed with frames unanswered).
+    assert on_worker(prefill, segments_made) - made <= 1
+
+
 def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
     before = counters(cluster, "prefill"), counters(cluster, "decode")
     on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
