@@ -19,9 +19,10 @@ frame's quality level). After the last layer
 a commit thread commits the handoff (first token included); layers the decode side reports
 incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
 recomputes the request from its tokens. When the controller expects that recomputation to be faster
-than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel,
-aborts the transfer on both sides unless it committed, frees the local blocks and, for a failure,
-tells the router why. A cancel (`abort`) is honoured in every state.
+than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
+(a job ended early without error, once its frames in flight are answered, so the channel's resources
+are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
+failure, tells the router why. A cancel (`abort`) is honoured in every state.
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
 (`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
@@ -43,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,10 @@ from pdserve.wire import (
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
-# A job that ends without error (a request finished at its first token, a cancel) waits this long for
-# its frames in flight to be answered before its channel closes: a channel closed with nothing
-# unanswered keeps its resources for the next transfer (shm: its mapped segment, whose making costs
-# more than a short prompt's whole transfer).
+# A job that ends early without error (a request finished at its first token, a cancel) has frames in
+# flight; its channel closes once they are answered (waiting up to this for the sender's queue, then
+# as long for the answers): a channel closed with nothing unanswered keeps its resources for the next
+# transfer (shm: its mapped segment, whose making costs more than a short prompt's whole transfer).
 DRAIN_S = 0.5
 LEASE_CHECK_S = 0.5
 PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one is the backstop
@@ -163,6 +164,8 @@ class PrefillWorker:
         # One sender thread keeps layer pushes in order and off the forward pass's thread.
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         self._finishers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-commit")
+        # Apart from the commits: a drain whose decode worker stopped answering waits out its bound.
+        self._drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-drain")
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
         start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
@@ -303,6 +306,7 @@ class PrefillWorker:
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self._finishers.shutdown(wait=False, cancel_futures=True)
+        self._drains.shutdown(wait=False, cancel_futures=True)
         self.sink.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -565,34 +569,35 @@ class PrefillWorker:
             job.state = "done"
         if error is not None:
             log.warning("request %s: %s", job.request_id, error)
-        if job.outgoing is not None:
-            self._close_channel(job.outgoing.channel, drain=error is None)
-        if job.transfer is not None and job.transfer.fail(error or reason):
+        if job.transfer is not None and job.transfer.fail(error or reason):  # from here on no frame is sent
             job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
             if error is not None:  # a cancel is no failure of the transfer
                 self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")
+        if job.outgoing is not None:  # a committed transfer's channel is finished: nothing to drain
+            ended_early = job.transfer.state is not TransferState.SUCCESS
+            self._close_channel(job.outgoing.channel, drain=error is None and ended_early)
         request_id = job.request_id
         self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
 
     def _close_channel(self, channel: LayerChannel, drain: bool) -> None:
-        """Close a channel; with `drain`, on a commit thread once its frames in flight are answered
-        (within `DRAIN_S`; a frame the decode side refused, its transfer aborted, is answered too)."""
+        """Close a channel; with `drain`, on a drain thread once its frames in flight are answered
+        (bounded by `DRAIN_S`; a frame the decode side refused, its transfer aborted, is answered too)."""
         def drain_and_close() -> None:
             try:
                 self._sender.submit(lambda: None).result(DRAIN_S)  # the job's queued frames are skipped or sent
                 channel.finish(DRAIN_S)
-            except (TransferError, TimeoutError, RuntimeError):  # RuntimeError: the worker is shutting down
+            except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
             finally:
                 channel.close()
 
         if drain:
             try:
-                self._finishers.submit(drain_and_close)
+                self._drains.submit(drain_and_close)
                 return
-            except RuntimeError:  # shutting down: no commit thread takes it
+            except RuntimeError:  # shutting down: no drain thread takes it
                 pass
         channel.close()
 

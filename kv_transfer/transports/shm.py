@@ -181,7 +181,8 @@ class ShmSender:
         self.secret = secret  # proves this side's membership on the control channel
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()
-        self.segments_made = 0  # each one costs its whole size in zeroed pages: steady traffic should make none
+        # Each costs its whole size in zeroed pages; once the pools hold the peak concurrency, none.
+        self.segments_made = 0
 
     def open(self, address: str, transfer_id: str) -> ShmChannel:
         return ShmChannel(self, address, transfer_id)
