@@ -532,8 +532,8 @@ class PrefillWorker:
                                 incomplete)
                     self.counters["frames_resent"] += 1
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
-                    outgoing.channel.close()  # a finished stream takes no more frames: a fresh one
-                    outgoing.channel = self._open_channel(job.lease, transfer.transfer_id)
+                    if not self._reopen_channel(job):
+                        return  # cancelled meanwhile: `_finish` did the rest
                     self._sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
@@ -558,6 +558,19 @@ class PrefillWorker:
             self._finish(job)
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+
+    def _reopen_channel(self, job: _Job) -> bool:
+        """Replace the job's finished channel (a finished stream takes no more frames) with a fresh one;
+        False, the fresh one closed, when the job ended meanwhile: `_finish` closed only the old one."""
+        job.outgoing.channel.close()
+        fresh = self._open_channel(job.lease, job.transfer.transfer_id)
+        with self._lock:  # `_finish` takes the job out under it, then closes whichever channel it finds
+            owned = self._owns(job)
+            if owned:
+                job.outgoing.channel = fresh
+        if not owned:
+            fresh.close()
+        return owned
 
     # --- every job ends here --------------------------------------------------------------------
     def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> None:

@@ -18,7 +18,7 @@ from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.presets import resolve_model
-from pdserve.router.client import Client, PDServeError
+from pdserve.router.client import Client, DeadlineExceeded, PDServeError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
 ARCH = "tiny-llama"
@@ -108,6 +108,42 @@ def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
     assert after[0]["recomputed"] == before[0]["recomputed"]
     assert after[1]["corrupt_frames"] == before[1].get("corrupt_frames", 0) + 1
     assert_idle(cluster)
+
+
+def hold_resend_until_cancelled(self) -> None:
+    """The commit thread's fresh channel for a resend opens only once the job has been cancelled (or
+    after 30 s): the cancel lands between the old channel's close and the new one's open."""
+    original, self.test_reopened = self._open_channel, []
+
+    def opening(lease, transfer_id):
+        if threading.current_thread().name.startswith("kv-commit"):
+            deadline = time.time() + 30
+            while any(j.transfer.transfer_id == transfer_id for j in list(self._jobs.values()) if j.transfer) \
+                    and time.time() < deadline:
+                time.sleep(0.01)
+            self._open_channel = original
+            self.test_reopened.append(original(lease, transfer_id))
+            return self.test_reopened[-1]
+        return original(lease, transfer_id)
+
+    self._open_channel = opening
+
+
+def test_a_cancel_during_a_resend_closes_the_fresh_channel(cluster, hf_reference):
+    prefill = worker(cluster, "prefill")
+    resent = counters(cluster, "prefill")["frames_resent"]
+    on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
+    on_worker(prefill, hold_resend_until_cancelled)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 80, 80, seed=39)[0]
+    with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):  # the router then cancels it
+        client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0, timeout=2.0)
+    assert_idle(cluster)
+    assert counters(cluster, "prefill")["frames_resent"] == resent + 1
+    deadline = time.time() + 10  # the commit thread closes it after the job is gone
+    while (closed := on_worker(prefill, lambda self: [c._closed for c in self.test_reopened])) != [True] \
+            and time.time() < deadline:
+        time.sleep(0.1)
+    assert closed == [True], "the resend's channel was left open"
 
 
 def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_reference):
