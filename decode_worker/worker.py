@@ -118,7 +118,7 @@ class DecodeWorker:
                                       codecs or ["raw"])
         missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
         recompute_s = self.engine.step_costs.coefficients.prefill_s(missing, num_kv_tokens - missing)
-        return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id,
+        return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id,
                                    recompute_s=recompute_s if self._profiled else None)
 
     def renew_lease(self, transfer_id: str) -> Lease:

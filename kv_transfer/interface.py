@@ -80,6 +80,7 @@ class Lease:
     codec: str = "raw"  # what the decode side accepted of the codecs offered
     addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its receiving half listens
     node_id: str = ""  # the decode worker's node (same node: shared memory)
+    worker_id: str = ""  # the decode worker's name: a restarted one keeps it and listens on new addresses
     recompute_s: float | None = None  # the decode worker's estimate of recomputing the KV from the tokens
 
 

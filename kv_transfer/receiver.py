@@ -195,7 +195,9 @@ class KVReceiver:
             if incomplete:
                 return incomplete
         with self._lock:  # taken out first, so lease expiry cannot abort a commit under way
-            self._incoming.pop(transfer_id, None)
+            owned = self._incoming.pop(transfer_id, None) is incoming
+        if not owned:  # an abort took it out since `_get`: it frees the blocks; a recompute would revive it
+            raise TransferError(f"transfer {transfer_id} was aborted while committing")
         try:
             if recompute:
                 self.loop.call(lambda e: e.resume_request(handoff), kind="kv")
@@ -218,10 +220,11 @@ class KVReceiver:
 
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""
-        with self._lock:
+        with self._lock:  # the tombstone under the lock `reserve` inserts under, so it sees one or the other
             incoming = self._incoming.pop(transfer_id, None)
-        if incoming is None:  # perhaps not reserved yet: the reservation will find this tombstone
-            self.aborted.add(transfer_id)
+            if incoming is None:  # perhaps not reserved yet: the reservation will find this tombstone
+                self.aborted.add(transfer_id)
+        if incoming is None:
             return False
         with incoming.lock:  # no frame is being written into the blocks while they are freed
             if not incoming.transfer.fail(reason):

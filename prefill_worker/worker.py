@@ -149,6 +149,7 @@ class PrefillWorker:
         self.reserve_wait_s = kv_settings.reserve_wait_s
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._transports: dict[str, Any] = {}  # name -> sending half, made on first use
+        self._peer_addresses: dict[str, dict[str, str]] = {}  # decode worker -> where its last lease said it listens
         self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
         self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
@@ -256,12 +257,24 @@ class PrefillWorker:
         return self.kv.pick(lease.addresses, same_node=lease.node_id == self.node_id)
 
     def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
+        self._forget_old_addresses(lease)
         name = self._transport_name(lease)
         transport = self._transports.get(name)
         if transport is None:
             transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls,
                                                              secret=self.kv.secret)
         return self.faults.channel(transport.open(lease.addresses[name], transfer_id))
+
+    def _forget_old_addresses(self, lease: Lease) -> None:
+        """A decode worker that restarted listens on new addresses: what the transports hold for its
+        old ones (idle shm segments, a gRPC connection, a gloo group) is let go."""
+        with self._lock:
+            old = self._peer_addresses.get(lease.worker_id)
+            self._peer_addresses[lease.worker_id] = lease.addresses
+        for name, address in (old or {}).items():
+            if address != lease.addresses.get(name) and name in self._transports:
+                log.info("decode worker %s moved from %s: letting go of that address", lease.worker_id, address)
+                self._transports[name].forget(address)
 
     # --- requests -------------------------------------------------------------------------------
     def prefill(self, work: WorkRequest, decode: Any, new_tokens: int | None = None) -> None:
@@ -388,7 +401,7 @@ class PrefillWorker:
                     self._renew(job)
             if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
                 if outgoing is not None:
-                    outgoing.channel.close()
+                    _close_logged(outgoing.channel)
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
                 return
             for layer in list(job.written):  # written before the lease came: send them now
@@ -604,7 +617,7 @@ class PrefillWorker:
             except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
             finally:
-                channel.close()
+                _close_logged(channel)
 
         if drain:
             try:
@@ -612,7 +625,7 @@ class PrefillWorker:
                 return
             except RuntimeError:  # shutting down: no drain thread takes it
                 pass
-        channel.close()
+        _close_logged(channel)
 
     def _on_fault(self, reason: str) -> None:
         """Fail every job with an explicit error; `ping` now reports the worker dead (it gets restarted)."""
@@ -621,6 +634,15 @@ class PrefillWorker:
             jobs = list(self._jobs.values())
         for job in jobs:
             self._finish(job, error=self.fault, code=INTERNAL)
+
+
+def _close_logged(channel: LayerChannel) -> None:
+    """Close a channel; a failure (its release message not sent) is logged, never raised: the job's
+    blocks must still be freed and its router told, whatever the channel does."""
+    try:
+        channel.close()
+    except Exception:
+        log.exception("closing a KV channel failed")
 
 
 def _peer(lease: Lease) -> str:

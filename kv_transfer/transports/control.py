@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -103,9 +103,9 @@ class ControlClient:
     """One sending channel's DEALER: sends messages, counts what is unanswered, collects answers.
     Thread-safe: its owner sends and waits, any thread may close it."""
 
-    def __init__(self, address: str, on_answer: Callable[[int], None] = lambda seq: None,
+    def __init__(self, address: str, on_answer: Callable[[Any], None] = lambda tag: None,
                  secret: ClusterSecret | None = None) -> None:
-        self.on_answer = on_answer  # called with each answered message's seq (a channel frees its buffer)
+        self.on_answer = on_answer  # called with each answered message's tag (a channel frees its buffer)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
@@ -115,11 +115,13 @@ class ControlClient:
         self._lock = threading.Lock()
         self.closed = False
         self._next_seq = 0
-        self.unanswered: set[int] = set()
+        self.unanswered: dict[int, Any] = {}  # seq -> the tag it was sent with
         self.failures: list[str] = []
         self.corrupt = 0
 
-    def send(self, kind: bytes, parts: list[bytes | memoryview]) -> int:
+    def send(self, kind: bytes, parts: list[bytes | memoryview], tag: Any = None) -> int:
+        """Send one message; its `tag` comes back to `on_answer` with the answer (recorded under the
+        lock that taking answers needs, so whichever thread takes the answer finds it)."""
         with self._lock:
             self._check_open()
             seq = self._next_seq
@@ -128,7 +130,7 @@ class ControlClient:
                 self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], copy=False)
             except zmq.Again:
                 raise TransferError(f"KV receiver took no message for {SEND_TIMEOUT_S:g} s") from None
-            self.unanswered.add(seq)
+            self.unanswered[seq] = tag
             return seq
 
     def wait(self, until: Callable[[], bool], timeout: float) -> None:
@@ -145,12 +147,12 @@ class ControlClient:
                     continue
                 seq, status, text = self._socket.recv_multipart()
             (number,) = _SEQ.unpack(seq)
-            self.unanswered.discard(number)
+            tag = self.unanswered.pop(number, None)
             if status[0] == CORRUPT:
                 self.corrupt += 1
             elif status[0] == FAILED:
                 self.failures.append(text.decode())
-            self.on_answer(number)
+            self.on_answer(tag)
         if self.failures:
             raise TransferError(f"KV receiver refused a message: {self.failures[0]}")
 

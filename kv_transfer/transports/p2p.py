@@ -95,6 +95,13 @@ class _Group:
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
                 self.pg.send([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 0).wait(_timeout())
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
+        except BaseException:
+            # The peer may have formed its side: told on the JOIN's own socket, so after the JOIN.
+            try:
+                join.send(LEAVE, [self.id.encode()])
+            except TransferError:
+                pass  # closed or gone: nothing to tell
+            raise
         finally:
             join.close()
         self._next_tag = 0

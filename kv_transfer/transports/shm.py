@@ -8,10 +8,12 @@ receiver answered its message. A frame larger than a slot travels inline in the 
 
 Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
 answered a message that used it (both have it mapped by then), so the memory goes away with the last
-mapping. Until then the sender holds a lock on the file; a sender killed in between leaves a file
-nobody holds, which the next sender started on the node removes (`sweep_orphan_segments`). A channel
-takes a segment from its transport's pool for the peer and returns it when it closes with nothing
-unanswered, so sequential transfers reuse one mapping.
+mapping. The sender holds a lock on the file for the segment's whole life, and the lock dies with
+it: a sender killed before the unlink leaves a file nobody holds, which the next sender started on
+the node removes (`sweep_orphan_segments`); one killed after it leaves the receiver's mapping, which
+the receiver drops when it next maps a segment (a restarted sender's first frame does that). A
+channel takes a segment from its transport's pool for the peer and returns it when it closes with
+nothing unanswered, so sequential transfers reuse one mapping.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class _Segment:
         self.slot_bytes = slot_bytes
         self.path: Path | None = SHM_DIR / self.name
         self._lock = threading.Lock()  # the owner's answer handler and a close may both unlink
-        # Open, and locked, for as long as the name is linked: the lock dies with this process. Made
-        # under a name the sweep ignores and renamed once locked, so no sweep sees it unlocked.
+        # Open, and locked, until `close`: the lock dies with this process, which tells the sweep and
+        # the receiver that nobody owns the segment any more. Made under a name the sweep ignores and
+        # renamed once locked, so no sweep sees it unlocked.
         making = SHM_DIR / f".making-{self.name}"
         self._fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -84,13 +87,13 @@ class _Segment:
                 return
             self.path.unlink(missing_ok=True)
             self.path = None
-            os.close(self._fd)
 
     def close(self) -> None:
         self.unlink()
         if not self.map.closed:
             del self.bytes  # the map cannot close while a view of it lives
             self.map.close()
+            os.close(self._fd)  # and with it the lock
 
 
 class ShmChannel:
@@ -102,7 +105,6 @@ class ShmChannel:
         self.transfer_id = transfer_id
         self.bytes_sent = 0
         self.segment = transport.take_segment(address)
-        self._slot_of: dict[int, int] = {}  # message seq -> slot it occupies
         self.control = ControlClient(address, on_answer=self._answered, secret=transport.secret)
         self._closed = False
         self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
@@ -119,15 +121,17 @@ class ShmChannel:
                 self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
                 slot = segment.free.pop()
                 offset = slot * segment.slot_bytes
-                np.copyto(segment.bytes[offset : offset + view.nbytes], np.frombuffer(view, dtype=np.uint8))
-                seq = self.control.send(FRAME, [header.pack(), segment.name.encode(),
-                                                _SLOT.pack(offset, view.nbytes)])
-                self._slot_of[seq] = slot
+                try:
+                    np.copyto(segment.bytes[offset : offset + view.nbytes], np.frombuffer(view, dtype=np.uint8))
+                    self.control.send(FRAME, [header.pack(), segment.name.encode(), _SLOT.pack(offset, view.nbytes)],
+                                      tag=slot)
+                except BaseException:  # not sent (closed meanwhile): the slot is free again
+                    segment.free.append(slot)
+                    raise
             self.bytes_sent += view.nbytes
 
-    def _answered(self, seq: int) -> None:
-        slot = self._slot_of.pop(seq, None)
-        if slot is not None:
+    def _answered(self, slot: int | None) -> None:
+        if slot is not None:  # an inline frame had none
             self.segment.free.append(slot)
             self.segment.unlink()  # the receiver has mapped it
 
@@ -216,7 +220,9 @@ class ShmReceiver:
 
     def __init__(self, sink: FrameSink, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
         self.sink = sink
-        self._maps: dict[str, mmap.mmap] = {}  # only the control thread touches it
+        # name -> (mapping, an open file of it: its lock tells whether the sender lives); only the
+        # control thread touches it
+        self._maps: dict[str, tuple[mmap.mmap, int]] = {}
         self._server = ControlServer("shm", host, self._handle, secret)
         self.address = self._server.address
 
@@ -226,9 +232,7 @@ class ShmReceiver:
         if len(parts) != _PARTS.get(kind, -1) or (kind == FRAME and len(parts[2].bytes) != _SLOT.size):
             raise TransferError(f"malformed control message: kind {kind[:8]!r} with {len(parts)} parts")
         if kind == RELEASE:
-            mapping = self._maps.pop(_segment_name(parts[0].bytes), None)
-            if mapping is not None:
-                _close_quietly(mapping)
+            self._unmap(_segment_name(parts[0].bytes))
             return
         header = FrameHeader.unpack(parts[0].buffer)
         if kind == INLINE:
@@ -241,23 +245,41 @@ class ShmReceiver:
             self.sink(header, memoryview(mapping)[offset : offset + length])
 
     def _mapping(self, name: str) -> mmap.mmap:
-        mapping = self._maps.get(name)
-        if mapping is None:
-            try:
-                fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                raise TransferError(f"shared memory segment {name} is gone (its sender closed it)") from None
-            try:
-                mapping = self._maps[name] = mmap.mmap(fd, 0)
-            finally:
-                os.close(fd)
+        if name in self._maps:
+            return self._maps[name][0]
+        self._unmap_orphans()  # a new segment: perhaps from a sender restarted after one that died
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise TransferError(f"shared memory segment {name} is gone (its sender closed it)") from None
+        try:
+            mapping = mmap.mmap(fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._maps[name] = (mapping, fd)
         return mapping
+
+    def _unmap_orphans(self) -> None:
+        """Drop the mappings whose sender died without releasing them (its lock on the file is gone)."""
+        for name, (_, fd) in list(self._maps.items()):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its sender holds it
+            log.warning("shared memory segment %s: its sender died without releasing it; unmapped", name)
+            self._unmap(name)
+
+    def _unmap(self, name: str) -> None:
+        entry = self._maps.pop(name, None)
+        if entry is not None:
+            _close_quietly(entry[0])
+            os.close(entry[1])
 
     def stop(self) -> None:
         self._server.stop()
-        for mapping in self._maps.values():
-            _close_quietly(mapping)
-        self._maps.clear()
+        for name in list(self._maps):
+            self._unmap(name)
 
 
 def _segment_name(raw: bytes) -> str:

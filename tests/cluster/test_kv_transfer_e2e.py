@@ -6,6 +6,8 @@ the output stays identical to transformers'. Faults are injected by running code
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import sys
 import threading
 import time
@@ -271,6 +273,34 @@ def test_a_decode_worker_hanging_in_the_commit_lets_the_prefill_lease_expire(clu
     assert outcomes == [hf_reference[ARCH].greedy(prompt, NEW_TOKENS)], outcomes
     assert cluster.router.stats.retries == retries + 1
     assert_idle(cluster)
+
+
+def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cluster, hf_reference):
+    """Killed (SIGKILL) and restarted by Ray, the decode worker listens on new addresses; the prefill
+    worker's first lease from it makes it let go of what it held for the old one (its idle shm
+    segments, 64 MiB each, mapped for a receiver that no longer exists)."""
+    prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
+
+    def pooled(self) -> list[str]:
+        return sorted(self._transports["shm"]._pools)
+
+    old = on_worker(decode, lambda self: self.kv_addresses["shm"])
+    assert old in on_worker(prefill, pooled)  # the earlier transfers left their segment pooled for it
+    os.kill(on_worker(decode, lambda self: os.getpid()), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:  # until the restarted worker answers with its new address and has rejoined
+        assert time.monotonic() < deadline, "the decode worker never came back"
+        try:
+            new = on_worker(decode, lambda self: self.kv_addresses["shm"])
+            if new != old and decode.healthy:
+                break
+        except ray.exceptions.RayError:
+            pass
+        time.sleep(0.2)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=40)[0]
+    assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    assert_idle(cluster)
+    assert on_worker(prefill, pooled) == [new]
 
 
 def test_the_trained_model_serves_with_cachegen_frames():

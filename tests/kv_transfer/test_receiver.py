@@ -351,6 +351,59 @@ def test_an_abort_that_overtakes_its_reservation_wins(sides):
     assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
 
 
+def test_an_abort_landing_while_its_reservation_is_made_wins(sides):
+    """The abort finds no reservation yet and records its tombstone just as `reserve` inserts its
+    entry and looks for one: whichever comes first, the reservation ends aborted, nothing held."""
+    _, decode, receiver, _ = sides
+    tombstones, outcome = receiver.aborted, []
+
+    class ReserveInBetween:  # runs `reserve` on another thread at the moment the abort adds its tombstone
+        def add(self, transfer_id):
+            def reserve():
+                try:
+                    outcome.append(receiver.reserve(transfer_id, "r-late", [5] * 40, GREEDY, 40))
+                except TransferError as e:
+                    outcome.append(e)
+            thread = threading.Thread(target=reserve)
+            thread.start()
+            thread.join(1.0)  # the reservation completes here unless the abort holds the receiver's lock
+            tombstones.add(transfer_id)
+            self.thread = thread
+
+        def __contains__(self, key):
+            return key in tombstones
+
+    receiver.aborted = in_between = ReserveInBetween()
+    assert not receiver.abort("t-late", "cancelled")
+    in_between.thread.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], TransferError), outcome
+    assert receiver.num_in_flight == 0
+    assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
+
+
+def test_a_recompute_commit_overtaken_by_an_abort_does_not_revive_the_request(sides, hf_reference):
+    """An abort (a cancel, lease expiry) lands after the commit found its transfer and before it takes
+    it out: the commit fails instead of recomputing a request whose blocks the abort freed."""
+    prefill, decode, receiver, outputs = sides
+    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=9)[0])
+    handoff, _ = reserve(receiver, prefill, request_id)
+    found = receiver._get
+
+    def found_then_aborted(transfer_id):
+        incoming = found(transfer_id)
+        receiver.abort(transfer_id, "cancelled")
+        return incoming
+
+    receiver._get = found_then_aborted
+    with pytest.raises(TransferError, match="aborted while committing"):
+        receiver.commit("t1", handoff, recompute=True)
+    assert receiver.counters["recomputed"] == 0
+    time.sleep(0.3)  # a revived request would be decoding by now
+    assert receiver.loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
+    assert not outputs
+    prefill.release(request_id)
+
+
 def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     prefill, decode, receiver, outputs = sides  # lease_s = 0.2
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]

@@ -245,6 +245,106 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
     assert set(SHM_DIR.glob("pdserve-kv-*")) <= before
 
 
+def test_shm_slots_come_back_whichever_thread_takes_the_answers():
+    """A drain takes answers on its own thread while the sender thread still sends (a cancel with
+    frames queued), and a close from a third thread may land mid-send: every slot is free again
+    either way, so the segment goes back to the pool whole, never short of slots."""
+    from pdserve.kv_transfer.transports.shm import SLOTS
+
+    receiver = start_receiver("shm", RecordingSink())
+    sender = make_sender("shm")
+    try:
+        channel = sender.open(receiver.address, "t1")
+        sent = threading.Event()
+
+        def send_many():
+            for i in range(300):
+                channel.send(*frame(0, 64, seed=i))
+            sent.set()
+
+        thread = threading.Thread(target=send_many)
+        thread.start()
+        while not sent.is_set():  # bounded: the sender is done within a few seconds
+            try:
+                channel.finish(0.01)
+            except TransferError:
+                pass
+        thread.join(10)
+        channel.finish(10)
+        assert sorted(channel.segment.free) == list(range(SLOTS))
+        channel.control.close()  # a close's first step, landing while the next frame is being copied in
+        with pytest.raises(TransferError):
+            channel.send(*frame(0, 64, seed=0))
+        assert sorted(channel.segment.free) == list(range(SLOTS))
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_a_group_whose_join_is_answered_too_late_is_torn_down_on_both_sides(monkeypatch):
+    """The receiving half forms its side of a gloo group but answers the JOIN after the sender gave
+    up: the sender's failure tells it to leave, so it holds no group nobody will use."""
+    from pdserve.kv_transfer.transports import p2p
+
+    monkeypatch.setattr(p2p, "GROUP_TIMEOUT_S", 0.5)
+    receiver = P2PReceiver(RecordingSink(), "gloo", "127.0.0.1")
+    handle = receiver._server._handle
+
+    def answer_late(kind, parts):
+        handle(kind, parts)
+        if kind == p2p.JOIN:
+            time.sleep(1.0)
+
+    receiver._server._handle = answer_late
+    sender = P2PSender("gloo", "127.0.0.1")
+    try:
+        with pytest.raises(TransferError, match="cannot form a gloo group"):
+            sender.open(receiver.address, "t1")
+        deadline = time.monotonic() + 5
+        while receiver._groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not receiver._groups and not sender._groups
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mapped():
+    """A sender SIGKILLed once its segment is mapped on both sides (the name already unlinked) never
+    sends the release: the receiver drops that mapping when it next maps a segment (a restarted
+    sender's first frame), and keeps the mappings of living senders."""
+    receiver = start_receiver("shm", RecordingSink())
+    child = subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
+                              "from pdserve.kv_transfer.interface import FrameHeader\n"
+                              "from pdserve.kv_transfer.transports import make_sender\n"
+                              f"channel = make_sender('shm').open({receiver.address!r}, 't1')\n"
+                              "data = bytes(1000)\n"
+                              "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
+                              "channel.finish(10)\nprint(channel.segment.name, flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    living, restarted = make_sender("shm"), make_sender("shm")
+    try:
+        orphan = child.stdout.readline().strip()
+        kept = living.open(receiver.address, "t2")
+        kept.send(*frame(0, 1000, seed=1))
+        kept.finish(10)
+        assert {orphan, kept.segment.name} <= set(receiver._maps)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        channel = restarted.open(receiver.address, "t3")
+        channel.send(*frame(0, 1000, seed=2))
+        channel.finish(10)
+        assert orphan not in receiver._maps
+        assert {kept.segment.name, channel.segment.name} <= set(receiver._maps)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+        living.close()
+        restarted.close()
+        receiver.stop()
+
+
 def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
     """A sender SIGKILLed after making a segment, before its receiver mapped it, leaves the file linked;
     the next sender started on the node removes it, and leaves the segments of living senders alone."""
