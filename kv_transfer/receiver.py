@@ -33,7 +33,7 @@ import torch
 
 from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import ImportReservation, RequestHandoff
+from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, checksum, make_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
@@ -198,14 +198,21 @@ class KVReceiver:
             owned = self._incoming.pop(transfer_id, None) is incoming
         if not owned:  # an abort took it out since `_get`: it frees the blocks; a recompute would revive it
             raise TransferError(f"transfer {transfer_id} was aborted while committing")
-        try:
+        def admit(engine: LLMEngine) -> None:
+            # On the loop, after any abort queued before: a cancel now finds no open transfer and only
+            # leaves its tombstone (before queueing its engine abort), so admitting would revive the request.
+            if handoff.request_id in self.aborted or transfer_id in self.aborted:
+                raise TransferError(f"request {handoff.request_id!r} was aborted")
             if recompute:
-                self.loop.call(lambda e: e.resume_request(handoff), kind="kv")
+                engine.resume_request(handoff)
+            else:
+                engine.commit_import(handoff, incoming.codec.lossless)
+
+        try:
+            self.loop.call(admit, kind="kv")
+            if recompute:
                 self.counters["recomputed"] += 1
                 log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
-            else:
-                exact = incoming.codec.lossless
-                self.loop.call(lambda e: e.commit_import(handoff, exact), kind="kv")
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
             self.loop.submit(lambda eng: eng.abort_request(handoff.request_id))

@@ -17,6 +17,7 @@ line on the `pdserve.lifetime` logger.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -132,7 +133,7 @@ class Frontend:
         active = ActiveRequest(self, api, work, placement, client_request_id or work.request_id,
                                {"accepted": accepted, "routed": time.time()})
         try:
-            _dispatch(work, placement)
+            _dispatch(self.hub, work, placement)
         except Exception as e:  # a Ray call that could not even be sent: give the placement back
             self.hub.unsubscribe(work.request_id)
             self.router.finished(placement)
@@ -197,7 +198,11 @@ class ActiveRequest:
                 continue
             if msg.error:
                 code = msg.error_code or UNAVAILABLE
-                if code in RETRYABLE and frontend.hub.error is None:  # a failed hub fails every attempt
+                # A pool found full once the client has tokens (the reservation runs beside the prompt
+                # pass) is waited out by a retry, which resumes from them: not an error mid-stream.
+                # A failed hub fails every attempt: no retry then.
+                busy_mid_stream = code == RESOURCE_EXHAUSTED and bool(self.generated)
+                if (code in RETRYABLE or busy_mid_stream) and frontend.hub.error is None:
                     await self._retry(msg.error)
                     continue
                 retry = frontend.router.retry_after_s() if code == RESOURCE_EXHAUSTED else None
@@ -261,7 +266,7 @@ class ActiveRequest:
         self._queue = frontend.hub.subscribe(self.work.request_id, first_index=len(self.generated))
         self._attempt_started = False
         try:
-            _dispatch(self.work, self.placement, self.generated, self.logprobs)
+            _dispatch(frontend.hub, self.work, self.placement, self.generated, self.logprobs)
         except Exception as e:  # the Ray call could not even be sent: the next round finds it out
             await self._retry(f"could not dispatch the retry: {type(e).__name__}: {e}")
 
@@ -305,19 +310,30 @@ class ActiveRequest:
                 "events_ms": {name: round((t - start) * 1e3, 3) for name, t in ordered}}
 
 
-def _dispatch(work: WorkRequest, placement: Placement, generated: list[int] = (), logprobs: list[float] = ()) -> None:
+def _dispatch(hub: TokenStreamHub, work: WorkRequest, placement: Placement, generated: list[int] = (),
+              logprobs: list[float] = ()) -> None:
     """Hand the request to its workers (Ray calls that return at once; the outcome arrives as token
     messages): a whole request to a colocated or locally prefilling decode worker (one that resumes,
     with the tokens generated so far), else the prompt to its prefill worker, which streams the KV to
-    the decode worker."""
+    the decode worker. A call that fails itself (the method raised, or Ray could not deliver it) sends
+    no message: its failure is handed to the request's stream as one, so it is retried, not waited on."""
     decode = placement.decode
     if generated:
-        decode.handle.resume.remote(work, list(generated), list(logprobs))
+        target, call = decode, decode.handle.resume.remote(work, list(generated), list(logprobs))
     elif placement.local:
-        decode.handle.generate.remote(work)
+        target, call = decode, decode.handle.generate.remote(work)
     else:
-        prefill = placement.prefill
-        prefill.handle.prefill.remote(work, decode.handle, new_tokens=placement.request.new_tokens(prefill))
+        prefill = target = placement.prefill
+        call = prefill.handle.prefill.remote(work, decode.handle, new_tokens=placement.request.new_tokens(prefill))
+
+    def failed(future: concurrent.futures.Future) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            cause = getattr(error, "cause", None) or error  # what the worker's method raised, unwrapped
+            hub.deliver(TokenMessage(request_id=work.request_id, error_code=UNAVAILABLE,
+                                     error=f"worker {target.name} failed the request: {type(cause).__name__}: {cause}"))
+
+    call.future().add_done_callback(failed)
 
 
 class Detokenizer:

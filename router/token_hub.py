@@ -136,10 +136,17 @@ class TokenStreamHub:
             self.malformed += 1
             log.warning("dropped a malformed token message (%d so far): %s", self.malformed, e)
             return
+        self.deliver(message)
+
+    def deliver(self, message: TokenMessage) -> None:
+        """Hand one message to its request's stream (the router's own, such as a failed dispatch, too)."""
         with self._lock:
             subscriber = self._subscribers.get(message.request_id)
             if subscriber is None:  # messages of requests nobody waits for (cancelled) are dropped
                 return
             ready = subscriber.order.add(message)
-        for message in ready:  # queued in this order: the event loop runs its callbacks in call order
-            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, message)
+        try:
+            for message in ready:  # queued in this order: the event loop runs its callbacks in call order
+                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, message)
+        except RuntimeError:  # that stream's event loop is closed: nobody waits there, and one stream
+            self.unsubscribe(message.request_id)  # must not end the thread that serves every other

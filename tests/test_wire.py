@@ -74,6 +74,34 @@ def test_hub_delivers_token_messages_and_drops_malformed_ones():
     assert malformed == 2
 
 
+def test_a_subscriber_whose_event_loop_closed_does_not_stop_the_hub():
+    """A stream's event loop gone (a server shutting down, a client's loop closed) while it is still
+    subscribed: its message is dropped with its subscription, and every other stream is served on."""
+    hub = TokenStreamHub("127.0.0.1")
+    sink = TokenSink(hub.address)
+
+    async def subscribe(request_id: str) -> None:
+        hub.subscribe(request_id)
+
+    async def receive() -> TokenMessage:
+        queue = hub.subscribe("r2")
+        sink.send("gone", [1], first_index=0)
+        sink.send("r2", [2], first_index=0)
+        return await asyncio.wait_for(queue.get(), 5)
+
+    try:
+        asyncio.run(subscribe("gone"))  # its loop is closed when this returns
+        message = asyncio.run(receive())
+        assert list(message.token_ids) == [2] and hub.error is None
+        deadline = time.monotonic() + 5
+        while "gone" in hub._subscribers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "gone" not in hub._subscribers
+    finally:
+        sink.close()
+        hub.close()
+
+
 def test_a_request_s_messages_reach_it_in_output_order_across_workers():
     """The reported failure: the decode worker's tokens overtook the prefill worker's first token
     (two sockets) and the stream ended without it. Here the decode side's messages go out first."""

@@ -94,9 +94,11 @@ class ControlServer:
     def _crashed(self, error: BaseException) -> None:
         self.failure = error
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the loop; whether it has ended (not while a handler is still busy)."""
         self._stopped.set()
         self._thread.join(timeout=5 * POLL_MS / 1000)
+        return not self._thread.is_alive()
 
 
 class ControlClient:

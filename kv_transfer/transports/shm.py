@@ -104,9 +104,14 @@ class ShmChannel:
         self.address = address
         self.transfer_id = transfer_id
         self.bytes_sent = 0
-        self.segment = transport.take_segment(address)
         self.control = ControlClient(address, on_answer=self._answered, secret=transport.secret)
+        try:
+            self.segment = transport.take_segment(address)
+        except BaseException:
+            self.control.close()
+            raise
         self._closed = False
+        self._closing = threading.Lock()  # two closes at once (a resend's and a lease expiry's): one acts
         self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
@@ -139,16 +144,16 @@ class ShmChannel:
         self.control.wait(lambda: not self.control.unanswered, timeout)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         self.control.close()  # a send waiting for a slot stops within one poll
         with self._lock:
             if self.control.unanswered or self.segment.path is not None:
                 # Unanswered: the receiver may still read it. Never answered: it may not have mapped
                 # it, and the name is still linked. Either way: not reused, released on both sides.
-                notify(self.address, RELEASE, [self.segment.name.encode()], self.transport.secret)
-                self.segment.close()
+                self.transport.release(self.address, self.segment)
             else:
                 self.transport.return_segment(self.address, self.segment)
 
@@ -201,14 +206,22 @@ class ShmSender:
 
     def return_segment(self, address: str, segment: _Segment) -> None:
         with self._lock:
-            self._pools.setdefault(address, []).append(segment)
+            pool = self._pools.get(address)
+            if pool is not None:
+                pool.append(segment)
+                return
+        self.release(address, segment)  # the address was forgotten while the channel was open
+
+    def release(self, address: str, segment: _Segment) -> None:
+        """Unmap a segment here and tell its receiver to unmap it too."""
+        notify(address, RELEASE, [segment.name.encode()], self.secret)
+        segment.close()
 
     def forget(self, address: str) -> None:
         with self._lock:
             segments = self._pools.pop(address, [])
         for segment in segments:
-            notify(address, RELEASE, [segment.name.encode()], self.secret)
-            segment.close()
+            self.release(address, segment)
 
     def close(self) -> None:
         for address in list(self._pools):
@@ -267,7 +280,8 @@ class ShmReceiver:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its sender holds it
-            log.warning("shared memory segment %s: its sender died without releasing it; unmapped", name)
+            log.info("shared memory segment %s: no sender holds it any more (released, or its sender died); "
+                     "unmapped", name)
             self._unmap(name)
 
     def _unmap(self, name: str) -> None:
@@ -277,9 +291,9 @@ class ShmReceiver:
             os.close(entry[1])
 
     def stop(self) -> None:
-        self._server.stop()
-        for name in list(self._maps):
-            self._unmap(name)
+        if self._server.stop():  # else a handler still runs on them: they go with the process
+            for name in list(self._maps):
+                self._unmap(name)
 
 
 def _segment_name(raw: bytes) -> str:

@@ -196,6 +196,46 @@ def test_the_prompt_pass_runs_beside_the_reservation(cluster, hf_reference):
     assert_idle(cluster)
 
 
+def refuse_a_held_reservation(self) -> None:
+    """The next reservation waits until `release_reservations`, then finds the KV memory full (once)."""
+    from pdserve.kv_transfer.interface import KVMemoryFull
+
+    original, self.release, self.reserved = self.receiver.reserve, threading.Event(), threading.Event()
+
+    def refused(*args, **kwargs):
+        self.receiver.reserve = original
+        self.release.wait(60)
+        raise KVMemoryFull("the decode worker's KV memory stayed full (injected)")
+
+    self.receiver.reserve = refused
+    self.restore_reserve = lambda: setattr(self.receiver, "reserve", original)
+
+
+def test_a_full_decode_pool_after_the_first_token_is_waited_out_not_an_error(cluster, hf_reference):
+    """The first token is streamed while the reservation is still waiting; then the decode pool turns
+    out full (RESOURCE_EXHAUSTED from the prefill worker). The client has tokens already: the router
+    retries (a resume from them) instead of ending the stream with an error, and the output is exact."""
+    decode = worker(cluster, "decode")
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=22)[0]
+    retries = cluster.router.stats.retries
+    on_worker(decode, refuse_a_held_reservation)
+    released = False
+    try:
+        with Client(cluster.address, timeout=90) as client:
+            tokens: list[int] = []
+            for chunk in client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True):
+                if not released:  # the first token is out: now the reservation fails
+                    on_worker(decode, release_reservations)
+                    released = True
+                tokens.extend(chunk.token_ids)
+    finally:
+        if not released:
+            on_worker(decode, release_reservations)
+    assert tokens == hf_reference[ARCH].greedy(prompt, 8)
+    assert cluster.router.stats.retries == retries + 1
+    assert_idle(cluster)
+
+
 def test_a_cancel_while_decoding_frees_both_pools(cluster):
     with Client(cluster.address, timeout=60) as client:
         stream = client.generate([11] * 50, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
@@ -315,6 +355,29 @@ def test_an_exception_in_a_long_lived_thread_fails_its_requests_explicitly(fault
         wait_healthy(c)
         assert len(client.generate([13] * 20, max_tokens=3, ignore_eos=True).token_ids) == 3
     assert not [s for s in wait_until_idle(c) if s["free_blocks"] != s["total_blocks"]]
+
+
+def test_a_worker_method_that_raises_fails_its_request_instead_of_leaving_it_waiting(faulty_cluster):
+    """The prefill worker's `prefill` raises (a bug outside its own error handling): no token message
+    will ever come, and the worker stays healthy. The call's failure reaches the request at once as an
+    explicit UNAVAILABLE naming it (retried when retries are on), not as the client's deadline."""
+    c = faulty_cluster
+    wait_healthy(c)
+    target = worker(c, "prefill")
+    on_worker(target, inject_exception, "queues.put")
+    try:
+        with Client(c.address, timeout=30) as client:
+            t0 = time.time()
+            with pytest.raises(PDServeError) as failure:
+                client.generate([19] * 40, max_tokens=4, ignore_eos=True)
+            assert time.time() - t0 < 10, "the request waited instead of failing"
+            assert failure.value.code == grpc.StatusCode.UNAVAILABLE, failure.value
+            assert "injected fault in queues.put" in failure.value.message and target.name in failure.value.message
+    finally:
+        on_worker(target, lambda self: vars(self.queues).pop("put", None) and None)
+    assert_idle(c)
+    with Client(c.address, timeout=30) as client:
+        assert len(client.generate([19] * 20, max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
 def test_a_failed_token_hub_fails_waiting_streams_explicitly(faulty_cluster):

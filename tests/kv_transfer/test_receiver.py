@@ -404,6 +404,34 @@ def test_a_recompute_commit_overtaken_by_an_abort_does_not_revive_the_request(si
     prefill.release(request_id)
 
 
+def test_a_cancel_after_the_commit_took_its_transfer_out_is_not_undone(sides, hf_reference):
+    """The router's cancel lands after the commit took the transfer out and before the engine admits
+    the request: it finds no transfer, leaves its tombstone and aborts on the engine first; the
+    commit then refuses, instead of admitting (reviving) a request nobody waits for."""
+    prefill, decode, receiver, outputs = sides
+    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=10)[0])
+    handoff, _ = reserve(receiver, prefill, request_id)
+    loop = receiver.loop
+
+    class CancelFirst:  # the engine loop, with the cancel (as the decode worker runs it) queued first
+        def __getattr__(self, name):
+            return getattr(loop, name)
+
+        def call(self, command, **kwargs):
+            receiver.loop = loop
+            assert not receiver.abort_request(request_id, "cancelled")  # the transfer is out already
+            loop.call(lambda e: e.abort_request(request_id))
+            return loop.call(command, **kwargs)
+
+    receiver.loop = CancelFirst()
+    with pytest.raises(TransferError, match="was aborted"):
+        receiver.commit("t1", handoff, recompute=True)
+    time.sleep(0.3)  # a revived request would be decoding by now
+    assert loop.call(lambda e: (len(e.requests), e.num_free_blocks)) == (0, decode.pool.num_blocks)
+    assert not outputs
+    prefill.release(request_id)
+
+
 def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     prefill, decode, receiver, outputs = sides  # lease_s = 0.2
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
