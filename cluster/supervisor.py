@@ -73,6 +73,7 @@ class Supervisor:
         self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
         self._restarting: set[str] = set()
         self._profiling: dict[str, ray.ObjectRef] = {}  # restarted workers measuring their step costs
+        self._reported = [w.healthy for w in workers]  # the health `on_change` last reported
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
@@ -91,7 +92,6 @@ class Supervisor:
                 self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
         ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=self.timeout_s)
         answered = set(ready)
-        before = [w.healthy for w in self.workers]
         for w in self.workers:
             ref = self._pending[w.name]
             if ref in answered:
@@ -101,8 +101,10 @@ class Supervisor:
             else:  # one slow answer (a starved core) is not death; MISSES_TO_FAIL in a row are
                 self._missed[w.name] = self._missed.get(w.name, 0) + 1
                 w.healthy = w.healthy and self._missed[w.name] < MISSES_TO_FAIL
-        if before != [w.healthy for w in self.workers]:
-            self.on_change()
+        health = [w.healthy for w in self.workers]
+        if health != self._reported:  # against what was reported: a round that failed before telling
+            self.on_change()          # (or whose `on_change` raised) is told by the next one
+            self._reported = health
         self.after_round()
 
     def _alive(self, ref: ray.ObjectRef, worker: WorkerRef) -> bool:

@@ -18,9 +18,10 @@ from cluster_helpers import install_gate, manifest, on_worker, open_gate
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.supervisor import RestartBackoff
+from pdserve.cluster.supervisor import HEALTH_GROUP, RestartBackoff, Supervisor
 from pdserve.router.client import Client
 from pdserve.router.frontend import DEAD_WORKER_CHECK_S
+from pdserve.router.placement import WorkerRef
 
 ARCH = "tiny-llama"
 STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream
@@ -264,6 +265,47 @@ def test_the_idle_audit_is_on_metrics(cluster):
     assert 'pdserve_idle_audits_total{result="clean"}' in text
     held = [line for line in text.splitlines() if line.startswith("pdserve_idle_audit_held_blocks{")]
     assert len(held) == len(WORKERS) and all(line.endswith(" 0.0") for line in held), held
+
+
+@ray.remote(num_cpus=0, concurrency_groups={HEALTH_GROUP: 1})
+class Pingable:
+    def __init__(self) -> None:
+        self.up = True
+
+    def set_up(self, up: bool) -> None:
+        self.up = up
+
+    def ping(self) -> dict:
+        if not self.up:
+            raise RuntimeError("down")
+        return {"alive": True, "profiled": True}
+
+
+def test_a_health_change_whose_report_failed_is_reported_by_the_next_round(cluster):
+    """`on_change` (the router's health publication) raises once: the next round reports the change
+    again, instead of comparing with its own start and seeing none."""
+    actor = Pingable.remote()
+    calls: list[list[bool]] = []
+    ref = WorkerRef("w0", "decode", actor)
+
+    def on_change() -> None:
+        calls.append([ref.healthy])
+        if len(calls) == 1:
+            raise RuntimeError("publication failed")
+
+    supervisor = Supervisor([ref], on_change)  # not started: the test runs its rounds
+    try:
+        supervisor.check_once()
+        assert calls == []
+        ray.get(actor.set_up.remote(False))
+        with pytest.raises(RuntimeError, match="publication failed"):
+            supervisor.check_once()
+        supervisor.check_once()
+        assert calls == [[False], [False]]
+        supervisor.check_once()  # nothing new: nothing reported
+        assert len(calls) == 2
+    finally:
+        ray.kill(actor)
 
 
 def test_a_worker_restarted_again_and_again_waits_longer_each_time_before_rejoining():
