@@ -198,6 +198,7 @@ class KVReceiver:
             owned = self._incoming.pop(transfer_id, None) is incoming
         if not owned:  # an abort took it out since `_get`: it frees the blocks; a recompute would revive it
             raise TransferError(f"transfer {transfer_id} was aborted while committing")
+
         def admit(engine: LLMEngine) -> None:
             # On the loop, after any abort queued before: a cancel now finds no open transfer and only
             # leaves its tombstone (before queueing its engine abort), so admitting would revive the request.

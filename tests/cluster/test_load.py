@@ -174,23 +174,30 @@ def release_reservations(self) -> bool:
     return granted
 
 
+def stream_releasing_reservations(cluster, decode, prompt: list[int]) -> tuple[list[int], bool | None]:
+    """Stream `prompt` (greedy, 8 tokens), releasing `decode`'s held reservations once the first token
+    is out (at the end if none came): the tokens, and whether one had been granted before."""
+    granted = None
+    try:
+        with Client(cluster.address, timeout=90) as client:
+            tokens: list[int] = []
+            for chunk in client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True):
+                if granted is None:
+                    granted = on_worker(decode, release_reservations)
+                tokens.extend(chunk.token_ids)
+    finally:
+        if granted is None:
+            on_worker(decode, release_reservations)
+    return tokens, granted
+
+
 def test_the_prompt_pass_runs_beside_the_reservation(cluster, hf_reference):
     """The first token comes while the decode worker's reservation is held up; the layers written
     before the lease came are sent when it does, and the output is exact."""
     decode = worker(cluster, "decode")
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=21)[0]
     on_worker(decode, hold_reservations)
-    granted_before_first_token = None
-    try:
-        with Client(cluster.address, timeout=90) as client:
-            tokens: list[int] = []
-            for chunk in client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True):
-                if granted_before_first_token is None:
-                    granted_before_first_token = on_worker(decode, release_reservations)
-                tokens.extend(chunk.token_ids)
-    finally:
-        if granted_before_first_token is None:
-            on_worker(decode, release_reservations)
+    tokens, granted_before_first_token = stream_releasing_reservations(cluster, decode, prompt)
     assert granted_before_first_token is False, "the first token waited for the reservation"
     assert tokens == hf_reference[ARCH].greedy(prompt, 8)
     assert_idle(cluster)
@@ -219,18 +226,7 @@ def test_a_full_decode_pool_after_the_first_token_is_waited_out_not_an_error(clu
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=22)[0]
     retries = cluster.router.stats.retries
     on_worker(decode, refuse_a_held_reservation)
-    released = False
-    try:
-        with Client(cluster.address, timeout=90) as client:
-            tokens: list[int] = []
-            for chunk in client.generate(prompt, stream=True, temperature=0, max_tokens=8, ignore_eos=True):
-                if not released:  # the first token is out: now the reservation fails
-                    on_worker(decode, release_reservations)
-                    released = True
-                tokens.extend(chunk.token_ids)
-    finally:
-        if not released:
-            on_worker(decode, release_reservations)
+    tokens, _ = stream_releasing_reservations(cluster, decode, prompt)  # then the reservation fails
     assert tokens == hf_reference[ARCH].greedy(prompt, 8)
     assert cluster.router.stats.retries == retries + 1
     assert_idle(cluster)
