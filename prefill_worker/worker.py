@@ -13,9 +13,9 @@ prompt when the one before is on its last chunk), adds the prompt to the engine 
 and, beside the pass, reserves blocks on the chosen decode worker (the lease; the decode side waits a
 bounded time for free blocks; the lease says which leading blocks it already holds and which codec
 it agreed to) and opens a channel on the transport chosen for the pair. The engine's layer hook
-records each layer of each chunk as soon as it is written; once the lease is there, a sender thread
-sends what the decode worker lacks of it (`kv_transfer.sender`; the level controller picks each
-frame's quality level). After the last layer
+records each layer of each chunk as soon as it is written; once the lease is there, the decode
+worker's sender thread sends what the decode worker lacks of it (`kv_transfer.sender`; the level
+controller picks each frame's quality level). After the last layer
 a commit thread commits the handoff (first token included); layers the decode side reports
 incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
 recomputes the request from its tokens. When the controller expects that recomputation to be faster
@@ -23,6 +23,11 @@ than the transfer, nothing is sent at all. `_finish` ends every job, on every pa
 (a job ended early without error, once its frames in flight are answered, so the channel's resources
 are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
 failure, tells the router why. A cancel (`abort`) is honoured in every state.
+
+Each decode worker has a lane of its own (`_Lane`): the sender thread that keeps its frames in order,
+and the threads that wait on its commits and drains. A decode worker that stops answering (its
+KV path cut, its commit stuck) holds up only its own lane: transfers to the others go on, where on
+shared threads they waited behind it until their own leases lapsed.
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
 (`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
@@ -93,6 +98,24 @@ _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
 
 
+class _Lane:
+    """One decode worker's threads on this side (see the module's docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-send-{name}")
+        # Commits, and drains of channels closed early: each may wait (bounded) on the decode worker.
+        self.waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
+        self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
+
+    def sent(self, timeout: float) -> None:
+        """Wait until every frame queued so far on this lane is sent (or skipped, its job ended)."""
+        self.sender.submit(lambda: None).result(timeout)
+
+    def shutdown(self) -> None:
+        self.sender.shutdown(wait=False, cancel_futures=True)
+        self.waiters.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass(eq=False)
 class _Job:
     work: WorkRequest
@@ -161,12 +184,7 @@ class PrefillWorker:
         self.aborted = Tombstones()
         self.fault: str | None = None
         self.transfer_log: deque[dict] = deque(maxlen=1024)  # completed transfers, for benchmarks
-        self._send_busy_s = 0.0  # the sender thread's time reading and pushing KV
-        # One sender thread keeps layer pushes in order and off the forward pass's thread.
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
-        self._finishers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-commit")
-        # Apart from the commits: a drain whose decode worker stopped answering waits out its bound.
-        self._drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-drain")
+        self._lanes: dict[Any, _Lane] = {}  # decode worker's actor handle (equal by actor id) -> its lane
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
         start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
@@ -220,7 +238,9 @@ class PrefillWorker:
         return self.loop.call(lambda e: self.kv_events.snapshot(e.pool.cached_blocks()))
 
     def stats(self) -> dict:
-        return {"transfers": list(self.transfer_log), "loop": vars(self.loop.busy), "kv_send_s": self._send_busy_s,
+        with self._lock:
+            send_busy_s = sum(lane.send_busy_s for lane in self._lanes.values())
+        return {"transfers": list(self.transfer_log), "loop": vars(self.loop.busy), "kv_send_s": send_busy_s,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def probe_transfer(self, decode: Any, num_tokens: int) -> dict:
@@ -317,14 +337,24 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self._stop.set()
         self.loop.stop()
-        self._sender.shutdown(wait=False, cancel_futures=True)
-        self._finishers.shutdown(wait=False, cancel_futures=True)
-        self._drains.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.shutdown()
         self.sink.close()
         if self.kv_events is not None:
             self.kv_events.close()
         for transport in self._transports.values():
             transport.close()
+
+    def _lane(self, job: _Job) -> _Lane:
+        """The lane of the job's decode worker, made on its first transfer. A restarted decode worker
+        keeps its actor, so its lane."""
+        with self._lock:
+            lane = self._lanes.get(job.decode)
+            if lane is None:
+                lane = self._lanes[job.decode] = _Lane(str(len(self._lanes)))
+            return lane
 
     # --- the feeder thread ----------------------------------------------------------------------
     def _feed(self) -> None:
@@ -453,9 +483,9 @@ class PrefillWorker:
         if layer == 0:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None:
-            self._sender.submit(self._send_layer, job, layer)
+            self._lane(job).sender.submit(self._send_layer, job, layer)
         elif layer == 0:
-            self._sender.submit(self._renew_lease, job)
+            self._lane(job).sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
@@ -473,7 +503,7 @@ class PrefillWorker:
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_start` reads and writes the state under it
                     job.state = "committing"
-                self._finishers.submit(self._commit, job, handoff)
+                self._lane(job).waiters.submit(self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                finish_reason=out.finish_reason, text=out.text, events=events,
@@ -499,7 +529,7 @@ class PrefillWorker:
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
         finally:
-            self._send_busy_s += time.perf_counter() - t0
+            self._lane(job).send_busy_s += time.perf_counter() - t0  # only this lane's sender thread adds
 
     def _renew_lease(self, job: _Job) -> None:
         if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
@@ -526,9 +556,9 @@ class PrefillWorker:
         with self._lock:
             if not self._owns(job):  # the reservation failed, or a cancel came: already finished
                 return
-        transfer, outgoing = job.transfer, job.outgoing
+        transfer, outgoing, lane = job.transfer, job.outgoing, self._lane(job)
         try:
-            self._sender.submit(lambda: None).result(COMMIT_TIMEOUT_S)  # every queued frame is sent
+            lane.sent(COMMIT_TIMEOUT_S)
             recompute = outgoing is None
             for attempt in range(2):
                 if outgoing is not None:
@@ -547,7 +577,7 @@ class PrefillWorker:
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
                     if not self._reopen_channel(job):
                         return  # cancelled meanwhile: `_finish` did the rest
-                    self._sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
+                    lane.sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
                                 job.request_id, incomplete)
@@ -601,27 +631,28 @@ class PrefillWorker:
                 self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")
         if job.outgoing is not None:  # a committed transfer's channel is finished: nothing to drain
             ended_early = job.transfer.state is not TransferState.SUCCESS
-            self._close_channel(job.outgoing.channel, drain=error is None and ended_early)
+            self._close_channel(job.outgoing.channel, self._lane(job) if error is None and ended_early else None)
         request_id = job.request_id
         self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
 
-    def _close_channel(self, channel: LayerChannel, drain: bool) -> None:
-        """Close a channel; with `drain`, on a drain thread once its frames in flight are answered
-        (bounded by `DRAIN_S`; a frame the decode side refused, its transfer aborted, is answered too)."""
+    def _close_channel(self, channel: LayerChannel, drain_on: _Lane | None) -> None:
+        """Close a channel; given its decode worker's lane, on a thread of it once its frames in flight
+        are answered (bounded by `DRAIN_S`; a frame the decode side refused, its transfer aborted, is
+        answered too)."""
         def drain_and_close() -> None:
             try:
-                self._sender.submit(lambda: None).result(DRAIN_S)  # the job's queued frames are skipped or sent
+                drain_on.sent(DRAIN_S)  # the job's queued frames are skipped or sent
                 channel.finish(DRAIN_S)
             except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
             finally:
                 _close_logged(channel)
 
-        if drain:
+        if drain_on is not None:
             try:
-                self._drains.submit(drain_and_close)
+                drain_on.waiters.submit(drain_and_close)
                 return
             except RuntimeError:  # shutting down: no drain thread takes it
                 pass

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 import ray
@@ -19,8 +20,10 @@ from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
+from pdserve.engine import SamplingParams
 from pdserve.engine.presets import resolve_model
 from pdserve.router.client import Client, DeadlineExceeded, PDServeError
+from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
 ARCH = "tiny-llama"
@@ -302,6 +305,47 @@ def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cl
     assert generate(cluster, after).token_ids == hf_reference[ARCH].greedy(after, NEW_TOKENS)
     assert_idle(cluster)
     assert on_worker(prefill, pooled) == [new]
+
+
+def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(model_dirs, hf_reference):
+    """One decode worker hangs in every commit (alive: its pings answer) with more commits waiting on it
+    than the prefill worker had commit threads in all. A transfer to the other decode worker still
+    commits at once: within the lease, where behind the hung worker's commits it waited until its own
+    lease lapsed. The hung transfers end in lease expiry and every pool ends free."""
+    pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+    with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
+        prefill = worker(c, "prefill")
+        hung, healthy = [w for w in c.workers if w.pool == "decode"]
+        prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=41)
+
+        def send(prompt: list[int], decode, name: str) -> None:  # as the router dispatches, minus its stream
+            work = WorkRequest(f"{name}-{uuid.uuid4().hex}", prompt, SamplingParams.greedy(max_tokens=4))
+            prefill.handle.prefill.remote(work, decode.handle)
+
+        def committing(self) -> int:
+            return sum(1 for job in self._jobs.values() if job.state == "committing")
+
+        def committed(self) -> int:
+            return len(self.transfer_log)
+
+        on_worker(hung, install_gate, "receiver.commit")
+        try:
+            for prompt in prompts[:5]:
+                send(prompt, hung, "to-hung")
+            deadline = time.monotonic() + 20
+            while on_worker(prefill, committing) < 5:
+                assert time.monotonic() < deadline, "the transfers to the hung worker never reached their commit"
+                time.sleep(0.1)
+            before = on_worker(prefill, committed)
+            send(prompts[5], healthy, "to-healthy")
+            deadline = time.monotonic() + c.manifest.kv_transfer.lease_s  # before the prefill side's lease lapses
+            while on_worker(prefill, committed) == before:
+                assert time.monotonic() < deadline, "the transfer to the healthy decode worker waited behind the hung one"
+                time.sleep(0.1)
+        finally:
+            on_worker(hung, open_gate)
+        idle, status = c.wait_idle(30)
+        assert idle, status
 
 
 def test_the_trained_model_serves_with_cachegen_frames():
