@@ -23,13 +23,20 @@ J = TypeVar("J")
 
 class PrefillQueues(Generic[J]):
     def __init__(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0) -> None:
-        self.length_aware = length_aware
-        self.short_tokens = short_tokens if length_aware else 0
-        self.window_s = window_s
-        self.short_room = short_room  # prompt tokens of shorts one step takes beside a long chunk
         self._short: deque[tuple[J, int, float]] = deque()  # (job, new tokens, enqueued at)
         self._long: deque[J] = deque()
         self._cv = threading.Condition()
+        self.configure(length_aware, short_tokens, window_s, short_room)
+
+    def configure(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0) -> None:
+        """Set how jobs are queued from now on (the worker sets LAPS up once its costs are measured).
+        Jobs already queued stay, in order: a fresh queue would strand them."""
+        with self._cv:
+            self.length_aware = length_aware
+            self.short_tokens = short_tokens if length_aware else 0
+            self.window_s = window_s
+            self.short_room = short_room  # prompt tokens of shorts one step takes beside a long chunk
+            self._cv.notify_all()
 
     def is_short(self, new_tokens: int) -> bool:
         return self.length_aware and new_tokens <= self.short_tokens

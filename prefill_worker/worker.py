@@ -160,7 +160,7 @@ class PrefillWorker:
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s, long_chunk_tokens)
-        self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS's up from the measured costs
+        self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS up from the measured costs
         self._profiled = False
         self.engine.set_layer_hook(self._push_layer)
         self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
@@ -195,22 +195,23 @@ class PrefillWorker:
         """Measure prompt passes (before serving; the launcher runs one worker at a time), then set up
         the queues from the measured costs. Returns the health report."""
         self.loop.call(profile_prefill, timeout=300)
-        self.queues = self._make_queues(*self._laps)
+        self.queues.configure(*self._laps_settings(*self._laps))
         self._profiled = True
         return self.ping()
 
-    def _make_queues(self, length_aware: bool, short_tokens: int | None, window_s: float | None,
-                     chunk_tokens: int | None) -> PrefillQueues:
-        """LAPS settings not given are derived: a prompt is short when its compute costs no more than a
-        step's fixed cost (measured; batching shorts then nearly divides their cost); shorts wait at
-        most one fixed cost to be batched; long prompts are chunked at half the step budget, the other
-        half being the shorts' room, so a short waits behind at most one step of long work (a chunk,
-        and the last chunk of the long before it where the two share a step). Smaller chunks (where
+    def _laps_settings(self, length_aware: bool, short_tokens: int | None, window_s: float | None,
+                       chunk_tokens: int | None) -> tuple[bool, int, float, int]:
+        """The queues' settings (`PrefillQueues.configure`). LAPS settings not given are derived: a
+        prompt is short when its compute costs no more than a step's fixed cost (measured; batching
+        shorts then nearly divides their cost); shorts wait at most one fixed cost to be batched; long
+        prompts are chunked at half the step budget, the other half being the shorts' room, so a short
+        waits behind at most one step of long work (a chunk, and the last chunk of the long before it
+        where the two share a step). Smaller chunks (where
         the fixed cost was 1/8 of a chunk's compute, ~250 tokens here) cost long prompts a third more
         TTFT p90 with four workers sharing two cores (docs/benchmarks.md, issue 8)."""
         config, cost = self.engine.config, self.engine.step_costs.coefficients
         if not length_aware or (cost.a <= 0 and short_tokens is None):  # no fixed cost measured: no shorts
-            return PrefillQueues(False)
+            return False, 0, 0.0, 0
         budget = config.max_num_batched_tokens
         half = max(1, budget // 2)  # a step holds a chunk and a batch of shorts
         limit = min(half, self.engine.max_model_len)
@@ -218,7 +219,7 @@ class PrefillWorker:
         chunk = min(max(chunk_tokens or half, short), budget - short)  # short <= half: room for one short
         config.prefill_chunk_size = chunk
         window = cost.a if window_s is None else window_s
-        return PrefillQueues(True, short, window, short_room=config.max_num_batched_tokens - chunk)
+        return True, short, window, config.max_num_batched_tokens - chunk
 
     def ping(self) -> dict:
         engine = self.engine

@@ -232,6 +232,37 @@ def test_a_full_decode_pool_after_the_first_token_is_waited_out_not_an_error(clu
     assert_idle(cluster)
 
 
+def hold_engine_loop(self) -> None:
+    """The engine loop runs nothing until `release_engine_loop` (a long command, such as profiling)."""
+    self.loop_gate = threading.Event()
+    self.loop.submit(lambda engine: self.loop_gate.wait(60))
+
+
+def test_requests_arriving_while_the_prefill_worker_profiles_are_served(cluster, hf_reference):
+    """Requests reach a prefill worker while it profiles (as after a restart: Ray delivers calls made
+    before the router saw it restart): the feeder took the first and waits for the engine, the second
+    queues. Profiling then sets up the queues from the measured costs; both requests are served, and
+    exactly (the second was left in the queues profiling replaced)."""
+    prefill = worker(cluster, "prefill")
+    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 50, 50, seed=23)
+    on_worker(prefill, hold_engine_loop)
+    profiled = prefill.handle.profile.remote()  # runs on the engine loop, behind the hold
+    with ThreadPoolExecutor(2) as pool:
+        with Client(cluster.address) as client:
+            outputs = []
+            for prompt, states in zip(prompts, (["reserving"], ["queued", "reserving"])):
+                outputs.append(pool.submit(client.generate, prompt, max_tokens=4, temperature=0, timeout=60))
+                deadline = time.monotonic() + 20
+                while sorted(on_worker(prefill, prefill_job_states)) != states:
+                    assert time.monotonic() < deadline, on_worker(prefill, prefill_job_states)
+                    time.sleep(0.05)
+            on_worker(prefill, lambda self: self.loop_gate.set())
+            ray.get(profiled, timeout=120)
+            assert [out.result(60).token_ids for out in outputs] == [
+                hf_reference[ARCH].greedy(prompt, 4) for prompt in prompts]
+    assert_idle(cluster)
+
+
 def test_a_cancel_while_decoding_frees_both_pools(cluster):
     with Client(cluster.address, timeout=60) as client:
         stream = client.generate([11] * 50, stream=True, temperature=0, max_tokens=400, ignore_eos=True)

@@ -52,3 +52,13 @@ def test_shorts_in_flight_use_up_the_room() -> None:
     queues.put("s1", 8)
     assert queues.take(0.05, never, lambda: 40) == []  # the step's room for shorts is taken
     assert queues.take(0.1, never, lambda: 20) == ["s1"]
+
+
+def test_jobs_queued_before_laps_is_set_up_are_still_taken_in_order() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(False)
+    queues.put("first", 8)
+    queues.configure(True, short_tokens=32, window_s=0.0, short_room=100)
+    queues.put("short", 8)
+    queues.put("long", 500)
+    taken = [job for _ in range(3) for job in queues.take(0.1, never, none_inflight)]
+    assert taken == ["short", "first", "long"]  # "first" was queued as a long: it keeps its place there
