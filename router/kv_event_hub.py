@@ -12,7 +12,8 @@ exactly once, in order:
     the worker's entries and applies the kept events that come after the snapshot, in order;
   - a new epoch is a restarted worker: its old entries go at once (a new process starts with an
     empty cache), and its events apply from event 1 on; when event 1 was missed, it resyncs like a gap.
-`forget(worker)` takes a worker out at once (it became unhealthy); if it comes back, it resyncs.
+`forget(worker)` takes a worker out at once (it became unhealthy); if it comes back, it resyncs. The
+hub still knows its epochs then, so a straggler of a dead process does not pass for a new one.
 
 A message that does not parse is dropped and counted (`malformed`), never fatal. If the hub's thread
 itself fails, the index is cleared and `error` set: placement loses its prefix hints, nothing else.
@@ -44,6 +45,7 @@ class _Worker:
     kept: list[KVEventBatch] = field(default_factory=list)  # batches received while resyncing
     num_kept: int = 0  # events (heartbeats count one) in `kept`
     old_epochs: set[str] = field(default_factory=set)  # earlier processes under this name
+    forgotten: bool = False  # out of the index until it sends again (then it resyncs)
 
 
 class KVEventHub:
@@ -76,7 +78,7 @@ class KVEventHub:
         """The last event of the worker reflected in the index (None: not tracked)."""
         with self._lock:
             state = self._workers.get(worker)
-            return None if state is None else state.last_seq
+            return None if state is None or state.forgotten else state.last_seq
 
     def is_resyncing(self, worker: str) -> bool:
         with self._lock:
@@ -115,7 +117,9 @@ class KVEventHub:
     def forget(self, worker: str) -> None:
         """Take a worker out of the index at once (unhealthy or gone)."""
         with self._lock:
-            self._workers.pop(worker, None)
+            state = self._workers.get(worker)
+            if state is not None:  # its epochs stay known (a dead one's stragglers are ignored)
+                self._workers[worker] = _Worker(state.epoch, old_epochs=state.old_epochs, forgotten=True)
             self.index.drop(worker)
 
     # --- the hub's thread -----------------------------------------------------------------------
@@ -157,6 +161,9 @@ class KVEventHub:
                 if previous is not None:  # a request still out counts: its answer is taken if of this epoch
                     state.requested_at = previous.requested_at
                 self._start_resync(worker, state, requests)
+        if state.forgotten:  # back: its entries were dropped, so it resyncs
+            state.forgotten = False
+            self._start_resync(worker, state, requests)
         if state.resyncing:
             self._keep(worker, state, batch, requests)
             return

@@ -340,6 +340,26 @@ def test_a_restart_noticed_late_resyncs_and_ignores_the_old_process(setup_factor
     assert setup.exact(new) and setup.hub.snapshots == 1
 
 
+def test_a_straggler_of_a_forgotten_dead_process_does_not_pass_for_a_new_one(setup_factory):
+    """The worker's process dies and the hub forgets it (the supervisor saw it unhealthy); the restarted
+    process publishes; then a batch the dead one sent before it died arrives. The hub still knows the
+    dead epoch and drops it: the new process's events go on applying, with no snapshot needed."""
+    setup = setup_factory(auto=False)
+    old = setup.worker("w")
+    setup.tap.forward(setup.tap.batch(old, *setup.step(old)))
+    assert setup.exact(old)
+    straggler = setup.tap.batch(old, *setup.step(old))  # sent before the death, delivered after all this
+    old.close()
+    setup.hub.forget("w")
+
+    new = setup.worker("w", seed=1)
+    setup.tap.forward(setup.tap.batch(new, *setup.step(new)))
+    assert setup.exact(new)
+    setup.tap.forward(straggler, setup.tap.batch(new, *setup.step(new)))
+    assert setup.exact(new)
+    assert setup.snapshots.requested == [] and setup.hub.resyncs == 0
+
+
 def test_a_restart_during_a_resync_starts_afresh(setup_factory):
     setup = setup_factory(auto=False)
     old = setup.worker("w")
