@@ -56,15 +56,14 @@ class PDServeServicer:
 
     def Generate(self, request, context):
         """Streams the tokens of one request; the last message has finish_reason and timings set.
-        When queues or KV memory are full the call fails at once with RESOURCE_EXHAUSTED and the
-        trailing metadata `retry-after-ms` (a hint: milliseconds before a retry is likely to be admitted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The token ids the served model's tokenizer gives `text` (no special tokens added).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
