@@ -205,17 +205,24 @@ class P2PSender:
         self.secret = secret  # authenticates the control channel (the process group itself cannot be)
         self.device = device
         self._groups: dict[str, _Group] = {}
+        self._forming: dict[str, threading.Lock] = {}  # per peer: one group formation at a time
         self._lock = threading.Lock()
 
     def open(self, address: str, transfer_id: str) -> P2PChannel:
         with self._lock:
-            group = self._groups.get(address)
+            forming = self._forming.setdefault(address, threading.Lock())
+        # Per peer, not under `_lock`: forming a group waits up to GROUP_TIMEOUT_S on a peer that does
+        # not answer, and opens to other peers must not wait behind it.
+        with forming:
+            with self._lock:
+                group = self._groups.get(address)
             if group is None:
                 try:
-                    group = self._groups[address] = _Group(self.backend, address, self.host, self.secret,
-                                                           self.device)
+                    group = _Group(self.backend, address, self.host, self.secret, self.device)
                 except (RuntimeError, TransferError) as e:
                     raise TransferError(f"cannot form a {self.backend} group with {address}: {e}") from e
+                with self._lock:
+                    self._groups[address] = group
         return P2PChannel(self, group, address, transfer_id)
 
     def drop_group(self, address: str, group: _Group) -> None:
@@ -227,7 +234,9 @@ class P2PSender:
         notify(address, LEAVE, [group.id.encode()], self.secret)
 
     def forget(self, address: str) -> None:
-        group = self._groups.get(address)
+        with self._lock:
+            group = self._groups.get(address)
+            self._forming.pop(address, None)
         if group is not None:
             self.drop_group(address, group)
 

@@ -312,6 +312,49 @@ def test_a_group_whose_join_is_answered_too_late_is_torn_down_on_both_sides(monk
         receiver.stop()
 
 
+def test_a_peer_that_never_joins_its_group_holds_up_no_open_to_another_peer(monkeypatch):
+    """Forming a gloo group with a peer that never answers its JOIN waits out the group timeout;
+    meanwhile a channel to another peer opens (its group formed) and delivers, before that wait ends."""
+    from pdserve.kv_transfer.transports import p2p
+
+    monkeypatch.setattr(p2p, "GROUP_TIMEOUT_S", 4.0)
+    silent, answering = (P2PReceiver(RecordingSink(), "gloo", "127.0.0.1") for _ in range(2))
+    handle, joined = silent._server._handle, threading.Event()
+
+    def ignore_joins(kind, parts):
+        if kind == p2p.JOIN:
+            joined.set()
+        else:
+            handle(kind, parts)
+
+    silent._server._handle = ignore_joins
+    sender = P2PSender("gloo", "127.0.0.1")
+    failures: list[TransferError] = []
+
+    def open_to_silent() -> None:
+        try:
+            sender.open(silent.address, "t1")
+        except TransferError as e:
+            failures.append(e)
+
+    stuck = threading.Thread(target=open_to_silent)
+    try:
+        stuck.start()
+        assert joined.wait(5)
+        channel = sender.open(answering.address, "t1")
+        channel.send(*frame(0, 100, seed=1))
+        channel.finish(10)
+        channel.close()
+        assert stuck.is_alive(), "the open to the other peer waited until the silent peer's formation ended"
+        stuck.join(15)
+        assert len(failures) == 1 and "cannot form a gloo group" in str(failures[0])
+    finally:
+        stuck.join(15)
+        sender.close()
+        silent.stop()
+        answering.stop()
+
+
 def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment():
     """The peer restarted elsewhere while a transfer to its old address was still open: that
     channel's segment is released on both sides when it closes, not pooled again for an address
