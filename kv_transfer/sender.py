@@ -13,6 +13,7 @@ copied out at all.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,13 +117,18 @@ def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int
     return host
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# One per sending thread (the prefill worker has one per decode worker): a shared stream would make
+# each thread's synchronize wait for the others' reads too.
+_side_streams = threading.local()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    streams = getattr(_side_streams, "by_device", None)
+    if streams is None:
+        streams = _side_streams.by_device = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 class OutgoingTransfer:

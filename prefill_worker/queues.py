@@ -36,14 +36,19 @@ class PrefillQueues(Generic[J]):
             self.short_tokens = short_tokens if length_aware else 0
             self.window_s = window_s
             self.short_room = short_room  # prompt tokens of shorts one step takes beside a long chunk
+            if not length_aware:  # no room for shorts any more: those queued go first in the one line
+                self._long.extendleft(reversed([job for job, _, _ in self._short]))
+                self._short.clear()
             self._cv.notify_all()
 
     def is_short(self, new_tokens: int) -> bool:
         return self.length_aware and new_tokens <= self.short_tokens
 
-    def put(self, job: J, new_tokens: int) -> None:
+    def put(self, job: J, new_tokens: int, short: bool | None = None) -> None:
+        """Queue a job; `short`: the caller's own `is_short` answer, so that the job's queue agrees with
+        it even if `configure` ran in between (None: decided here)."""
         with self._cv:
-            if self.is_short(new_tokens):
+            if self.is_short(new_tokens) if short is None else short:
                 self._short.append((job, new_tokens, time.monotonic()))
             else:
                 self._long.append(job)

@@ -26,8 +26,10 @@ failure, tells the router why. A cancel (`abort`) is honoured in every state.
 
 Each decode worker has a lane of its own (`_Lane`): the sender thread that keeps its frames in order,
 and the threads that wait on its commits and drains. A decode worker that stops answering (its
-KV path cut, its commit stuck) holds up only its own lane: transfers to the others go on, where on
-shared threads they waited behind it until their own leases lapsed.
+KV path cut, its commit stuck) holds up only its own lane: transfers already under way to the others
+go on, where on shared threads they waited behind it until their own leases lapsed. Reservations
+still go one at a time through the feeder: a decode worker that does not answer its reservation
+holds up the start of every next prompt for up to `reserve_wait_s` + `RESERVE_MARGIN_S`.
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
 (`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
@@ -103,8 +105,10 @@ class _Lane:
 
     def __init__(self, name: str) -> None:
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-send-{name}")
-        # Commits, and drains of channels closed early: each may wait (bounded) on the decode worker.
-        self.waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
+        self.committers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
+        # Apart from the commits (each may wait 30 s on a decode worker that stopped answering): a
+        # channel closed early holds its resources (shm: a 64 MiB segment) until its drain, at most 1 s.
+        self.drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-drain-{name}")
         self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
 
     def sent(self, timeout: float) -> None:
@@ -112,14 +116,15 @@ class _Lane:
         self.sender.submit(lambda: None).result(timeout)
 
     def shutdown(self) -> None:
-        self.sender.shutdown(wait=False, cancel_futures=True)
-        self.waiters.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.sender, self.committers, self.drains):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(eq=False)
 class _Job:
     work: WorkRequest
     decode: Any  # the decode worker's actor handle
+    lane: _Lane  # that decode worker's
     new_tokens: int  # the prompt tokens the router expects this worker to compute (its cache has the rest)
     short: bool = False  # in LAPS's short queue
     state: str = "queued"
@@ -302,6 +307,7 @@ class PrefillWorker:
         """Queue one request's prefill and handoff; the outcome reaches the router as token messages.
         `new_tokens`: the part of the prompt the router expects this worker not to cache (its queue)."""
         new_tokens = len(work.prompt_token_ids) if new_tokens is None else new_tokens
+        lane = self._lane(decode)
         with self._lock:  # the lock `abort` takes too: a cancel lands before or after, never between
             refusal = None
             waiting = sum(1 for j in self._jobs.values() if j.state in _BEFORE_FIRST_TOKEN)
@@ -313,12 +319,12 @@ class PrefillWorker:
                 refusal = (f"prefill worker {self.worker_id} has {waiting} requests waiting for their prompt "
                            f"pass (max_queued {self.max_queued})", RESOURCE_EXHAUSTED)
             else:
-                job = self._jobs[work.request_id] = _Job(work, decode, new_tokens,
+                job = self._jobs[work.request_id] = _Job(work, decode, lane, new_tokens,
                                                          self.queues.is_short(new_tokens))
         if refusal is not None:
             self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
             return
-        self.queues.put(job, new_tokens)
+        self.queues.put(job, new_tokens, job.short)
         self.faults.took_request()
 
     def abort(self, request_ids: list[str]) -> list[str]:
@@ -336,10 +342,10 @@ class PrefillWorker:
         return [job.request_id for job in jobs]
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self.loop.stop()
-        with self._lock:
+        with self._lock:  # `_lane` makes no lane after this
+            self._stop.set()
             lanes = list(self._lanes.values())
+        self.loop.stop()
         for lane in lanes:
             lane.shutdown()
         self.sink.close()
@@ -348,13 +354,15 @@ class PrefillWorker:
         for transport in self._transports.values():
             transport.close()
 
-    def _lane(self, job: _Job) -> _Lane:
-        """The lane of the job's decode worker, made on its first transfer. A restarted decode worker
-        keeps its actor, so its lane."""
+    def _lane(self, decode: Any) -> _Lane:
+        """The lane of a decode worker, made on its first request. A restarted decode worker keeps its
+        actor, so its lane."""
         with self._lock:
-            lane = self._lanes.get(job.decode)
+            if self._stop.is_set():
+                raise RuntimeError(f"prefill worker {self.worker_id} is shutting down")
+            lane = self._lanes.get(decode)
             if lane is None:
-                lane = self._lanes[job.decode] = _Lane(str(len(self._lanes)))
+                lane = self._lanes[decode] = _Lane(str(len(self._lanes)))
             return lane
 
     # --- the feeder thread ----------------------------------------------------------------------
@@ -484,9 +492,9 @@ class PrefillWorker:
         if layer == 0:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None:
-            self._lane(job).sender.submit(self._send_layer, job, layer)
+            job.lane.sender.submit(self._send_layer, job, layer)
         elif layer == 0:
-            self._lane(job).sender.submit(self._renew_lease, job)
+            job.lane.sender.submit(self._renew_lease, job)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
@@ -504,7 +512,7 @@ class PrefillWorker:
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_start` reads and writes the state under it
                     job.state = "committing"
-                self._lane(job).waiters.submit(self._commit, job, handoff)
+                job.lane.committers.submit(self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                finish_reason=out.finish_reason, text=out.text, events=events,
@@ -530,7 +538,7 @@ class PrefillWorker:
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
         finally:
-            self._lane(job).send_busy_s += time.perf_counter() - t0  # only this lane's sender thread adds
+            job.lane.send_busy_s += time.perf_counter() - t0  # only this lane's sender thread adds
 
     def _renew_lease(self, job: _Job) -> None:
         if not job.transfer.state.is_terminal:  # a lost renewal only matters if the lease then expires:
@@ -557,7 +565,7 @@ class PrefillWorker:
         with self._lock:
             if not self._owns(job):  # the reservation failed, or a cancel came: already finished
                 return
-        transfer, outgoing, lane = job.transfer, job.outgoing, self._lane(job)
+        transfer, outgoing, lane = job.transfer, job.outgoing, job.lane
         try:
             lane.sent(COMMIT_TIMEOUT_S)
             recompute = outgoing is None
@@ -578,7 +586,7 @@ class PrefillWorker:
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
                     if not self._reopen_channel(job):
                         return  # cancelled meanwhile: `_finish` did the rest
-                    lane.sender.submit(outgoing.resend_layers, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
+                    lane.sender.submit(self._resend, job, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
                                 job.request_id, incomplete)
@@ -602,6 +610,10 @@ class PrefillWorker:
             self._finish(job)
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+
+    def _resend(self, job: _Job, layers: list[int], block_ids: list[int]) -> None:
+        if not job.transfer.state.is_terminal:  # a commit that gave up waiting ended it: its blocks are freed
+            job.outgoing.resend_layers(layers, block_ids)
 
     def _reopen_channel(self, job: _Job) -> bool:
         """Replace the job's finished channel (a finished stream takes no more frames) with a fresh one;
@@ -632,7 +644,7 @@ class PrefillWorker:
                 self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")
         if job.outgoing is not None:  # a committed transfer's channel is finished: nothing to drain
             ended_early = job.transfer.state is not TransferState.SUCCESS
-            self._close_channel(job.outgoing.channel, self._lane(job) if error is None and ended_early else None)
+            self._close_channel(job.outgoing.channel, job.lane if error is None and ended_early else None)
         request_id = job.request_id
         self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
@@ -653,7 +665,7 @@ class PrefillWorker:
 
         if drain_on is not None:
             try:
-                drain_on.waiters.submit(drain_and_close)
+                drain_on.drains.submit(drain_and_close)
                 return
             except RuntimeError:  # shutting down: no drain thread takes it
                 pass

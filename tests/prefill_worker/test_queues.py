@@ -62,3 +62,12 @@ def test_jobs_queued_before_laps_is_set_up_are_still_taken_in_order() -> None:
     queues.put("long", 500)
     taken = [job for _ in range(3) for job in queues.take(0.1, never, none_inflight)]
     assert taken == ["short", "first", "long"]  # "first" was queued as a long: it keeps its place there
+
+
+def test_shorts_queued_when_laps_is_turned_off_go_first_in_the_one_line() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=10.0, short_room=100)
+    queues.put("long", 500)
+    queues.put("short", 8)  # waits for its batch window
+    queues.configure(False)
+    taken = [job for _ in range(2) for job in queues.take(0.1, never, none_inflight)]
+    assert taken == ["short", "long"]
