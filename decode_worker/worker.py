@@ -174,7 +174,7 @@ class DecodeWorker:
             return
         if work.request_id in self.receiver.aborted:  # the abort ran while the request was being added
             self._events.pop(work.request_id, None)
-            self.loop.submit(lambda e: e.abort_request(work.request_id))
+            self.loop.post(lambda e: e.abort_request(work.request_id))
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Clients went away: free whatever the requests hold here (queued, running or mid-transfer),

@@ -32,6 +32,10 @@ CommandKind = Literal["kv", "other"]
 log = logging.getLogger(__name__)
 
 
+class LoopStopped(RuntimeError):
+    """A command that the loop will not run: it has stopped (shut down, or after a fatal error)."""
+
+
 @dataclass
 class BusyTime:
     """Seconds of the loop thread's time, cumulative since the loop started."""
@@ -51,6 +55,9 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self._idle_wait_s = idle_wait_s
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], object], Future, CommandKind]] = queue.Queue()
+        # A command is queued, or the ended loop's last drain runs, under it: none is queued after that drain.
+        self._queueing = threading.Lock()
+        self._closed = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._busy = BusyTime()
@@ -77,13 +84,17 @@ class EngineLoop:
     def submit(self, fn: Callable[[LLMEngine], T], kind: CommandKind = "other") -> "Future[T]":
         """Run `fn(engine)` on the loop thread before the next step."""
         future: Future[T] = Future()
-        if not self.running:
-            future.set_exception(RuntimeError(f"engine loop is not running ({self.fatal_error or 'stopped'})"))
-            return future
-        self._commands.put((fn, future, kind))
-        if not self._thread.is_alive():  # the loop ended between the check and the put
-            self._fail_pending()
+        with self._queueing:
+            if self._closed or not self.running:
+                future.set_exception(LoopStopped(f"engine loop is not running ({self.fatal_error or 'stopped'})"))
+            else:
+                self._commands.put((fn, future, kind))
         return future
+
+    def post(self, fn: Callable[[LLMEngine], object], kind: CommandKind = "other") -> None:
+        """`submit` with nobody waiting for the result: a failure is logged, not lost (a stopped loop's
+        refusal is no failure: whatever the command would free went with the engine)."""
+        self.submit(fn, kind).add_done_callback(_log_failure)
 
     def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 60.0, kind: CommandKind = "other") -> T:
         """`submit` and wait. On timeout the command is withdrawn, so it never runs later; one that
@@ -124,7 +135,9 @@ class EngineLoop:
             self._report_fatal(e)
         finally:
             self._notify_progress()
-            self._fail_pending()
+            with self._queueing:
+                self._closed = True
+                self._fail_pending()
 
     def _step(self) -> bool:
         """One engine step and its callback; False when nothing could be scheduled."""
@@ -181,4 +194,10 @@ class EngineLoop:
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError(f"engine loop stopped ({self.fatal_error or 'shutdown'})"))
+                future.set_exception(LoopStopped(f"engine loop stopped ({self.fatal_error or 'shutdown'})"))
+
+
+def _log_failure(future: Future) -> None:
+    error = None if future.cancelled() else future.exception()
+    if error is not None and not isinstance(error, LoopStopped):
+        log.error("engine command failed: %s: %s", type(error).__name__, error, exc_info=error)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,7 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(loaded.kv_layout, num_blocks, config.device)
         self.scheduler = Scheduler(config, self.pool)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
@@ -167,6 +169,9 @@ class LLMEngine:
         """Run one scheduled forward pass; return an output for every request that got a token."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.preempt_hook is not None:
+            for seq in plan.preempted:
+                self.preempt_hook(seq.request_id)
         if not plan.chunks:
             self.last_step = StepStats(num_preempted=len(plan.preempted))
             return []
@@ -237,6 +242,12 @@ class LLMEngine:
     def set_layer_hook(self, hook: LayerHook | None) -> None:
         """Call `hook(layer, chunks)` during each forward pass as soon as a layer's KV is written."""
         self.runner.layer_hook = hook
+
+    def set_preempt_hook(self, hook: Callable[[str], None] | None) -> None:
+        """Call `hook(request_id)` for each request a step preempts, before that step's forward pass
+        writes into the blocks it gave up: whoever still reads that request's KV from its old blocks
+        (a sender behind the layer hook) must stop."""
+        self.preempt_hook = hook
 
     def _held(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id)

@@ -216,7 +216,7 @@ class KVReceiver:
                 log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
-            self.loop.submit(lambda eng: eng.abort_request(handoff.request_id))
+            self.loop.post(lambda eng: eng.abort_request(handoff.request_id))
             raise TransferError(str(e)) from e
         incoming.transfer.advance(TransferState.SUCCESS)
         return []
@@ -238,7 +238,7 @@ class KVReceiver:
             if not incoming.transfer.fail(reason):
                 return False
         request_id = incoming.transfer.request_id
-        self.loop.submit(lambda e: e.abort_request(request_id))
+        self.loop.post(lambda e: e.abort_request(request_id))
         return True
 
     def abort_request(self, request_id: str, reason: str) -> bool:

@@ -168,6 +168,7 @@ class PrefillWorker:
         self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS up from the measured costs
         self._profiled = False
         self.engine.set_layer_hook(self._push_layer)
+        self.engine.set_preempt_hook(self._on_preempted)
         self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
                                           secret=kv_settings.secret) if kv_events else None
         self.engine.pool.listener = self.kv_events
@@ -425,7 +426,7 @@ class PrefillWorker:
             with self._lock:
                 owned = self._owns(job)
             if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
-                self.loop.submit(lambda e: e.abort_request(work.request_id))  # its engine command may precede the add
+                self.loop.post(lambda e: e.abort_request(work.request_id))  # its engine command may precede the add
                 return
             lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
             # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
@@ -495,6 +496,15 @@ class PrefillWorker:
             job.lane.sender.submit(self._send_layer, job, layer)
         elif layer == 0:
             job.lane.sender.submit(self._renew_lease, job)
+
+    def _on_preempted(self, request_id: str) -> None:
+        """The engine gave up the request's blocks (its KV memory is full), and another request may write
+        into them in this very step, while the sender may still read them for frames recorded before:
+        the job fails, which stops its sending, and the router places the request afresh. (A frame
+        read from a reused block belongs to a failed transfer, which the decode side never admits.)"""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self._finish(job, error=f"preempted: prefill worker {self.worker_id}'s KV memory is full", code=UNAVAILABLE)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
@@ -646,7 +656,7 @@ class PrefillWorker:
             ended_early = job.transfer.state is not TransferState.SUCCESS
             self._close_channel(job.outgoing.channel, job.lane if error is None and ended_early else None)
         request_id = job.request_id
-        self.loop.submit(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
+        self.loop.post(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
 

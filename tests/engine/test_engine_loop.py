@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 
@@ -70,3 +71,26 @@ def test_the_loop_sleeps_when_waiting_work_cannot_be_scheduled(engine):
     busy = loop.busy
     assert busy.wall_s > 0.5 and busy.forward_s > 0 and busy.forward_s + busy.other_s < busy.wall_s
     loop.stop()
+
+
+def test_a_posted_command_that_fails_is_logged(engine, caplog):
+    loop = EngineLoop(engine, lambda outputs: None).start()
+    try:
+        loop.post(lambda e: e.pool.free([0]))  # a double free: the signal of a KV accounting bug
+        loop.call(lambda e: None)  # the posted command ran before this one
+    finally:
+        loop.stop()
+    assert any("engine command failed" in r.getMessage() and "free" in r.getMessage() for r in caplog.records)
+
+
+def test_every_command_submitted_while_the_loop_stops_is_answered(engine):
+    for _ in range(20):
+        loop = EngineLoop(engine, lambda outputs: None).start()
+        futures = []
+        stopper = threading.Thread(target=loop.stop)
+        stopper.start()
+        for _ in range(200):
+            futures.append(loop.submit(lambda e: None))
+        stopper.join(10)
+        _, unanswered = wait(futures, timeout=5)  # each one run, or refused
+        assert not unanswered

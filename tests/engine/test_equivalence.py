@@ -62,6 +62,34 @@ def test_chunked_prefill_matches_generate(model_dirs, hf_reference, arch, chunk)
     assert_pool_idle(engine)
 
 
+def test_the_preempt_hook_hears_of_each_preempted_request_before_its_blocks_are_written_again(model_dirs, hf_reference):
+    """A sender reading a request's KV behind the layer hook must stop before the step that preempted
+    the request writes into its old blocks: the preempt hook names every preempted request, and is
+    called before that step's first layer is written."""
+    arch = "tiny-qwen2"
+    probe = make_engine(model_dirs, arch, max_model_len=512)
+    engine = make_engine(model_dirs, arch, max_model_len=512,
+                         kv_memory_bytes=(512 // 16 + 4) * probe.kv_layout.bytes_per_block)
+    events: list[tuple[str, object]] = []
+    engine.set_preempt_hook(lambda request_id: events.append(("preempted", request_id)))
+    engine.set_layer_hook(lambda layer, chunks: events.append(("layer", layer)))
+    prompts = random_prompts(8, hf_reference[arch].vocab_size, 100, 300, seed=4)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams.greedy(max_tokens=40, ignore_eos=True))
+    for _ in range(20_000):
+        if not engine.has_unfinished_requests():
+            break
+        events.append(("step", None))
+        engine.step()
+    preempted = [e for e in events if e[0] == "preempted"]
+    assert engine.scheduler.num_preemptions > 0 and len(preempted) == engine.scheduler.num_preemptions
+    for i, (kind, _) in enumerate(events):
+        if kind == "preempted":  # nothing of this step's forward pass came before it
+            step_start = max(j for j in range(i) if events[j][0] == "step")
+            assert all(kind == "preempted" for kind, _ in events[step_start + 1 : i])
+    assert_pool_idle(engine)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_under_a_tiny_pool(model_dirs, hf_reference, prefix_caching):
     arch = "tiny-qwen2"
