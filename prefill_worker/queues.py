@@ -48,7 +48,9 @@ class PrefillQueues(Generic[J]):
         """Queue a job; `short`: the caller's own `is_short` answer, so that the job's queue agrees with
         it even if `configure` ran in between (None: decided here)."""
         with self._cv:
-            if self.is_short(new_tokens) if short is None else short:
+            if short is None:
+                short = self.is_short(new_tokens)
+            if short:
                 self._short.append((job, new_tokens, time.monotonic()))
             else:
                 self._long.append(job)

@@ -62,6 +62,12 @@ def on_worker(ref, fn, *args):
     return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)
 
 
+def prefill_job_states(self) -> list[str]:
+    """Inside a prefill worker: the state of each job it holds."""
+    with self._lock:
+        return [job.state for job in self._jobs.values()]
+
+
 def attribute_owner(self, path: str) -> tuple[object, str]:
     """The object holding the attribute at dotted `path` inside the worker, and the attribute's name."""
     owner_path, _, name = path.rpartition(".")

@@ -16,7 +16,7 @@ import uuid
 import pytest
 import ray
 from transformers import AutoConfig
-from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, worker
+from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, prefill_job_states, worker
 from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
@@ -322,9 +322,6 @@ def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(
             work = WorkRequest(f"{name}-{uuid.uuid4().hex}", prompt, SamplingParams.greedy(max_tokens=4))
             prefill.handle.prefill.remote(work, decode.handle)
 
-        def committing(self) -> int:
-            return sum(1 for job in self._jobs.values() if job.state == "committing")
-
         def committed(self) -> int:
             return len(self.transfer_log)
 
@@ -333,7 +330,7 @@ def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(
             for prompt in prompts[:5]:
                 send(prompt, hung, "to-hung")
             deadline = time.monotonic() + 20
-            while on_worker(prefill, committing) < 5:
+            while on_worker(prefill, prefill_job_states).count("committing") < 5:
                 assert time.monotonic() < deadline, "the transfers to the hung worker never reached their commit"
                 time.sleep(0.1)
             before = on_worker(prefill, committed)

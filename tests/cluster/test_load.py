@@ -14,7 +14,7 @@ import grpc
 import pytest
 import ray
 from cluster_helpers import (assert_idle, attribute_owner, install_gate, manifest, on_worker, open_gate,
-                             wait_until_idle, worker)
+                             prefill_job_states, wait_until_idle, worker)
 from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -23,11 +23,6 @@ from pdserve.router.client import AsyncClient, Client, DeadlineExceeded, PDServe
 
 ARCH = "tiny-llama"
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
-
-
-def prefill_job_states(self) -> list[str]:
-    with self._lock:
-        return [job.state for job in self._jobs.values()]
 
 
 def inject_exception(self, path: str) -> None:
