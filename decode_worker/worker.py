@@ -92,7 +92,7 @@ class DecodeWorker:
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
         health report, with the fitted step cost."""
-        self.loop.call(profile_prefill, timeout=300)
+        self.loop.call(lambda engine: profile_prefill(engine, self._on_outputs), timeout=300)
         self._profiled = True
         return self.ping()
 

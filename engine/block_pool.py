@@ -168,6 +168,15 @@ class BlockPool:
         """Every cached hash with its parent hash: the whole state a KV event stream describes."""
         return list(self._parent.items())
 
+    def forget_cached(self, block_hashes: Iterable[bytes]) -> None:
+        """Stop caching these hashes, where no request uses their block."""
+        for block_hash in block_hashes:
+            block = self._cached.get(block_hash)
+            if block is not None and self._refcount[block] == 0:
+                del self._evictable[block]
+                self._uncache(block)
+                self._free.append(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request uses."""
         while self._evictable:

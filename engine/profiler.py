@@ -1,42 +1,93 @@
 """Start-up profile of an engine's prompt passes: the anchor samples of its step cost model.
 
 Prompts of a few lengths (powers of four up to the step budget and the context limit) are each
-prefilled alone, twice; the first pass of each length is a warm-up and is not kept. The prompts are
-random tokens that share no prefix, and everything they leave in the pool (held blocks, cached
-prefix blocks) is freed afterwards, so the profile neither warms the prefix cache nor leaks KV.
-Run it on an idle engine before it serves, and on an otherwise idle machine: the launcher profiles
-its workers one at a time, because workers that profile side by side on shared cores measure each
-other.
+prefilled, twice; the first pass of each length is a warm-up and is not kept. Run it before the
+engine serves, on an otherwise idle machine: the launcher profiles its workers one at a time, because
+workers that profile side by side on shared cores measure each other.
+
+The engine need not be idle, though: a worker that Ray restarted may already hold requests when it
+profiles. Those go on being served: their outputs go to `on_outputs`, as the engine loop's would, and
+the pool's listener keeps hearing of their blocks. A step that runs anything besides the profile's own
+prompt is not kept as a sample (it would measure two prompts as one), so a busy engine yields fewer
+samples, or none. The profile's prompts are random tokens that share no prefix with anything; their
+cached blocks are nobody's news (hidden from the listener) and are forgotten afterwards, so the
+profile neither warms the prefix cache nor leaks KV.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 
+from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
 
 
-def profile_prefill(engine: LLMEngine, lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> list[tuple[int, int, float]]:
-    """Measure prompt passes; feed them to `engine.step_costs`; return the (tokens, quad, seconds) kept."""
+class _HidingListener:
+    """Passes the pool's events on, except those of the hashes in `hidden`."""
+
+    def __init__(self, listener: CacheListener, hidden: set[bytes]) -> None:
+        self.listener = listener
+        self.hidden = hidden
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None) -> None:
+        if block_hash not in self.hidden:
+            self.listener.stored(block_hash, parent_hash)
+
+    def removed(self, block_hash: bytes) -> None:
+        if block_hash not in self.hidden:
+            self.listener.removed(block_hash)
+
+
+def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                    lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Measure prompt passes; feed them to `engine.step_costs`; return the (tokens, quad, seconds) kept.
+    Outputs of the engine's other requests go to `on_outputs`."""
     limit = min(engine.config.chunk_limit, engine.max_model_len - 1)
     lengths = tuple(sorted({min(n, limit) for n in lengths}))
     rng = random.Random(seed)
+    pool = engine.pool
+    ours: set[bytes] = set()  # block hashes of the profile's prompts
+    listener = pool.listener
+    if listener is not None:
+        pool.listener = _HidingListener(listener, ours)
     samples: list[tuple[int, int, float]] = []
-    listener, engine.pool.listener = engine.pool.listener, None  # the profile's blocks are nobody's news
-    for n in lengths:
-        for round_ in range(ROUNDS):
-            prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
-            engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
-            while engine.has_unfinished_requests():
-                engine.step()
-                stats = engine.last_step
-                if round_ and stats.num_seqs:
-                    samples.append((stats.num_tokens, stats.quad_tokens, stats.total_s))
-    engine.pool.reset_prefix_cache()
-    engine.pool.listener = listener
+    request_id: str | None = None
+    try:
+        for n in lengths:
+            for round_ in range(ROUNDS):
+                prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
+                ours.update(hash_prompt_blocks(prompt, engine.config.block_size))
+                request_id = engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
+                samples.extend(_prefill_alone(engine, request_id, on_outputs, keep=round_ > 0))
+    finally:
+        if request_id is not None:
+            engine.abort_request(request_id)  # still there only when a step or `on_outputs` failed
+        pool.forget_cached(ours)  # their blocks are free: every profile prompt has finished or failed
+        pool.listener = listener
     engine.step_costs.add_profile(samples)
     return samples
+
+
+def _prefill_alone(engine: LLMEngine, request_id: str, on_outputs: Callable[[list[RequestOutput]], None],
+                   keep: bool) -> Iterable[tuple[int, int, float]]:
+    """Step until `request_id` has its token; yield the steps that ran it alone. Gives the prompt up
+    when a step runs nothing: the blocks it needs are held by requests that only the engine loop's
+    commands release, and none runs until the profile ends."""
+    while request_id in engine.requests:
+        computed = engine.requests[request_id].num_computed_tokens
+        outputs = [out for out in engine.step() if out.request_id != request_id]
+        if outputs:
+            on_outputs(outputs)
+        stats = engine.last_step
+        if stats.num_seqs == 0:
+            engine.abort_request(request_id)
+            return
+        ran_ours = request_id not in engine.requests or engine.requests[request_id].num_computed_tokens > computed
+        if keep and stats.num_seqs == 1 and ran_ours:
+            yield stats.num_tokens, stats.quad_tokens, stats.total_s
+

@@ -52,7 +52,11 @@ class _Incoming:
     expires_at: float
     first_token: int  # the first token the transfer carries (those before are cached here)
     written: np.ndarray  # [layer, token]: whether that token's KV of that layer has arrived intact
+    # Frames are written into the blocks under `lock`, and only while the transfer takes frames: an
+    # abort (failing the transfer) or the commit (handing the blocks to the engine) ends that under
+    # the lock, so after any write under way.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    takes_frames: bool = True
 
     def incomplete_layers(self) -> list[int]:
         return np.flatnonzero(~self.written[:, self.first_token :].all(axis=1)).tolist()
@@ -148,10 +152,11 @@ class KVReceiver:
             self.abort(header.transfer_id, str(e))
             raise
         slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
-        with incoming.lock:  # an abort frees the blocks only after taking this lock and failing the transfer
-            if incoming.transfer.state.is_terminal:
+        with incoming.lock:
+            if not incoming.takes_frames or incoming.transfer.state.is_terminal:
                 self.counters["refused_frames"] += 1
-                raise TransferError(f"transfer {header.transfer_id} already ended: {incoming.transfer.error}")
+                raise TransferError(f"transfer {header.transfer_id} already ended "
+                                    f"({incoming.transfer.error or 'committing'})")
             self.kv_cache.write_tokens(header.layer, slots, kv)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
@@ -198,6 +203,8 @@ class KVReceiver:
             owned = self._incoming.pop(transfer_id, None) is incoming
         if not owned:  # an abort took it out since `_get`: it frees the blocks; a recompute would revive it
             raise TransferError(f"transfer {transfer_id} was aborted while committing")
+        with incoming.lock:  # a frame being written ends first; none is written once the engine has the blocks
+            incoming.takes_frames = False
 
         def admit(engine: LLMEngine) -> None:
             # On the loop, after any abort queued before: a cancel now finds no open transfer and only

@@ -200,7 +200,7 @@ class PrefillWorker:
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time), then set up
         the queues from the measured costs. Returns the health report."""
-        self.loop.call(profile_prefill, timeout=300)
+        self.loop.call(lambda engine: profile_prefill(engine, self._on_outputs), timeout=300)
         self.queues.configure(*self._laps_settings(*self._laps))
         self._profiled = True
         return self.ping()

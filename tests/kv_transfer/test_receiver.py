@@ -432,6 +432,44 @@ def test_a_cancel_after_the_commit_took_its_transfer_out_is_not_undone(sides, hf
     prefill.release(request_id)
 
 
+def test_a_commit_waits_for_a_frame_being_written_and_refuses_frames_after_it(sides, hf_reference):
+    """A resent frame is still being written when the commit comes: the commit hands the blocks to the
+    engine only after that write, and a frame after it is refused (the engine may be reusing the
+    blocks by then: a commit that fails frees them)."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=13)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    for layer in range(decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer)
+    writing, finish_write = threading.Event(), threading.Event()
+    write_tokens = receiver.kv_cache.write_tokens
+
+    def slow_write(*args):
+        writing.set()
+        assert finish_write.wait(10)
+        write_tokens(*args)
+
+    receiver.kv_cache.write_tokens = slow_write
+    resend = threading.Thread(target=send_layer, args=(receiver, prefill, request_id, 0))
+    resend.start()
+    assert writing.wait(10)
+    committed = []
+    commit = threading.Thread(target=lambda: committed.append(receiver.commit("t1", handoff)))
+    commit.start()
+    commit.join(0.5)
+    assert commit.is_alive() and not committed  # waiting for the write, not admitting beside it
+    finish_write.set()
+    resend.join(10)
+    commit.join(10)
+    assert committed == [[]]
+    receiver.kv_cache.write_tokens = write_tokens
+    with pytest.raises(TransferError):
+        send_layer(receiver, prefill, request_id, 1)
+    prefill.release(request_id)
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+
+
 def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     prefill, decode, receiver, outputs = sides  # lease_s = 0.2
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]

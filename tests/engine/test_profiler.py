@@ -1,0 +1,70 @@
+"""The start-up profile on an engine that already holds requests (a worker restarted under load)."""
+
+from __future__ import annotations
+
+from conftest import random_prompts
+from helpers import assert_pool_idle, drain
+
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.profiler import profile_prefill
+
+ARCH = "tiny-llama"
+
+
+class RecordingListener:
+    """The cache as a KV event subscriber would see it, from the pool's events alone."""
+
+    def __init__(self) -> None:
+        self.view: set[bytes] = set()
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None) -> None:
+        self.view.add(block_hash)
+
+    def removed(self, block_hash: bytes) -> None:
+        self.view.discard(block_hash)
+
+
+def test_the_profile_serves_the_requests_the_engine_already_holds(model_dirs, hf_reference):
+    """Requests in the engine when the profile starts go on decoding: every output reaches the
+    callback, the tokens are exact, the listener hears of their blocks and of none of the profile's,
+    and the profile leaves no block of its own behind."""
+    engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
+    listener = engine.pool.listener = RecordingListener()
+    prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 40, 90, seed=11)
+    params = SamplingParams.greedy(max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs: list[RequestOutput] = engine.step()  # under way when the profile starts
+    lengths = (8, 32, 128)
+    samples = profile_prefill(engine, outputs.extend, lengths=lengths)
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        outputs += engine.step()
+    streamed = {i: [t for out in outputs if out.request_id == i for t in out.new_token_ids] for i in ids}
+    expected = [hf_reference[ARCH].greedy(p, 12) for p in prompts]
+    assert [streamed[i] for i in ids] == expected  # every token reached the callback, exact
+    assert sorted(out.request_id for out in outputs if out.finished) == sorted(ids)
+    assert all(tokens in lengths for tokens, _, _ in samples), samples  # no step shared with a request
+    theirs = {h for p, i in zip(prompts, ids) for h in hash_prompt_blocks(p + streamed[i], engine.config.block_size)}
+    assert listener.view == set(engine.pool.cached_hashes()) and listener.view <= theirs
+    assert_pool_idle(engine)
+
+
+def test_the_profile_gives_up_a_prompt_that_held_blocks_leave_no_room_for(model_dirs, hf_reference):
+    """A held request (a prefill worker's, waiting for its transfer) is released only by a command of
+    the engine loop, which does not run during the profile: a prompt that cannot fit beside it is
+    given up instead of waiting forever, and the held request is untouched."""
+    probe = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
+    block_size = probe.config.block_size
+    engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=10 * probe.kv_layout.bytes_per_block,
+                                                      max_model_len=10 * block_size))
+    [prompt] = random_prompts(1, hf_reference[ARCH].vocab_size, 7 * block_size, 7 * block_size, seed=12)
+    held = engine.add_request(prompt, SamplingParams.greedy(max_tokens=16), prefill_only=True)
+    drain(engine, [held])
+    free_before = engine.pool.num_free
+    samples = profile_prefill(engine, lambda outputs: None, lengths=(8, 8 * block_size))
+    assert [tokens for tokens, _, _ in samples] == [8]  # the long prompt never ran
+    assert list(engine.requests) == [held] and engine.pool.num_free == free_before
+    engine.release(held)
+    assert_pool_idle(engine)
