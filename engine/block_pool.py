@@ -132,7 +132,9 @@ class BlockPool:
 
     # --- prefix cache ---------------------------------------------------------------------------
     def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
-        """Take a reference on the longest run of cached blocks matching `block_hashes`."""
+        """Take a reference on the longest run of cached blocks matching `block_hashes`. Not counted
+        in `stats` until `count_lookup`: an admission that then finds no room gives the blocks back
+        and tries again on a later step."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
@@ -141,13 +143,17 @@ class BlockPool:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queried_blocks += len(block_hashes)
-        self.stats.hit_blocks += len(hits)
         for b in hits:
             if self._refcount[b] == 0:
                 del self._evictable[b]
             self._refcount[b] += 1
         return hits
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """Count a lookup whose request was admitted: `queried` prompt blocks, `hit` of them cached."""
+        if self.enable_prefix_caching:
+            self.stats.queried_blocks += queried
+            self.stats.hit_blocks += hit
 
     def cache_block(self, block: int, block_hash: bytes, parent_hash: bytes | None) -> None:
         """Publish a full, in-use block under its hash, chained on `parent_hash` (None for a first

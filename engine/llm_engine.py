@@ -300,6 +300,7 @@ class LLMEngine:
             self.pool.free(hits)
             raise OutOfBlocks(f"request {request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
         seq.block_table = hits + self.pool.allocate(need)
+        self.pool.count_lookup(len(hashes), len(hits))
         seq.block_hashes = hashes[: len(hits)]
         seq.num_cached_tokens = len(hits) * bs
         seq.status = SequenceStatus.IMPORTING
@@ -323,6 +324,7 @@ class LLMEngine:
         seq = self.requests.get(handoff.request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
             raise KeyError(f"request {handoff.request_id!r} has no import in progress")
+        _check_logprobs(handoff)
         reserved = self._import_targets[handoff.request_id]
         if handoff.num_computed_tokens != reserved or not handoff.output_token_ids:
             raise ValueError(
@@ -341,6 +343,7 @@ class LLMEngine:
     def resume_request(self, handoff: RequestHandoff) -> None:
         """Continue a request from its tokens alone (prompt + those sampled so far), recomputing the KV
         here: the fallback when its KV cannot arrive. An import in progress for it is dropped first."""
+        _check_logprobs(handoff)
         if handoff.request_id in self.requests:
             self.abort_request(handoff.request_id)
         seq = self._new_sequence(handoff.prompt_token_ids, handoff.params, handoff.request_id,
@@ -348,3 +351,10 @@ class LLMEngine:
         seq.logprobs = list(handoff.logprobs)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+
+
+def _check_logprobs(handoff: RequestHandoff) -> None:
+    """A handoff carries a logprob for each sampled token, or none (nobody asked for them)."""
+    if len(handoff.logprobs) not in (0, len(handoff.output_token_ids)):
+        raise ValueError(f"handoff of {handoff.request_id!r} has {len(handoff.logprobs)} logprobs for "
+                         f"{len(handoff.output_token_ids)} sampled tokens")

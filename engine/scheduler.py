@@ -141,6 +141,7 @@ class Scheduler:
             seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
             return False
         seq.block_table.extend(self.pool.allocate(need))
+        self.pool.count_lookup(len(hashes), len(hits))
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import random_prompts
 from helpers import assert_pool_idle
@@ -95,3 +97,28 @@ def test_llm_generate_rejects_a_bad_prompt_without_side_effects(model_dirs, hf_r
     out = llm.generate(["hello world", [5, 6, 7]], SamplingParams.greedy(max_tokens=3, ignore_eos=True))
     assert [len(o.token_ids) for o in out] == [3, 3] and isinstance(out[0].text, str)
     assert out[1].token_ids == hf_reference[ARCH].greedy([5, 6, 7], 3)
+
+
+def test_a_handoff_whose_logprobs_do_not_match_its_tokens_is_refused(model_dirs, hf_reference):
+    """Neither an import's commit nor a resume takes a handoff with a logprob count other than none or
+    one per sampled token (zipping them would append a missing token); the import can still commit."""
+    prefill = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
+    decode = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 20, 20, seed=3)[0]
+    params = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+    request_id = prefill.add_request(prompt, params, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    handoff = prefill.export_handoff(request_id)
+    decode.begin_import(request_id, handoff.prompt_token_ids, handoff.params, handoff.num_computed_tokens)
+    decode.import_kv(prefill.export_kv(request_id))
+    bad = dataclasses.replace(handoff, logprobs=[-0.5, -0.5])
+    for refused in (decode.commit_import, decode.resume_request):
+        with pytest.raises(ValueError, match="2 logprobs for 1 sampled tokens"):
+            refused(bad)
+    decode.commit_import(handoff)
+    prefill.release(request_id)
+    while decode.has_unfinished_requests():
+        finished = [out for out in decode.step() if out.finished]
+    assert finished[0].token_ids == hf_reference[ARCH].greedy(prompt, 4)
+    assert_pool_idle(decode)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import random_prompts
+from helpers import assert_pool_idle, drain, run_all
 
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block, hash_prompt_blocks
 
 
@@ -38,7 +41,9 @@ def test_prefix_lookup_refcounts_and_lru_eviction():
 
     hits = pool.lookup_prefix(hashes[:2])
     assert hits == blocks[:2] and pool.refcount(blocks[0]) == 1
-    assert pool.stats.hit_blocks == 2
+    assert pool.stats.hit_blocks == 0  # counted once its request is admitted
+    pool.count_lookup(2, len(hits))
+    assert (pool.stats.queried_blocks, pool.stats.hit_blocks) == (2, 2)
     assert pool.lookup_prefix(hash_prompt_blocks([7] * 16, 16)) == []
 
     # Only the unreferenced cached block can be evicted; it is reused for a new allocation.
@@ -136,3 +141,29 @@ def test_no_listener_calls_without_prefix_caching():
     pool.free([b])
     pool.reset_prefix_cache()
     assert recorder.events == [] and pool.cached_blocks() == []
+
+
+def test_a_request_waiting_for_room_counts_its_prefix_lookup_once(model_dirs, hf_reference):
+    """The scheduler tries a waiting request again every step; its lookup counts when it is admitted,
+    not at each try (the prefix hit rate in the metrics would otherwise grow with the wait)."""
+    arch = "tiny-llama"
+    probe = LLMEngine(model_dirs[arch], EngineConfig(kv_memory_bytes=16 * 2**20))
+    block_size = probe.config.block_size
+    engine = LLMEngine(model_dirs[arch], EngineConfig(kv_memory_bytes=10 * probe.kv_layout.bytes_per_block,
+                                                      max_model_len=10 * block_size))
+    warm, held_prompt, tail = random_prompts(3, hf_reference[arch].vocab_size, 3 * block_size, 5 * block_size, seed=14)
+    run_all(engine, [warm[: 3 * block_size]], SamplingParams.greedy(max_tokens=1))  # caches 2 blocks
+    held = engine.add_request(held_prompt[: 5 * block_size], SamplingParams.greedy(max_tokens=16), prefill_only=True)
+    drain(engine, [held])
+    stats = engine.pool.stats
+    before = (stats.queried_blocks, stats.hit_blocks)
+    prompt = warm[: 2 * block_size] + tail[: 4 * block_size - 4]  # 2 cached blocks, 4 more to allocate
+    waiting = engine.add_request(prompt, SamplingParams.greedy(max_tokens=2))
+    for _ in range(3):
+        engine.step()
+        assert engine.last_step.num_seqs == 0  # no room beside the held request
+    assert (stats.queried_blocks, stats.hit_blocks) == before
+    engine.release(held)
+    drain(engine, [waiting])
+    assert (stats.queried_blocks - before[0], stats.hit_blocks - before[1]) == (5, 2)
+    assert_pool_idle(engine)
