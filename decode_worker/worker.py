@@ -92,8 +92,8 @@ class DecodeWorker:
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
         health report, with the fitted step cost."""
-        self.loop.call(lambda engine: profile_prefill(engine, self._on_outputs), timeout=300)
-        self._profiled = True
+        profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)
+        self._profiled = profile.complete  # else (a busy engine) the supervisor has it profile again
         return self.ping()
 
     def kv_snapshot(self) -> KVSnapshot:

@@ -107,6 +107,16 @@ class EngineLoop:
                 raise TimeoutError(f"engine loop did not run the command within {timeout} s") from None
             return future.result()
 
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to the output callback, as a step does: for a command that steps the engine
+        itself (the start-up profile). A callback that raises ends the loop, as in a step: the
+        requests whose outputs it dropped must not wait forever."""
+        try:
+            self._on_outputs(outputs)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
     def wait_progress(self, timeout: float) -> None:
         """Block until the loop's next pass (a step, a command batch, or an idle wait of at most
         `idle_wait_s`) or `timeout`: callers re-check their condition about every idle interval."""
@@ -130,9 +140,7 @@ class EngineLoop:
                 idle = not engine.has_unfinished_requests() or not self._step()
                 self._notify_progress()
         except BaseException as e:  # noqa: BLE001 (anything that ends the loop must be reported)
-            self.fatal_error = e
-            log.exception("engine loop failed; failing its requests")
-            self._report_fatal(e)
+            self._fail(e)
         finally:
             self._notify_progress()
             with self._queueing:
@@ -179,7 +187,13 @@ class EngineLoop:
             self._generation += 1
             self._progress.notify_all()
 
-    def _report_fatal(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException) -> None:
+        """End the loop (after the command under way, when called from one) and report why."""
+        if self.fatal_error is not None:  # the first failure is the one reported
+            return
+        self.fatal_error = error
+        self._stopping.set()
+        log.error("engine loop failed; failing its requests", exc_info=error)
         if self._on_fatal is None:
             return
         try:

@@ -9,15 +9,18 @@ The engine need not be idle, though: a worker that Ray restarted may already hol
 profiles. Those go on being served: their outputs go to `on_outputs`, as the engine loop's would, and
 the pool's listener keeps hearing of their blocks. A step that runs anything besides the profile's own
 prompt is not kept as a sample (it would measure two prompts as one), so a busy engine yields fewer
-samples, or none. The profile's prompts are random tokens that share no prefix with anything; their
-cached blocks are nobody's news (hidden from the listener) and are forgotten afterwards, so the
-profile neither warms the prefix cache nor leaks KV.
+samples, or none: a worker whose profile is not `complete` (a length without its sample) says it is
+not profiled, and the supervisor has it profile again (with no new work placed on it meanwhile). The profile's
+prompts are random tokens that share no prefix with anything; their cached blocks are nobody's news
+(hidden from the listener) and are forgotten afterwards, so the profile neither warms the prefix
+cache nor leaks KV.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
@@ -25,6 +28,13 @@ from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
+MAX_WAIT_STEPS = 32  # steps a profile prompt may wait to be scheduled on a busy engine before it is given up
+
+
+@dataclass(frozen=True)
+class Profile:
+    samples: list[tuple[int, int, float]]  # (tokens, quad, seconds) of the passes kept
+    complete: bool  # every length has its sample (not so on a busy engine: profile again later)
 
 
 class _HidingListener:
@@ -44,9 +54,9 @@ class _HidingListener:
 
 
 def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                    lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> list[tuple[int, int, float]]:
-    """Measure prompt passes; feed them to `engine.step_costs`; return the (tokens, quad, seconds) kept.
-    Outputs of the engine's other requests go to `on_outputs`."""
+                    lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> Profile:
+    """Measure prompt passes and feed them to `engine.step_costs`. Outputs of the engine's other
+    requests go to `on_outputs`."""
     limit = min(engine.config.chunk_limit, engine.max_model_len - 1)
     lengths = tuple(sorted({min(n, limit) for n in lengths}))
     rng = random.Random(seed)
@@ -56,6 +66,7 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
     if listener is not None:
         pool.listener = _HidingListener(listener, ours)
     samples: list[tuple[int, int, float]] = []
+    measured = 0  # lengths with a sample
     request_id: str | None = None
     try:
         for n in lengths:
@@ -63,31 +74,36 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
                 prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
                 ours.update(hash_prompt_blocks(prompt, engine.config.block_size))
                 request_id = engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
-                samples.extend(_prefill_alone(engine, request_id, on_outputs, keep=round_ > 0))
+                kept = list(_prefill_alone(engine, request_id, on_outputs, keep=round_ > 0))
+                samples += kept
+                measured += bool(kept)
     finally:
         if request_id is not None:
             engine.abort_request(request_id)  # still there only when a step or `on_outputs` failed
         pool.forget_cached(ours)  # their blocks are free: every profile prompt has finished or failed
         pool.listener = listener
     engine.step_costs.add_profile(samples)
-    return samples
+    return Profile(samples, complete=measured == len(lengths))
 
 
 def _prefill_alone(engine: LLMEngine, request_id: str, on_outputs: Callable[[list[RequestOutput]], None],
                    keep: bool) -> Iterable[tuple[int, int, float]]:
     """Step until `request_id` has its token; yield the steps that ran it alone. Gives the prompt up
-    when a step runs nothing: the blocks it needs are held by requests that only the engine loop's
-    commands release, and none runs until the profile ends."""
+    when a step runs nothing (the blocks it needs are held by requests that only the engine loop's
+    commands release, and none runs until the profile ends), or when it waits `MAX_WAIT_STEPS` steps
+    behind a full batch (commands wait meanwhile)."""
+    waited = 0
     while request_id in engine.requests:
         computed = engine.requests[request_id].num_computed_tokens
         outputs = [out for out in engine.step() if out.request_id != request_id]
         if outputs:
             on_outputs(outputs)
         stats = engine.last_step
-        if stats.num_seqs == 0:
+        ran_ours = request_id not in engine.requests or engine.requests[request_id].num_computed_tokens > computed
+        waited = 0 if ran_ours else waited + 1
+        if stats.num_seqs == 0 or waited > MAX_WAIT_STEPS:
             engine.abort_request(request_id)
             return
-        ran_ours = request_id not in engine.requests or engine.requests[request_id].num_computed_tokens > computed
         if keep and stats.num_seqs == 1 and ran_ours:
             yield stats.num_tokens, stats.quad_tokens, stats.total_s
 

@@ -8,6 +8,10 @@ step's room for shorts; a long prompt starts when no short batch is due and no o
 more than its last chunk to compute (the worker's `long_busy`: the next long reserves its decode
 blocks while that chunk runs). The engine chunks long prompts and runs a running chunk and newly
 admitted shorts in one step, so a short prompt waits behind at most one chunk.
+
+Each job has a key (the prefill worker's: its decode worker's lane), and a job whose key is busy
+(that decode worker has not yet granted the lease of the job before) waits in its place while jobs
+behind it with other keys go ahead; at most one job per key is taken at a time.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from typing import Generic, TypeVar
 
 J = TypeVar("J")
 
 
 class PrefillQueues(Generic[J]):
-    def __init__(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0) -> None:
+    def __init__(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0,
+                 key: Callable[[J], Hashable] = id) -> None:
+        self._key = key
         self._short: deque[tuple[J, int, float]] = deque()  # (job, new tokens, enqueued at)
         self._long: deque[J] = deque()
         self._cv = threading.Condition()
@@ -56,14 +62,15 @@ class PrefillQueues(Generic[J]):
                 self._long.append(job)
             self._cv.notify()
 
-    def take(self, timeout: float, long_busy: Callable[[], bool], short_inflight: Callable[[], int]) -> list[J]:
-        """The jobs to start now, in order; [] when none is due within `timeout`. `long_busy`: whether a
-        long prompt is still in its prompt pass; `short_inflight`: short prompt tokens started and
-        not past their first token."""
+    def take(self, timeout: float, long_busy: Callable[[], bool], short_inflight: Callable[[], int],
+             busy_keys: Callable[[], Collection[Hashable]] = frozenset) -> list[J]:
+        """The jobs to start now, in order, no two with one key; [] when none is due within `timeout`.
+        `long_busy`: whether a long prompt is still in its prompt pass; `short_inflight`: short prompt
+        tokens started and not past their first token; `busy_keys`: keys whose jobs wait."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                due = self._due(long_busy, short_inflight)
+                due = self._due(long_busy, short_inflight, set(busy_keys()))
                 if due:
                     return due
                 remaining = deadline - time.monotonic()
@@ -74,21 +81,30 @@ class PrefillQueues(Generic[J]):
                 queued = self._short or self._long
                 self._cv.wait(min(remaining, max(self.window_s / 2, 0.002)) if queued else remaining)
 
-    def _due(self, long_busy: Callable[[], bool], short_inflight: Callable[[], int]) -> list[J]:
+    def _due(self, long_busy: Callable[[], bool], short_inflight: Callable[[], int], busy: set[Hashable]) -> list[J]:
         if self._short:
             queued = sum(n for _, n, _ in self._short)
             waited = time.monotonic() - self._short[0][2]
             room = self.short_room - short_inflight()
             if room > 0 and (waited >= self.window_s or queued >= room):
                 batch, tokens = [], 0
-                while self._short and (not batch or tokens + self._short[0][1] <= room):
-                    job, n, _ = self._short.popleft()
-                    batch.append(job)
-                    tokens += n
-                return batch
+                for entry in list(self._short):
+                    job, n, _ = entry
+                    if batch and tokens + n > room:
+                        break
+                    if self._key(job) not in busy:
+                        self._short.remove(entry)
+                        busy.add(self._key(job))
+                        batch.append(job)
+                        tokens += n
+                if batch:
+                    return batch
         # A long prompt may start while shorts gather: the engine runs its chunk and the shorts in one
         # step, so shorts still wait behind one chunk at most, and a steady stream of shorts cannot
         # starve the longs.
         if self._long and not (self.length_aware and long_busy()):
-            return [self._long.popleft()]
+            for job in self._long:
+                if self._key(job) not in busy:
+                    self._long.remove(job)
+                    return [job]
         return []

@@ -9,8 +9,9 @@ Each request is a job that moves through
 RESOURCE_EXHAUSTED), in one FCFS line or in LAPS's short and long queues (`queues`). One feeder
 thread takes jobs when they are due (FCFS: when the engine has less than one step's budget of work
 ahead, so a reservation is made as the prompt pass starts, not while the job queues; LAPS: a long
-prompt when the one before is on its last chunk), adds the prompt to the engine with `prefill_only`
-and, beside the pass, reserves blocks on the chosen decode worker (the lease; the decode side waits a
+prompt when the one before is on its last chunk) and hands each to its decode worker's lane, which
+adds the prompt to the engine with `prefill_only` and, beside the pass, reserves blocks on that
+decode worker (the lease; the decode side waits a
 bounded time for free blocks; the lease says which leading blocks it already holds and which codec
 it agreed to) and opens a channel on the transport chosen for the pair. The engine's layer hook
 records each layer of each chunk as soon as it is written; once the lease is there, the decode
@@ -24,12 +25,13 @@ than the transfer, nothing is sent at all. `_finish` ends every job, on every pa
 are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
 failure, tells the router why. A cancel (`abort`) is honoured in every state.
 
-Each decode worker has a lane of its own (`_Lane`): the sender thread that keeps its frames in order,
-and the threads that wait on its commits and drains. A decode worker that stops answering (its
-KV path cut, its commit stuck) holds up only its own lane: transfers already under way to the others
-go on, where on shared threads they waited behind it until their own leases lapsed. Reservations
-still go one at a time through the feeder: a decode worker that does not answer its reservation
-holds up the start of every next prompt for up to `reserve_wait_s` + `RESERVE_MARGIN_S`.
+Each decode worker has a lane of its own (`_Lane`): the thread that starts its jobs (one at a time,
+each waiting for its lease, while the lane's next jobs wait in the queues), the sender thread that
+keeps its frames in order, and the threads that wait on its commits and drains. A decode worker that
+stops answering (its reservations, its KV path cut, its commit stuck) or whose pool is full holds up
+only its own lane: the feeder starts prompts bound for the others, and transfers already under way
+to them go on, where on shared threads they waited behind it (a reservation for up to
+`reserve_wait_s` + `RESERVE_MARGIN_S`, a commit until their own leases lapsed).
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
 (`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
@@ -51,6 +53,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +77,7 @@ from pdserve.kv_transfer.transports import make_sender
 from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.prefill_worker.queues import PrefillQueues
-from pdserve.threads import start_guarded
+from pdserve.threads import start_guarded, submit_guarded
 from pdserve.wire import (
     HANDOFF_COMMITTED,
     INTERNAL,
@@ -96,6 +99,7 @@ DRAIN_S = 0.5
 LEASE_CHECK_S = 0.5
 PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one is the backstop
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
+START_WAIT_S = 5.0  # the feeder's wait for a job's prompt to reach the engine (a step or two, normally)
 _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
 
@@ -104,6 +108,11 @@ class _Lane:
     """One decode worker's threads on this side (see the module's docstring)."""
 
     def __init__(self, name: str) -> None:
+        # Starts one job at a time and waits for its lease; meanwhile (`starting`) the lane's next jobs
+        # wait in the queues, where the feeder starts other lanes' jobs: a decode worker whose pool is
+        # full (or that does not answer) holds back the prompts bound for it, and only those.
+        self.starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-start-{name}")
+        self.starting = False
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-send-{name}")
         self.committers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
         # Apart from the commits (each may wait 30 s on a decode worker that stopped answering): a
@@ -116,7 +125,7 @@ class _Lane:
         self.sender.submit(lambda: None).result(timeout)
 
     def shutdown(self) -> None:
-        for pool in (self.sender, self.committers, self.drains):
+        for pool in (self.starter, self.sender, self.committers, self.drains):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -143,6 +152,7 @@ class _Job:
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    started: threading.Event = field(default_factory=threading.Event)  # its prompt is in the engine, or `_start` ended
     reserved: threading.Event = field(default_factory=threading.Event)  # `_start` is done with the lease
 
     @property
@@ -165,7 +175,8 @@ class PrefillWorker:
         kv_settings = kv_settings.on_node(self.node_ip)
         self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s, long_chunk_tokens)
-        self.queues: PrefillQueues = PrefillQueues(False)  # `profile` sets LAPS up from the measured costs
+        # `profile` sets LAPS up from the measured costs
+        self.queues: PrefillQueues[_Job] = PrefillQueues(False, key=lambda job: job.lane)
         self._profiled = False
         self.engine.set_layer_hook(self._push_layer)
         self.engine.set_preempt_hook(self._on_preempted)
@@ -200,9 +211,9 @@ class PrefillWorker:
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time), then set up
         the queues from the measured costs. Returns the health report."""
-        self.loop.call(lambda engine: profile_prefill(engine, self._on_outputs), timeout=300)
+        profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)
         self.queues.configure(*self._laps_settings(*self._laps))
-        self._profiled = True
+        self._profiled = profile.complete  # else (a busy engine) the supervisor has it profile again
         return self.ping()
 
     def _laps_settings(self, length_aware: bool, short_tokens: int | None, window_s: float | None,
@@ -369,12 +380,39 @@ class PrefillWorker:
     # --- the feeder thread ----------------------------------------------------------------------
     def _feed(self) -> None:
         while not self._stop.is_set() and self.fault is None:
-            for job in self.queues.take(0.1, self._long_busy, self._short_inflight):
+            for job in self.queues.take(0.1, self._long_busy, self._short_inflight, self._starting_lanes):
                 if job.cancelled:
                     continue
                 if not self.queues.length_aware:
                     self._wait_for_room()
-                self._start(job)
+                self._hand_to_lane(job)
+
+    def _starting_lanes(self) -> list[_Lane]:
+        with self._lock:
+            return [lane for lane in self._lanes.values() if lane.starting]
+
+    def _hand_to_lane(self, job: _Job) -> None:
+        """Start the job on its lane (free: the queues hand out no job of a starting lane); return once
+        its prompt is in the engine, so the next room check counts it."""
+        with self._lock:  # `shutdown` stops the lanes' pools only after `_stop`
+            if self._stop.is_set():
+                return
+            job.lane.starting = True
+            self._on_lane(job.lane.starter, "start", self._start_on_lane, job)
+        job.started.wait(START_WAIT_S)
+
+    def _start_on_lane(self, job: _Job) -> None:
+        try:
+            self._start(job)
+        finally:
+            job.started.set()
+            job.lane.starting = False
+
+    def _on_lane(self, pool: ThreadPoolExecutor, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on one of a lane's pools; an exception it lets out (a bug: each handles its
+        own job's failures) fails the worker's requests, as one in a long-lived thread does."""
+        submit_guarded(pool, f"kv-{what}", lambda: fn(*args),
+                       lambda e: self._on_fault(f"KV {what} thread failed: {type(e).__name__}: {e}"))
 
     def _in_pass(self, short: bool) -> list[_Job]:
         with self._lock:
@@ -408,10 +446,11 @@ class PrefillWorker:
         return self._jobs.get(job.request_id) is job
 
     def _start(self, job: _Job) -> None:
-        """Start the prompt pass and reserve on the decode worker at once: the reservation (a Ray round
-        trip, and a bounded wait when the decode pool is full) runs beside the pass instead of before
-        it; layers written before the lease comes are sent when it does. The feeder waits for the
-        lease before it starts the next job, so a full decode pool still holds prefill back."""
+        """On the job's lane: start the prompt pass and reserve on the decode worker at once: the
+        reservation (a Ray round trip, and a bounded wait when the decode pool is full) runs beside the
+        pass instead of before it; layers written before the lease comes are sent when it does. The
+        lane's next job starts once this one has its lease, so a full decode pool still holds back
+        the prompts bound for it (and only those)."""
         work = job.work
         transfer = Transfer(uuid.uuid4().hex, work.request_id)
         with self._lock:
@@ -423,6 +462,7 @@ class PrefillWorker:
                                                     work.params, len(work.prompt_token_ids), list(self.kv.codecs))
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
+            job.started.set()
             with self._lock:
                 owned = self._owns(job)
             if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
@@ -493,9 +533,9 @@ class PrefillWorker:
         if layer == 0:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None:
-            job.lane.sender.submit(self._send_layer, job, layer)
+            self._on_lane(job.lane.sender, "send", self._send_layer, job, layer)
         elif layer == 0:
-            job.lane.sender.submit(self._renew_lease, job)
+            self._on_lane(job.lane.sender, "renew", self._renew_lease, job)
 
     def _on_preempted(self, request_id: str) -> None:
         """The engine gave up the request's blocks (its KV memory is full), and another request may write
@@ -522,7 +562,7 @@ class PrefillWorker:
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_start` reads and writes the state under it
                     job.state = "committing"
-                job.lane.committers.submit(self._commit, job, handoff)
+                self._on_lane(job.lane.committers, "commit", self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                finish_reason=out.finish_reason, text=out.text, events=events,
@@ -670,12 +710,14 @@ class PrefillWorker:
                 channel.finish(DRAIN_S)
             except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
+            except Exception:  # the transport's own failure: the job is over, so it costs only the reuse
+                log.exception("draining a KV channel failed; closing it")
             finally:
                 _close_logged(channel)
 
         if drain_on is not None:
             try:
-                drain_on.drains.submit(drain_and_close)
+                self._on_lane(drain_on.drains, "drain", drain_and_close)
                 return
             except RuntimeError:  # shutting down: no drain thread takes it
                 pass

@@ -307,6 +307,17 @@ def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cl
     assert on_worker(prefill, pooled) == [new]
 
 
+def dispatch(prefill, prompt: list[int], decode, name: str) -> None:
+    """Hand a prompt to a prefill worker for a chosen decode worker, as the router does (minus its stream)."""
+    work = WorkRequest(f"{name}-{uuid.uuid4().hex}", prompt, SamplingParams.greedy(max_tokens=4))
+    prefill.handle.prefill.remote(work, decode.handle)
+
+
+def committed(self) -> int:
+    """On a prefill worker: how many transfers it has committed."""
+    return len(self.transfer_log)
+
+
 def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(model_dirs, hf_reference):
     """One decode worker hangs in every commit (alive: its pings answer) with more commits waiting on it
     than the prefill worker had commit threads in all. A transfer to the other decode worker still
@@ -318,23 +329,16 @@ def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(
         hung, healthy = [w for w in c.workers if w.pool == "decode"]
         prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=41)
 
-        def send(prompt: list[int], decode, name: str) -> None:  # as the router dispatches, minus its stream
-            work = WorkRequest(f"{name}-{uuid.uuid4().hex}", prompt, SamplingParams.greedy(max_tokens=4))
-            prefill.handle.prefill.remote(work, decode.handle)
-
-        def committed(self) -> int:
-            return len(self.transfer_log)
-
         on_worker(hung, install_gate, "receiver.commit")
         try:
             for prompt in prompts[:5]:
-                send(prompt, hung, "to-hung")
+                dispatch(prefill, prompt, hung, "to-hung")
             deadline = time.monotonic() + 20
             while on_worker(prefill, prefill_job_states).count("committing") < 5:
                 assert time.monotonic() < deadline, "the transfers to the hung worker never reached their commit"
                 time.sleep(0.1)
             before = on_worker(prefill, committed)
-            send(prompts[5], healthy, "to-healthy")
+            dispatch(prefill, prompts[5], healthy, "to-healthy")
             deadline = time.monotonic() + c.manifest.kv_transfer.lease_s  # before the prefill side's lease lapses
             while on_worker(prefill, committed) == before:
                 assert time.monotonic() < deadline, "the transfer to the healthy decode worker waited behind the hung one"
@@ -342,6 +346,37 @@ def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(
         finally:
             on_worker(hung, open_gate)
         idle, status = c.wait_idle(30)
+        assert idle, status
+
+
+def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_another(model_dirs, hf_reference):
+    """One decode worker hangs in its reservations (alive: its pings answer), with more prompts queued
+    for it. A prompt for the other decode worker starts and commits at once, where it waited behind the
+    hung reservation for its whole bounded wait (`reserve_wait_s` + 10 s). Once the hung worker
+    answers, every pool ends free."""
+    pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+    with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
+        prefill = worker(c, "prefill")
+        hung, healthy = [w for w in c.workers if w.pool == "decode"]
+        prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 40, 40, seed=42)
+        on_worker(hung, install_gate, "receiver.reserve")
+        try:
+            for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
+                dispatch(prefill, prompt, hung, "to-hung")
+            deadline = time.monotonic() + 20
+            while (states := on_worker(prefill, prefill_job_states)).count("queued") != 3 or len(states) != 4:
+                assert time.monotonic() < deadline, f"the prompts for the hung worker never got there: {states}"
+                time.sleep(0.1)
+            before = on_worker(prefill, committed)
+            dispatch(prefill, prompts[4], healthy, "to-healthy")
+            deadline = time.monotonic() + c.manifest.kv_transfer.reserve_wait_s  # the hung reservation waits longer
+            while on_worker(prefill, committed) == before:
+                assert time.monotonic() < deadline, "the prompt for the healthy decode worker waited behind the hung one"
+                time.sleep(0.1)
+            assert on_worker(prefill, prefill_job_states).count("queued") == 3  # still behind the hung reservation
+        finally:
+            on_worker(hung, open_gate)
+        idle, status = c.wait_idle(60)
         assert idle, status
 
 

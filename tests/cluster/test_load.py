@@ -332,7 +332,8 @@ def test_overload_ends_in_completions_or_resource_exhausted(model_dirs, hf_refer
 FAULTS = {
     "prefill engine loop": ("prefill", "engine.step", False),
     "prefill output callback": ("prefill", "loop._on_outputs", False),
-    "prefill feeder thread": ("prefill", "_start", False),
+    "prefill feeder thread": ("prefill", "_start", False),  # run on the decode worker's lane
+    "prefill commit thread": ("prefill", "_commit", False),
     "decode engine loop": ("decode", "engine.step", True),
     "decode lease thread": ("decode", "receiver.expire_leases", True),
 }

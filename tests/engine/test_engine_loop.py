@@ -37,6 +37,29 @@ def test_an_exception_in_the_output_callback_fails_loudly(engine):
     loop.stop()
 
 
+def test_an_output_callback_failing_inside_a_command_ends_the_loop_too(engine):
+    """A command that steps the engine itself (the start-up profile) hands outputs over through
+    `deliver`: a callback that raises there ends the loop and is reported, as in a step, instead of
+    failing only that command while the requests whose outputs it dropped wait forever."""
+    fatal: list[BaseException] = []
+
+    def broken_callback(outputs):
+        raise RuntimeError("callback bug")
+
+    loop = EngineLoop(engine, broken_callback, on_fatal=fatal.append).start()
+
+    def step_it_here(e: LLMEngine) -> None:
+        e.add_request([5, 6, 7], GREEDY, "r1")
+        loop.deliver(e.step())
+
+    with pytest.raises(RuntimeError, match="callback bug"):
+        loop.call(step_it_here)
+    assert len(fatal) == 1 and not loop.running and loop.fatal_error is fatal[0]
+    with pytest.raises(RuntimeError, match="callback bug"):
+        loop.call(lambda e: None)
+    loop.stop()
+
+
 def test_a_timed_out_command_never_runs_later(engine):
     loop = EngineLoop(engine, lambda outputs: None).start()
     ran = []

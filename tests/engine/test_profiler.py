@@ -32,20 +32,21 @@ def test_the_profile_serves_the_requests_the_engine_already_holds(model_dirs, hf
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
     listener = engine.pool.listener = RecordingListener()
     prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 40, 90, seed=11)
-    params = SamplingParams.greedy(max_tokens=12, ignore_eos=True)
+    params = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     outputs: list[RequestOutput] = engine.step()  # under way when the profile starts
-    lengths = (8, 32, 128)
-    samples = profile_prefill(engine, outputs.extend, lengths=lengths)
+    lengths = (8, 16, 32, 64, 128)  # the first prompts share steps with the requests, the last run alone
+    profile = profile_prefill(engine, outputs.extend, lengths=lengths)
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break
         outputs += engine.step()
     streamed = {i: [t for out in outputs if out.request_id == i for t in out.new_token_ids] for i in ids}
-    expected = [hf_reference[ARCH].greedy(p, 12) for p in prompts]
+    expected = [hf_reference[ARCH].greedy(p, 6) for p in prompts]
     assert [streamed[i] for i in ids] == expected  # every token reached the callback, exact
     assert sorted(out.request_id for out in outputs if out.finished) == sorted(ids)
-    assert all(tokens in lengths for tokens, _, _ in samples), samples  # no step shared with a request
+    assert profile.samples and all(tokens in lengths for tokens, _, _ in profile.samples), profile  # alone
+    assert not profile.complete  # the worker profiles again
     theirs = {h for p, i in zip(prompts, ids) for h in hash_prompt_blocks(p + streamed[i], engine.config.block_size)}
     assert listener.view == set(engine.pool.cached_hashes()) and listener.view <= theirs
     assert_pool_idle(engine)
@@ -63,8 +64,8 @@ def test_the_profile_gives_up_a_prompt_that_held_blocks_leave_no_room_for(model_
     held = engine.add_request(prompt, SamplingParams.greedy(max_tokens=16), prefill_only=True)
     drain(engine, [held])
     free_before = engine.pool.num_free
-    samples = profile_prefill(engine, lambda outputs: None, lengths=(8, 8 * block_size))
-    assert [tokens for tokens, _, _ in samples] == [8]  # the long prompt never ran
+    profile = profile_prefill(engine, lambda outputs: None, lengths=(8, 8 * block_size))
+    assert [tokens for tokens, _, _ in profile.samples] == [8] and not profile.complete  # the long one never ran
     assert list(engine.requests) == [held] and engine.pool.num_free == free_before
     engine.release(held)
     assert_pool_idle(engine)

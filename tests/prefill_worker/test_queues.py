@@ -71,3 +71,25 @@ def test_shorts_queued_when_laps_is_turned_off_go_first_in_the_one_line() -> Non
     queues.configure(False)
     taken = [job for _ in range(2) for job in queues.take(0.1, never, none_inflight)]
     assert taken == ["short", "long"]
+
+
+def decode_worker_of(job: str) -> str:
+    return job[0]  # "a1" is bound for decode worker "a"
+
+
+def test_a_job_whose_decode_worker_is_busy_waits_in_place_while_others_go_ahead() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(False, key=decode_worker_of)
+    for job in ("a1", "a2", "b1", "a3", "b2"):
+        queues.put(job, 500)
+    assert queues.take(0.1, never, none_inflight, lambda: {"a"}) == ["b1"]
+    assert queues.take(0.05, never, none_inflight, lambda: {"a", "b"}) == []
+    assert queues.take(0.1, never, none_inflight, lambda: {"b"}) == ["a1"]
+    assert [job for _ in range(3) for job in queues.take(0.1, never, none_inflight)] == ["a2", "a3", "b2"]
+
+
+def test_a_short_batch_takes_one_job_per_decode_worker_and_none_of_a_busy_one() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=100, key=decode_worker_of)
+    for job in ("a1", "a2", "b1", "c1", "b2"):
+        queues.put(job, 8)
+    assert queues.take(0.1, never, none_inflight, lambda: {"c"}) == ["a1", "b1"]
+    assert queues.take(0.1, never, none_inflight) == ["a2", "c1", "b2"]
