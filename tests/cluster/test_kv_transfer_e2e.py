@@ -5,6 +5,7 @@ the output stays identical to transformers'. Faults are injected by running code
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -18,6 +19,7 @@ import ray
 from transformers import AutoConfig
 from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, prefill_job_states, worker
 from conftest import random_prompts
+from helpers import wait_until
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
@@ -318,66 +320,60 @@ def committed(self) -> int:
     return len(self.transfer_log)
 
 
-def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(model_dirs, hf_reference):
-    """One decode worker hangs in every commit (alive: its pings answer) with more commits waiting on it
-    than the prefill worker had commit threads in all. A transfer to the other decode worker still
-    commits at once: within the lease, where behind the hung worker's commits it waited until its own
-    lease lapsed. The hung transfers end in lease expiry and every pool ends free."""
+@contextlib.contextmanager
+def one_of_two_decode_workers_hung_in(model_dirs, method: str):
+    """A cluster of one prefill and two decode workers whose first decode worker hangs in `method` (alive:
+    its pings answer) until the block ends; yields (cluster, prefill, hung, healthy) and checks
+    afterwards that every pool ends free."""
     pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
     with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
         prefill = worker(c, "prefill")
         hung, healthy = [w for w in c.workers if w.pool == "decode"]
-        prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=41)
-
-        on_worker(hung, install_gate, "receiver.commit")
+        on_worker(hung, install_gate, method)
         try:
-            for prompt in prompts[:5]:
-                dispatch(prefill, prompt, hung, "to-hung")
-            deadline = time.monotonic() + 20
-            while on_worker(prefill, prefill_job_states).count("committing") < 5:
-                assert time.monotonic() < deadline, "the transfers to the hung worker never reached their commit"
-                time.sleep(0.1)
-            before = on_worker(prefill, committed)
-            dispatch(prefill, prompts[5], healthy, "to-healthy")
-            deadline = time.monotonic() + c.manifest.kv_transfer.lease_s  # before the prefill side's lease lapses
-            while on_worker(prefill, committed) == before:
-                assert time.monotonic() < deadline, "the transfer to the healthy decode worker waited behind the hung one"
-                time.sleep(0.1)
-        finally:
-            on_worker(hung, open_gate)
-        idle, status = c.wait_idle(30)
-        assert idle, status
-
-
-def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_another(model_dirs, hf_reference):
-    """One decode worker hangs in its reservations (alive: its pings answer), with more prompts queued
-    for it. A prompt for the other decode worker starts and commits at once, where it waited behind the
-    hung reservation for its whole bounded wait (`reserve_wait_s` + 10 s). Once the hung worker
-    answers, every pool ends free."""
-    pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
-    with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
-        prefill = worker(c, "prefill")
-        hung, healthy = [w for w in c.workers if w.pool == "decode"]
-        prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 40, 40, seed=42)
-        on_worker(hung, install_gate, "receiver.reserve")
-        try:
-            for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
-                dispatch(prefill, prompt, hung, "to-hung")
-            deadline = time.monotonic() + 20
-            while (states := on_worker(prefill, prefill_job_states)).count("queued") != 3 or len(states) != 4:
-                assert time.monotonic() < deadline, f"the prompts for the hung worker never got there: {states}"
-                time.sleep(0.1)
-            before = on_worker(prefill, committed)
-            dispatch(prefill, prompts[4], healthy, "to-healthy")
-            deadline = time.monotonic() + c.manifest.kv_transfer.reserve_wait_s  # the hung reservation waits longer
-            while on_worker(prefill, committed) == before:
-                assert time.monotonic() < deadline, "the prompt for the healthy decode worker waited behind the hung one"
-                time.sleep(0.1)
-            assert on_worker(prefill, prefill_job_states).count("queued") == 3  # still behind the hung reservation
+            yield c, prefill, hung, healthy
         finally:
             on_worker(hung, open_gate)
         idle, status = c.wait_idle(60)
         assert idle, status
+
+
+def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(model_dirs, hf_reference):
+    """One decode worker hangs in every commit with more commits waiting on it than the prefill worker
+    had commit threads in all. A transfer to the other decode worker still commits at once: within the
+    lease, where behind the hung worker's commits it waited until its own lease lapsed. The hung
+    transfers end in lease expiry."""
+    prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=41)
+    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.commit") as (c, prefill, hung, healthy):
+        for prompt in prompts[:5]:
+            dispatch(prefill, prompt, hung, "to-hung")
+        assert wait_until(lambda: on_worker(prefill, prefill_job_states).count("committing") == 5, 20), \
+            "the transfers to the hung worker never reached their commit"
+        before = on_worker(prefill, committed)
+        dispatch(prefill, prompts[5], healthy, "to-healthy")
+        assert wait_until(lambda: on_worker(prefill, committed) > before, c.manifest.kv_transfer.lease_s), \
+            "the transfer to the healthy decode worker waited behind the hung one"  # till its own lease lapsed
+
+
+def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_another(model_dirs, hf_reference):
+    """One decode worker hangs in its reservations, with more prompts queued for it. A prompt for the
+    other decode worker starts and commits at once, where it waited behind the hung reservation for
+    its whole bounded wait (`reserve_wait_s` + 10 s)."""
+    prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 40, 40, seed=42)
+    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve") as (c, prefill, hung, healthy):
+        for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
+            dispatch(prefill, prompt, hung, "to-hung")
+
+        def one_started_three_queued() -> bool:
+            states = on_worker(prefill, prefill_job_states)
+            return len(states) == 4 and states.count("queued") == 3
+
+        assert wait_until(one_started_three_queued, 20), "the prompts for the hung worker never got there"
+        before = on_worker(prefill, committed)
+        dispatch(prefill, prompts[4], healthy, "to-healthy")
+        assert wait_until(lambda: on_worker(prefill, committed) > before, c.manifest.kv_transfer.reserve_wait_s), \
+            "the prompt for the healthy decode worker waited behind the hung one"  # the hung reservation waits longer
+        assert on_worker(prefill, prefill_job_states).count("queued") == 3  # still behind the hung reservation
 
 
 def test_the_trained_model_serves_with_cachegen_frames():
