@@ -137,6 +137,8 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 self._run_commands(block=idle)
+                if self._stopping.is_set():  # a command ended the loop (`deliver`), or `stop`: no step after it
+                    break
                 idle = not engine.has_unfinished_requests() or not self._step()
                 self._notify_progress()
         except BaseException as e:  # noqa: BLE001 (anything that ends the loop must be reported)
@@ -177,6 +179,8 @@ class EngineLoop:
                     self._busy.kv_s += spent
                 else:
                     self._busy.other_s += spent
+            if self._stopping.is_set():  # the commands still queued are answered by `_fail_pending`
+                return
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

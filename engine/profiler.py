@@ -55,8 +55,8 @@ class _HidingListener:
 
 def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
                     lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> Profile:
-    """Measure prompt passes and feed them to `engine.step_costs`. Outputs of the engine's other
-    requests go to `on_outputs`."""
+    """Measure prompt passes; feed them to `engine.step_costs` when every length has its sample.
+    Outputs of the engine's other requests go to `on_outputs`."""
     limit = min(engine.config.chunk_limit, engine.max_model_len - 1)
     lengths = tuple(sorted({min(n, limit) for n in lengths}))
     rng = random.Random(seed)
@@ -74,7 +74,7 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
                 prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
                 ours.update(hash_prompt_blocks(prompt, engine.config.block_size))
                 request_id = engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
-                kept = list(_prefill_alone(engine, request_id, on_outputs, keep=round_ > 0))
+                kept = list(_prefill_alone(engine, request_id, n, on_outputs, keep=round_ > 0))
                 samples += kept
                 measured += bool(kept)
     finally:
@@ -82,16 +82,18 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
             engine.abort_request(request_id)  # still there only when a step or `on_outputs` failed
         pool.forget_cached(ours)  # their blocks are free: every profile prompt has finished or failed
         pool.listener = listener
-    engine.step_costs.add_profile(samples)
-    return Profile(samples, complete=measured == len(lengths))
+    profile = Profile(samples, complete=measured == len(lengths))
+    if profile.complete:  # a partial one would weigh the lengths a busy engine let through twice, when redone
+        engine.step_costs.add_profile(samples)
+    return profile
 
 
-def _prefill_alone(engine: LLMEngine, request_id: str, on_outputs: Callable[[list[RequestOutput]], None],
-                   keep: bool) -> Iterable[tuple[int, int, float]]:
-    """Step until `request_id` has its token; yield the steps that ran it alone. Gives the prompt up
-    when a step runs nothing (the blocks it needs are held by requests that only the engine loop's
-    commands release, and none runs until the profile ends), or when it waits `MAX_WAIT_STEPS` steps
-    behind a full batch (commands wait meanwhile)."""
+def _prefill_alone(engine: LLMEngine, request_id: str, prompt_len: int,
+                   on_outputs: Callable[[list[RequestOutput]], None], keep: bool) -> Iterable[tuple[int, int, float]]:
+    """Step until `request_id` has its token; yield the steps that ran its whole prompt alone. Gives
+    the prompt up when a step runs nothing (the blocks it needs are held by requests that only the
+    engine loop's commands release, and none runs until the profile ends), or when it waits
+    `MAX_WAIT_STEPS` steps behind a full batch (commands wait meanwhile)."""
     waited = 0
     while request_id in engine.requests:
         computed = engine.requests[request_id].num_computed_tokens
@@ -104,6 +106,6 @@ def _prefill_alone(engine: LLMEngine, request_id: str, on_outputs: Callable[[lis
         if stats.num_seqs == 0 or waited > MAX_WAIT_STEPS:
             engine.abort_request(request_id)
             return
-        if keep and stats.num_seqs == 1 and ran_ours:
+        if keep and stats.num_seqs == 1 and ran_ours and stats.num_tokens == prompt_len:  # whole, and alone
             yield stats.num_tokens, stats.quad_tokens, stats.total_s
 

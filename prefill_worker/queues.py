@@ -76,29 +76,35 @@ class PrefillQueues(Generic[J]):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                # With work queued, poll every few ms: the window and the busy checks change without a
-                # notify. With none, sleep until a `put`.
-                queued = self._short or self._long
-                self._cv.wait(min(remaining, max(self.window_s / 2, 0.002)) if queued else remaining)
+                # LAPS with work queued: poll every few ms, the window and the long-busy check change
+                # without a notify. Otherwise sleep until a `put` or a `wake` (a key no longer busy).
+                poll = self.length_aware and (self._short or self._long)
+                self._cv.wait(min(remaining, max(self.window_s / 2, 0.002)) if poll else remaining)
+
+    def wake(self) -> None:
+        """Have `take` look again at once: a key it found busy may be free now."""
+        with self._cv:
+            self._cv.notify_all()
 
     def _due(self, long_busy: Callable[[], bool], short_inflight: Callable[[], int], busy: set[Hashable]) -> list[J]:
-        if self._short:
-            queued = sum(n for _, n, _ in self._short)
-            waited = time.monotonic() - self._short[0][2]
+        free = [entry for entry in self._short if self._key(entry[0]) not in busy]  # (the others wait)
+        if free:
+            queued = sum(n for _, n, _ in free)
+            waited = time.monotonic() - free[0][2]
             room = self.short_room - short_inflight()
             if room > 0 and (waited >= self.window_s or queued >= room):
                 batch, tokens = [], 0
-                for entry in list(self._short):
+                for entry in free:
                     job, n, _ = entry
+                    if self._key(job) in busy:  # taken for this batch already
+                        continue
                     if batch and tokens + n > room:
                         break
-                    if self._key(job) not in busy:
-                        self._short.remove(entry)
-                        busy.add(self._key(job))
-                        batch.append(job)
-                        tokens += n
-                if batch:
-                    return batch
+                    self._short.remove(entry)
+                    busy.add(self._key(job))
+                    batch.append(job)
+                    tokens += n
+                return batch
         # A long prompt may start while shorts gather: the engine runs its chunk and the shorts in one
         # step, so shorts still wait behind one chunk at most, and a steady stream of shorts cannot
         # starve the longs.

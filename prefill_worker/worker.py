@@ -189,6 +189,7 @@ class PrefillWorker:
         self.reserve_wait_s = kv_settings.reserve_wait_s
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._transports: dict[str, Any] = {}  # name -> sending half, made on first use
+        self._making = threading.Lock()  # for the transports and codecs made on first use
         self._peer_addresses: dict[str, dict[str, str]] = {}  # decode worker -> where its last lease said it listens
         self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
@@ -297,10 +298,11 @@ class PrefillWorker:
     def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
         self._forget_old_addresses(lease)
         name = self._transport_name(lease)
-        transport = self._transports.get(name)
-        if transport is None:
-            transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls,
-                                                             secret=self.kv.secret)
+        with self._making:  # lanes open channels side by side: one sending half per transport
+            transport = self._transports.get(name)
+            if transport is None:
+                transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls,
+                                                                 secret=self.kv.secret)
         return self.faults.channel(transport.open(lease.addresses[name], transfer_id))
 
     def _forget_old_addresses(self, lease: Lease) -> None:
@@ -407,6 +409,7 @@ class PrefillWorker:
         finally:
             job.started.set()
             job.lane.starting = False
+            self.queues.wake()  # the lane's next job may start
 
     def _on_lane(self, pool: ThreadPoolExecutor, what: str, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on one of a lane's pools; an exception it lets out (a bug: each handles its
@@ -437,8 +440,11 @@ class PrefillWorker:
         """Until the engine has less than one step's budget of tokens ahead (or the worker stops)."""
         budget = self.engine.config.max_num_batched_tokens
         while not self._stop.is_set() and self.loop.running:
-            if self.loop.call(lambda e: e.scheduler.num_pending_tokens) < budget:
-                return
+            try:
+                if self.loop.call(lambda e: e.scheduler.num_pending_tokens) < budget:
+                    return
+            except TimeoutError:  # a long command holds the loop (a profile on a busy engine): ask again
+                continue
             self.loop.wait_progress(0.1)
 
     def _owns(self, job: _Job) -> bool:
@@ -495,9 +501,10 @@ class PrefillWorker:
         """The transfer's sending side; None when the decode worker should recompute the KV instead
         (the controller expects that to be faster than sending it even at the coarsest level)."""
         layout = self.engine.kv_layout
-        codec = self._codecs.get(lease.codec)
-        if codec is None:  # made once: cachegen's tables are read and its coders built here
-            codec = self._codecs[lease.codec] = make_codec(lease.codec, self.model_dir, layout)
+        with self._making:  # made once: cachegen's tables are read and its coders built here
+            codec = self._codecs.get(lease.codec)
+            if codec is None:
+                codec = self._codecs[lease.codec] = make_codec(lease.codec, self.model_dir, layout)
         sizes = self._level_sizes.setdefault(codec.name, LevelSizes({}))
         deadline = job.arrived + self.kv.ttft_slo_s if self.kv.ttft_slo_s is not None else None
         controller = LevelController(codec, sizes, self._bandwidth.get(_peer(lease), DEFAULT_BANDWIDTH), deadline)

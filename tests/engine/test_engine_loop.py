@@ -9,7 +9,7 @@ from concurrent.futures import wait
 import pytest
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineLoop, LoopStopped
 
 ARCH = "tiny-llama"
 GREEDY = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
@@ -47,14 +47,23 @@ def test_an_output_callback_failing_inside_a_command_ends_the_loop_too(engine):
         raise RuntimeError("callback bug")
 
     loop = EngineLoop(engine, broken_callback, on_fatal=fatal.append).start()
+    queued_behind = threading.Event()
 
     def step_it_here(e: LLMEngine) -> None:
+        assert queued_behind.wait(10)
         e.add_request([5, 6, 7], GREEDY, "r1")
         loop.deliver(e.step())
 
+    failing = loop.submit(step_it_here)
+    behind = loop.submit(lambda e: e.add_request([8, 9], GREEDY, "r2"))  # in the same batch of commands
+    queued_behind.set()
     with pytest.raises(RuntimeError, match="callback bug"):
-        loop.call(step_it_here)
+        failing.result(10)
+    with pytest.raises(LoopStopped):  # not run: the engine is nobody's after the failure
+        behind.result(10)
     assert len(fatal) == 1 and not loop.running and loop.fatal_error is fatal[0]
+    assert list(engine.requests) == ["r1"]  # and no step ran after it
+    assert engine.requests["r1"].num_computed_tokens == 3
     with pytest.raises(RuntimeError, match="callback bug"):
         loop.call(lambda e: None)
     loop.stop()

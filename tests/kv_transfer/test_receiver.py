@@ -434,7 +434,8 @@ def test_a_cancel_after_the_commit_took_its_transfer_out_is_not_undone(sides, hf
 
 def test_a_commit_waits_for_a_frame_being_written(sides, hf_reference):
     """A resent frame is still being written when the commit comes: the commit hands the blocks to the
-    engine only after that write (the engine may reuse them at once: a commit that fails frees them)."""
+    engine only after that write (the engine may reuse them at once: a commit that fails frees them),
+    and a frame after the commit is refused."""
     prefill, decode, receiver, outputs = sides
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=13)[0]
     request_id = prefilled(prefill, prompt)
@@ -463,6 +464,8 @@ def test_a_commit_waits_for_a_frame_being_written(sides, hf_reference):
     commit.join(10)
     assert committed == [[]]
     receiver.kv_cache.write_tokens = write_tokens
+    with pytest.raises(TransferError, match="no open transfer"):  # and none is written after the commit
+        send_layer(receiver, prefill, request_id, 1)
     prefill.release(request_id)
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from pdserve.prefill_worker.queues import PrefillQueues
@@ -93,3 +94,27 @@ def test_a_short_batch_takes_one_job_per_decode_worker_and_none_of_a_busy_one() 
         queues.put(job, 8)
     assert queues.take(0.1, never, none_inflight, lambda: {"c"}) == ["a1", "b1"]
     assert queues.take(0.1, never, none_inflight) == ["a2", "c1", "b2"]
+
+
+def test_a_busy_decode_workers_shorts_neither_end_a_batch_nor_open_the_window() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.3, short_room=40, key=decode_worker_of)
+    queues.put("a1", 30)  # bound for a busy decode worker: the batch is made of the others
+    time.sleep(0.35)  # a1's window has passed; b1's will not have when it arrives
+    queues.put("b1", 8)
+    queues.put("c1", 8)
+    assert queues.take(0.05, never, none_inflight, lambda: {"a"}) == []  # b1 has not waited its window
+    assert queues.take(0.5, never, none_inflight, lambda: {"a"}) == ["b1", "c1"]  # a1's 30 tokens did not end it
+
+
+def test_a_fcfs_take_waiting_on_a_busy_decode_worker_goes_on_when_woken() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(False, key=decode_worker_of)
+    queues.put("a1", 500)
+    busy = {"a"}
+    taken: list[list[str]] = []
+    taker = threading.Thread(target=lambda: taken.append(queues.take(10, never, none_inflight, lambda: set(busy))))
+    taker.start()
+    time.sleep(0.1)
+    busy.clear()
+    queues.wake()
+    taker.join(5)
+    assert taken == [["a1"]]
