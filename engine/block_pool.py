@@ -185,7 +185,4 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request uses."""
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._uncache(block)
-            self._free.append(block)
+        self.forget_cached([self._block_hash[block] for block in self._evictable])

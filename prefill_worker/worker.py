@@ -11,14 +11,13 @@ thread takes jobs when they are due (FCFS: when the engine has less than one ste
 ahead, so a reservation is made as the prompt pass starts, not while the job queues; LAPS: a long
 prompt when the one before is on its last chunk) and hands each to its decode worker's lane, which
 adds the prompt to the engine with `prefill_only` and, beside the pass, reserves blocks on that
-decode worker (the lease; the decode side waits a
-bounded time for free blocks; the lease says which leading blocks it already holds and which codec
-it agreed to) and opens a channel on the transport chosen for the pair. The engine's layer hook
-records each layer of each chunk as soon as it is written; once the lease is there, the decode
-worker's sender thread sends what the decode worker lacks of it (`kv_transfer.sender`; the level
-controller picks each frame's quality level). After the last layer
-a commit thread commits the handoff (first token included); layers the decode side reports
-incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
+decode worker (the lease; the decode side waits a bounded time for free blocks; the lease says which
+leading blocks it already holds and which codec it agreed to) and opens a channel on the transport
+chosen for the pair. The engine's layer hook records each layer of each chunk as soon as it is
+written; once the lease is there, the decode worker's sender thread sends what the decode worker
+lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level). After
+the last layer a commit thread commits the handoff (first token included); layers the decode side
+reports incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
 recomputes the request from its tokens. When the controller expects that recomputation to be faster
 than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
 (a job ended early without error, once its frames in flight are answered, so the channel's resources

@@ -2,7 +2,8 @@
 
 `start_guarded` runs `target` on a daemon thread (`submit_guarded`: on a pool's thread); if it
 raises, the exception is logged with its traceback and handed to `on_crash` (which fails the
-requests the thread served and marks its owner unhealthy). A thread that ends normally is not a crash. Torch-free: the router uses it too.
+requests the thread served and marks its owner unhealthy). A thread that ends normally is not a
+crash. Torch-free: the router uses it too.
 """
 
 from __future__ import annotations
