@@ -81,6 +81,15 @@ class PrefillQueues(Generic[J]):
                 poll = self.length_aware and (self._short or self._long)
                 self._cv.wait(min(remaining, max(self.window_s / 2, 0.002)) if poll else remaining)
 
+    def remove(self, matches: Callable[[J], bool]) -> list[J]:
+        """Take the queued jobs that `matches` out of the queues (in order, shorts first) and return them."""
+        with self._cv:
+            shorts = [job for job, _, _ in self._short if matches(job)]
+            longs = [job for job in self._long if matches(job)]
+            self._short = deque(entry for entry in self._short if not matches(entry[0]))
+            self._long = deque(job for job in self._long if not matches(job))
+            return shorts + longs
+
     def wake(self) -> None:
         """Have `take` look again at once: a key it found busy may be free now."""
         with self._cv:

@@ -30,7 +30,9 @@ keeps its frames in order, and the threads that wait on its commits and drains. 
 stops answering (its reservations, its KV path cut, its commit stuck) or whose pool is full holds up
 only its own lane: the feeder starts prompts bound for the others, and transfers already under way
 to them go on, where on shared threads they waited behind it (a reservation for up to
-`reserve_wait_s` + `RESERVE_MARGIN_S`, a commit until their own leases lapsed).
+`reserve_wait_s` + `RESERVE_MARGIN_S`, a commit until their own leases lapsed). A decode worker
+that leaves a reservation unanswered past that bound gets no job until it answers it: the jobs
+queued for it, and new ones, fail at once with UNAVAILABLE, and the router places them elsewhere.
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
 (`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
@@ -118,6 +120,29 @@ class _Lane:
         # channel closed early holds its resources (shm: a 64 MiB segment) until its drain, at most 1 s.
         self.drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-drain-{name}")
         self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
+        self.decode_name = "its decode worker"  # until a lease names it
+        # A reservation the decode worker left unanswered past its bound, and since when: until it
+        # answers that one, the lane's prompts fail at once (UNAVAILABLE: the router places them on
+        # another decode worker) instead of each waiting out the bound in turn while they fill
+        # `max_queued` for every decode worker.
+        self._unanswered: tuple[ray.ObjectRef, float] | None = None
+        self._unanswered_lock = threading.Lock()
+
+    def not_answering(self, reservation: ray.ObjectRef, since: float) -> None:
+        with self._unanswered_lock:
+            self._unanswered = (reservation, since)
+
+    def refusal(self) -> str | None:
+        """Why the lane takes no job now (its decode worker has not answered a reservation past the
+        bound yet), or None; the lane reopens once that reservation is answered, whatever the answer."""
+        with self._unanswered_lock:
+            if self._unanswered is None:
+                return None
+            reservation, since = self._unanswered
+            if ray.wait([reservation], timeout=0, fetch_local=False)[0]:
+                self._unanswered = None
+                return None
+        return f"{self.decode_name} has not answered a KV reservation made {time.time() - since:.0f} s ago"
 
     def sent(self, timeout: float) -> None:
         """Wait until every frame queued so far on this lane is sent (or skipped, its job ended)."""
@@ -194,7 +219,7 @@ class PrefillWorker:
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
         self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
         self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0,
-                                         "leases_expired": 0}
+                                         "leases_expired": 0, "reservations_unanswered": 0}
         self.metrics = TransferMetrics()
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -321,6 +346,7 @@ class PrefillWorker:
         `new_tokens`: the part of the prompt the router expects this worker not to cache (its queue)."""
         new_tokens = len(work.prompt_token_ids) if new_tokens is None else new_tokens
         lane = self._lane(decode)
+        not_answering = lane.refusal()
         with self._lock:  # the lock `abort` takes too: a cancel lands before or after, never between
             refusal = None
             waiting = sum(1 for j in self._jobs.values() if j.state in _BEFORE_FIRST_TOKEN)
@@ -328,6 +354,8 @@ class PrefillWorker:
                 return
             if self.fault is not None:
                 refusal = (self.fault, INTERNAL)
+            elif not_answering is not None:
+                refusal = (not_answering, UNAVAILABLE)
             elif waiting >= self.max_queued:  # counted as the router counts: until the first token
                 refusal = (f"prefill worker {self.worker_id} has {waiting} requests waiting for their prompt "
                            f"pass (max_queued {self.max_queued})", RESOURCE_EXHAUSTED)
@@ -383,6 +411,9 @@ class PrefillWorker:
         while not self._stop.is_set() and self.fault is None:
             for job in self.queues.take(0.1, self._long_busy, self._short_inflight, self._starting_lanes):
                 if job.cancelled:
+                    continue
+                if (refusal := job.lane.refusal()) is not None:  # queued as its decode worker stopped answering
+                    self._finish(job, error=refusal, code=UNAVAILABLE)
                     continue
                 if not self.queues.length_aware:
                     self._wait_for_room()
@@ -473,7 +504,13 @@ class PrefillWorker:
             if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
                 self.loop.post(lambda e: e.abort_request(work.request_id))  # its engine command may precede the add
                 return
-            lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            try:
+                lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            except ray.exceptions.GetTimeoutError:
+                self._stop_lane(job, reservation)
+                raise TransferError(f"{job.lane.decode_name} did not answer the KV reservation within "
+                                    f"{self.reserve_wait_s + RESERVE_MARGIN_S:.0f} s") from None
+            job.lane.decode_name = f"decode worker {lease.worker_id}"
             # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
             # pings and cancels take the lock.
             outgoing = self._outgoing(job, lease)
@@ -495,6 +532,18 @@ class PrefillWorker:
             self._finish(job, error=f"prefill could not start: {_reason(e)}", code=_code(e))
         finally:
             job.reserved.set()
+
+    def _stop_lane(self, job: _Job, reservation: ray.ObjectRef) -> None:
+        """The job's decode worker left its reservation unanswered past the bound: its lane takes no
+        job until it answers, and the jobs queued for it fail now (the job itself fails as it returns)."""
+        lane = job.lane
+        self.counters["reservations_unanswered"] += 1
+        lane.not_answering(reservation, job.prefill_started)
+        log.warning("%s did not answer a KV reservation within %.0f s: its prompts go to other decode workers "
+                    "until it does", lane.decode_name, self.reserve_wait_s + RESERVE_MARGIN_S)
+        refusal = lane.refusal() or f"{lane.decode_name} answered a KV reservation late"
+        for queued in self.queues.remove(lambda j: j.lane is lane):
+            self._finish(queued, error=refusal, code=UNAVAILABLE)
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead
@@ -753,8 +802,9 @@ def _peer(lease: Lease) -> str:
 
 
 def _code(e: BaseException) -> str:
-    """The status a failed start gets: busy (decode memory full, or its answer late) is not broken."""
-    if _is(e, KVMemoryFull) or isinstance(e, ray.exceptions.GetTimeoutError):
+    """The status a failed start gets: busy (decode memory full) is not broken. A reservation left
+    unanswered is UNAVAILABLE: the router tries another decode worker."""
+    if _is(e, KVMemoryFull):
         return RESOURCE_EXHAUSTED
     return INVALID_ARGUMENT if _is(e, ValueError) else UNAVAILABLE
 

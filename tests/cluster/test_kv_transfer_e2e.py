@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -321,12 +322,12 @@ def committed(self) -> int:
 
 
 @contextlib.contextmanager
-def one_of_two_decode_workers_hung_in(model_dirs, method: str):
+def one_of_two_decode_workers_hung_in(model_dirs, method: str, **extra):
     """A cluster of one prefill and two decode workers whose first decode worker hangs in `method` (alive:
     its pings answer) until the block ends; yields (cluster, prefill, hung, healthy) and checks
     afterwards that every pool ends free."""
     pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
-    with Cluster(manifest(model_dirs[ARCH], pools=pools), log=lambda _: None) as c:
+    with Cluster(manifest(model_dirs[ARCH], pools=pools, **extra), log=lambda _: None) as c:
         prefill = worker(c, "prefill")
         hung, healthy = [w for w in c.workers if w.pool == "decode"]
         on_worker(hung, install_gate, method)
@@ -374,6 +375,71 @@ def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_an
         assert wait_until(lambda: on_worker(prefill, committed) > before, c.manifest.kv_transfer.reserve_wait_s), \
             "the prompt for the healthy decode worker waited behind the hung one"  # the hung reservation waits longer
         assert on_worker(prefill, prefill_job_states).count("queued") == 3  # still behind the hung reservation
+
+
+def record_errors(self) -> None:
+    """On a prefill worker: keep each error it reports to the router (`self.test_errors`: request -> code)."""
+    self.test_errors, send = {}, self.sink.send
+
+    def recording(request_id, *args, **kwargs):
+        if kwargs.get("error") is not None:
+            self.test_errors[request_id] = kwargs.get("error_code")
+        return send(request_id, *args, **kwargs)
+
+    self.sink.send = recording
+
+
+def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_it_answers(model_dirs,
+                                                                                         hf_reference):
+    """A decode worker hangs in its reservations (its pings answer). Once the first one outlives its
+    bound, the prompts queued for it fail at once with UNAVAILABLE (the router places them elsewhere),
+    where each waited out the bound in turn, filling `max_queued` for every decode worker; a new prompt
+    for it fails at once too. When it answers that reservation, it takes prompts again."""
+    prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=43)
+    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
+                                           kv_transfer={"reserve_wait_s": 1}) as (c, prefill, hung, healthy):
+        on_worker(prefill, record_errors)
+        bound = c.manifest.kv_transfer.reserve_wait_s + 10  # RESERVE_MARGIN_S
+        for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
+            dispatch(prefill, prompt, hung, "queued-for-hung")
+        assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \
+            "the prompts queued for the unanswering decode worker did not all fail"  # one per bound before
+        assert set(on_worker(prefill, lambda self: self.test_errors).values()) == {"UNAVAILABLE"}
+        assert on_worker(prefill, lambda self: self.counters["reservations_unanswered"]) == 1
+
+        dispatch(prefill, prompts[4], hung, "new-for-hung")  # refused on arrival: not queued
+        assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 5, 2)
+        assert on_worker(prefill, prefill_job_states) == []
+
+        before = on_worker(prefill, committed)
+        on_worker(hung, open_gate)  # the reservation is answered (refused: its transfer was aborted)
+        assert wait_until(lambda: on_worker(prefill, lambda self: all(lane.refusal() is None
+                                                                      for lane in self._lanes.values())), 10)
+        dispatch(prefill, prompts[5], hung, "after-answer")
+        assert wait_until(lambda: on_worker(prefill, committed) > before, 10), "the decode worker got no prompt again"
+        assert len(on_worker(prefill, lambda self: self.test_errors)) == 5
+
+
+def test_every_request_completes_through_the_router_while_a_decode_worker_leaves_reservations_unanswered(
+        model_dirs, hf_reference):
+    """Requests through the router, half of them placed on a decode worker that hangs in its
+    reservations: each completes with transformers' tokens. Those placed on it fail over to the other
+    decode worker, the ones queued behind the first unanswered reservation as soon as it outlives its
+    bound, not one bound after another."""
+    prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
+    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer={"reserve_wait_s": 1},
+                                           router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
+        bound = c.manifest.kv_transfer.reserve_wait_s + 10  # RESERVE_MARGIN_S
+        retries = c.router.stats.retries
+        with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
+            started = time.monotonic()
+            outputs = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
+                                                              ignore_eos=True).token_ids, prompts))
+            elapsed = time.monotonic() - started
+        assert outputs == [hf_reference[ARCH].greedy(p, NEW_TOKENS) for p in prompts]
+        assert c.router.stats.retries - retries >= len(prompts) // 2  # each one placed on the hung worker
+        assert elapsed < 2 * bound, elapsed  # the prompts queued for the hung worker waited out one bound
+        assert on_worker(prefill, lambda self: self.counters["reservations_unanswered"]) == 1
 
 
 def test_the_trained_model_serves_with_cachegen_frames():

@@ -118,3 +118,13 @@ def test_a_fcfs_take_waiting_on_a_busy_decode_worker_goes_on_when_woken() -> Non
     queues.wake()
     taker.join(5)
     assert taken == [["a1"]]
+
+
+def test_removing_a_decode_workers_jobs_leaves_the_others_in_order() -> None:
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=100, key=decode_worker_of)
+    for job, tokens in (("a1", 500), ("b1", 500), ("a2", 8), ("b2", 8), ("a3", 300)):
+        queues.put(job, tokens)
+    assert queues.remove(lambda job: decode_worker_of(job) == "a") == ["a2", "a1", "a3"]
+    assert queues.take(0.1, never, none_inflight) == ["b2"]
+    assert queues.take(0.1, never, none_inflight) == ["b1"]
+    assert queues.take(0.05, never, none_inflight) == []
