@@ -3,9 +3,11 @@
 Each sending channel has a DEALER socket connected to the receiving half's ROUTER. A message is
 `[kind, seq, *parts]`; the receiving half answers every one with `[seq, status, text]`, in order.
 Status OK: handled; CORRUPT: the frame was damaged (the receiver counted and dropped it; its layer is
-sent again after `commit` names it); FAILED: the transfer cannot go on (the text says why). Only
-plain bytes cross the socket: no pickle. With the cluster's secret (`pdserve.wire.ClusterSecret`),
-the channel is CURVE: the server takes messages only from the cluster's members.
+sent again after `commit` names it); REFUSED: taken whole, and refused (its transfer cannot go on: it
+was aborted there), the handler raising `Refused`; FAILED: the message could not be taken (the text
+says why). Only plain bytes cross the socket: no pickle. With the cluster's secret
+(`pdserve.wire.ClusterSecret`), the channel is CURVE: the server takes messages only from the
+cluster's members.
 
 Every wait is bounded: a send that the peer does not take within SEND_TIMEOUT_S (its queue full, or
 gone) fails the channel, and so does an answer that does not come in time. A client may be closed
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from pdserve.kv_transfer.interface import CorruptFrame, TransferError
+from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, FrameSink, TransferError
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:  # only its methods are used: pdserve.wire's own imports stay out of the transports
@@ -31,14 +33,30 @@ if TYPE_CHECKING:  # only its methods are used: pdserve.wire's own imports stay 
 
 log = logging.getLogger(__name__)
 
-OK, CORRUPT, FAILED = 0, 1, 2
+OK, CORRUPT, FAILED, REFUSED = 0, 1, 2, 3
 _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 
-# Takes a message's parts after [kind, seq]; raises CorruptFrame or TransferError to answer so.
+
+class Refused(TransferError):
+    """A handler took the whole message (a frame's payload off its wire too) and refuses it: whatever
+    else the message's sender shares with this side (a process group) stays in step."""
+
+
+# Takes a message's parts after [kind, seq]; raises CorruptFrame, Refused or TransferError to answer so.
 Handler = Callable[[bytes, list[zmq.Frame]], None]
+
+
+def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
+    """Hand a frame taken whole to the sink; the sink's refusal is answered REFUSED."""
+    try:
+        sink(header, payload)
+    except CorruptFrame:
+        raise
+    except TransferError as e:
+        raise Refused(str(e)) from e
 
 
 class ControlServer:
@@ -56,7 +74,7 @@ class ControlServer:
         self.address = f"tcp://{host}:{port}"
         self.failure: BaseException | None = None  # set if the loop itself died (every peer then times out)
         self.dropped = 0  # messages without kind and sequence number: not answered
-        self.refused = 0  # messages answered CORRUPT or FAILED
+        self.refused = 0  # messages answered CORRUPT, REFUSED or FAILED
         self._stopped = threading.Event()
         self._thread = start_guarded(f"kv-{name}-receiver", self._serve, self._crashed)
         log.info("KV %s receiver listening on %s", name, self.address)
@@ -85,6 +103,9 @@ class ControlServer:
         except CorruptFrame as e:
             self.refused += 1
             return CORRUPT, str(e)
+        except Refused as e:
+            self.refused += 1
+            return REFUSED, f"{type(e.__cause__ or e).__name__}: {e}"
         except Exception as e:  # one peer's bad message must not stop the loop for the others
             self.refused += 1
             if not isinstance(e, TransferError):
@@ -118,7 +139,8 @@ class ControlClient:
         self.closed = False
         self._next_seq = 0
         self.unanswered: dict[int, Any] = {}  # seq -> the tag it was sent with
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # the texts of REFUSED and FAILED answers
+        self.taken_whole = True  # no message answered FAILED (a message refused before it was taken)
         self.corrupt = 0
 
     def send(self, kind: bytes, parts: list[bytes | memoryview], tag: Any = None) -> int:
@@ -152,8 +174,9 @@ class ControlClient:
             tag = self.unanswered.pop(number, None)
             if status[0] == CORRUPT:
                 self.corrupt += 1
-            elif status[0] == FAILED:
+            elif status[0] in (FAILED, REFUSED):
                 self.failures.append(text.decode())
+                self.taken_whole = self.taken_whole and status[0] == REFUSED
             self.on_answer(tag)
         if self.failures:
             raise TransferError(f"KV receiver refused a message: {self.failures[0]}")

@@ -138,6 +138,9 @@ class GrpcChannel:
     def send(self, header: FrameHeader, payload: Payload) -> None:
         if self._ended:
             raise TransferError(f"transfer {self.transfer_id}: the stream is closed")
+        if self._call.done():  # the receiver ended it (a refused frame) or it broke: `finish` says why
+            self.finish(0)
+            raise TransferError(f"transfer {self.transfer_id}: the KV stream ended before its last frame")
         view = memoryview(payload).cast("B")
         for offset in range(0, max(view.nbytes, 1), PIECE_BYTES):
             fields = kv_transfer_pb2.KVFrame(
@@ -264,11 +267,17 @@ class _KVTransferService:
         return kv_transfer_pb2.KVAck(frames=frames, corrupt_frames=corrupt)
 
 
+# Each transfer's stream holds a server thread from its lease to its commit (the whole prompt pass):
+# a stream beyond them is not read until one ends, and its lease lapses meanwhile. As many as the
+# decode worker's actor takes calls at once (ACTOR_CONCURRENCY), so its transfers are not what runs out.
+STREAM_THREADS = 64
+
+
 class GrpcReceiver:
     name = "grpc"
 
     def __init__(self, sink: FrameSink, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                 max_workers: int = 16, secret: ClusterSecret | None = None) -> None:
+                 max_workers: int = STREAM_THREADS, secret: ClusterSecret | None = None) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=OPTIONS)
         self.service = _KVTransferService(sink, secret.token if secret is not None else None)
         self._server.add_generic_rpc_handlers([self.service.handler()])

@@ -5,8 +5,11 @@ on the pair's first transfer and torn down when the peer leaves (`forget`) or fa
 (rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
 channel; both construct the group at once and meet in the store. Each frame is then a control message
 (header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
-`recv` into a buffer and hands it to the sink. A pair whose transfer fails (peer gone, a refused
-frame) drops its group and forms a new one on its next transfer.
+`recv` into a buffer and hands it to the sink. A pair whose sends and receives may have fallen out
+of step (a frame unanswered, or refused before its receive; a send that failed; the peer gone) drops
+its group and forms a new one on its next transfer. A frame received whole and then refused by the
+sink (its transfer aborted there: a cancel, a request done at its first token) fails only its own
+transfer: the group stays, in step, for the pair's other transfers.
 
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
@@ -21,6 +24,7 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +33,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, notify
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -138,13 +142,7 @@ class P2PChannel:
         # second copy of the prompt's KV held on the GPU; a channel closed early leaves the group whole).
         with self.group.in_order:
             seq = self._post(header, tensor)
-            try:
-                self.control.wait(lambda: seq not in self.control.unanswered, GROUP_TIMEOUT_S)
-                work, _ = self._pending.pop()
-                work.wait(_timeout())
-            except (RuntimeError, TransferError) as e:
-                self.sender.drop_group(self.address, self.group)  # a send without its receive: unusable
-                raise TransferError(f"p2p frame to {self.address} failed: {e}") from e
+            self._settle(lambda: seq not in self.control.unanswered, GROUP_TIMEOUT_S)
 
     def _as_tensor(self, payload: Payload | torch.Tensor) -> torch.Tensor:
         """The payload as the group sends it. Tensors only on a device channel: a tensor's checksum
@@ -172,19 +170,30 @@ class P2PChannel:
         return seq
 
     def finish(self, timeout: float) -> None:
-        """The receiver's answers first: a frame it refused has no matching receive, so its send
-        would never complete; then the sends, which every accepted frame has completed."""
+        self._settle(lambda: not self.control.unanswered, timeout)
+
+    def _settle(self, answered: Callable[[], bool], timeout: float) -> None:
+        """Take the receiver's answers until `answered()`, then wait for the pending sends. A frame
+        refused before its receive was posted has a send that never completes: unless every answer
+        came and every frame was taken whole (received, if refused then), the group is dropped (the
+        next transfer to this peer forms a new one). A refusal is raised after the sends completed."""
+        refusal = None
         try:
-            self.control.wait(lambda: not self.control.unanswered, timeout)
+            try:
+                self.control.wait(answered, timeout)
+            except TransferError as e:
+                if not (answered() and self.control.taken_whole):
+                    raise
+                refusal = e  # every frame had its receive: the sends complete, the group stays in step
             for work, _ in self._pending:
                 work.wait(datetime.timedelta(seconds=timeout))  # with a timeout, NCCL's wait blocks too
         except (RuntimeError, TransferError) as e:
-            # Sends without receives (or a broken pair) leave the group unusable: the next transfer
-            # to this peer forms a new one.
             self.sender.drop_group(self.address, self.group)
             raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
         finally:
             self._pending.clear()
+        if refusal is not None:
+            raise refusal
 
     def close(self) -> None:
         if self._pending:  # not finished: sends may be left without receives
@@ -298,7 +307,7 @@ class P2PReceiver:
             except RuntimeError as e:  # the peer is gone or stalled: this group is done
                 self._groups.pop(group_id, None)
                 raise TransferError(f"p2p receive failed, group torn down: {e}") from e
-            self.sink(header, memoryview(buffer.numpy()) if self.device is None else buffer)
+            deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
 
     def stop(self) -> None:
         self._server.stop()

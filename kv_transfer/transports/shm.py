@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, notify
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, notify
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -150,9 +150,10 @@ class ShmChannel:
             self._closed = True
         self.control.close()  # a send waiting for a slot stops within one poll
         with self._lock:
-            if self.control.unanswered or self.segment.path is not None:
-                # Unanswered: the receiver may still read it. Never answered: it may not have mapped
-                # it, and the name is still linked. Either way: not reused, released on both sides.
+            if self.control.unanswered or self.segment.path is not None or not self.control.taken_whole:
+                # Unanswered: the receiver may still read it. Never answered, or a frame refused before
+                # it was taken (the receiver could not map the segment, whose name the answer unlinked):
+                # it may not have mapped it. Either way: not reused, released on both sides.
                 self.transport.release(self.address, self.segment)
             else:
                 self.transport.return_segment(self.address, self.segment)
@@ -249,13 +250,13 @@ class ShmReceiver:
             return
         header = FrameHeader.unpack(parts[0].buffer)
         if kind == INLINE:
-            self.sink(header, parts[1].buffer)
+            deliver(self.sink, header, parts[1].buffer)
         else:  # FRAME
             offset, length = _SLOT.unpack(parts[2].bytes)
             mapping = self._mapping(_segment_name(parts[1].bytes))
             if offset + length > len(mapping):
                 raise TransferError(f"slot [{offset}, {offset + length}) outside a segment of {len(mapping)} bytes")
-            self.sink(header, memoryview(mapping)[offset : offset + length])
+            deliver(self.sink, header, memoryview(mapping)[offset : offset + length])
 
     def _mapping(self, name: str) -> mmap.mmap:
         if name in self._maps:

@@ -137,6 +137,36 @@ def test_concurrent_transfers_to_one_receiver_each_arrive_whole(pair):
         assert [d for h, d in sink.frames if h.transfer_id == transfer_id] == sent[transfer_id]
 
 
+def test_a_transfer_the_receiver_refuses_leaves_the_others_to_it_whole(pair):
+    """The receiver refuses every frame of one transfer (aborted there: a cancel, a request done at
+    its first token) while another transfer to it goes on. The refused one's channel fails; the other
+    still arrives whole (torch.distributed: their shared process group stays, its sends and receives
+    in step; it was torn down, failing every transfer to that peer)."""
+    accepted = RecordingSink()
+
+    def sink(header, payload):
+        if header.transfer_id == "aborted":
+            raise TransferError("transfer aborted")
+        accepted(header, payload)
+
+    sender, receiver = pair(sink)
+    going_on, aborted = sender.open(receiver.address, "going-on"), sender.open(receiver.address, "aborted")
+    sent = []
+    for i in range(6):
+        header, data = frame(i, 3000, seed=i, device=going_on.device)
+        going_on.send(dataclasses.replace(header, transfer_id="going-on"), data)
+        sent.append(data.tobytes() if going_on.device is None else data.cpu().numpy().tobytes())
+        if i == 2:
+            with pytest.raises(TransferError, match="transfer aborted"):  # at the send (in lockstep) or finish
+                header, data = frame(i, 3000, seed=10 + i, device=aborted.device)
+                aborted.send(dataclasses.replace(header, transfer_id="aborted"), data)
+                aborted.finish(timeout=30)
+            aborted.close()
+    going_on.finish(timeout=30)
+    going_on.close()
+    assert [d for h, d in accepted.frames] == sent
+
+
 def test_a_receiver_that_is_gone_fails_the_channel_within_its_timeout():
     sink = RecordingSink()
     receiver = start_receiver("grpc", sink)
@@ -145,12 +175,32 @@ def test_a_receiver_that_is_gone_fails_the_channel_within_its_timeout():
     sender = make_sender("grpc")
     try:
         channel = sender.open(address, "t1")
-        channel.send(*frame(0, 100, seed=0))
-        with pytest.raises(TransferError):
+        with pytest.raises(TransferError):  # at a send once the stream has failed, or at the finish
+            channel.send(*frame(0, 100, seed=0))
             channel.finish(timeout=10)
         channel.close()
     finally:
         sender.close()
+
+
+def test_a_grpc_stream_the_receiver_ended_fails_the_next_send():
+    """The receiver ends a stream at its first frame (refused: the transfer was aborted there). The
+    sender's next send fails, saying why, instead of queueing the rest of the prompt's KV for a stream
+    nobody reads until the commit finds out."""
+    receiver, sender = start_receiver("grpc", RecordingSink(TransferError)), make_sender("grpc")
+    try:
+        channel = sender.open(receiver.address, "t1")
+        channel.send(*frame(0, 100, seed=0))
+        deadline = time.monotonic() + 10
+        while not channel._call.done():
+            assert time.monotonic() < deadline, "the receiver never ended the stream"
+            time.sleep(0.01)
+        with pytest.raises(TransferError, match="the sink says no"):
+            channel.send(*frame(1, 100, seed=1))
+        channel.close()
+    finally:
+        sender.close()
+        receiver.stop()
 
 
 def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
@@ -173,11 +223,12 @@ def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
         header, data = frame(0, 4096, seed=1)
         for name, sender in senders.items():
             channel = sender.open(receiver.address, "t1")
-            channel.send(header, data)
             if name == "member":
+                channel.send(header, data)
                 channel.finish(timeout=10)
             else:
-                with pytest.raises(TransferError):
+                with pytest.raises(TransferError):  # at a send once the stream has failed, or at the finish
+                    channel.send(header, data)
                     channel.finish(timeout=10)
             channel.close()
         assert sink.frames == [(header, data.tobytes())]  # only the member's frame got in
@@ -243,6 +294,40 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
         sender.close()
         receiver.stop()
     assert set(SHM_DIR.glob("pdserve-kv-*")) <= before
+
+
+def test_a_shm_segment_the_receiver_could_not_map_is_not_reused(monkeypatch):
+    """The receiver fails to map a new segment (out of file descriptors, say): that frame's answer
+    unlinks the segment's name all the same, so the segment is released, not pooled, and the next
+    transfer gets a fresh one (reused, every frame on it failed: the segment is gone)."""
+    from pdserve.kv_transfer.transports.shm import ShmReceiver
+
+    sink = RecordingSink()
+    receiver, sender = start_receiver("shm", sink), make_sender("shm")
+    original, failures = ShmReceiver._mapping, [1]
+
+    def mapping_fails_once(self, name):
+        if failures:
+            failures.pop()
+            raise OSError(24, "Too many open files")
+        return original(self, name)
+
+    monkeypatch.setattr(ShmReceiver, "_mapping", mapping_fails_once)
+    try:
+        channel = sender.open(receiver.address, "t1")
+        channel.send(*frame(0, 1000, seed=0))
+        with pytest.raises(TransferError, match="Too many open files"):
+            channel.finish(timeout=10)
+        channel.close()
+        channel = sender.open(receiver.address, "t1")
+        header, data = frame(1, 1000, seed=1)
+        channel.send(header, data)
+        channel.finish(timeout=10)
+        channel.close()
+        assert sink.frames == [(header, data.tobytes())]
+    finally:
+        sender.close()
+        receiver.stop()
 
 
 def test_shm_slots_come_back_whichever_thread_takes_the_answers():
