@@ -25,6 +25,7 @@ from helpers import wait_until
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
 from pdserve.engine.presets import resolve_model
+from pdserve.prefill_worker.worker import RESERVE_MARGIN_S
 from pdserve.router.client import Client, DeadlineExceeded, PDServeError
 from pdserve.wire import WorkRequest
 
@@ -399,7 +400,7 @@ def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_i
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
                                            kv_transfer={"reserve_wait_s": 1}) as (c, prefill, hung, healthy):
         on_worker(prefill, record_errors)
-        bound = c.manifest.kv_transfer.reserve_wait_s + 10  # RESERVE_MARGIN_S
+        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
         for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
             dispatch(prefill, prompt, hung, "queued-for-hung")
         assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \
@@ -429,7 +430,7 @@ def test_every_request_completes_through_the_router_while_a_decode_worker_leaves
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer={"reserve_wait_s": 1},
                                            router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
-        bound = c.manifest.kv_transfer.reserve_wait_s + 10  # RESERVE_MARGIN_S
+        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
         retries = c.router.stats.retries
         with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
             started = time.monotonic()
