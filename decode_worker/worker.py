@@ -67,7 +67,7 @@ class DecodeWorker:
         self.receiver = KVReceiver(self.loop, model_dir, lease_s=kv_settings.lease_s,
                                    reserve_wait_s=kv_settings.reserve_wait_s)
         self._receivers = [start_receiver(name, self.receiver.receive_frame, kv_settings.host, tls=kv_settings.tls,
-                                          secret=kv_settings.secret)
+                                          secret=kv_settings.secret, on_crash=self._receiver_crashed(name))
                            for name in kv_settings.receivers]
         self.kv_addresses = {r.name: r.address for r in self._receivers}
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -217,6 +217,10 @@ class DecodeWorker:
 
     def _on_loop_fatal(self, error: BaseException) -> None:
         self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
+
+    def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:
+        # Its senders would wait out every reservation: dead, so the supervisor starts it afresh.
+        return lambda error: self._on_fault(f"KV {transport} receiver failed: {type(error).__name__}: {error}")
 
     def _on_publisher_crash(self, error: BaseException) -> None:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")

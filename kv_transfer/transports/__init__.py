@@ -16,6 +16,7 @@ Transports move bytes: they know nothing of codecs, blocks or the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,13 +56,15 @@ def make_sender(name: str, host: str = "127.0.0.1", tls: dict[str, str] | None =
 
 
 def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                   secret: ClusterSecret | None = None) -> ReceivingTransport:
+                   secret: ClusterSecret | None = None,
+                   on_crash: Callable[[BaseException], None] = lambda error: None) -> ReceivingTransport:
     """Start the receiving half of transport `name`, listening on `host`; with `secret`, it takes
-    frames only from the cluster's members."""
+    frames only from the cluster's members. `on_crash` is told if its control loop dies (shm, gloo
+    and NCCL have one; gRPC's threads are grpcio's, each call failing on its own)."""
     if name == "shm":
         from pdserve.kv_transfer.transports.shm import ShmReceiver
 
-        return ShmReceiver(sink, host, secret)
+        return ShmReceiver(sink, host, secret, on_crash)
     if name == "grpc":
         from pdserve.kv_transfer.transports.grpc_stream import GrpcReceiver
 
@@ -69,5 +72,5 @@ def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dic
     if name in ("gloo", "nccl"):
         from pdserve.kv_transfer.transports.p2p import P2PReceiver
 
-        return P2PReceiver(sink, name, host, secret, _payload_device(name))
+        return P2PReceiver(sink, name, host, secret, _payload_device(name), on_crash)
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORT_NAMES)}")

@@ -9,6 +9,9 @@ says why). Only plain bytes cross the socket: no pickle. With the cluster's secr
 (`pdserve.wire.ClusterSecret`), the channel is CURVE: the server takes messages only from the
 cluster's members.
 
+The loop also runs its owner's `sweep` every SWEEP_S, busy or not: a receiving half releases there
+what senders that died left behind (they sent no goodbye).
+
 Every wait is bounded: a send that the peer does not take within SEND_TIMEOUT_S (its queue full, or
 gone) fails the channel, and so does an answer that does not come in time. A client may be closed
 from another thread (a cancel) while its owner waits: the owner's wait ends within one poll.
@@ -37,6 +40,7 @@ OK, CORRUPT, FAILED, REFUSED = 0, 1, 2, 3
 _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
+SWEEP_S = 5.0
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 
 
@@ -60,11 +64,16 @@ def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
 
 
 class ControlServer:
-    """The receiving half's ROUTER: one thread takes messages in arrival order and answers each."""
+    """The receiving half's ROUTER: one thread takes messages in arrival order and answers each, and
+    runs `sweep` every SWEEP_S. If that thread dies, `failure` says why and `on_crash` is told."""
 
-    def __init__(self, name: str, host: str, handle: Handler, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, name: str, host: str, handle: Handler, secret: ClusterSecret | None = None,
+                 sweep: Callable[[], None] = lambda: None,
+                 on_crash: Callable[[BaseException], None] = lambda error: None) -> None:
         self.name = name
         self._handle = handle
+        self._sweep = sweep
+        self._on_crash = on_crash
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -80,8 +89,12 @@ class ControlServer:
         log.info("KV %s receiver listening on %s", name, self.address)
 
     def _serve(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
         try:
             while not self._stopped.is_set():
+                if time.monotonic() >= next_sweep:
+                    self._sweep()
+                    next_sweep = time.monotonic() + SWEEP_S
                 if not self._socket.poll(POLL_MS):
                     continue
                 identity, *message = self._socket.recv_multipart(copy=False)
@@ -114,6 +127,7 @@ class ControlServer:
 
     def _crashed(self, error: BaseException) -> None:
         self.failure = error
+        self._on_crash(error)
 
     def stop(self) -> bool:
         """Stop the loop; whether it has ended (not while a handler is still busy)."""

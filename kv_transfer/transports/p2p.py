@@ -1,7 +1,11 @@
 """torch.distributed point-to-point between a prefill and a decode worker (gloo or NCCL), with pyzmq control.
 
 In the manner of vLLM's P2P-NCCL connector: a two-rank process group per worker pair, created lazily
-on the pair's first transfer and torn down when the peer leaves (`forget`) or fails. The sending half
+on the pair's first transfer and torn down when the peer leaves or fails. The sending half drops a
+decode worker's group when the cluster forgets its address (`forget`); the receiving half drops a
+group within SWEEP_S of its sender's death (the group's store, which lives in the sender as long as
+its side of the group, stops answering), so a prefill worker that died holds no group (for NCCL: no
+communicator on the GPU) in the decode workers it sent to. The sending half
 (rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
 channel; both construct the group at once and meet in the store. Each frame is then a control message
 (header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
@@ -20,12 +24,13 @@ what travels (`codecs.checksum`: a device payload's checksum is computed on the 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import struct
 import threading
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -38,8 +43,11 @@ from pdserve.kv_transfer.transports.control import ControlClient, ControlServer,
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
+log = logging.getLogger(__name__)
+
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+PEER_CHECK_TIMEOUT_S = 5.0  # a formed group's store not answering within this: its sender is gone
 JOIN, FRAME, LEAVE = b"J", b"F", b"L"
 _PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
 _TAG = struct.Struct("<I")
@@ -254,19 +262,28 @@ class P2PSender:
             self.forget(address)
 
 
+class _Joined(NamedTuple):
+    """The receiving side of one pair's process group."""
+
+    pg: dist.Backend
+    store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
+
+
 class P2PReceiver:
     """The receiving half: hands the sink a memoryview of host bytes, or (with a `device`) the
-    received tensor on it."""
+    received tensor on it. `on_crash` is told if its control loop dies."""
 
     def __init__(self, sink: FrameSink, backend: str = "gloo", host: str = "127.0.0.1",
-                 secret: ClusterSecret | None = None, device: torch.device | None = None) -> None:
+                 secret: ClusterSecret | None = None, device: torch.device | None = None,
+                 on_crash: Callable[[BaseException], None] = lambda error: None) -> None:
         check_backend(backend, device)
         self.sink = sink
         self.name = self.backend = backend
         self.host = host
         self.device = device
-        self._groups: dict[str, dist.Backend] = {}  # only the control thread touches it
-        self._server = ControlServer(backend, host, self._handle, secret)
+        self._groups: dict[str, _Joined] = {}  # only the control thread touches it
+        self._server = ControlServer(backend, host, self._handle, secret, sweep=self._drop_orphans,
+                                     on_crash=on_crash)
         self.address = self._server.address
 
     def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
@@ -288,14 +305,15 @@ class P2PReceiver:
                     group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
                 except RuntimeError as e:
                     raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
-            self._groups[group_id] = group
+            store.set_timeout(datetime.timedelta(seconds=PEER_CHECK_TIMEOUT_S))  # formed: now only asked if alive
+            self._groups[group_id] = _Joined(group, store)
         elif kind == LEAVE:
             self._groups.pop(_text(parts[0]), None)
         else:  # FRAME
             header = FrameHeader.unpack(parts[0].buffer)
             group_id = _text(parts[1])
-            group = self._groups.get(group_id)
-            if group is None:
+            joined = self._groups.get(group_id)
+            if joined is None:
                 raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
             (tag,) = _TAG.unpack(parts[2].bytes)
             if header.payload_bytes > MAX_FRAME_BYTES:
@@ -303,11 +321,22 @@ class P2PReceiver:
                 raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
             buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
             try:
-                group.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
+                joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
             except RuntimeError as e:  # the peer is gone or stalled: this group is done
                 self._groups.pop(group_id, None)
                 raise TransferError(f"p2p receive failed, group torn down: {e}") from e
             deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
+
+    def _drop_orphans(self) -> None:
+        """Drop the groups whose sender died (it sent no LEAVE): their store no longer answers."""
+        for group_id, joined in list(self._groups.items()):
+            try:
+                joined.store.check([group_id])
+            except RuntimeError as e:  # DistNetworkError: the connection is closed, or nobody answers
+                log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
+                         self.backend, group_id, str(e).splitlines()[0][:200])
+                del self._groups[group_id]
+                joined.pg.abort()  # NCCL's communicator goes now, not whenever the last reference does
 
     def stop(self) -> None:
         self._server.stop()

@@ -11,7 +11,8 @@ answered a message that used it (both have it mapped by then), so the memory goe
 mapping. The sender holds a lock on the file for the segment's whole life, and the lock dies with
 it: a sender killed before the unlink leaves a file nobody holds, which the next sender started on
 the node removes (`sweep_orphan_segments`); one killed after it leaves the receiver's mapping, which
-the receiver drops when it next maps a segment (a restarted sender's first frame does that). A
+the receiver drops within SWEEP_S (`control`), or sooner when it next maps a segment (a restarted
+sender's first frame does that). A
 channel takes a segment from its transport's pool for the peer and returns it when it closes with
 nothing unanswered, so sequential transfers reuse one mapping.
 """
@@ -27,6 +28,7 @@ import struct
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -232,12 +234,13 @@ class ShmSender:
 class ShmReceiver:
     name = "shm"
 
-    def __init__(self, sink: FrameSink, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
+    def __init__(self, sink: FrameSink, host: str = "127.0.0.1", secret: ClusterSecret | None = None,
+                 on_crash: Callable[[BaseException], None] = lambda error: None) -> None:
         self.sink = sink
         # name -> (mapping, an open file of it: its lock tells whether the sender lives); only the
         # control thread touches it
         self._maps: dict[str, tuple[mmap.mmap, int]] = {}
-        self._server = ControlServer("shm", host, self._handle, secret)
+        self._server = ControlServer("shm", host, self._handle, secret, sweep=self._unmap_orphans, on_crash=on_crash)
         self.address = self._server.address
 
     def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:

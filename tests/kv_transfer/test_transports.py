@@ -464,23 +464,29 @@ def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment(
         receiver.stop()
 
 
+def sending_child(transport: str, address: str) -> subprocess.Popen:
+    """A process that sends one frame to `address` over `transport`, says so, and waits to be killed."""
+    return subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
+                             "from pdserve.kv_transfer.interface import FrameHeader\n"
+                             "from pdserve.kv_transfer.transports import make_sender\n"
+                             f"channel = make_sender({transport!r}).open({address!r}, 't1')\n"
+                             "data = bytes(1000)\n"
+                             "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
+                             "channel.finish(10)\nprint('sent', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+
+
 def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mapped():
     """A sender SIGKILLed once its segment is mapped on both sides (the name already unlinked) never
     sends the release: the receiver drops that mapping when it next maps a segment (a restarted
     sender's first frame), and keeps the mappings of living senders."""
     receiver = start_receiver("shm", RecordingSink())
-    child = subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
-                              "from pdserve.kv_transfer.interface import FrameHeader\n"
-                              "from pdserve.kv_transfer.transports import make_sender\n"
-                              f"channel = make_sender('shm').open({receiver.address!r}, 't1')\n"
-                              "data = bytes(1000)\n"
-                              "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
-                              "channel.finish(10)\nprint(channel.segment.name, flush=True)\ntime.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
+    child = sending_child("shm", receiver.address)
     living, restarted = make_sender("shm"), make_sender("shm")
     channels = []
     try:
-        orphan = child.stdout.readline().strip()
+        assert child.stdout.readline().strip() == "sent"
+        (orphan,) = receiver._maps
         kept = living.open(receiver.address, "t2")
         channels.append(kept)
         kept.send(*frame(0, 1000, seed=1))
@@ -503,6 +509,70 @@ def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mappe
         living.close()
         restarted.close()
         receiver.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_receiver_lets_go_of_what_a_killed_sender_held_within_a_sweep(monkeypatch, transport):
+    """A sender SIGKILLed mid-life sends no goodbye (no shm release, no gloo LEAVE), and no other
+    sender comes: within a sweep of the receiver's control loop, its shared memory mapping or its
+    process group is gone. A living sender's is kept through the sweeps, and still delivers."""
+    from pdserve.kv_transfer.transports import control
+
+    monkeypatch.setattr(control, "SWEEP_S", 0.2)
+    sink = RecordingSink()
+    receiver = start_receiver(transport, sink)
+    held = (lambda: set(receiver._maps)) if transport == "shm" else (lambda: set(receiver._groups))
+    child, living = sending_child(transport, receiver.address), make_sender(transport)
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        orphan = held()
+        channel = living.open(receiver.address, "t2")
+        channel.send(*frame(0, 1000, seed=1))
+        channel.finish(10)
+        kept = held() - orphan
+        assert len(orphan) == len(kept) == 1
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while held() != kept and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held() == kept
+        time.sleep(3 * control.SWEEP_S)  # the living sender's survives more sweeps, and is used again
+        channel.send(*frame(1, 1000, seed=2))
+        channel.finish(10)
+        channel.close()
+        assert held() == kept and len(sink.frames) == 3
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+        living.close()
+        receiver.stop()
+
+
+def test_a_control_loop_that_dies_tells_its_owner(monkeypatch):
+    """The receiving half's control loop failing (here in its sweep) is not left to a log line: its
+    owner is told, so a decode worker reports itself dead and is restarted, instead of every sender
+    to it waiting out its reservations."""
+    from pdserve.kv_transfer.transports import control
+
+    monkeypatch.setattr(control, "SWEEP_S", 0.05)
+    told: list[BaseException] = []
+    crashed = threading.Event()
+
+    def sweep() -> None:
+        raise OSError("the sweep broke")
+
+    def on_crash(error: BaseException) -> None:
+        told.append(error)
+        crashed.set()
+
+    server = control.ControlServer("test", "127.0.0.1", lambda kind, parts: None, sweep=sweep, on_crash=on_crash)
+    try:
+        assert crashed.wait(5)
+        assert server.failure is told[0] and str(told[0]) == "the sweep broke"
+    finally:
+        server.stop()
 
 
 def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
