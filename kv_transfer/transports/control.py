@@ -1,7 +1,9 @@
 """The pyzmq control channel of the shared-memory and torch.distributed transports.
 
 Each sending channel has a DEALER socket connected to the receiving half's ROUTER. A message is
-`[kind, seq, *parts]`; the receiving half answers every one with `[seq, status, text]`, in order.
+`[kind, seq, *parts]`; the receiving half answers every one with `[seq, status, text]`: in order,
+unless its handler gives a message to a lane (`Deferred`: the torch.distributed transport's group
+per sender), whose answers come in order per lane.
 Status OK: handled; CORRUPT: the frame was damaged (the receiver counted and dropped it; its layer is
 sent again after `commit` names it); REFUSED: taken whole, and refused (its transfer cannot go on: it
 was aborted there), the handler raising `Refused`; FAILED: the message could not be taken (the text
@@ -23,7 +25,10 @@ import logging
 import struct
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -41,6 +46,7 @@ _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
 SWEEP_S = 5.0
+LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 
 
@@ -49,8 +55,9 @@ class Refused(TransferError):
     else the message's sender shares with this side (a process group) stays in step."""
 
 
-# Takes a message's parts after [kind, seq]; raises CorruptFrame, Refused or TransferError to answer so.
-Handler = Callable[[bytes, list[zmq.Frame]], None]
+# Takes a message's parts after [kind, seq]; returns None (answered OK) or the answer to come (`Deferred`);
+# raises CorruptFrame, Refused or TransferError to answer so.
+Handler = Callable[[bytes, list[zmq.Frame]], "Deferred | None"]
 
 
 def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
@@ -63,9 +70,27 @@ def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
         raise Refused(str(e)) from e
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A handler's answer to come: `work` runs on a thread of `lane`'s own (a lane takes its messages
+    one at a time, in arrival order; lanes run side by side), and its outcome answers the message. So
+    a message that waits on its peer (a process-group receive from a stalled sender) holds up only
+    its own lane, not the other peers'."""
+
+    lane: str
+    work: Callable[[], None]
+
+
+@dataclass
+class _Lane:
+    ready: threading.Condition  # on the server's lock: notified when a message joins `waiting`
+    waiting: deque[tuple[zmq.Frame, zmq.Frame, bytes, Callable[[], None]]] = field(default_factory=deque)
+
+
 class ControlServer:
-    """The receiving half's ROUTER: one thread takes messages in arrival order and answers each, and
-    runs `sweep` every SWEEP_S. If that thread dies, `failure` says why and `on_crash` is told."""
+    """The receiving half's ROUTER: one thread takes messages in arrival order and answers each (or
+    hands it to its lane: `Deferred`), and runs `sweep` every SWEEP_S. If that thread or a lane's
+    dies, `failure` says why and `on_crash` is told."""
 
     def __init__(self, name: str, host: str, handle: Handler, secret: ClusterSecret | None = None,
                  sweep: Callable[[], None] = lambda: None,
@@ -81,7 +106,19 @@ class ControlServer:
             secret.server(self._socket)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self.failure: BaseException | None = None  # set if the loop itself died (every peer then times out)
+        # Lanes' answers reach the loop over inproc: only the loop's thread uses the ROUTER.
+        # No high-water mark: a lane must never block on a send while it holds the lock the loop needs.
+        inproc = f"inproc://kv-{name}-answers-{uuid.uuid4().hex}"
+        self._lane_answers = self._context.socket(zmq.PULL)
+        self._answer_out = self._context.socket(zmq.PUSH)
+        for socket, option in ((self._lane_answers, zmq.RCVHWM), (self._answer_out, zmq.SNDHWM)):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(option, 0)
+        self._lane_answers.bind(inproc)
+        self._answer_out.connect(inproc)
+        self._lock = threading.Lock()  # the lanes, the counters and `_answer_out`
+        self._lanes: dict[str, _Lane] = {}  # those with a thread
+        self.failure: BaseException | None = None  # set if the loop or a lane died (its peers then time out)
         self.dropped = 0  # messages without kind and sequence number: not answered
         self.refused = 0  # messages answered CORRUPT, REFUSED or FAILED
         self._stopped = threading.Event()
@@ -89,49 +126,101 @@ class ControlServer:
         log.info("KV %s receiver listening on %s", name, self.address)
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._lane_answers, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_S
         try:
             while not self._stopped.is_set():
                 if time.monotonic() >= next_sweep:
                     self._sweep()
                     next_sweep = time.monotonic() + SWEEP_S
-                if not self._socket.poll(POLL_MS):
-                    continue
-                identity, *message = self._socket.recv_multipart(copy=False)
-                if len(message) < 2 or len(message[1].bytes) != _SEQ.size:
-                    self.dropped += 1
-                    log.warning("KV %s receiver: dropped a message of %d parts without kind and sequence number",
-                                self.name, len(message))
-                    continue
-                kind, seq, *parts = message
-                status, text = self._answer(kind.bytes, parts)
-                self._socket.send_multipart([identity, seq, bytes([status]), text.encode()])
+                ready = dict(poller.poll(POLL_MS))
+                if self._lane_answers in ready:
+                    self._forward_lane_answers()
+                if self._socket in ready:
+                    self._take(*self._socket.recv_multipart(copy=False))
         finally:
+            with self._lock:
+                self._answer_out.close()
+            self._lane_answers.close()
             self._socket.close()
 
-    def _answer(self, kind: bytes, parts: list[zmq.Frame]) -> tuple[int, str]:
+    def _take(self, identity: zmq.Frame, *message: zmq.Frame) -> None:
+        if len(message) < 2 or len(message[1].bytes) != _SEQ.size:
+            self.dropped += 1
+            log.warning("KV %s receiver: dropped a message of %d parts without kind and sequence number",
+                        self.name, len(message))
+            return
+        kind, seq, *parts = message
         try:
-            self._handle(kind, parts)
-            return OK, ""
-        except CorruptFrame as e:
-            self.refused += 1
-            return CORRUPT, str(e)
-        except Refused as e:
-            self.refused += 1
-            return REFUSED, f"{type(e.__cause__ or e).__name__}: {e}"
+            deferred = self._handle(kind.bytes, parts)
         except Exception as e:  # one peer's bad message must not stop the loop for the others
+            self._socket.send_multipart([identity, seq, *self._status(e, kind.bytes)])
+            return
+        if deferred is None:
+            self._socket.send_multipart([identity, seq, bytes([OK]), b""])
+            return
+        with self._lock:
+            lane = self._lanes.get(deferred.lane)
+            if lane is None:
+                lane = self._lanes[deferred.lane] = _Lane(threading.Condition(self._lock))
+                start_guarded(f"kv-{self.name}-lane", lambda: self._run_lane(deferred.lane, lane), self._crashed)
+            lane.waiting.append((identity, seq, kind.bytes, deferred.work))
+            lane.ready.notify()
+
+    def _run_lane(self, name: str, lane: _Lane) -> None:
+        """Run the lane's messages in order; end once none came for LANE_IDLE_S (a lane's thread
+        lives while its sender sends, not once per frame)."""
+        while True:
+            with self._lock:
+                lane.ready.wait_for(lambda: lane.waiting or self._stopped.is_set(), LANE_IDLE_S)
+                if not lane.waiting:
+                    del self._lanes[name]
+                    return
+                identity, seq, kind, work = lane.waiting.popleft()
+            try:
+                work()
+                answer = [bytes([OK]), b""]
+            except Exception as e:
+                answer = self._status(e, kind)
+            with self._lock:
+                if not self._answer_out.closed:  # else the loop has stopped: nobody is answered any more
+                    self._answer_out.send_multipart([identity, seq, *answer])
+
+    def _forward_lane_answers(self) -> None:
+        while True:
+            try:
+                answer = self._lane_answers.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._socket.send_multipart(answer)
+
+    def _status(self, error: Exception, kind: bytes) -> list[bytes]:
+        """The answer's [status, text] for a message whose handling raised `error`."""
+        with self._lock:
             self.refused += 1
-            if not isinstance(e, TransferError):
-                log.exception("KV %s receiver: message %r failed", self.name, kind)
-            return FAILED, f"{type(e).__name__}: {e}"
+        if isinstance(error, CorruptFrame):
+            status, text = CORRUPT, str(error)
+        elif isinstance(error, Refused):
+            status, text = REFUSED, f"{type(error.__cause__ or error).__name__}: {error}"
+        else:
+            if not isinstance(error, TransferError):
+                log.error("KV %s receiver: message %r failed", self.name, kind, exc_info=error)
+            status, text = FAILED, f"{type(error).__name__}: {error}"
+        return [bytes([status]), text.encode()]
 
     def _crashed(self, error: BaseException) -> None:
         self.failure = error
         self._on_crash(error)
 
     def stop(self) -> bool:
-        """Stop the loop; whether it has ended (not while a handler is still busy)."""
+        """Stop the loop; whether it has ended (not while a handler is still busy). A lane still
+        running (a receive waiting on its peer) ends on its own; its answer goes nowhere."""
         self._stopped.set()
+        with self._lock:
+            for lane in self._lanes.values():
+                lane.ready.notify()
         self._thread.join(timeout=5 * POLL_MS / 1000)
         return not self._thread.is_alive()
 

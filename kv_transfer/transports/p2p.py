@@ -5,15 +5,19 @@ on the pair's first transfer and torn down when the peer leaves or fails. The se
 decode worker's group when the cluster forgets its address (`forget`); the receiving half drops a
 group within SWEEP_S of its sender's death (the group's store, which lives in the sender as long as
 its side of the group, stops answering), so a prefill worker that died holds no group (for NCCL: no
-communicator on the GPU) in the decode workers it sent to. The sending half
-(rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join over the control
-channel; both construct the group at once and meet in the store. Each frame is then a control message
-(header, group, tag) followed by a tagged `send` of its bytes; the receiving half posts the matching
-`recv` into a buffer and hands it to the sink. A pair whose sends and receives may have fallen out
-of step (a frame unanswered, or refused before its receive; a send that failed; the peer gone) drops
-its group and forms a new one on its next transfer. A frame received whole and then refused by the
-sink (its transfer aborted there: a cancel, a request done at its first token) fails only its own
-transfer: the group stays, in step, for the pair's other transfers.
+communicator on the GPU) in the decode workers it sent to.
+
+The sending half (rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join
+over the control channel; both construct the group at once and meet in the store. Each frame is then
+a control message (header, group, tag) followed by a tagged `send` of its bytes; the receiving half
+posts the matching `recv` into a buffer and hands it to the sink. It forms each group and receives
+its frames on the group's own lane (a thread per sending peer: `control.Deferred`), so a sender that
+stalls mid-frame (frozen, or its NCCL kernel hung) holds up its own frames only, not other prefill
+workers'. A pair whose sends and receives may have fallen out of step (a frame unanswered, or
+refused before its receive; a send that failed; the peer gone) drops its group and forms a new one
+on its next transfer. A frame received whole and then refused by the sink (its transfer aborted
+there: a cancel, a request done at its first token) fails only its own transfer: the group stays, in
+step, for the pair's other transfers.
 
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
@@ -38,7 +42,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, notify
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, Deferred, deliver, notify
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -281,63 +285,82 @@ class P2PReceiver:
         self.name = self.backend = backend
         self.host = host
         self.device = device
-        self._groups: dict[str, _Joined] = {}  # only the control thread touches it
+        self._groups: dict[str, _Joined] = {}
+        self._lock = threading.Lock()  # `_groups`: the control thread and the groups' lanes use it
         self._server = ControlServer(backend, host, self._handle, secret, sweep=self._drop_orphans,
                                      on_crash=on_crash)
         self.address = self._server.address
 
-    def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> None:
+    def _handle(self, kind: bytes, parts: list[zmq.Frame]) -> Deferred:
+        """Check a message on the control thread; what waits on the sender (forming its group, a
+        frame's receive) runs on the group's lane, so a stalled sender holds up no other."""
         # The shape first: a malformed message is refused as such, not by an accident of parsing.
         if len(parts) != _PARTS.get(kind, -1) or (kind == FRAME and len(parts[2].bytes) != _TAG.size):
             raise TransferError(f"malformed p2p control message: kind {kind[:8]!r} with {len(parts)} parts")
+        group_id = _text(parts[1] if kind == FRAME else parts[0])
         if kind == JOIN:
-            group_id, store_address = _text(parts[0]), _text(parts[1])
-            store_host, _, port = store_address.rpartition(":")
+            store_host, _, port = _text(parts[1]).rpartition(":")
             peer = parts[0].get("Peer-Address")  # where the JOIN came from, as the socket saw it
             if store_host != peer:  # never dial an address a message names on someone else's behalf
                 raise TransferError(f"p2p JOIN from {peer} names a store on {store_host[:80]!r}")
             if not port.isdigit() or not 0 < int(port) < 65536:
                 raise TransferError(f"p2p JOIN names no valid store port: {port[:20]!r}")
-            store = dist.TCPStore(store_host, int(port), world_size=2, is_master=False, timeout=_timeout())
-            group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
-            if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
-                try:
-                    group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
-                except RuntimeError as e:
-                    raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
-            store.set_timeout(datetime.timedelta(seconds=PEER_CHECK_TIMEOUT_S))  # formed: now only asked if alive
-            self._groups[group_id] = _Joined(group, store)
-        elif kind == LEAVE:
-            self._groups.pop(_text(parts[0]), None)
-        else:  # FRAME
-            header = FrameHeader.unpack(parts[0].buffer)
-            group_id = _text(parts[1])
+            return Deferred(group_id, lambda: self._join(group_id, store_host, int(port)))
+        if kind == LEAVE:  # on the lane: after the group's JOIN, even one answered too late
+            return Deferred(group_id, lambda: self._drop(group_id))
+        header = FrameHeader.unpack(parts[0].buffer)
+        (tag,) = _TAG.unpack(parts[2].bytes)
+        with self._lock:
             joined = self._groups.get(group_id)
-            if joined is None:
-                raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
-            (tag,) = _TAG.unpack(parts[2].bytes)
-            if header.payload_bytes > MAX_FRAME_BYTES:
-                self._groups.pop(group_id, None)  # the stream cannot be resynchronised
-                raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
-            buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+        if joined is None:
+            raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
+        if header.payload_bytes > MAX_FRAME_BYTES:
+            self._drop(group_id)  # the stream cannot be resynchronised
+            raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
+        return Deferred(group_id, lambda: self._receive(group_id, joined, header, tag))
+
+    def _join(self, group_id: str, store_host: str, port: int) -> None:
+        store = dist.TCPStore(store_host, port, world_size=2, is_master=False, timeout=_timeout())
+        group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
+        if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
             try:
-                joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
-            except RuntimeError as e:  # the peer is gone or stalled: this group is done
-                self._groups.pop(group_id, None)
-                raise TransferError(f"p2p receive failed, group torn down: {e}") from e
-            deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
+                group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
+            except RuntimeError as e:
+                raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
+        store.set_timeout(datetime.timedelta(seconds=PEER_CHECK_TIMEOUT_S))  # formed: now only asked if alive
+        with self._lock:
+            self._groups[group_id] = _Joined(group, store)
+
+    def _receive(self, group_id: str, joined: _Joined, header: FrameHeader, tag: int) -> None:
+        with self._lock:
+            if self._groups.get(group_id) is not joined:  # torn down while the frame waited on the lane
+                raise TransferError(f"p2p group {group_id[:40]!r} was torn down")
+        buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
+        except RuntimeError as e:  # the peer is gone or stalled: this group is done
+            self._drop(group_id)
+            raise TransferError(f"p2p receive failed, group torn down: {e}") from e
+        deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
+
+    def _drop(self, group_id: str) -> None:
+        with self._lock:
+            self._groups.pop(group_id, None)
 
     def _drop_orphans(self) -> None:
         """Drop the groups whose sender died (it sent no LEAVE): their store no longer answers."""
-        for group_id, joined in list(self._groups.items()):
+        with self._lock:
+            groups = list(self._groups.items())
+        for group_id, joined in groups:
             try:
                 joined.store.check([group_id])
             except RuntimeError as e:  # DistNetworkError: the connection is closed, or nobody answers
                 log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
                          self.backend, group_id, str(e).splitlines()[0][:200])
-                del self._groups[group_id]
+                self._drop(group_id)
                 joined.pg.abort()  # NCCL's communicator goes now, not whenever the last reference does
 
     def stop(self) -> None:
         self._server.stop()
-        self._groups.clear()
+        with self._lock:
+            self._groups.clear()

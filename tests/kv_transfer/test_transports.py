@@ -379,9 +379,10 @@ def test_a_group_whose_join_is_answered_too_late_is_torn_down_on_both_sides(monk
     handle = receiver._server._handle
 
     def answer_late(kind, parts):
-        handle(kind, parts)
-        if kind == p2p.JOIN:
-            time.sleep(1.0)
+        deferred = handle(kind, parts)
+        if kind != p2p.JOIN:
+            return deferred
+        return p2p.Deferred(deferred.lane, lambda: (deferred.work(), time.sleep(1.0)))
 
     receiver._server._handle = answer_late
     sender = P2PSender("gloo", "127.0.0.1")
@@ -407,10 +408,10 @@ def test_a_peer_that_never_joins_its_group_holds_up_no_open_to_another_peer(monk
     handle, joined = silent._server._handle, threading.Event()
 
     def ignore_joins(kind, parts):
-        if kind == p2p.JOIN:
-            joined.set()
-        else:
-            handle(kind, parts)
+        if kind != p2p.JOIN:
+            return handle(kind, parts)
+        joined.set()
+        return None
 
     silent._server._handle = ignore_joins
     sender = P2PSender("gloo", "127.0.0.1")
@@ -438,6 +439,40 @@ def test_a_peer_that_never_joins_its_group_holds_up_no_open_to_another_peer(monk
         sender.close()
         silent.stop()
         answering.stop()
+
+
+def test_a_sender_stalled_mid_frame_holds_up_no_other_sender(monkeypatch):
+    """A prefill worker announces a frame and then stalls before sending its bytes (frozen, or its
+    NCCL kernel hung): the receiver's receive for it waits out the group timeout. Meanwhile another
+    sender forms its group with the same receiver and its frames arrive, each at once."""
+    from pdserve.kv_transfer.transports import p2p
+
+    monkeypatch.setattr(p2p, "GROUP_TIMEOUT_S", 6.0)
+    sink = RecordingSink()
+    receiver = P2PReceiver(sink, "gloo", "127.0.0.1")
+    stalled, other = P2PSender("gloo", "127.0.0.1"), P2PSender("gloo", "127.0.0.1")
+    try:
+        channel = stalled.open(receiver.address, "stalled")
+        header, _ = frame(0, 1000, seed=0)
+        # What `P2PChannel.send` announces first; the tagged send of the bytes never follows.
+        channel.control.send(p2p.FRAME, [header.pack(), channel.group.id.encode(), p2p._TAG.pack(channel.group.tag())])
+        time.sleep(0.2)  # the receiver is in that frame's receive
+        started = time.monotonic()
+        going_on = other.open(receiver.address, "going-on")
+        for layer in range(3):
+            going_on.send(*frame(layer, 1000, seed=layer))
+        going_on.finish(timeout=p2p.GROUP_TIMEOUT_S / 2)
+        took = time.monotonic() - started
+        going_on.close()
+        assert [h.layer for h, _ in sink.frames] == [0, 1, 2]
+        assert took < p2p.GROUP_TIMEOUT_S / 2, f"the other sender waited {took:.1f} s behind the stalled one"
+        with pytest.raises(TransferError, match="p2p receive failed"):  # the stalled frame's receive times out
+            channel.control.wait(lambda: not channel.control.unanswered, 2 * p2p.GROUP_TIMEOUT_S)
+        channel.close()
+    finally:
+        stalled.close()
+        other.close()
+        receiver.stop()
 
 
 def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment():
