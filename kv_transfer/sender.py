@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.kv_transfer.codecs import Codec, checksum
-from pdserve.kv_transfer.codecs.base import device_bytes, payload_nbytes
+from pdserve.kv_transfer.codecs import Codec, checksum, make_codec
+from pdserve.kv_transfer.codecs.base import Unrepresentable, device_bytes, payload_nbytes
 from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
@@ -170,7 +170,11 @@ class OutgoingTransfer:
         with off_the_compute_stream(self.kv_cache.data.device):
             # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.
             kv = read_kv(self.kv_cache, layer, block_ids, start, n, to_host=device is None or codec.name != "raw")
-            level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
+            try:
+                level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
+            except Unrepresentable:  # exact instead: the receiver takes raw frames in any transfer
+                codec, level = make_codec("raw", None, self.kv_cache.layout), 0
+                payload = codec.encode(kv, layer)
             header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
             self.channel.send(header, payload)
         self.frames_sent += 1

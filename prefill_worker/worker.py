@@ -67,7 +67,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.codecs import make_codec
+from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec
 from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, KVMemoryFull, Lease, LayerChannel,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -213,11 +213,11 @@ class PrefillWorker:
         self.reserve_wait_s = kv_settings.reserve_wait_s
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._transports: dict[str, Any] = {}  # name -> sending half, made on first use
-        self._making = threading.Lock()  # for the transports and codecs made on first use
+        self._making = threading.Lock()  # for the transports made on first use
         self._peer_addresses: dict[str, dict[str, str]] = {}  # decode worker -> where its last lease said it listens
         self._bandwidth: dict[str, float] = {}  # decode worker (node id + addresses) -> bytes/s, from probes
         self._level_sizes: dict[str, LevelSizes] = {}  # per codec
-        self._codecs: dict[str, Codec] = {}  # by name, as decode workers agreed to them
+        self._codecs = self._usable_codecs(kv_settings.codecs)  # by name, in the order they are offered
         self.counters: dict[str, int] = {"frames_resent": 0, "recomputed": 0, "recompute_chosen": 0,
                                          "leases_expired": 0, "reservations_unanswered": 0}
         self.metrics = TransferMetrics()
@@ -296,7 +296,7 @@ class PrefillWorker:
                                               SamplingParams.greedy(max_tokens=1), num_tokens),
                         timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
         layout = self.engine.kv_layout
-        raw = make_codec("raw", None, layout)
+        raw = self._codecs["raw"]
         first = lease.cached_blocks * layout.block_size
         data = torch.randn(2, num_tokens - first, layout.num_kv_heads, layout.head_dim).to(layout.dtype)
         channel = self._open_channel(lease, transfer_id)
@@ -495,7 +495,7 @@ class PrefillWorker:
             job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
         try:
             reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                    work.params, len(work.prompt_token_ids), list(self.kv.codecs))
+                                                    work.params, len(work.prompt_token_ids), list(self._codecs))
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
             job.started.set()
@@ -545,14 +545,23 @@ class PrefillWorker:
         for queued in self.queues.remove(lambda j: j.lane is lane):
             self._finish(queued, error=refusal, code=UNAVAILABLE)
 
+    def _usable_codecs(self, names: tuple[str, ...]) -> dict[str, Codec]:
+        """The manifest's codecs this worker can encode with (fp8 needs a torch with it, cachegen the
+        model's tables), and raw, which every decode worker falls back to: only these are offered, so
+        a decode worker never agrees to a codec this side would fail every transfer on."""
+        codecs = {}
+        for name in dict.fromkeys([*names, "raw"]):
+            try:
+                codecs[name] = make_codec(name, self.model_dir, self.engine.kv_layout)
+            except CodecUnavailable as e:
+                log.warning("KV codec %s is not offered: %s", name, e)
+        return codecs
+
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead
         (the controller expects that to be faster than sending it even at the coarsest level)."""
         layout = self.engine.kv_layout
-        with self._making:  # made once: cachegen's tables are read and its coders built here
-            codec = self._codecs.get(lease.codec)
-            if codec is None:
-                codec = self._codecs[lease.codec] = make_codec(lease.codec, self.model_dir, layout)
+        codec = self._codecs[lease.codec]  # one of those offered: the decode worker answers with one, or raw
         sizes = self._level_sizes.setdefault(codec.name, LevelSizes({}))
         deadline = job.arrived + self.kv.ttft_slo_s if self.kv.ttft_slo_s is not None else None
         controller = LevelController(codec, sizes, self._bandwidth.get(_peer(lease), DEFAULT_BANDWIDTH), deadline)

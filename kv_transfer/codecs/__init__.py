@@ -50,14 +50,15 @@ def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Cod
 
 def checksum(payload: Payload) -> int:
     """What every frame header carries: CRC32 of host bytes; for a tensor payload (on a GPU, for
-    NCCL), a position-weighted sum of its 32-bit words computed where it lives, so checking it never
-    copies the payload to the host. A frame is checksummed as it travels, so both sides agree."""
+    NCCL), an Adler-style pair of sums of its 32-bit words computed where it lives, so checking it
+    never copies the payload to the host. A frame is checksummed as it travels, so both sides agree."""
     if isinstance(payload, torch.Tensor):
         return _tensor_checksum(payload)
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
 
 
 _CHECKSUM_PASS_WORDS = 1 << 20  # bounds the int64 temporaries of one pass at 8 MiB each
+_CHECKSUM_MODULUS = 65521  # the largest prime below 2**16 (Adler-32's): no bit flip is a multiple of it
 
 
 def _tensor_checksum(payload: torch.Tensor) -> int:
@@ -68,11 +69,14 @@ def _tensor_checksum(payload: torch.Tensor) -> int:
     words = data.view(torch.int32)
     plain = torch.zeros((), dtype=torch.int64, device=words.device)
     weighted = torch.zeros_like(plain)
-    # Integer sums wrap the same way in any order, so every device (and any slicing into passes)
-    # gets the same answer; the weighted sum catches reordered words, which the plain sum cannot.
+    # Sums of the words and of the words weighted by position, modulo a prime: a word changed by any
+    # amount short of a multiple of the prime (every single flipped bit) changes the plain sum, and
+    # reordered words change the weighted one. Residues keep every product and pass sum far inside
+    # int64, so every device (and any slicing into passes) gets the same answer.
     for start in range(0, words.numel(), _CHECKSUM_PASS_WORDS):
-        chunk = words[start : start + _CHECKSUM_PASS_WORDS].to(torch.int64)
-        positions = torch.arange(start + 1, start + chunk.numel() + 1, dtype=torch.int64, device=words.device)
-        plain, weighted = plain + chunk.sum(), weighted + (chunk * positions).sum()
-    plain, weighted = int(plain), int(weighted)  # one wait for the device, at the end
-    return (plain ^ weighted ^ (weighted >> 32)) & 0xFFFFFFFF
+        residues = (words[start : start + _CHECKSUM_PASS_WORDS].to(torch.int64) & 0xFFFFFFFF) % _CHECKSUM_MODULUS
+        positions = torch.arange(start + 1, start + residues.numel() + 1, dtype=torch.int64,
+                                 device=words.device) % _CHECKSUM_MODULUS
+        plain = (plain + residues.sum()) % _CHECKSUM_MODULUS
+        weighted = (weighted + (residues * positions).sum()) % _CHECKSUM_MODULUS
+    return int(weighted) << 16 | int(plain)  # one wait for the device, at the end

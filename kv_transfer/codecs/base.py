@@ -12,6 +12,19 @@ class CodecUnavailable(RuntimeError):
     """A codec cannot be used here: unknown name, no torch support, or no matching tables for the model."""
 
 
+class Unrepresentable(ValueError):
+    """KV a codec cannot carry (int8 and fp8 scale each token by its absmax: inf or NaN has none).
+    The sender sends that frame raw, which every receiver takes whatever codec was agreed."""
+
+
+def rounded_like(bound: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """A bound on |x - decoded| for values decoded in float32, widened by their rounding to kv's
+    dtype (the engine's, which `decode` is asked for): half an ulp of |x| + bound at most."""
+    finfo = torch.finfo(kv.dtype)
+    magnitude = kv.detach().to("cpu", torch.float32).abs() + bound
+    return bound + magnitude * (finfo.eps / 2) + finfo.smallest_normal * finfo.eps / 2
+
+
 def payload_bytes(payload: Payload) -> np.ndarray:
     """A flat uint8 view of a payload's bytes (no copy of host bytes; a tensor on a device is copied
     to the host); read-only when the payload is."""

@@ -9,8 +9,8 @@ one for deltas, profiled offline on calibration text (`cachegen_profile`) and st
 (`cachegen_tables.npz`): nothing about the distributions travels with a frame.
 
 Payload: u32 number of escapes, the escaped values (float32), then the ANS words (u32). Error bound:
-|x - decoded| <= step / 2 for every element (`error_bound`), escaped values exact; inputs must be
-finite only in the sense that a non-finite value escapes and travels exact.
+|x - decoded| <= step / 2 for every element, plus the rounding to the engine's dtype (`error_bound`
+counts it); escaped values, non-finite ones included, exact.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pdserve.kv_transfer.codecs.base import (
     check_decode_level,
     check_encode_level,
     payload_bytes,
+    rounded_like,
 )
 from pdserve.kv_transfer.codecs.cachegen_quant import (
     Steps,
@@ -163,9 +164,9 @@ class CacheGenCodec:
         return Symbols(anchors, deltas.astype(np.int32, copy=False), escapes)
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
-        """The largest |x - decoded| of each channel, broadcastable to kv: [2, 1, heads, head_dim]."""
+        """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv."""
         step = np.maximum(self.tables.anchor_step[layer, level], self.tables.delta_step[layer, level])
-        return torch.from_numpy(step / 2).view(2, 1, self.layout.num_kv_heads, self.layout.head_dim)
+        return rounded_like(torch.from_numpy(step / 2).view(2, 1, self.layout.num_kv_heads, self.layout.head_dim), kv)
 
     def _channel_models(self, layer: int, level: int) -> list[list[tuple[object, object]]]:
         """[K/V][channel] -> (anchor model, delta model), built once per (layer, level)."""

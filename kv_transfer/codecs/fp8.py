@@ -2,8 +2,9 @@
 where torch has it.
 
 Error bound, from e4m3's 3 mantissa bits and its subnormal spacing of 2^-9 (scale = absmax / 448):
-|x - decoded| <= max(|x| / 16, scale / 1024) (plus float32 arithmetic and the rounding to the
-output dtype). Inputs must be finite.
+|x - decoded| <= max(|x| / 16, scale / 1024), plus the rounding to the engine's dtype
+(`error_bound` counts it) and float32 arithmetic. A token holding inf or NaN raises `Unrepresentable`
+(the sender sends that frame raw).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.kv_cache import KVLayout
-from pdserve.kv_transfer.codecs.base import CodecUnavailable
+from pdserve.kv_transfer.codecs.base import CodecUnavailable, rounded_like
 from pdserve.kv_transfer.codecs.scaled import TokenScaledCodec, token_scales
 
 
@@ -40,7 +41,7 @@ class Fp8Codec(TokenScaledCodec):
         return scaled.clamp_(-self.qmax, self.qmax)
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
-        """The largest |x - decoded| of each element: a tensor shaped like kv."""
+        """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv."""
         x = self.tokens(kv)
         scale = token_scales(x, self.qmax)[..., None]
-        return torch.maximum(x.abs() / 16, scale / 1024).view(kv.shape)
+        return rounded_like(torch.maximum(x.abs() / 16, scale / 1024).view(kv.shape), kv)

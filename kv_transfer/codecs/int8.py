@@ -1,13 +1,15 @@
 """The `int8` codec: per-token absmax scaling (`scaled`) into int8.
 
-Error bound: |x - decoded| <= scale / 2 = absmax / 254 for every element of the token (plus float32
-arithmetic and the rounding to the output dtype). Inputs must be finite.
+Error bound: |x - decoded| <= scale / 2 = absmax / 254 for every element of the token, plus the
+rounding to the engine's dtype (`error_bound` counts it) and float32 arithmetic. A token holding inf or
+NaN raises `Unrepresentable` (the sender sends that frame raw).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.kv_transfer.codecs.base import rounded_like
 from pdserve.kv_transfer.codecs.scaled import TokenScaledCodec, token_scales
 
 
@@ -20,5 +22,5 @@ class Int8Codec(TokenScaledCodec):
         return torch.round(scaled).clamp_(-self.qmax, self.qmax)  # integral already: the cast is exact
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
-        """The largest |x - decoded| each element may have, broadcastable to kv: [2, n, 1, 1]."""
-        return (token_scales(self.tokens(kv), self.qmax) / 2)[..., None, None]
+        """The largest |x - decoded| each element may have, decoded in kv's dtype: shaped like kv."""
+        return rounded_like((token_scales(self.tokens(kv), self.qmax) / 2)[..., None, None], kv)

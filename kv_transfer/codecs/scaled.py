@@ -19,6 +19,7 @@ from pdserve.kv_transfer.codecs.base import (
     check_encode_level,
     expect_size,
     payload_bytes,
+    Unrepresentable,
 )
 from pdserve.kv_transfer.interface import Payload
 
@@ -42,6 +43,8 @@ class TokenScaledCodec(ABC):
         check_encode_level(self.name, level, self.num_levels)
         x = self.tokens(kv)
         scale = token_scales(x, self.qmax)
+        if not bool(torch.isfinite(scale).all()):  # a token holding inf or NaN: its absmax is too
+            raise Unrepresentable(f"{self.name} cannot carry non-finite KV")
         scale_bytes = scale.numel() * 4
         out = np.empty(scale_bytes + x.numel(), dtype=np.uint8)
         bytes_as_tensor(out[:scale_bytes], torch.float32).copy_(scale.reshape(-1))
@@ -65,6 +68,7 @@ class TokenScaledCodec(ABC):
 
 
 def token_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
-    """[2, n] float32: each token's absmax / qmax, or 1 where the token is all zeros."""
+    """[2, n] float32: each token's absmax / qmax, or 1 where the token is all zeros (inf or NaN
+    where it holds one)."""
     scale = x.abs().amax(dim=2) / qmax
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale == 0, torch.ones_like(scale), scale)

@@ -196,18 +196,29 @@ def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(clus
 
 
 def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
-    def offer(self, codecs):
-        self.kv = dataclasses.replace(self.kv, codecs=tuple(codecs))
+    def offer_unknown(self):
+        """Offer first a codec the decode worker does not know, as a newer prefill worker could."""
+        self.test_codecs = self._codecs
+        self._codecs = {"no-such-codec": self._codecs["raw"], **self._codecs}
 
     prefill = worker(cluster, "prefill")
-    on_worker(prefill, offer, ["no-such-codec", "cachegen"])  # cachegen: this model has no tables
+    on_worker(prefill, offer_unknown)
     try:
         prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=35)[0]
         assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
         assert last_transfer(cluster)["codec"] == "raw"
     finally:
-        on_worker(prefill, offer, ["raw"])
+        on_worker(prefill, lambda self: setattr(self, "_codecs", self.test_codecs))
     assert_idle(cluster)
+
+
+def test_a_prefill_worker_offers_only_the_codecs_it_can_encode_with(cluster):
+    """A decode worker that can decode a codec this side cannot build (cachegen without the model's
+    tables here, fp8 with a torch that lacks it there) would otherwise agree to it and fail every
+    transfer: such codecs are left out of the offer, raw always in it."""
+    offered = on_worker(worker(cluster, "prefill"),
+                        lambda self: list(self._usable_codecs(("no-such-codec", "cachegen", "int8"))))
+    assert offered == ["int8", "raw"]  # cachegen: this model has no tables
 
 
 def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):

@@ -55,15 +55,21 @@ def test_a_payload_on_a_device_decodes_as_its_host_bytes_do(name, tables_dir):
         assert torch.equal(from_host, kv) and c.decode(received, 1, 0, 23, torch.float32).data_ptr() == received.data_ptr()
 
 
-def test_a_tensor_payloads_checksum_catches_a_flipped_bit_and_swapped_words():
+def test_a_tensor_payloads_checksum_catches_every_flipped_bit_and_swapped_words():
     data = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 4099, dtype=np.uint8))  # not whole words
     base = checksum(data)
     assert checksum(data.clone()) == base and 0 <= base < 2**32
-    flipped = data.clone()
-    flipped[4098] ^= 1
+    missed = []
+    for byte in [*range(16), *range(2048, 2056), *range(4091, 4099)]:  # words at the start, middle and end
+        for bit in range(8):
+            flipped = data.clone()
+            flipped[byte] ^= 1 << bit
+            if checksum(flipped) == base:
+                missed.append((byte, bit))
+    assert not missed, f"flipped bits the checksum did not catch: {missed}"
     swapped = data.clone()
     swapped[0:4], swapped[4:8] = data[4:8].clone(), data[0:4].clone()
-    assert checksum(flipped) != base and checksum(swapped) != base
+    assert checksum(swapped) != base
     assert checksum(data[1:]) == checksum(data[1:].clone())  # a view at an unaligned offset
 
 
@@ -85,14 +91,17 @@ def test_raw_kv_on_a_gpu_stays_there_with_the_checksum_its_bytes_have_on_the_cpu
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "cachegen"])
 @pytest.mark.parametrize("num_tokens", [1, 9, 10, 11, 300])
-def test_lossy_codecs_stay_within_their_bound(name, num_tokens, tables_dir):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lossy_codecs_stay_within_their_bound(name, num_tokens, dtype, tables_dir):
+    """Decoded in the engine's dtype (the KV's), as the receiver asks, every element is within the
+    codec's stated bound."""
     c = codec(name, tables_dir)
     for level in range(c.num_levels):
         for layer in range(LAYOUT.num_layers):
-            kv = synthetic_kv(num_tokens, seed=7 + layer)
-            out = c.decode(memoryview(c.encode(kv, layer, level)), layer, level, num_tokens, torch.float32)
-            assert out.shape == kv.shape
-            error = (out - kv).abs()
+            kv = synthetic_kv(num_tokens, seed=7 + layer).to(dtype)
+            out = c.decode(memoryview(c.encode(kv, layer, level)), layer, level, num_tokens, dtype)
+            assert out.shape == kv.shape and out.dtype == dtype
+            error = (out.float() - kv.float()).abs()  # exact: not rounded to dtype again
             bound = c.error_bound(kv, layer, level) * (1 + 1e-5) + 1e-6  # float32 arithmetic
             assert bool((error <= bound).all()), f"{name} level {level} layer {layer}: {float((error - bound).max())}"
 

@@ -219,6 +219,37 @@ def hand_off(prefill: LLMEngine, receiver: KVReceiver, prompt: list[int], transf
     return held, channel.bytes_sent
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_kv_a_scaled_codec_cannot_carry_travels_raw_and_exact(sides, hf_reference, codec):
+    """A token whose KV holds inf or NaN has no absmax to scale by: the frames holding one go raw,
+    so they land exactly as they are (not as a token of garbage), and every other frame in the
+    agreed codec."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 64, 64, seed=10)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff = prefill.export_handoff(request_id)
+    receiver.reserve("t1", request_id, handoff.prompt_token_ids, handoff.params, len(prompt), codecs=[codec])
+    seq, layers = prefill.requests[request_id], prefill.kv_layout.num_layers
+    slots = prefill.kv_cache.token_slots(seq.block_table, 0, len(prompt))
+    poisoned = prefill.kv_cache.read_tokens(1, slots)
+    poisoned[0, 3, 0, 1], poisoned[1, 40, 0, 0] = float("inf"), float("nan")  # frames [0, 32) and [32, 64)
+    prefill.kv_cache.write_tokens(1, slots, poisoned)
+    headers = []
+    channel = DirectChannel(lambda header, payload: (headers.append(header), receiver.receive_frame(header, payload)))
+    outgoing = OutgoingTransfer("t1", channel, LevelController(make_codec(codec, None, prefill.kv_layout),
+                                                               LevelSizes({}), 1e9, None),
+                                prefill.kv_cache, 0, len(prompt), frame_tokens=32)
+    for layer in range(layers):
+        outgoing.send_through(layer, seq.block_table, len(prompt))
+    assert [(h.layer, h.codec) for h in headers] == [(layer, "raw" if layer == 1 else codec)
+                                                     for layer in range(layers) for _ in range(2)]
+    arrived = decode.kv_cache.read_tokens(1, decode.kv_cache.token_slots(
+        receiver._get("t1").reservation.block_ids, 0, len(prompt)))
+    torch.testing.assert_close(arrived, poisoned, rtol=0, atol=0, equal_nan=True)
+    receiver.abort("t1", "done")
+    prefill.release(request_id)
+
+
 @pytest.mark.parametrize("arch", TEST_PRESETS)
 def test_every_family_hands_off_exactly_sends_only_the_missing_prefix_and_takes_lossy_codecs(
         model_dirs, hf_reference, arch):
