@@ -51,14 +51,17 @@ class Transfer:
     def advance(self, new: TransferState, error: str | None = None) -> bool:
         """Move to `new`; False (and no change) when already there. Raises on an illegal move."""
         with self._lock:
-            if new == self.state:
-                return False
-            if new not in _ALLOWED[self.state]:
-                raise IllegalTransition(f"transfer {self.transfer_id}: {self.state.value} -> {new.value}")
-            self.state = new
-            self.error = error if new == TransferState.FAILED else self.error
-            self.events[new.value] = time.time()
-            return True
+            return self._move(new, error)
+
+    def _move(self, new: TransferState, error: str | None) -> bool:  # under `_lock`
+        if new == self.state:
+            return False
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"transfer {self.transfer_id}: {self.state.value} -> {new.value}")
+        self.state = new
+        self.error = error if new == TransferState.FAILED else self.error
+        self.events[new.value] = time.time()
+        return True
 
     def advance_unless_finished(self, new: TransferState) -> bool:
         """`advance`, but a transfer that already ended (aborted meanwhile) stays as it is: False."""
@@ -68,8 +71,7 @@ class Transfer:
             return False
 
     def fail(self, error: str) -> bool:
-        """Fail unless already finished; True when this call did it (so cleanup runs once)."""
+        """Fail unless already finished; True when this call did it (so cleanup runs once). One hold
+        of the lock: a commit landing between the check and the move must not make it raise."""
         with self._lock:
-            if self.state.is_terminal:
-                return False
-        return self.advance(TransferState.FAILED, error)
+            return not self.state.is_terminal and self._move(TransferState.FAILED, error)

@@ -519,6 +519,37 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
+class CommitOnFirstRelease:
+    """A transfer's lock that lets its commit in the moment the lock is first released: a commit
+    landing in the middle of whatever took it (the race at its widest)."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer, self.lock, self.armed, self.committed = transfer, threading.Lock(), True, None
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        if self.armed:
+            self.armed = False  # the commit takes the lock too
+            self.committed = self.transfer.advance_unless_finished(TransferState.SUCCESS)
+
+
+def test_a_failure_racing_the_commit_wins_or_loses_quietly():
+    """A cancel or lease expiry fails the transfer while its commit moves it to success: one of
+    them wins, and the loser is told so (False), never by an exception halfway through its cleanup
+    (the prefill worker's `_finish` would leave the request's blocks held)."""
+    t = Transfer("t", "r")
+    t.advance(TransferState.RESERVED)
+    t._lock = CommitOnFirstRelease(t)
+    assert t.fail("cancelled") and t._lock.committed is False and t.state == TransferState.FAILED
+    t = Transfer("t", "r")
+    t.advance(TransferState.RESERVED)
+    t.advance(TransferState.SUCCESS)
+    assert not t.fail("cancelled") and t.state == TransferState.SUCCESS
+
+
 def test_state_machine_rejects_illegal_moves():
     t = Transfer("t", "r")
     with pytest.raises(IllegalTransition):
