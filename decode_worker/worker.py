@@ -84,7 +84,7 @@ class DecodeWorker:
         return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
                 "model_digest": self.model_digest, "kv_addresses": self.kv_addresses, **engine.kv_status(),
                 "requests": len(engine.requests),
-                "transfers": self.receiver.num_in_flight, "kv_transfer": dict(self.receiver.counters),
+                "transfers": self.receiver.num_in_flight, "kv_transfer": self.receiver.counts(),
                 "alive": self.fault is None and self.loop.running, "fault": self.fault,
                 "step_cost": engine.step_costs.coefficients.as_tuple(),
                 "step_budget": engine.config.max_num_batched_tokens, "profiled": self._profiled}

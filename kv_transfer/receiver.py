@@ -74,7 +74,8 @@ class KVReceiver:
         self.aborted = Tombstones()
         # frames, corrupt_frames, refused_frames (dropped: no open transfer, or one the frame cannot
         # belong to), recomputed, bytes, cached_blocks
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()  # under `_counting`: frames arrive on many threads at once
+        self._counting = threading.Lock()
         self._codecs: dict[str, Codec | None] = {}  # by name; None: cannot be used here
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
@@ -85,7 +86,7 @@ class KVReceiver:
         transfer = Transfer(transfer_id, request_id)
         codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
-            reservation = self._reserve_blocks(request_id, prompt_token_ids, params, num_kv_tokens)
+            reservation = self._reserve_blocks(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens)
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
@@ -95,7 +96,7 @@ class KVReceiver:
                              np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
         with self._lock:
             self._incoming[transfer_id] = incoming
-        self.counters["cached_blocks"] += reservation.cached_blocks
+        self._count("cached_blocks", reservation.cached_blocks)
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
             raise TransferError(f"request {request_id!r} was aborted")
@@ -115,11 +116,13 @@ class KVReceiver:
                 return self._codecs[name]
         raise AssertionError("raw is always available")
 
-    def _reserve_blocks(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        num_kv_tokens: int) -> ImportReservation:
+    def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, num_kv_tokens: int) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
         while True:
-            if request_id in self.aborted:
+            # Either tombstone: the prefill side ends a transfer on its own (a request done at its
+            # first token, a preemption) by the transfer's id, and nothing aborts the request here.
+            if request_id in self.aborted or transfer_id in self.aborted:
                 raise TransferError(f"request {request_id!r} was aborted")
             try:
                 return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens),
@@ -138,32 +141,32 @@ class KVReceiver:
         try:
             incoming = self._get(header.transfer_id)
         except TransferError:
-            self.counters["refused_frames"] += 1
+            self._count("refused_frames")
             raise
         try:
             kv = self._decode(incoming, header, payload)
         except CorruptFrame as e:
-            self.counters["corrupt_frames"] += 1
+            self._count("corrupt_frames")
             log.warning("transfer %s: frame of layer %d at token %d dropped: %s", header.transfer_id,
                         header.layer, header.start_token, e)
             raise
         except TransferError as e:
-            self.counters["refused_frames"] += 1
+            self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
             raise
         slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
         with incoming.lock:
             if not incoming.takes_frames or incoming.transfer.state.is_terminal:
-                self.counters["refused_frames"] += 1
+                self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
             self.kv_cache.write_tokens(header.layer, slots, kv)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
+            incoming.transfer.bytes_moved += payload.nbytes
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-        incoming.transfer.bytes_moved += payload.nbytes
         incoming.expires_at = time.time() + self.lease_s
-        self.counters["frames"] += 1
-        self.counters["bytes"] += payload.nbytes
+        self._count("frames")
+        self._count("bytes", payload.nbytes)
 
     def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
         """The frame's KV, checked; CorruptFrame for damaged bytes, TransferError for a frame that
@@ -219,7 +222,7 @@ class KVReceiver:
         try:
             self.loop.call(admit, kind="kv")
             if recompute:
-                self.counters["recomputed"] += 1
+                self._count("recomputed")
                 log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
@@ -265,8 +268,17 @@ class KVReceiver:
         with self._lock:
             late = [t for t, inc in self._incoming.items() if inc.expires_at < now]
         expired = [t for t in late if self.abort(t, "lease expired")]
-        self.counters["leases_expired"] += len(expired)
+        self._count("leases_expired", len(expired))
         return expired
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._counting:
+            self.counters[name] += amount
+
+    def counts(self) -> dict[str, int]:
+        """The counters as they stand (frames, bytes, refused, corrupt, recomputed, ...)."""
+        with self._counting:
+            return dict(self.counters)
 
     @property
     def num_in_flight(self) -> int:

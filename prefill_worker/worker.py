@@ -687,7 +687,7 @@ class PrefillWorker:
                 if outgoing is not None:
                     outgoing.channel.finish(COMMIT_TIMEOUT_S)
                     job.delivered_at = job.delivered_at or time.time()
-                    self._renew(job)
+                self._renew(job)  # the commit has its own bound (a recompute job sent nothing to renew it)
                 incomplete = ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, recompute),
                                      timeout=COMMIT_TIMEOUT_S)
                 self._renew(job)
@@ -727,7 +727,9 @@ class PrefillWorker:
 
     def _resend(self, job: _Job, layers: list[int], block_ids: list[int]) -> None:
         if not job.transfer.state.is_terminal:  # a commit that gave up waiting ended it: its blocks are freed
+            self._renew(job)  # frames flowing again are progress, as the first time
             job.outgoing.resend_layers(layers, block_ids)
+            self._renew(job)
 
     def _reopen_channel(self, job: _Job) -> bool:
         """Replace the job's finished channel (a finished stream takes no more frames) with a fresh one;
@@ -750,6 +752,11 @@ class PrefillWorker:
                 return
             del self._jobs[job.request_id]
             job.state = "done"
+        if error is not None and job.transfer is not None and job.transfer.state is TransferState.SUCCESS:
+            # Committed (a lease expiry or a fault landing just after): the request is the decode
+            # worker's now, and nothing failed; an error would have the router redo it.
+            log.info("request %s: %s, after its commit: ignored", job.request_id, error)
+            error = None
         if error is not None:
             log.warning("request %s: %s", job.request_id, error)
         if job.transfer is not None and job.transfer.fail(error or reason):  # from here on no frame is sent

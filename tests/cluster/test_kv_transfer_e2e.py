@@ -195,6 +195,29 @@ def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(clus
     assert_idle(cluster)
 
 
+def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_reference):
+    """The prefill worker's lease thread (or a fault) finishes a job the moment after its commit
+    succeeded: the request is the decode worker's by then, so the client gets no error and the router
+    redoes nothing."""
+    def expire_after_the_commit(self):
+        ended = self.metrics.ended  # called once the commit has succeeded, before the job is finished
+
+        def expire_then_end(*args, **kwargs):
+            self.metrics.ended = ended
+            for job in list(self._jobs.values()):
+                self._finish(job, error="lease expired (injected just after the commit)")
+            return ended(*args, **kwargs)
+
+        self.metrics.ended = expire_then_end
+
+    retries = cluster.router.stats.retries
+    on_worker(worker(cluster, "prefill"), expire_after_the_commit)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=38)[0]
+    assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    assert cluster.router.stats.retries == retries
+    assert_idle(cluster)
+
+
 def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
     def offer_unknown(self):
         """Offer first a codec the decode worker does not know, as a newer prefill worker could."""

@@ -373,6 +373,25 @@ def test_a_waiting_reservation_is_granted_when_blocks_free_up(sides):
     assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
 
 
+def test_a_reservation_waiting_for_blocks_ends_when_its_transfer_is_aborted(sides):
+    """The prefill side gives up on a transfer whose reservation waits for room (its request ended at
+    its first token): the abort names the transfer, not the request, and the wait ends at once."""
+    _, decode, receiver, _ = sides
+    receiver.reserve_wait_s = 10
+    held = fill_pool(receiver, decode)
+    abort = threading.Timer(0.3, receiver.abort, args=("big-t", "done at its first token"))
+    abort.start()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="was aborted"):
+        receiver.reserve("big-t", "big", [5] * 1000, GREEDY, 1000)
+    assert time.monotonic() - t0 < 3
+    abort.join()
+    for lease in held:
+        receiver.abort(lease.transfer_id, "test over")
+    assert receiver.num_in_flight == 0
+    assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
+
+
 def test_an_abort_that_overtakes_its_reservation_wins(sides):
     _, decode, receiver, _ = sides
     assert not receiver.abort_request("early", "cancelled before the reservation arrived")
