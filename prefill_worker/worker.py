@@ -764,8 +764,10 @@ class PrefillWorker:
             if error is not None:  # a cancel is no failure of the transfer
                 self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")
         if job.outgoing is not None:  # a committed transfer's channel is finished: nothing to drain
+            # Failed or ended early, its frames in flight are answered first (refused: the decode side
+            # aborted it), so its shm segment is reused and a gloo/NCCL pair's group stays for the others.
             ended_early = job.transfer.state is not TransferState.SUCCESS
-            self._close_channel(job.outgoing.channel, job.lane if error is None and ended_early else None)
+            self._close_channel(job.outgoing.channel, job.lane if ended_early else None)
         request_id = job.request_id
         self.loop.post(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:

@@ -107,6 +107,57 @@ def test_requests_ending_at_their_first_token_leave_their_shm_segment_to_the_nex
     assert on_worker(prefill, segments_made) - made <= 1
 
 
+def test_transfers_failed_mid_prompt_leave_their_shm_segment_to_the_next(cluster, hf_reference):
+    """A job that fails with frames in flight (here preempted after its first layer went out: its
+    prefill worker's KV memory full) drains its channel like one that ended early, so the next
+    transfer reuses the segment (for gloo and NCCL: the pair's group stays, and the other transfers
+    to that decode worker with it)."""
+    def preempt_after_layer_0(self, times: int) -> None:
+        push, self.test_preempted = self._push_layer, []
+
+        def push_then_preempt(layer, chunks):
+            push(layer, chunks)
+            for chunk in chunks if layer == 1 and len(self.test_preempted) < times else []:
+                prompt = tuple(chunk.seq.prompt_token_ids)
+                if prompt not in self.test_preempted:  # its retry (another request id) goes through
+                    self.test_preempted.append(prompt)
+                    self._on_preempted(chunk.seq.request_id)
+
+        self.engine.runner.layer_hook = push_then_preempt
+        self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", push)
+
+    def receive_slowly(self) -> None:
+        """Each frame takes the decode worker 0.2 s: layer 0's is still unanswered at the preemption."""
+        decode_frame = self.receiver._decode
+
+        def slow(*args):
+            time.sleep(0.2)
+            return decode_frame(*args)
+
+        self.receiver._decode = slow
+        self.test_restore = lambda: vars(self.receiver).pop("_decode") and None
+
+    def segments_made(self) -> int:
+        return self._transports["shm"].segments_made
+
+    prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
+    prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 200, 200, seed=47)
+    generate(cluster, prompts[0])
+    made, retries = on_worker(prefill, segments_made), cluster.router.stats.retries
+    on_worker(prefill, preempt_after_layer_0, 4)
+    on_worker(decode, receive_slowly)
+    try:
+        for prompt in prompts[1:5]:  # each preempted once, then placed afresh and completed
+            assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    finally:
+        on_worker(prefill, lambda self: self.test_restore())
+        on_worker(decode, lambda self: self.test_restore())
+    assert cluster.router.stats.retries == retries + 4
+    assert_idle(cluster)
+    # Before, each failed job's channel closed with its frames unanswered: 4 segments made.
+    assert on_worker(prefill, segments_made) - made <= 1
+
+
 def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
     before = counters(cluster, "prefill"), counters(cluster, "decode")
     on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
@@ -212,7 +263,7 @@ def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_refere
 
     retries = cluster.router.stats.retries
     on_worker(worker(cluster, "prefill"), expire_after_the_commit)
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=38)[0]
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=48)[0]
     assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     assert cluster.router.stats.retries == retries
     assert_idle(cluster)
