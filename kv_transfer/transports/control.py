@@ -84,7 +84,8 @@ class Deferred:
 @dataclass
 class _Lane:
     ready: threading.Condition  # on the server's lock: notified when a message joins `waiting`
-    waiting: deque[tuple[zmq.Frame, zmq.Frame, bytes, Callable[[], None]]] = field(default_factory=deque)
+    # (identity, seq, kind, work) of each message; identity None for a chore, which answers nobody
+    waiting: deque[tuple[zmq.Frame | None, zmq.Frame | None, bytes, Callable[[], None]]] = field(default_factory=deque)
 
 
 class ControlServer:
@@ -161,13 +162,21 @@ class ControlServer:
         if deferred is None:
             self._socket.send_multipart([identity, seq, bytes([OK]), b""])
             return
+        self._queue(deferred.lane, (identity, seq, kind.bytes, deferred.work))
+
+    def _queue(self, name: str, item: tuple[zmq.Frame | None, zmq.Frame | None, bytes, Callable[[], None]]) -> None:
         with self._lock:
-            lane = self._lanes.get(deferred.lane)
+            lane = self._lanes.get(name)
             if lane is None:
-                lane = self._lanes[deferred.lane] = _Lane(threading.Condition(self._lock))
-                start_guarded(f"kv-{self.name}-lane", lambda: self._run_lane(deferred.lane, lane), self._crashed)
-            lane.waiting.append((identity, seq, kind.bytes, deferred.work))
+                lane = self._lanes[name] = _Lane(threading.Condition(self._lock))
+                start_guarded(f"kv-{self.name}-lane", lambda: self._run_lane(name, lane), self._crashed)
+            lane.waiting.append(item)
             lane.ready.notify()
+
+    def run_on_lane(self, name: str, work: Callable[[], None]) -> None:
+        """Run `work` on lane `name`, in order with its messages, answering nobody (the owner's own
+        chores: what may wait on a peer stays off the loop's thread)."""
+        self._queue(name, (None, None, b"", work))
 
     def _run_lane(self, name: str, lane: _Lane) -> None:
         """Run the lane's messages in order; end once none came for LANE_IDLE_S (a lane's thread
@@ -179,6 +188,9 @@ class ControlServer:
                     del self._lanes[name]
                     return
                 identity, seq, kind, work = lane.waiting.popleft()
+            if identity is None:  # a chore (`run_on_lane`): it handles its own failures
+                work()
+                continue
             try:
                 work()
                 answer = [bytes([OK]), b""]

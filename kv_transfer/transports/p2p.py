@@ -3,8 +3,9 @@
 In the manner of vLLM's P2P-NCCL connector: a two-rank process group per worker pair, created lazily
 on the pair's first transfer and torn down when the peer leaves or fails. The sending half drops a
 decode worker's group when the cluster forgets its address (`forget`); the receiving half drops a
-group within SWEEP_S of its sender's death (the group's store, which lives in the sender as long as
-its side of the group, stops answering), so a prefill worker that died holds no group (for NCCL: no
+group within SWEEP_S of its sender's death (its connection to the group's store, which lives in the
+sender as long as its side of the group, breaks; each check runs on the group's lane, as a frozen
+sender's store never answers), so a prefill worker that died holds no group (for NCCL: no
 communicator on the GPU) in the decode workers it sent to.
 
 The sending half (rank 0) hosts the group's TCPStore and asks the receiving half (rank 1) to join
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
-PEER_CHECK_TIMEOUT_S = 5.0  # a formed group's store not answering within this: its sender is gone
 JOIN, FRAME, LEAVE = b"J", b"F", b"L"
 _PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
 _TAG = struct.Struct("<I")
@@ -286,7 +286,9 @@ class P2PReceiver:
         self.host = host
         self.device = device
         self._groups: dict[str, _Joined] = {}
-        self._lock = threading.Lock()  # `_groups`: the control thread and the groups' lanes use it
+        self._checking: set[str] = set()  # groups whose sender's liveness check is queued or running
+        self._stopped = False
+        self._lock = threading.Lock()  # the above: the control thread and the groups' lanes use them
         self._server = ControlServer(backend, host, self._handle, secret, sweep=self._drop_orphans,
                                      on_crash=on_crash)
         self.address = self._server.address
@@ -327,9 +329,11 @@ class P2PReceiver:
                 group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
             except RuntimeError as e:
                 raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
-        store.set_timeout(datetime.timedelta(seconds=PEER_CHECK_TIMEOUT_S))  # formed: now only asked if alive
         with self._lock:
-            self._groups[group_id] = _Joined(group, store)
+            if not self._stopped:
+                self._groups[group_id] = _Joined(group, store)
+                return
+        group.abort()  # formed as the receiver stopped: nothing would ever drop it
 
     def _receive(self, group_id: str, joined: _Joined, header: FrameHeader, tag: int) -> None:
         with self._lock:
@@ -348,19 +352,31 @@ class P2PReceiver:
             self._groups.pop(group_id, None)
 
     def _drop_orphans(self) -> None:
-        """Drop the groups whose sender died (it sent no LEAVE): their store no longer answers."""
+        """Look for groups whose sender died (it sent no LEAVE): each on its group's lane, since the
+        store of a sender that is frozen, or on a host lost without a reset, never answers at all."""
         with self._lock:
-            groups = list(self._groups.items())
-        for group_id, joined in groups:
+            due = [(group_id, joined) for group_id, joined in self._groups.items() if group_id not in self._checking]
+            self._checking.update(group_id for group_id, _ in due)
+        for group_id, joined in due:
+            self._server.run_on_lane(group_id, lambda group_id=group_id, joined=joined: self._check(group_id, joined))
+
+    def _check(self, group_id: str, joined: _Joined) -> None:
+        try:
+            joined.store.check([group_id])
+        except RuntimeError as e:  # DistNetworkError: its connection is closed
+            log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
+                     self.backend, group_id, (str(e).splitlines() or ["no reason given"])[0][:200])
+            self._drop(group_id)
             try:
-                joined.store.check([group_id])
-            except RuntimeError as e:  # DistNetworkError: the connection is closed, or nobody answers
-                log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
-                         self.backend, group_id, str(e).splitlines()[0][:200])
-                self._drop(group_id)
                 joined.pg.abort()  # NCCL's communicator goes now, not whenever the last reference does
+            except RuntimeError as abort_failed:  # it errored already: the reference going frees it
+                log.warning("KV %s receiver: aborting group %s failed: %s", self.backend, group_id, abort_failed)
+        finally:
+            with self._lock:
+                self._checking.discard(group_id)
 
     def stop(self) -> None:
         self._server.stop()
         with self._lock:
+            self._stopped = True
             self._groups.clear()

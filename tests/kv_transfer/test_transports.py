@@ -585,6 +585,42 @@ def test_a_receiver_lets_go_of_what_a_killed_sender_held_within_a_sweep(monkeypa
         receiver.stop()
 
 
+def test_a_frozen_sender_holds_up_no_other_sender_between_frames(monkeypatch):
+    """A prefill worker frozen (SIGSTOP) with its group formed and nothing in flight: its store never
+    answers the receiver's liveness check, which must not hold up the others' groups and frames. Once
+    it is killed, its group goes."""
+    from pdserve.kv_transfer.transports import control
+
+    monkeypatch.setattr(control, "SWEEP_S", 0.2)
+    sink = RecordingSink()
+    receiver = start_receiver("gloo", sink)
+    child, other = sending_child("gloo", receiver.address), make_sender("gloo")
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        (frozen,) = receiver._groups
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3 * control.SWEEP_S)  # its check is under way, and waits
+        started = time.monotonic()
+        channel = other.open(receiver.address, "t2")
+        for layer in range(3):
+            channel.send(*frame(layer, 1000, seed=layer))
+        channel.finish(timeout=5)
+        channel.close()
+        assert time.monotonic() - started < 5 and len(sink.frames) == 4
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while frozen in receiver._groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert frozen not in receiver._groups and len(receiver._groups) == 1
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+        other.close()
+        receiver.stop()
+
+
 def test_a_control_loop_that_dies_tells_its_owner(monkeypatch):
     """The receiving half's control loop failing (here in its sweep) is not left to a log line: its
     owner is told, so a decode worker reports itself dead and is restarted, instead of every sender
