@@ -553,8 +553,9 @@ class PrefillWorker:
         for name in dict.fromkeys([*names, "raw"]):
             try:
                 codecs[name] = make_codec(name, self.model_dir, self.engine.kv_layout)
-            except CodecUnavailable as e:
-                log.warning("KV codec %s is not offered: %s", name, e)
+            except Exception as e:  # unknown, unsupported, or its tables unreadable: not offered, the worker serves
+                level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
+                log.log(level, "KV codec %s is not offered: %s: %s", name, type(e).__name__, e)
         return codecs
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
@@ -752,14 +753,16 @@ class PrefillWorker:
                 return
             del self._jobs[job.request_id]
             job.state = "done"
-        if error is not None and job.transfer is not None and job.transfer.state is TransferState.SUCCESS:
+        failed = job.transfer is not None and job.transfer.fail(error or reason)  # from here on no frame is sent
+        if error is not None and not failed and job.transfer is not None \
+                and job.transfer.state is TransferState.SUCCESS:
             # Committed (a lease expiry or a fault landing just after): the request is the decode
             # worker's now, and nothing failed; an error would have the router redo it.
             log.info("request %s: %s, after its commit: ignored", job.request_id, error)
             error = None
         if error is not None:
             log.warning("request %s: %s", job.request_id, error)
-        if job.transfer is not None and job.transfer.fail(error or reason):  # from here on no frame is sent
+        if failed:
             job.decode.abort_transfer.remote(job.transfer.transfer_id, error or reason)
             if error is not None:  # a cancel is no failure of the transfer
                 self.metrics.ended(job.transport, job.lease.codec if job.lease else "none", "failed")

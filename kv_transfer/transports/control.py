@@ -188,8 +188,11 @@ class ControlServer:
                     del self._lanes[name]
                     return
                 identity, seq, kind, work = lane.waiting.popleft()
-            if identity is None:  # a chore (`run_on_lane`): it handles its own failures
-                work()
+            if identity is None:  # a chore (`run_on_lane`): nobody to answer, so its failure is logged
+                try:
+                    work()
+                except Exception:
+                    log.exception("KV %s receiver: a chore on lane %s failed", self.name, name)
                 continue
             try:
                 work()

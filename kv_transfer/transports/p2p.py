@@ -12,13 +12,15 @@ The sending half (rank 0) hosts the group's TCPStore and asks the receiving half
 over the control channel; both construct the group at once and meet in the store. Each frame is then
 a control message (header, group, tag) followed by a tagged `send` of its bytes; the receiving half
 posts the matching `recv` into a buffer and hands it to the sink. It forms each group and receives
-its frames on the group's own lane (a thread per sending peer: `control.Deferred`), so a sender that
-stalls mid-frame (frozen, or its NCCL kernel hung) holds up its own frames only, not other prefill
-workers'. A pair whose sends and receives may have fallen out of step (a frame unanswered, or
-refused before its receive; a send that failed; the peer gone) drops its group and forms a new one
-on its next transfer. A frame received whole and then refused by the sink (its transfer aborted
-there: a cancel, a request done at its first token) fails only its own transfer: the group stays, in
-step, for the pair's other transfers.
+its frames on the group's own lane (a thread per sending peer: `control.Deferred`), so with gloo a
+sender that stalls mid-frame (frozen) holds up its own frames only, not other prefill workers'. Not
+yet with NCCL: every lane's receive waits on the device's default CUDA stream, so one stuck NCCL
+receive can hold the others up to its timeout (a stream per group would close that; untested, no GPU
+here). A pair whose sends and receives may have fallen out of step (a frame unanswered, or refused
+before its receive; a send that failed; the peer gone) drops its group and forms a new one on its
+next transfer. A frame received whole and then refused by the sink (its transfer aborted there: a
+cancel, a request done at its first token) fails only its own transfer: the group stays, in step,
+for the pair's other transfers.
 
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
@@ -376,7 +378,13 @@ class P2PReceiver:
                 self._checking.discard(group_id)
 
     def stop(self) -> None:
+        with self._lock:  # first: a JOIN finishing from here on aborts its group instead of keeping it
+            self._stopped = True
         self._server.stop()
         with self._lock:
-            self._stopped = True
-            self._groups.clear()
+            joined, self._groups = list(self._groups.values()), {}
+        for group in joined:
+            try:
+                group.pg.abort()  # NCCL's communicators go now, not with the last reference
+            except RuntimeError:
+                pass  # it had failed already

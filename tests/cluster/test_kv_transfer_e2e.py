@@ -25,6 +25,7 @@ from helpers import wait_until
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
 from pdserve.engine.presets import resolve_model
+from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
 from pdserve.prefill_worker.worker import RESERVE_MARGIN_S
 from pdserve.router.client import Client, DeadlineExceeded, PDServeError
 from pdserve.wire import WorkRequest
@@ -286,13 +287,22 @@ def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
     assert_idle(cluster)
 
 
-def test_a_prefill_worker_offers_only_the_codecs_it_can_encode_with(cluster):
+def test_a_prefill_worker_offers_only_the_codecs_it_can_encode_with(cluster, tmp_path):
     """A decode worker that can decode a codec this side cannot build (cachegen without the model's
     tables here, fp8 with a torch that lacks it there) would otherwise agree to it and fail every
-    transfer: such codecs are left out of the offer, raw always in it."""
-    offered = on_worker(worker(cluster, "prefill"),
-                        lambda self: list(self._usable_codecs(("no-such-codec", "cachegen", "int8"))))
-    assert offered == ["int8", "raw"]  # cachegen: this model has no tables
+    transfer: such codecs are left out of the offer, raw always in it. An unreadable tables file
+    leaves cachegen out too, and the worker serves (it is built as the worker starts)."""
+    def usable(self, names: tuple[str, ...], model_dir: str | None = None) -> list[str]:
+        kept, self.model_dir = self.model_dir, model_dir or self.model_dir
+        try:
+            return list(self._usable_codecs(names))
+        finally:
+            self.model_dir = kept
+
+    prefill = worker(cluster, "prefill")
+    assert on_worker(prefill, usable, ("no-such-codec", "cachegen", "int8")) == ["int8", "raw"]  # no tables here
+    (tmp_path / TABLES_FILE).write_bytes(b"not the tables")
+    assert on_worker(prefill, usable, ("cachegen", "int8"), str(tmp_path)) == ["int8", "raw"]
 
 
 def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):
