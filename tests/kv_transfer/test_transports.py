@@ -499,6 +499,13 @@ def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment(
         receiver.stop()
 
 
+def kill(child: subprocess.Popen) -> None:
+    """SIGKILL a child process of the test (stopped or not) unless it has ended, and reap it."""
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+
+
 def sending_child(transport: str, address: str) -> subprocess.Popen:
     """A process that sends one frame to `address` over `transport`, says so, and waits to be killed."""
     return subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
@@ -527,8 +534,7 @@ def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mappe
         kept.send(*frame(0, 1000, seed=1))
         kept.finish(10)
         assert {orphan, kept.segment.name} <= set(receiver._maps)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
+        kill(child)
         channel = restarted.open(receiver.address, "t3")
         channels.append(channel)
         channel.send(*frame(0, 1000, seed=2))
@@ -536,9 +542,7 @@ def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mappe
         assert orphan not in receiver._maps
         assert {kept.segment.name, channel.segment.name} <= set(receiver._maps)
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(10)
+        kill(child)
         for channel in channels:
             channel.close()
         living.close()
@@ -566,8 +570,7 @@ def test_a_receiver_lets_go_of_what_a_killed_sender_held_within_a_sweep(monkeypa
         channel.finish(10)
         kept = held() - orphan
         assert len(orphan) == len(kept) == 1
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
+        kill(child)
         deadline = time.monotonic() + 10
         while held() != kept and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -578,9 +581,7 @@ def test_a_receiver_lets_go_of_what_a_killed_sender_held_within_a_sweep(monkeypa
         channel.close()
         assert held() == kept and len(sink.frames) == 3
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(10)
+        kill(child)
         living.close()
         receiver.stop()
 
@@ -607,16 +608,13 @@ def test_a_frozen_sender_holds_up_no_other_sender_between_frames(monkeypatch):
         channel.finish(timeout=5)
         channel.close()
         assert time.monotonic() - started < 5 and len(sink.frames) == 4
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
+        kill(child)
         deadline = time.monotonic() + 10
         while frozen in receiver._groups and time.monotonic() < deadline:
             time.sleep(0.05)
         assert frozen not in receiver._groups and len(receiver._groups) == 1
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(10)
+        kill(child)
         other.close()
         receiver.stop()
 
@@ -658,8 +656,7 @@ def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
     try:
         orphan = SHM_DIR / child.stdout.readline().strip()
     finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
+        kill(child)
     living = _Segment(slots=1, slot_bytes=4096)
     try:
         assert orphan.is_file() and living.path.is_file()
