@@ -20,7 +20,7 @@ the last layer a commit thread commits the handoff (first token included); layer
 reports incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
 recomputes the request from its tokens. When the controller expects that recomputation to be faster
 than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
-(a job ended early without error, once its frames in flight are answered, so the channel's resources
+(a job ended early, failed or not, once its frames in flight are answered, so the channel's resources
 are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
 failure, tells the router why. A cancel (`abort`) is honoured in every state.
 
@@ -754,8 +754,7 @@ class PrefillWorker:
             del self._jobs[job.request_id]
             job.state = "done"
         failed = job.transfer is not None and job.transfer.fail(error or reason)  # from here on no frame is sent
-        if error is not None and not failed and job.transfer is not None \
-                and job.transfer.state is TransferState.SUCCESS:
+        if error is not None and job.transfer is not None and job.transfer.state is TransferState.SUCCESS:
             # Committed (a lease expiry or a fault landing just after): the request is the decode
             # worker's now, and nothing failed; an error would have the router redo it.
             log.info("request %s: %s, after its commit: ignored", job.request_id, error)

@@ -45,7 +45,7 @@ OK, CORRUPT, FAILED, REFUSED = 0, 1, 2, 3
 _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
-SWEEP_S = 5.0
+SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 

@@ -331,11 +331,12 @@ class P2PReceiver:
                 group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
             except RuntimeError as e:
                 raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
+        joined = _Joined(group, store)
         with self._lock:
             if not self._stopped:
-                self._groups[group_id] = _Joined(group, store)
+                self._groups[group_id] = joined
                 return
-        group.abort()  # formed as the receiver stopped: nothing would ever drop it
+        self._abort(group_id, joined)  # formed as the receiver stopped: nothing would ever drop it
 
     def _receive(self, group_id: str, joined: _Joined, header: FrameHeader, tag: int) -> None:
         with self._lock:
@@ -369,22 +370,23 @@ class P2PReceiver:
             log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
                      self.backend, group_id, (str(e).splitlines() or ["no reason given"])[0][:200])
             self._drop(group_id)
-            try:
-                joined.pg.abort()  # NCCL's communicator goes now, not whenever the last reference does
-            except RuntimeError as abort_failed:  # it errored already: the reference going frees it
-                log.warning("KV %s receiver: aborting group %s failed: %s", self.backend, group_id, abort_failed)
+            self._abort(group_id, joined)
         finally:
             with self._lock:
                 self._checking.discard(group_id)
+
+    def _abort(self, group_id: str, joined: _Joined) -> None:
+        """End a group this side dropped: NCCL's communicator goes now, not with the last reference."""
+        try:
+            joined.pg.abort()
+        except RuntimeError as e:  # it had failed already: the reference going frees it
+            log.warning("KV %s receiver: aborting group %s failed: %s", self.backend, group_id, e)
 
     def stop(self) -> None:
         with self._lock:  # first: a JOIN finishing from here on aborts its group instead of keeping it
             self._stopped = True
         self._server.stop()
         with self._lock:
-            joined, self._groups = list(self._groups.values()), {}
-        for group in joined:
-            try:
-                group.pg.abort()  # NCCL's communicators go now, not with the last reference
-            except RuntimeError:
-                pass  # it had failed already
+            groups, self._groups = self._groups, {}
+        for group_id, joined in groups.items():
+            self._abort(group_id, joined)
