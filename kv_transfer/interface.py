@@ -2,8 +2,9 @@
 
 A transfer moves the KV of the tokens the decode worker does not already hold, layer by layer, as
 frames: one frame carries tokens [start, start + num_tokens) of one layer's K and V (positions in
-the request's prompt), encoded by one codec at one quality level, with a checksum of the encoded
-bytes (CRC32; for a payload on a GPU, one computed there: `codecs.checksum`).
+the request's prompt), encoded by one codec at one quality level, with a checksum of the header's
+other fields and the encoded bytes (CRC32; for a payload on a GPU, one computed there:
+`codecs.frame_checksum`).
 
 The receiving side (`receiver.KVReceiver`) grants a `Lease` and takes frames through a `FrameSink`,
 whichever transport brought them; the sending side opens a `LayerChannel` per transfer and sends
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -47,7 +48,7 @@ class FrameHeader:
     num_tokens: int
     codec: str
     level: int
-    crc32: int
+    crc32: int  # `codecs.frame_checksum`: of the other fields (`covered`) and the payload
     payload_bytes: int
 
     _FIXED = struct.Struct("<IIIHIQ")  # layer, start, num_tokens, level, crc32, payload_bytes
@@ -57,6 +58,10 @@ class FrameHeader:
         names = f"{self.transfer_id}\0{self.codec}".encode()
         return self._FIXED.pack(self.layer, self.start_token, self.num_tokens, self.level, self.crc32,
                                 self.payload_bytes) + names
+
+    def covered(self) -> bytes:
+        """The fields the checksum covers besides the payload: all but the checksum itself."""
+        return replace(self, crc32=0).pack()
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> FrameHeader:

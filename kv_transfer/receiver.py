@@ -35,7 +35,7 @@ from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, checksum, make_codec
+from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, frame_checksum, make_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
@@ -171,8 +171,8 @@ class KVReceiver:
     def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
         """The frame's KV, checked; CorruptFrame for damaged bytes, TransferError for a frame that
         could not belong to this transfer."""
-        if payload.nbytes != header.payload_bytes or checksum(payload) != header.crc32:
-            raise CorruptFrame(f"checksum mismatch on layer {header.layer}")
+        if payload.nbytes != header.payload_bytes or frame_checksum(header, payload) != header.crc32:
+            raise CorruptFrame(f"checksum mismatch on a frame of layer {header.layer} (its header or its bytes)")
         if not 0 <= header.layer < self.layout.num_layers:
             raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
         if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \

@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.kv_transfer.codecs import Codec, checksum, make_codec
+from pdserve.kv_transfer.codecs import Codec, frame_checksum, make_codec
 from pdserve.kv_transfer.codecs.base import Unrepresentable, device_bytes, payload_nbytes
 from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
 
@@ -83,11 +83,10 @@ class LevelController:
 def make_frame(transfer_id: str, layer: int, start: int, num_tokens: int, codec: str, level: int, payload: Payload,
                device: torch.device | None) -> tuple[FrameHeader, Payload]:
     """A frame's header and its payload as it travels: host bytes, or a uint8 tensor on `device` (the
-    channel's); the checksum is taken of exactly that."""
+    channel's); the checksum is taken of exactly that, and of the header's other fields."""
     travelling = memoryview(payload).cast("B") if device is None else device_bytes(payload, device)
-    header = FrameHeader(transfer_id, layer, start, num_tokens, codec, level, checksum(travelling),
-                         payload_nbytes(travelling))
-    return header, travelling
+    header = FrameHeader(transfer_id, layer, start, num_tokens, codec, level, 0, payload_nbytes(travelling))
+    return replace(header, crc32=frame_checksum(header, travelling)), travelling
 
 
 @contextmanager

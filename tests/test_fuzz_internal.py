@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import struct
 import time
-import zlib
 from collections import Counter
 
 import grpc
@@ -27,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.kv_events import KVEvent, KVEventBatch, parse_kv_event_batch
+from pdserve.kv_transfer.codecs import frame_checksum
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
 from pdserve.proto.pdserve.v1 import kv_transfer_pb2
 from pdserve.router.kv_event_hub import KVEventHub
@@ -258,19 +258,16 @@ def receiving(tmp_path_factory):
     assert engine.pool.num_free == engine.pool.num_blocks  # nothing a fuzzed frame touched leaked
 
 
-CURRENT = "\0current"  # stands for the open transfer's id in generated frames
-
-
 @st.composite
-def frames(draw: st.DrawFn, layers: int, token_bytes: int) -> tuple[FrameHeader, bytes]:
-    """A raw frame of the 40-token transfer, valid or with any of its fields broken."""
+def frames(draw: st.DrawFn, current: str, layers: int, token_bytes: int) -> tuple[FrameHeader, bytes]:
+    """A raw frame of the 40-token transfer `current`, checksummed as a sender does, then valid or
+    with any of its fields broken (the checksum among them)."""
     start = draw(st.integers(0, 39))
     n = draw(st.integers(1, 40 - start))
     payload = draw(st.binary(min_size=n * token_bytes, max_size=n * token_bytes)) if draw(st.booleans()) \
         else bytes(n * token_bytes)
-    fields = {"transfer_id": CURRENT, "layer": draw(st.integers(0, layers - 1)), "start_token": start,
-              "num_tokens": n, "codec": "raw", "level": 0, "crc32": zlib.crc32(payload),
-              "payload_bytes": len(payload)}
+    sent = FrameHeader(current, draw(st.integers(0, layers - 1)), start, n, "raw", 0, 0, len(payload))
+    fields = dataclasses.asdict(dataclasses.replace(sent, crc32=frame_checksum(sent, payload)))
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)):
         fields[name] = draw({"transfer_id": ODD_TEXT, "codec": st.sampled_from(["int8", "cachegen", "?"]) | ODD_TEXT,
                              "level": st.integers(0, 2**16 - 1)}.get(name, U32))
@@ -281,9 +278,9 @@ def frames(draw: st.DrawFn, layers: int, token_bytes: int) -> tuple[FrameHeader,
 
 def _valid(header: FrameHeader, payload: bytes, current: str, layers: int, token_bytes: int) -> bool:
     return (header.transfer_id == current and header.payload_bytes == len(payload)
-            and header.crc32 == zlib.crc32(payload) and 0 <= header.layer < layers and header.codec == "raw"
-            and header.level == 0 and header.num_tokens >= 1 and header.start_token + header.num_tokens <= 40
-            and len(payload) == header.num_tokens * token_bytes)
+            and header.crc32 == frame_checksum(header, payload) and 0 <= header.layer < layers
+            and header.codec == "raw" and header.level == 0 and header.num_tokens >= 1
+            and header.start_token + header.num_tokens <= 40 and len(payload) == header.num_tokens * token_bytes)
 
 
 def _layout(engine) -> tuple[int, int]:
@@ -297,10 +294,7 @@ def test_receive_frame_takes_valid_frames_and_counts_every_other(receiving, data
     receiver, open_transfer, engine = receiving
     layers, token_bytes = _layout(engine)
     current = open_transfer()
-    header, payload = data.draw(frames(layers, token_bytes))
-    if header.transfer_id == CURRENT:
-        header = FrameHeader(current, *[getattr(header, f) for f in ("layer", "start_token", "num_tokens", "codec",
-                                                                      "level", "crc32", "payload_bytes")])
+    header, payload = data.draw(frames(current, layers, token_bytes))
     before = Counter(receiver.counters)
     try:
         receiver.receive_frame(header, memoryview(payload))
@@ -328,9 +322,7 @@ def _kvframe(header: FrameHeader, payload: bytes, offset: int = 0, size: int | N
 def kvframe_messages(draw: st.DrawFn, current: str, layers: int, token_bytes: int) -> list[bytes]:
     """One frame of the open transfer (whole, or in two pieces as large frames travel), valid or with
     fields broken; or any message, of another transfer or malformed."""
-    header, payload = draw(frames(layers, token_bytes))
-    if header.transfer_id == CURRENT:
-        header = dataclasses.replace(header, transfer_id=current)
+    header, payload = draw(frames(current, layers, token_bytes))
     if draw(st.booleans()) and len(payload) > 1:
         cut = draw(st.integers(1, len(payload) - 1))
         return [_kvframe(header, payload, 0, cut), _kvframe(header, payload, cut)]

@@ -198,8 +198,8 @@ def test_a_transport_takes_no_frame_from_a_stranger(name, stranger, secret):
     try:
         header, data = frame()
         channel = sender.open(receiver.address, "t1")
-        channel.send(header, data)
-        with pytest.raises(TransferError) as e:
+        with pytest.raises(TransferError) as e:  # at the send when the refusal comes first, else at the finish
+            channel.send(header, data)
             channel.finish(timeout=2)
         channel.close()
         assert sink.frames == []
@@ -243,11 +243,12 @@ def test_grpc_kv_with_mutual_tls_and_the_secret(kv_tls, secret):
             sender = make_sender("grpc", tls=tls, secret=case_secret)
             try:
                 channel = sender.open(receiver.address, case)
-                channel.send(header, data)
                 if case == "member":
+                    channel.send(header, data)
                     channel.finish(timeout=10)
-                else:
+                else:  # refused at the send when the refusal comes first, else at the finish
                     with pytest.raises(TransferError, match="UNAUTHENTICATED" if "secret" in case else "UNAVAILABLE"):
+                        channel.send(header, data)
                         channel.finish(timeout=10)
                 channel.close()
             finally:

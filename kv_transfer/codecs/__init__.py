@@ -20,11 +20,11 @@ import torch
 
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.codecs.base import CodecUnavailable
-from pdserve.kv_transfer.interface import Codec, Payload
+from pdserve.kv_transfer.interface import Codec, FrameHeader, Payload
 
 CODEC_NAMES = ("raw", "int8", "fp8", "cachegen")
 
-__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "make_codec"]
+__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec"]
 
 
 def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Codec:
@@ -55,6 +55,16 @@ def checksum(payload: Payload) -> int:
     if isinstance(payload, torch.Tensor):
         return _tensor_checksum(payload)
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
+
+
+def frame_checksum(header: FrameHeader, payload: Payload) -> int:
+    """What a frame header's `crc32` holds: the checksum of the payload, seeded with (for a tensor,
+    combined with) the CRC32 of the header's other fields, so a damaged layer, position or length is
+    caught like damaged bytes, instead of writing good KV to the wrong place."""
+    covered = zlib.crc32(header.covered())
+    if isinstance(payload, torch.Tensor):
+        return _tensor_checksum(payload) ^ covered
+    return zlib.crc32(memoryview(payload).cast("B"), covered) & 0xFFFFFFFF
 
 
 _CHECKSUM_PASS_WORDS = 1 << 20  # bounds the int64 temporaries of one pass at 8 MiB each

@@ -25,7 +25,7 @@ for the pair's other transfers.
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
 GPU to GPU without touching host memory, and the sink gets the received tensor. The sender checksums
-what travels (`codecs.checksum`: a device payload's checksum is computed on the device).
+what travels (`codecs.frame_checksum`: a device payload's checksum is computed on the device).
 """
 
 from __future__ import annotations

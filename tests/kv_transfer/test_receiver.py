@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kv_transfer.codecs import checksum, make_codec
+from pdserve.kv_transfer.codecs import make_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
@@ -41,9 +42,8 @@ def send_layer(receiver, prefill, request_id, layer, first_token=0, transfer_id=
     slots = prefill.kv_cache.token_slots(seq.block_table, first_token, seq.num_computed_tokens - first_token)
     payload = memoryview(make_codec("raw", None, prefill.kv_layout).encode(
         prefill.kv_cache.read_tokens(layer, slots), layer)).cast("B")
-    crc = checksum(payload) ^ int(corrupt)
-    header = FrameHeader(transfer_id, layer, first_token, len(slots), "raw", 0, crc, payload.nbytes)
-    receiver.receive_frame(header, payload)
+    header, payload = make_frame(transfer_id, layer, first_token, len(slots), "raw", 0, payload, None)
+    receiver.receive_frame(replace(header, crc32=header.crc32 ^ int(corrupt)), payload)
 
 
 def wait_finished(outputs):
@@ -113,9 +113,8 @@ def test_kv_that_came_through_a_lossy_codec_never_enters_the_prefix_cache(sides,
     seq = prefill.requests[request_id]
     for layer in range(decode.kv_layout.num_layers):
         slots = prefill.kv_cache.token_slots(seq.block_table, 0, seq.num_computed_tokens)
-        payload = memoryview(int8.encode(prefill.kv_cache.read_tokens(layer, slots), layer)).cast("B")
-        receiver.receive_frame(FrameHeader("t1", layer, 0, len(slots), "int8", 0, checksum(payload),
-                                           payload.nbytes), payload)
+        payload = int8.encode(prefill.kv_cache.read_tokens(layer, slots), layer)
+        receiver.receive_frame(*make_frame("t1", layer, 0, len(slots), "int8", 0, payload, None))
     assert receiver.commit("t1", handoff) == []
     wait_finished(outputs)
     prefill.release(request_id)
@@ -134,6 +133,34 @@ def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_
     send_layer(receiver, prefill, request_id, 1)
     assert receiver.commit("t1", handoff) == [0] and receiver.counters["corrupt_frames"] == 1
     send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
+
+
+@pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8")],
+                         ids=lambda d: next(iter(d)))
+def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_reference, damage):
+    """Each damaged field but the codec still names something this transfer could take (layer 1,
+    tokens from 16, level 1), so only the checksum covering the header keeps good KV out of the wrong
+    place; a damaged codec is caught as damage too, to be sent again, not as a refusal that ends the
+    transfer."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 32, 32, seed=10)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    seq = prefill.requests[request_id]
+    frames = {}
+    for layer in range(decode.kv_layout.num_layers):
+        slots = prefill.kv_cache.token_slots(seq.block_table, 0, len(prompt))
+        frames[layer] = make_frame("t1", layer, 0, len(prompt), "raw", 0, make_codec("raw", None, prefill.kv_layout)
+                                   .encode(prefill.kv_cache.read_tokens(layer, slots), layer), None)
+    header, payload = frames[0]
+    with pytest.raises(CorruptFrame, match="checksum mismatch"):
+        receiver.receive_frame(replace(header, **damage), payload)
+    assert receiver.counters["corrupt_frames"] == 1 and receiver.counters["frames"] == 0
+    for header, payload in frames.values():
+        receiver.receive_frame(header, payload)
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
     prefill.release(request_id)
