@@ -144,6 +144,7 @@ class Codec(Protocol):
     name: str
     num_levels: int  # quality levels, 0 = finest; lossless codecs have one
     lossless: bool
+    digest: str  # of what both sides must hold alike besides the code (cachegen's tables); "" if nothing
 
     def encode(self, kv: torch.Tensor, layer: int, level: int = 0) -> Payload: ...
 

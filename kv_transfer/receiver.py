@@ -35,7 +35,7 @@ from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, frame_checksum, make_codec
+from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, frame_checksum, make_codec, parse_offer
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
@@ -76,7 +76,7 @@ class KVReceiver:
         # belong to), recomputed, bytes, cached_blocks
         self.counters: Counter[str] = Counter()  # under `_counting`: frames arrive on many threads at once
         self._counting = threading.Lock()
-        self._codecs: dict[str, Codec | None] = {}  # by name; None: cannot be used here
+        self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
 
@@ -103,18 +103,29 @@ class KVReceiver:
         return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks, codec.name)
 
     def negotiate(self, offered: list[str] | tuple[str, ...]) -> Codec:
-        """The first offered codec this side can decode; raw when none (it always can)."""
-        for name in [*offered, "raw"]:
-            if name not in self._codecs:
-                try:
-                    self._codecs[name] = make_codec(name, self.model_dir, self.layout)
-                except Exception as e:  # unknown, unsupported, or its tables unreadable: not usable here
-                    level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
-                    log.log(level, "codec %r refused, negotiating down: %s: %s", name, type(e).__name__, e)
-                    self._codecs[name] = None
-            if self._codecs[name] is not None:
-                return self._codecs[name]
+        """The first offered codec (`codecs.offer`) this side can decode with the same digest; raw
+        when none (it always can)."""
+        for offered_as in [*offered, "raw"]:
+            if offered_as not in self._codecs:
+                self._codecs[offered_as] = self._usable(*parse_offer(offered_as))
+            if self._codecs[offered_as] is not None:
+                return self._codecs[offered_as]
         raise AssertionError("raw is always available")
+
+    def _usable(self, name: str, digest: str) -> Codec | None:
+        """The codec `name` if this side can decode it as the offer's sender encodes (None: logged)."""
+        try:
+            codec = make_codec(name, self.model_dir, self.layout)
+        except Exception as e:  # unknown, unsupported, or its tables unreadable: not usable here
+            level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
+            log.log(level, "codec %r refused, negotiating down: %s: %s", name, type(e).__name__, e)
+            return None
+        if codec.digest != digest:
+            log.warning("codec %r refused, negotiating down: the prefill worker's tables (digest %r) are not "
+                        "this worker's (%r); profile once and give both pools the same model directory",
+                        name, digest, codec.digest)
+            return None
+        return codec
 
     def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams, num_kv_tokens: int) -> ImportReservation:

@@ -67,7 +67,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec
+from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec, offer
 from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, KVMemoryFull, Lease, LayerChannel,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -495,7 +495,7 @@ class PrefillWorker:
             job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
         try:
             reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                    work.params, len(work.prompt_token_ids), list(self._codecs))
+                                                    work.params, len(work.prompt_token_ids), self._offer())
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
             job.started.set()
@@ -557,6 +557,10 @@ class PrefillWorker:
                 level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
                 log.log(level, "KV codec %s is not offered: %s: %s", name, type(e).__name__, e)
         return codecs
+
+    def _offer(self) -> list[str]:
+        """What the reservation offers: each usable codec, with the digest of its tables if it has any."""
+        return [offer(name, codec.digest) for name, codec in self._codecs.items()]
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead

@@ -8,7 +8,8 @@
             (`pdserve kv-profile`); several quality levels
 
 A codec that cannot be used here (unknown name, no fp8 in this torch, no tables for this model)
-raises `CodecUnavailable`; the receiver then negotiates down to raw.
+raises `CodecUnavailable`; the receiver then negotiates down to raw. A codec is offered by name, with
+the digest of what both sides must hold alike after an '@' (`offer`): "cachegen@1f0c...".
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pdserve.kv_transfer.interface import Codec, FrameHeader, Payload
 
 CODEC_NAMES = ("raw", "int8", "fp8", "cachegen")
 
-__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec"]
+__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec", "offer",
+           "parse_offer"]
 
 
 def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Codec:
@@ -46,6 +48,17 @@ def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Cod
 
         return CacheGenCodec.for_model(model_dir, layout)
     raise CodecUnavailable(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
+
+
+def offer(name: str, digest: str) -> str:
+    """How a codec named `name` is offered in a reservation (`digest`: its `Codec.digest`)."""
+    return f"{name}@{digest}" if digest else name
+
+
+def parse_offer(offered: str) -> tuple[str, str]:
+    """The codec's name and digest ("" for none) of an offer."""
+    name, _, digest = offered.partition("@")
+    return name, digest
 
 
 def checksum(payload: Payload) -> int:

@@ -6,7 +6,9 @@ deltas against the reconstructed anchor), after the channel's mean is taken off.
 (shallow layers get finer steps: their errors travel through every later layer). Symbols are entropy
 coded by constriction's ANS coder, each channel with its own categorical distribution for anchors and
 one for deltas, profiled offline on calibration text (`cachegen_profile`) and stored next to the model
-(`cachegen_tables.npz`): nothing about the distributions travels with a frame.
+(`cachegen_tables.npz`): nothing about the distributions travels with a frame. Both sides must hold
+the same tables: a prefill worker offers the codec with their digest, and a decode worker whose
+tables differ refuses it.
 
 Payload: u32 number of escapes, the escaped values (float32), then the ANS words (u32). Error bound:
 |x - decoded| <= step / 2 for every element, plus the rounding to the engine's dtype (`error_bound`
@@ -15,8 +17,10 @@ counts it); escaped values, non-finite ones included, exact.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import constriction
@@ -66,6 +70,17 @@ class CacheGenTables:
     def num_levels(self) -> int:
         return len(self.level_factors)
 
+    @cached_property
+    def digest(self) -> str:
+        """Of every field, so tables profiled anew (other text, another seed) differ: a decode worker
+        with other tables than the prefill worker's would decode every frame wrong without an error."""
+        h = hashlib.sha256()
+        for f in fields(self):
+            value = np.ascontiguousarray(getattr(self, f.name))
+            h.update(f"{f.name}:{value.dtype.str}:{value.shape};".encode())
+            h.update(value.tobytes())
+        return h.hexdigest()[:16]
+
     def save(self, path: str | Path) -> None:
         np.savez_compressed(path, group_size=np.int64(self.group_size),
                             **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"})
@@ -93,6 +108,7 @@ class CacheGenCodec:
             raise CodecUnavailable(f"cachegen tables are for KV layout {tuple(tables.layout)}, this model has "
                                    f"{expected} (layers, KV heads, head dim)")
         self.tables = tables
+        self.digest = tables.digest
         self.layout = layout
         self.num_levels = tables.num_levels
         self.group_size = tables.group_size

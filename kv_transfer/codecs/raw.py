@@ -23,6 +23,7 @@ class RawCodec:
     name = "raw"
     num_levels = 1
     lossless = True
+    digest = ""
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout

@@ -27,6 +27,7 @@ from pdserve.kv_transfer.interface import Payload
 class TokenScaledCodec(ABC):
     num_levels = 1
     lossless = False
+    digest = ""
     name: str
     value_dtype: torch.dtype  # one byte per element
     qmax: float  # the largest value the type holds (as used)

@@ -27,10 +27,11 @@ def synthetic_kv(num_tokens: int, seed: int, layout: KVLayout = LAYOUT) -> torch
     return kv
 
 
-def synthetic_tables(out: Path) -> Path:
-    """`out`, with CacheGen tables profiled on synthetic KV of LAYOUT (token-to-token correlation, the
-    property CacheGen's deltas exploit, and outlier channels)."""
-    calibration = [np.concatenate([channels_first(synthetic_kv(1000, seed=100 + i), 10) for i in range(4)], axis=2)
-                   for _ in range(LAYOUT.num_layers)]
-    build_tables(calibration, (LAYOUT.num_kv_heads, LAYOUT.head_dim)).save(out / TABLES_FILE)
+def synthetic_tables(out: Path, layout: KVLayout = LAYOUT, seed: int = 100) -> Path:
+    """`out`, with CacheGen tables profiled on synthetic KV of `layout` (token-to-token correlation,
+    the property CacheGen's deltas exploit, and outlier channels)."""
+    calibration = [np.concatenate([channels_first(synthetic_kv(1000, seed + i, layout), 10) for i in range(4)],
+                                  axis=2) for _ in range(layout.num_layers)]
+    out.mkdir(parents=True, exist_ok=True)
+    build_tables(calibration, (layout.num_kv_heads, layout.head_dim)).save(out / TABLES_FILE)
     return out

@@ -11,10 +11,11 @@ import pytest
 import torch
 from conftest import TEST_PRESETS, random_prompts
 from helpers import assert_pool_idle, run_all
+from kv_helpers import synthetic_tables
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kv_transfer.codecs import make_codec
+from pdserve.kv_transfer.codecs import make_codec, offer
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
@@ -164,6 +165,23 @@ def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_refere
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
     prefill.release(request_id)
+
+
+def test_cachegen_is_agreed_only_between_workers_holding_the_same_tables(sides, tmp_path):
+    """Tables profiled apart (here: on other calibration KV) would decode every frame wrong without an
+    error, so the offer carries their digest and the decode side takes cachegen only when its own
+    tables match; an offer without one (which tables, nobody knows) is refused too."""
+    prefill, decode, receiver, _ = sides
+    layout = decode.kv_layout
+    receiver.model_dir = synthetic_tables(tmp_path / "decode", layout)
+    same = make_codec("cachegen", synthetic_tables(tmp_path / "same", layout), layout)
+    other = make_codec("cachegen", synthetic_tables(tmp_path / "other", layout, seed=200), layout)
+    assert same.digest == make_codec("cachegen", receiver.model_dir, layout).digest != other.digest
+    assert receiver.negotiate([offer("cachegen", other.digest), "int8"]).name == "int8"
+    assert receiver.negotiate([offer("cachegen", other.digest)]).name == "raw"
+    assert receiver.negotiate(["cachegen"]).name == "raw"
+    agreed = receiver.negotiate([offer("cachegen", same.digest), "int8"])
+    assert agreed.name == "cachegen" and agreed.digest == same.digest
 
 
 def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_reference):
