@@ -673,9 +673,12 @@ class PrefillWorker:
             with self._lock:
                 late = [j for j in self._jobs.values() if 0 < j.lease_until < now]
             for job in late:
-                self.counters["leases_expired"] += 1
-                self._finish(job, error=f"lease expired: the transfer to its decode worker made no progress for "
-                                        f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE)
+                self._expire(job)
+
+    def _expire(self, job: _Job) -> None:
+        if self._finish(job, error=f"lease expired: the transfer to its decode worker made no progress for "
+                                   f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE):
+            self.counters["leases_expired"] += 1  # not when the job had ended, or committed, meanwhile
 
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
@@ -750,11 +753,12 @@ class PrefillWorker:
         return owned
 
     # --- every job ends here --------------------------------------------------------------------
-    def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> None:
-        """End a job once (later calls do nothing): release everything, report a failure."""
+    def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> bool:
+        """End a job once (later calls do nothing): release everything, report a failure. Whether this
+        call reported `error` (not when the job had ended already, or its transfer committed)."""
         with self._lock:
             if self._jobs.get(job.request_id) is not job:
-                return
+                return False
             del self._jobs[job.request_id]
             job.state = "done"
         failed = job.transfer is not None and job.transfer.fail(error or reason)  # from here on no frame is sent
@@ -778,6 +782,7 @@ class PrefillWorker:
         self.loop.post(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
+        return error is not None
 
     def _close_channel(self, channel: LayerChannel, drain_on: _Lane | None) -> None:
         """Close a channel; given its decode worker's lane, on a thread of it once its frames in flight

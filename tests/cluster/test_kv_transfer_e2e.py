@@ -249,24 +249,25 @@ def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(clus
 
 def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_reference):
     """The prefill worker's lease thread (or a fault) finishes a job the moment after its commit
-    succeeded: the request is the decode worker's by then, so the client gets no error and the router
-    redoes nothing."""
+    succeeded: the request is the decode worker's by then, so the client gets no error, the router
+    redoes nothing, and no lease counts as expired."""
     def expire_after_the_commit(self):
         ended = self.metrics.ended  # called once the commit has succeeded, before the job is finished
 
         def expire_then_end(*args, **kwargs):
             self.metrics.ended = ended
             for job in list(self._jobs.values()):
-                self._finish(job, error="lease expired (injected just after the commit)")
+                self._expire(job)
             return ended(*args, **kwargs)
 
         self.metrics.ended = expire_then_end
 
-    retries = cluster.router.stats.retries
+    retries, expired = cluster.router.stats.retries, counters(cluster, "prefill")["leases_expired"]
     on_worker(worker(cluster, "prefill"), expire_after_the_commit)
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=48)[0]
     assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     assert cluster.router.stats.retries == retries
+    assert counters(cluster, "prefill")["leases_expired"] == expired
     assert_idle(cluster)
 
 
