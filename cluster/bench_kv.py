@@ -118,7 +118,7 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
 
 def _frames(layout: KVLayout, num_tokens: int) -> list[tuple[FrameHeader, np.ndarray]]:
     rng = np.random.default_rng(0)
-    per_token = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    per_token = layout.bytes_per_token_layer
     frames = []
     for layer in range(layout.num_layers):
         for start in range(0, num_tokens, FRAME_TOKENS):
@@ -162,7 +162,7 @@ def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], rep
                         seconds.append(time.perf_counter() - t0)
             parent.send(None)
         else:
-            sender = make_sender(kind)
+            sender = make_sender(kind, frame_bytes=max(d.nbytes for _, d in frames))  # as the prefill worker
             device = getattr(sender, "device", None)  # NCCL's frames start on the GPU, as the KV does
             payloads = [data if device is None else torch.from_numpy(data).to(device) for _, data in frames]
             try:

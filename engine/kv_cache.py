@@ -21,9 +21,13 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
+    def bytes_per_token_layer(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * self.block_size * self.bytes_per_token_layer
 
 
 @dataclass

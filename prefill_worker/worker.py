@@ -325,8 +325,9 @@ class PrefillWorker:
         with self._making:  # lanes open channels side by side: one sending half per transport
             transport = self._transports.get(name)
             if transport is None:
+                frame_bytes = self.kv.frame_tokens * self.engine.kv_layout.bytes_per_token_layer
                 transport = self._transports[name] = make_sender(name, host=self.kv.host, tls=self.kv.tls,
-                                                                 secret=self.kv.secret)
+                                                                 secret=self.kv.secret, frame_bytes=frame_bytes)
         return self.faults.channel(transport.open(lease.addresses[name], transfer_id))
 
     def _forget_old_addresses(self, lease: Lease) -> None:

@@ -38,12 +38,13 @@ def _payload_device(name: str) -> torch.device | None:
 
 
 def make_sender(name: str, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                secret: ClusterSecret | None = None) -> SendingTransport:
-    """The sending half of transport `name`; `host`: this node's address (gloo's and NCCL's store binds there)."""
+                secret: ClusterSecret | None = None, frame_bytes: int | None = None) -> SendingTransport:
+    """The sending half of transport `name`; `host`: this node's address (gloo's and NCCL's store
+    binds there); `frame_bytes`: the largest frame expected (shm sizes its slots to it)."""
     if name == "shm":
         from pdserve.kv_transfer.transports.shm import ShmSender
 
-        return ShmSender(secret)
+        return ShmSender(secret, frame_bytes)
     if name == "grpc":
         from pdserve.kv_transfer.transports.grpc_stream import GrpcSender
 

@@ -4,7 +4,9 @@ The sending half owns segments: files in /dev/shm cut into slots, each mapped by
 is copied once into a free slot and announced on the control channel (`control`) with its slot; the
 receiving half hands the sink a view of its own mapping of that slot (no copy), so the sink's write
 into the reserved blocks is the only copy on the receiving side. A slot is free again once the
-receiver answered its message. A frame larger than a slot travels inline in the message instead.
+receiver answered its message. Slots are sized to the largest frame the sender expects (a whole
+frame of raw KV: `make_sender`'s `frame_bytes`), so only a frame larger than that (a lossy codec's
+worst case) travels inline in the message instead, as many at a time as a segment has slots.
 
 Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
 answered a message that used it (both have it mapped by then), so the memory goes away with the last
@@ -41,8 +43,10 @@ from pdserve.kv_transfer.transports.control import ControlClient, ControlServer,
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
-SLOT_BYTES = 8 << 20
-SLOTS = 8
+SLOT_BYTES = 8 << 20  # when the sender is not told its frames' size
+SLOTS = 8  # fewer when slots are large, down to 2: a segment of SEGMENT_BYTES at most, then
+SEGMENT_BYTES = 64 << 20
+_SLOT_ALIGN = 64 << 10
 SEND_TIMEOUT_S = 30.0  # waiting for a free slot: the receiver is stuck or gone
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 class _Segment:
     def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
         self.name = f"pdserve-kv-{uuid.uuid4().hex}"
+        self.slots = slots
         self.slot_bytes = slot_bytes
         self.path: Path | None = SHM_DIR / self.name
         self._lock = threading.Lock()  # the owner's answer handler and a close may both unlink
@@ -122,7 +127,8 @@ class ShmChannel:
             if self._closed:
                 raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
             segment = self.segment
-            if view.nbytes > segment.slot_bytes:
+            if view.nbytes > segment.slot_bytes:  # bounded like slots: the copies wait in queues
+                self.control.wait(lambda: len(self.control.unanswered) < segment.slots, SEND_TIMEOUT_S)
                 self.control.send(INLINE, [header.pack(), bytes(view)])
             else:
                 self.control.wait(lambda: bool(segment.free), SEND_TIMEOUT_S)
@@ -187,10 +193,13 @@ def sweep_orphan_segments(directory: Path = SHM_DIR) -> int:
 class ShmSender:
     name = "shm"
 
-    def __init__(self, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, secret: ClusterSecret | None = None, frame_bytes: int | None = None) -> None:
+        """`frame_bytes`: the largest frame expected (its raw KV), which the slots are sized to."""
         if removed := sweep_orphan_segments():
             log.warning("removed %d shared memory segment(s) left in %s by a KV sender that died", removed, SHM_DIR)
         self.secret = secret  # proves this side's membership on the control channel
+        self.slot_bytes = SLOT_BYTES if frame_bytes is None else -(-frame_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self.slots = max(2, min(SLOTS, SEGMENT_BYTES // self.slot_bytes))
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()
         # Each costs its whole size in zeroed pages; once the pools hold the peak concurrency, none.
@@ -205,7 +214,7 @@ class ShmSender:
             if pool:
                 return pool.pop()
             self.segments_made += 1
-        return _Segment()
+        return _Segment(self.slots, self.slot_bytes)
 
     def return_segment(self, address: str, segment: _Segment) -> None:
         with self._lock:

@@ -296,6 +296,43 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
     assert set(SHM_DIR.glob("pdserve-kv-*")) <= before
 
 
+def test_shm_slots_hold_the_frames_the_sender_expects_and_larger_ones_wait_their_turn():
+    """Told its frames' size (a model whose frames pass the default 8 MiB slot), the sender makes slots
+    that hold them, so they are copied into a slot, not sent inline; a frame larger still (a lossy
+    codec's worst case) goes inline, with no more messages in flight than a segment has slots."""
+    from pdserve.kv_transfer.transports.shm import SEGMENT_BYTES
+
+    release = threading.Event()
+    sink = RecordingSink()
+
+    def slow_sink(header, payload):
+        release.wait(10)
+        sink(header, payload)
+
+    receiver = start_receiver("shm", slow_sink)
+    sender = make_sender("shm", frame_bytes=9 << 20)
+    frames = [frame(i, (9 if i == 0 else 10) << 20, seed=i) for i in range(10)]
+    try:
+        channel = sender.open(receiver.address, "t1")
+        segment = channel.segment
+        assert segment.slot_bytes >= 9 << 20 and 2 <= segment.slots and segment.slots * segment.slot_bytes <= SEGMENT_BYTES
+        channel.send(*frames[0])
+        assert len(segment.free) == segment.slots - 1  # in a slot (nobody has taken an answer yet)
+        thread = threading.Thread(target=lambda: [channel.send(*f) for f in frames[1:]])
+        thread.start()
+        time.sleep(0.5)  # the receiver holds the first frame: the sender waits for answers
+        assert thread.is_alive() and len(channel.control.unanswered) == segment.slots
+        release.set()
+        thread.join(30)
+        channel.finish(timeout=30)
+        channel.close()
+        assert [(h, p) for h, p in sink.frames] == [(h, d.tobytes()) for h, d in frames]
+    finally:
+        release.set()
+        sender.close()
+        receiver.stop()
+
+
 def test_a_shm_segment_the_receiver_could_not_map_is_not_reused(monkeypatch):
     """The receiver fails to map a new segment (out of file descriptors, say): that frame's answer
     unlinks the segment's name all the same, so the segment is released, not pooled, and the next
