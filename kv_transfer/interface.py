@@ -51,7 +51,9 @@ class FrameHeader:
     crc32: int  # `codecs.frame_checksum`: of the other fields (`covered`) and the payload
     payload_bytes: int
 
-    _FIXED = struct.Struct("<IIIHIQ")  # layer, start, num_tokens, level, crc32, payload_bytes
+    # layer, start, num_tokens, level, crc32, payload_bytes: every field as wide as the gRPC message's,
+    # so whatever a KVFrame carries packs (and is checksummed)
+    _FIXED = struct.Struct("<IIIIIQ")
 
     def pack(self) -> bytes:
         """A compact binary form for transports whose control messages are plain bytes."""

@@ -67,7 +67,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec, offer
+from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec, offers
 from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, KVMemoryFull, Lease, LayerChannel,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -117,7 +117,7 @@ class _Lane:
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-send-{name}")
         self.committers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
         # Apart from the commits (each may wait 30 s on a decode worker that stopped answering): a
-        # channel closed early holds its resources (shm: a 64 MiB segment) until its drain, at most 1 s.
+        # channel closed early holds its resources (shm: a segment, up to 64 MiB) until its drain, at most 1 s.
         self.drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-drain-{name}")
         self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
         self.decode_name = "its decode worker"  # until a lease names it
@@ -496,7 +496,7 @@ class PrefillWorker:
             job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
         try:
             reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                    work.params, len(work.prompt_token_ids), self._offer())
+                                                    work.params, len(work.prompt_token_ids), offers(self._codecs))
             self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
                                                    prefill_only=True))
             job.started.set()
@@ -558,10 +558,6 @@ class PrefillWorker:
                 level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
                 log.log(level, "KV codec %s is not offered: %s: %s", name, type(e).__name__, e)
         return codecs
-
-    def _offer(self) -> list[str]:
-        """What the reservation offers: each usable codec, with the digest of its tables if it has any."""
-        return [offer(name, codec.digest) for name, codec in self._codecs.items()]
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead

@@ -9,12 +9,13 @@
 
 A codec that cannot be used here (unknown name, no fp8 in this torch, no tables for this model)
 raises `CodecUnavailable`; the receiver then negotiates down to raw. A codec is offered by name, with
-the digest of what both sides must hold alike after an '@' (`offer`): "cachegen@1f0c...".
+the digest of what both sides must hold alike after an '@' (`offers`): "cachegen@1f0c...".
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from pdserve.kv_transfer.interface import Codec, FrameHeader, Payload
 
 CODEC_NAMES = ("raw", "int8", "fp8", "cachegen")
 
-__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec", "offer",
+__all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec", "offers",
            "parse_offer"]
 
 
@@ -50,9 +51,10 @@ def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Cod
     raise CodecUnavailable(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
 
 
-def offer(name: str, digest: str) -> str:
-    """How a codec named `name` is offered in a reservation (`digest`: its `Codec.digest`)."""
-    return f"{name}@{digest}" if digest else name
+def offers(codecs: Mapping[str, Codec]) -> list[str]:
+    """What a reservation offers, in order: each codec by its name (the key), with its digest after
+    an '@' when it has one."""
+    return [f"{name}@{codec.digest}" if codec.digest else name for name, codec in codecs.items()]
 
 
 def parse_offer(offered: str) -> tuple[str, str]:
@@ -62,9 +64,9 @@ def parse_offer(offered: str) -> tuple[str, str]:
 
 
 def checksum(payload: Payload) -> int:
-    """What every frame header carries: CRC32 of host bytes; for a tensor payload (on a GPU, for
-    NCCL), an Adler-style pair of sums of its 32-bit words computed where it lives, so checking it
-    never copies the payload to the host. A frame is checksummed as it travels, so both sides agree."""
+    """A payload's checksum: CRC32 of host bytes; for a tensor payload (on a GPU, for NCCL), an
+    Adler-style pair of sums of its 32-bit words computed where it lives, so checking it never copies
+    the payload to the host. A frame carries `frame_checksum`, which covers its header too."""
     if isinstance(payload, torch.Tensor):
         return _tensor_checksum(payload)
     return zlib.crc32(memoryview(payload).cast("B")) & 0xFFFFFFFF
@@ -76,7 +78,7 @@ def frame_checksum(header: FrameHeader, payload: Payload) -> int:
     caught like damaged bytes, instead of writing good KV to the wrong place."""
     covered = zlib.crc32(header.covered())
     if isinstance(payload, torch.Tensor):
-        return _tensor_checksum(payload) ^ covered
+        return checksum(payload) ^ covered
     return zlib.crc32(memoryview(payload).cast("B"), covered) & 0xFFFFFFFF
 
 

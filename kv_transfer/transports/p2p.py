@@ -12,11 +12,12 @@ The sending half (rank 0) hosts the group's TCPStore and asks the receiving half
 over the control channel; both construct the group at once and meet in the store. Each frame is then
 a control message (header, group, tag) followed by a tagged `send` of its bytes; the receiving half
 posts the matching `recv` into a buffer and hands it to the sink. It forms each group and receives
-its frames on the group's own lane (a thread per sending peer: `control.Deferred`), so with gloo a
-sender that stalls mid-frame (frozen) holds up its own frames only, not other prefill workers'. Not
-yet with NCCL: every lane's receive waits on the device's default CUDA stream, so one stuck NCCL
-receive can hold the others up to its timeout (a stream per group would close that; untested, no GPU
-here). A pair whose sends and receives may have fallen out of step (a frame unanswered, or refused
+its frames on the group's own lane (a thread per sending peer: `control.Deferred`), so a sender that
+stalls mid-frame (frozen) holds up its own frames only, not other prefill workers'. With NCCL each
+group also has a CUDA stream of its own, which its receives, checksums and writes into the cache
+queue on, synchronized before the frame is answered: on the device's default stream, one stuck
+receive would hold up every other group's work there (written for that, not yet run on a GPU: no
+session had two). A pair whose sends and receives may have fallen out of step (a frame unanswered, or refused
 before its receive; a send that failed; the peer gone) drops its group and forms a new one on its
 next transfer. A frame received whole and then refused by the sink (its transfer aborted there: a
 cancel, a request done at its first token) fails only its own transfer: the group stays, in step,
@@ -273,6 +274,7 @@ class _Joined(NamedTuple):
 
     pg: dist.Backend
     store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
+    stream: torch.cuda.Stream | None  # NCCL: the group's own, so a stuck receive holds up no other group
 
 
 class P2PReceiver:
@@ -326,12 +328,14 @@ class P2PReceiver:
     def _join(self, group_id: str, store_host: str, port: int) -> None:
         store = dist.TCPStore(store_host, port, world_size=2, is_master=False, timeout=_timeout())
         group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
+        stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
         if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
             try:
-                group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
+                with torch.cuda.stream(stream):
+                    group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
             except RuntimeError as e:
                 raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
-        joined = _Joined(group, store)
+        joined = _Joined(group, store, stream)
         with self._lock:
             if not self._stopped:
                 self._groups[group_id] = joined
@@ -342,13 +346,19 @@ class P2PReceiver:
         with self._lock:
             if self._groups.get(group_id) is not joined:  # torn down while the frame waited on the lane
                 raise TransferError(f"p2p group {group_id[:40]!r} was torn down")
-        buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
-        try:
-            joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
-        except RuntimeError as e:  # the peer is gone or stalled: this group is done
-            self._drop(group_id)
-            raise TransferError(f"p2p receive failed, group torn down: {e}") from e
-        deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
+        with torch.cuda.stream(joined.stream):  # None (host bytes, or a CPU device): nothing changes
+            buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+            try:
+                joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
+            except RuntimeError as e:  # the peer is gone or stalled: this group is done
+                self._drop(group_id)
+                self._abort(group_id, joined)  # NCCL: its stuck receive ends with the communicator
+                raise TransferError(f"p2p receive failed, group torn down: {e}") from e
+            try:
+                deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
+            finally:
+                if joined.stream is not None:  # the frame is in the cache before its answer (and the commit)
+                    joined.stream.synchronize()
 
     def _drop(self, group_id: str) -> None:
         with self._lock:

@@ -5,8 +5,9 @@ is copied once into a free slot and announced on the control channel (`control`)
 receiving half hands the sink a view of its own mapping of that slot (no copy), so the sink's write
 into the reserved blocks is the only copy on the receiving side. A slot is free again once the
 receiver answered its message. Slots are sized to the largest frame the sender expects (a whole
-frame of raw KV: `make_sender`'s `frame_bytes`), so only a frame larger than that (a lossy codec's
-worst case) travels inline in the message instead, as many at a time as a segment has slots.
+frame of raw KV: `make_sender`'s `frame_bytes`; up to half a segment of 64 MiB), so only a frame
+larger than that (a lossy codec's worst case, or frames over 32 MiB) travels inline in the message
+instead, as many at a time as a segment has slots.
 
 Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
 answered a message that used it (both have it mapped by then), so the memory goes away with the last
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
 SLOT_BYTES = 8 << 20  # when the sender is not told its frames' size
-SLOTS = 8  # fewer when slots are large, down to 2: a segment of SEGMENT_BYTES at most, then
+SLOTS = 8  # fewer when slots are large, down to 2: a segment is SEGMENT_BYTES at most
 SEGMENT_BYTES = 64 << 20
 _SLOT_ALIGN = 64 << 10
 SEND_TIMEOUT_S = 30.0  # waiting for a free slot: the receiver is stuck or gone
@@ -198,8 +199,11 @@ class ShmSender:
         if removed := sweep_orphan_segments():
             log.warning("removed %d shared memory segment(s) left in %s by a KV sender that died", removed, SHM_DIR)
         self.secret = secret  # proves this side's membership on the control channel
-        self.slot_bytes = SLOT_BYTES if frame_bytes is None else -(-frame_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
-        self.slots = max(2, min(SLOTS, SEGMENT_BYTES // self.slot_bytes))
+        if frame_bytes is not None and frame_bytes <= 0:
+            raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
+        fitted = SLOT_BYTES if frame_bytes is None else -(-frame_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self.slot_bytes = min(fitted, SEGMENT_BYTES // 2)  # larger frames go inline
+        self.slots = min(SLOTS, SEGMENT_BYTES // self.slot_bytes)
         self._pools: dict[str, list[_Segment]] = {}  # receiver address -> idle segments it has mapped
         self._lock = threading.Lock()
         # Each costs its whole size in zeroed pages; once the pools hold the peak concurrency, none.

@@ -90,7 +90,7 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again(cluster, hf_referenc
 def test_requests_ending_at_their_first_token_leave_their_shm_segment_to_the_next(cluster, hf_reference):
     """A request that ends at its first token needs no handoff, but its frames are already on their
     way: its channel closes once they are answered, so the next transfer reuses the mapped segment
-    instead of making a new one (64 MiB of zeroed pages, costlier than a short prompt's transfer)."""
+    instead of making a new one (up to 64 MiB of zeroed pages, costlier than a short prompt's transfer)."""
     def segments_made(self) -> int:
         return self._transports["shm"].segments_made
 
@@ -384,7 +384,7 @@ def test_a_decode_worker_hanging_in_the_commit_lets_the_prefill_lease_expire(clu
 def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cluster, hf_reference):
     """Killed (SIGKILL) and restarted by Ray, the decode worker listens on new addresses; the prefill
     worker's first lease from it makes it let go of what it held for the old one (its idle shm
-    segments, 64 MiB each, mapped for a receiver that no longer exists)."""
+    segments, up to 64 MiB each, mapped for a receiver that no longer exists)."""
     prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
 
     def pooled(self) -> list[str]:

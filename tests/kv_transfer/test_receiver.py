@@ -15,7 +15,7 @@ from kv_helpers import synthetic_tables
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kv_transfer.codecs import make_codec, offer
+from pdserve.kv_transfer.codecs import make_codec, offers
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
@@ -142,25 +142,27 @@ def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_
 @pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8")],
                          ids=lambda d: next(iter(d)))
 def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_reference, damage):
-    """Each damaged field but the codec still names something this transfer could take (layer 1,
-    tokens from 16, level 1), so only the checksum covering the header keeps good KV out of the wrong
-    place; a damaged codec is caught as damage too, to be sent again, not as a refusal that ends the
-    transfer."""
+    """Frames of 16 tokens: each damaged field but the codec still names something this transfer
+    could take (tokens [0, 16) of layer 0 as layer 1's, or as tokens [16, 32), or at level 1), so
+    only the checksum covering the header keeps good KV out of the wrong place; a damaged codec is
+    caught as damage too, to be sent again, not as a refusal that ends the transfer."""
     prefill, decode, receiver, outputs = sides
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 32, 32, seed=10)[0]
     request_id = prefilled(prefill, prompt)
     handoff, _ = reserve(receiver, prefill, request_id)
     seq = prefill.requests[request_id]
-    frames = {}
+    raw = make_codec("raw", None, prefill.kv_layout)
+    frames = []
     for layer in range(decode.kv_layout.num_layers):
-        slots = prefill.kv_cache.token_slots(seq.block_table, 0, len(prompt))
-        frames[layer] = make_frame("t1", layer, 0, len(prompt), "raw", 0, make_codec("raw", None, prefill.kv_layout)
-                                   .encode(prefill.kv_cache.read_tokens(layer, slots), layer), None)
+        for start in (0, 16):
+            slots = prefill.kv_cache.token_slots(seq.block_table, start, 16)
+            kv = raw.encode(prefill.kv_cache.read_tokens(layer, slots), layer)
+            frames.append(make_frame("t1", layer, start, 16, "raw", 0, kv, None))
     header, payload = frames[0]
     with pytest.raises(CorruptFrame, match="checksum mismatch"):
         receiver.receive_frame(replace(header, **damage), payload)
     assert receiver.counters["corrupt_frames"] == 1 and receiver.counters["frames"] == 0
-    for header, payload in frames.values():
+    for header, payload in frames:
         receiver.receive_frame(header, payload)
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
@@ -169,18 +171,21 @@ def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_refere
 
 def test_cachegen_is_agreed_only_between_workers_holding_the_same_tables(sides, tmp_path):
     """Tables profiled apart (here: on other calibration KV) would decode every frame wrong without an
-    error, so the offer carries their digest and the decode side takes cachegen only when its own
-    tables match; an offer without one (which tables, nobody knows) is refused too."""
+    error, so a prefill worker's offer (`offers` of its codecs) carries their digest and the decode
+    side takes cachegen only when its own tables match; an offer without one (which tables, nobody
+    knows) is refused too."""
     prefill, decode, receiver, _ = sides
     layout = decode.kv_layout
     receiver.model_dir = synthetic_tables(tmp_path / "decode", layout)
     same = make_codec("cachegen", synthetic_tables(tmp_path / "same", layout), layout)
     other = make_codec("cachegen", synthetic_tables(tmp_path / "other", layout, seed=200), layout)
+    int8 = make_codec("int8", None, layout)
     assert same.digest == make_codec("cachegen", receiver.model_dir, layout).digest != other.digest
-    assert receiver.negotiate([offer("cachegen", other.digest), "int8"]).name == "int8"
-    assert receiver.negotiate([offer("cachegen", other.digest)]).name == "raw"
+    assert offers({"cachegen": same, "int8": int8}) == [f"cachegen@{same.digest}", "int8"]
+    assert receiver.negotiate(offers({"cachegen": other, "int8": int8})).name == "int8"
+    assert receiver.negotiate(offers({"cachegen": other})).name == "raw"
     assert receiver.negotiate(["cachegen"]).name == "raw"
-    agreed = receiver.negotiate([offer("cachegen", same.digest), "int8"])
+    agreed = receiver.negotiate(offers({"cachegen": same, "int8": int8}))
     assert agreed.name == "cachegen" and agreed.digest == same.digest
 
 

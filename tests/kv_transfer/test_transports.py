@@ -320,10 +320,14 @@ def test_shm_slots_hold_the_frames_the_sender_expects_and_larger_ones_wait_their
         assert len(segment.free) == segment.slots - 1  # in a slot (nobody has taken an answer yet)
         thread = threading.Thread(target=lambda: [channel.send(*f) for f in frames[1:]])
         thread.start()
-        time.sleep(0.5)  # the receiver holds the first frame: the sender waits for answers
+        deadline = time.monotonic() + 10  # the receiver holds the first frame: the sender waits for answers
+        while len(channel.control.unanswered) < segment.slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # time enough to send one more, were inline frames unbounded
         assert thread.is_alive() and len(channel.control.unanswered) == segment.slots
         release.set()
         thread.join(30)
+        assert not thread.is_alive()
         channel.finish(timeout=30)
         channel.close()
         assert [(h, p) for h, p in sink.frames] == [(h, d.tobytes()) for h, d in frames]
