@@ -47,6 +47,7 @@ POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
 SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
+LANE_STOP_S = 2.0  # how long `stop` waits for the lanes' work under way
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
 
 
@@ -86,6 +87,7 @@ class _Lane:
     ready: threading.Condition  # on the server's lock: notified when a message joins `waiting`
     # (identity, seq, kind, work) of each message; identity None for a chore, which answers nobody
     waiting: deque[tuple[zmq.Frame | None, zmq.Frame | None, bytes, Callable[[], None]]] = field(default_factory=deque)
+    thread: threading.Thread | None = None
 
 
 class ControlServer:
@@ -169,7 +171,7 @@ class ControlServer:
             lane = self._lanes.get(name)
             if lane is None:
                 lane = self._lanes[name] = _Lane(threading.Condition(self._lock))
-                start_guarded(f"kv-{self.name}-lane", lambda: self._run_lane(name, lane), self._crashed)
+                lane.thread = start_guarded(f"kv-{self.name}-lane", lambda: self._run_lane(name, lane), self._crashed)
             lane.waiting.append(item)
             lane.ready.notify()
 
@@ -230,14 +232,20 @@ class ControlServer:
         self._on_crash(error)
 
     def stop(self) -> bool:
-        """Stop the loop; whether it has ended (not while a handler is still busy). A lane still
-        running (a receive waiting on its peer) ends on its own; its answer goes nowhere."""
+        """Stop the loop, and let the lanes finish what they hold, waiting up to LANE_STOP_S for them
+        (a process exiting under a lane's work, a gloo group being torn down, can abort in C++):
+        whether all have ended. A lane still running then (a receive waiting on its peer) ends on
+        its own; its answer goes nowhere."""
         self._stopped.set()
         with self._lock:
-            for lane in self._lanes.values():
+            lanes = list(self._lanes.values())
+            for lane in lanes:
                 lane.ready.notify()
         self._thread.join(timeout=5 * POLL_MS / 1000)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + LANE_STOP_S
+        for lane in lanes:
+            lane.thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive() and not any(lane.thread.is_alive() for lane in lanes)
 
 
 class ControlClient:

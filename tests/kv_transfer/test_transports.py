@@ -685,6 +685,24 @@ def test_a_control_loop_that_dies_tells_its_owner(monkeypatch):
         server.stop()
 
 
+def test_stopping_a_control_server_lets_its_lanes_finish_their_work():
+    """Work under way on a lane (a gloo group being torn down, say) ends before `stop` returns, so a
+    process that exits right after stopping its receiver does not exit under it."""
+    from pdserve.kv_transfer.transports import control
+
+    started, finished = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+
+    server = control.ControlServer("test", "127.0.0.1", lambda kind, parts: None)
+    server.run_on_lane("group", work)
+    assert started.wait(5)
+    assert server.stop() and finished.is_set()
+
+
 def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
     """A sender SIGKILLed after making a segment, before its receiver mapped it, leaves the file linked;
     the next sender started on the node removes it, and leaves the segments of living senders alone."""
