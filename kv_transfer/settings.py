@@ -19,7 +19,7 @@ class TransferSettings:
     transport: str = "auto"  # auto: shared memory within a node, gRPC across nodes
     codecs: tuple[str, ...] = ("raw",)  # offered in this order; the decode side takes the first it can use
     host: str | None = None  # where receiving halves listen; None: the worker's own node address (`on_node`)
-    tls: dict[str, str] = field(default_factory=dict)  # cert, key, and optionally ca (mutual TLS)
+    tls: dict[str, str] = field(default_factory=dict)  # cert, key and ca, all three (mutual TLS)
     frame_tokens: int = FRAME_TOKENS
     lease_s: float = 30.0
     reserve_wait_s: float = 10.0

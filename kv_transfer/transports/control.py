@@ -234,18 +234,21 @@ class ControlServer:
     def stop(self) -> bool:
         """Stop the loop, and let the lanes finish what they hold, waiting up to LANE_STOP_S for them
         (a process exiting under a lane's work, a gloo group being torn down, can abort in C++):
-        whether all have ended. A lane still running then (a receive waiting on its peer) ends on
-        its own; its answer goes nowhere."""
+        whether all have ended. A lane still running then (a receive waiting on a stalled peer,
+        which gloo cannot abort, for up to its group timeout) ends on its own; its answer goes
+        nowhere."""
         self._stopped.set()
-        with self._lock:
-            lanes = list(self._lanes.values())
-            for lane in lanes:
+        me = threading.current_thread()  # a crash handler or a chore may stop its own server
+        if self._thread is not me:
+            self._thread.join(timeout=5 * POLL_MS / 1000)
+        with self._lock:  # once the loop has stopped, it makes no more lanes
+            threads = [lane.thread for lane in self._lanes.values() if lane.thread not in (None, me)]
+            for lane in self._lanes.values():
                 lane.ready.notify()
-        self._thread.join(timeout=5 * POLL_MS / 1000)
         deadline = time.monotonic() + LANE_STOP_S
-        for lane in lanes:
-            lane.thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive() and not any(lane.thread.is_alive() for lane in lanes)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive() and not any(thread.is_alive() for thread in threads)
 
 
 class ControlClient:

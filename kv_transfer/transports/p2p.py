@@ -38,6 +38,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -65,6 +66,12 @@ def _text(frame: zmq.Frame) -> str:
         return frame.bytes.decode("ascii")
     except UnicodeDecodeError:
         raise TransferError(f"p2p control message: {frame.bytes[:40]!r} is not ASCII") from None
+
+
+def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager:
+    """Make `stream` current; None changes nothing (and, unlike `torch.cuda.stream(None)`, never
+    touches CUDA: a gloo receiver in a process with a GPU must not make a CUDA context per frame)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
 def _timeout() -> datetime.timedelta:
@@ -274,7 +281,9 @@ class _Joined(NamedTuple):
 
     pg: dist.Backend
     store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
-    stream: torch.cuda.Stream | None  # NCCL: the group's own, so a stuck receive holds up no other group
+    # NCCL: the group's own, so a stuck receive holds up no other group (from torch's shared pool of
+    # 32 per device, handed out in turn: groups may share one)
+    stream: torch.cuda.Stream | None
 
 
 class P2PReceiver:
@@ -329,13 +338,14 @@ class P2PReceiver:
         store = dist.TCPStore(store_host, port, world_size=2, is_master=False, timeout=_timeout())
         group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
         stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
+        joined = _Joined(group, store, stream)
         if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
             try:
-                with torch.cuda.stream(stream):
+                with _on(stream):
                     group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
             except RuntimeError as e:
+                self._abort(group_id, joined)
                 raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
-        joined = _Joined(group, store, stream)
         with self._lock:
             if not self._stopped:
                 self._groups[group_id] = joined
@@ -346,7 +356,7 @@ class P2PReceiver:
         with self._lock:
             if self._groups.get(group_id) is not joined:  # torn down while the frame waited on the lane
                 raise TransferError(f"p2p group {group_id[:40]!r} was torn down")
-        with torch.cuda.stream(joined.stream):  # None (host bytes, or a CPU device): nothing changes
+        with _on(joined.stream):
             buffer = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
             try:
                 joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
@@ -389,7 +399,7 @@ class P2PReceiver:
         """End a group this side dropped: NCCL's communicator goes now, not with the last reference."""
         try:
             joined.pg.abort()
-        except RuntimeError as e:  # it had failed already: the reference going frees it
+        except Exception as e:  # it had failed already, or this torch has no abort: the reference going frees it
             log.warning("KV %s receiver: aborting group %s failed: %s", self.backend, group_id, e)
 
     def stop(self) -> None:
