@@ -103,8 +103,8 @@ class KVReceiver:
         return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks, codec.name)
 
     def negotiate(self, offered: list[str] | tuple[str, ...]) -> Codec:
-        """The first offered codec (`codecs.offer`) this side can decode with the same digest; raw
-        when none (it always can)."""
+        """The first offered codec (`codecs.offers`) this side can decode, holding what the offer's
+        digest names; raw when none (it always can)."""
         for offered_as in [*offered, "raw"]:
             if offered_as not in self._codecs:
                 self._codecs[offered_as] = self._usable(*parse_offer(offered_as))

@@ -128,7 +128,7 @@ class ShmChannel:
             if self._closed:
                 raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
             segment = self.segment
-            if view.nbytes > segment.slot_bytes:  # bounded like slots: the copies wait in queues
+            if view.nbytes > segment.slot_bytes:  # inline: no more in flight than the segment has slots
                 self.control.wait(lambda: len(self.control.unanswered) < segment.slots, SEND_TIMEOUT_S)
                 self.control.send(INLINE, [header.pack(), bytes(view)])
             else:
