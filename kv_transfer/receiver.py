@@ -35,7 +35,7 @@ from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.codecs import Codec, CodecUnavailable, frame_checksum, make_codec, parse_offer
+from pdserve.kv_transfer.codecs import Codec, frame_checksum, parse_offer, usable_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
@@ -114,13 +114,8 @@ class KVReceiver:
 
     def _usable(self, name: str, digest: str) -> Codec | None:
         """The codec `name` if this side can decode it as the offer's sender encodes (None: logged)."""
-        try:
-            codec = make_codec(name, self.model_dir, self.layout)
-        except Exception as e:  # unknown, unsupported, or its tables unreadable: not usable here
-            level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
-            log.log(level, "codec %r refused, negotiating down: %s: %s", name, type(e).__name__, e)
-            return None
-        if codec.digest != digest:
+        codec = usable_codec(name, self.model_dir, self.layout, "refused, negotiating down")
+        if codec is not None and codec.digest != digest:
             log.warning("codec %r refused, negotiating down: the prefill worker's tables (digest %r) are not "
                         "this worker's (%r); profile once and give both pools the same model directory",
                         name, digest, codec.digest)

@@ -67,7 +67,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv_transfer.codecs import CodecUnavailable, make_codec, offers
+from pdserve.kv_transfer.codecs import offers, usable_codec
 from pdserve.kv_transfer.interface import (PROBE_PREFIX, Codec, KVMemoryFull, Lease, LayerChannel,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -550,14 +550,9 @@ class PrefillWorker:
         """The manifest's codecs this worker can encode with (fp8 needs a torch with it, cachegen the
         model's tables), and raw, which every decode worker falls back to: only these are offered, so
         a decode worker never agrees to a codec this side would fail every transfer on."""
-        codecs = {}
-        for name in dict.fromkeys([*names, "raw"]):
-            try:
-                codecs[name] = make_codec(name, self.model_dir, self.engine.kv_layout)
-            except Exception as e:  # unknown, unsupported, or its tables unreadable: not offered, the worker serves
-                level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
-                log.log(level, "KV codec %s is not offered: %s: %s", name, type(e).__name__, e)
-        return codecs
+        made = {name: usable_codec(name, self.model_dir, self.engine.kv_layout, "is not offered")
+                for name in dict.fromkeys([*names, "raw"])}
+        return {name: codec for name, codec in made.items() if codec is not None}
 
     def _outgoing(self, job: _Job, lease: Lease) -> OutgoingTransfer | None:
         """The transfer's sending side; None when the decode worker should recompute the KV instead

@@ -14,6 +14,7 @@ the digest of what both sides must hold alike after an '@' (`offers`): "cachegen
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +27,10 @@ from pdserve.kv_transfer.interface import Codec, FrameHeader, Payload
 
 CODEC_NAMES = ("raw", "int8", "fp8", "cachegen")
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CODEC_NAMES", "Codec", "CodecUnavailable", "checksum", "frame_checksum", "make_codec", "offers",
-           "parse_offer"]
+           "parse_offer", "usable_codec"]
 
 
 def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Codec:
@@ -49,6 +52,17 @@ def make_codec(name: str, model_dir: str | Path | None, layout: KVLayout) -> Cod
 
         return CacheGenCodec.for_model(model_dir, layout)
     raise CodecUnavailable(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
+
+
+def usable_codec(name: str, model_dir: str | Path | None, layout: KVLayout, refused: str) -> Codec | None:
+    """`make_codec`, or None when the codec cannot be used here (unknown, unsupported, or its tables
+    unreadable), logged with `refused` saying what follows from that."""
+    try:
+        return make_codec(name, model_dir, layout)
+    except Exception as e:  # any failure to build it only leaves this codec out
+        level = logging.WARNING if isinstance(e, CodecUnavailable) else logging.ERROR
+        log.log(level, "KV codec %r %s: %s: %s", name, refused, type(e).__name__, e)
+        return None
 
 
 def offers(codecs: Mapping[str, Codec]) -> list[str]:

@@ -14,12 +14,12 @@ import torch
 
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.codecs.base import (
+    Unrepresentable,
     bytes_as_tensor,
     check_decode_level,
     check_encode_level,
     expect_size,
     payload_bytes,
-    Unrepresentable,
 )
 from pdserve.kv_transfer.interface import Payload
 

@@ -16,12 +16,12 @@ its frames on the group's own lane (a thread per sending peer: `control.Deferred
 stalls mid-frame (frozen) holds up its own frames only, not other prefill workers'. With NCCL each
 group also has a CUDA stream of its own, which its receives, checksums and writes into the cache
 queue on, synchronized before the frame is answered: on the device's default stream, one stuck
-receive would hold up every other group's work there (written for that, not yet run on a GPU: no
-session had two). A pair whose sends and receives may have fallen out of step (a frame unanswered, or refused
-before its receive; a send that failed; the peer gone) drops its group and forms a new one on its
-next transfer. A frame received whole and then refused by the sink (its transfer aborted there: a
-cancel, a request done at its first token) fails only its own transfer: the group stays, in step,
-for the pair's other transfers.
+receive would hold up every other group's work there (not yet tested on two GPUs). A pair whose
+sends and receives may have fallen out of step (a frame unanswered, or refused before its receive;
+a send that failed; the peer gone) drops its group and forms a new one on its next transfer. A frame
+received whole and then refused by the sink (its transfer aborted there: a cancel, a request done at
+its first token) fails only its own transfer: the group stays, in step, for the pair's other
+transfers.
 
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
