@@ -18,7 +18,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.model_loader import context_limit, load_tokenizer
+from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
@@ -279,11 +279,11 @@ class Cluster:
         m = self.manifest
         config = AutoConfig.from_pretrained(model_dir)
         tokenizer = load_tokenizer(model_dir)
-        eos = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        eos = sorted(eos_ids(config, tokenizer))
         info = pdserve_pb2.ModelInfo(
             name=m.model, model_type=config.model_type, vocab_size=config.vocab_size,
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
-            block_size=m.block_size, eos_token_id=eos,
+            block_size=m.block_size, eos_token_id=eos[0] if eos else 0, eos_token_ids=eos,
         )
         return ServedModel(m.model, tokenizer, info)
 

@@ -71,7 +71,7 @@ def load_model(
         tokenizer=tokenizer,
         kv_layout=_probe_kv_layout(model, config, block_size, dtype),
         max_model_len=max_len,
-        eos_token_ids=_eos_ids(config, tokenizer),
+        eos_token_ids=eos_ids(config, tokenizer),
         vocab_size=config.vocab_size,
     )
 
@@ -162,7 +162,8 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _eos_ids(config: object, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def eos_ids(config: object, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token id that ends generation: the config's (one or a list) and the tokenizer's."""
     ids: set[int] = set()
     for source in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):

@@ -111,6 +111,7 @@ def test_model_info_health_and_reflection(cluster):
     with Client(cluster.address) as client:
         info = client.model_info()
     assert info.vocab_size == 1024 and info.max_model_len == 512 and info.mode == cluster.manifest.mode
+    assert info.eos_token_id == 2 and list(info.eos_token_ids) == [2]  # the tiny presets' EOS
     with grpc.insecure_channel(cluster.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert status.status == health_pb2.HealthCheckResponse.SERVING

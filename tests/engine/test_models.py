@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import random_prompts
 from helpers import assert_pool_idle, run_all
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdserve.engine import PRESETS, EngineConfig, LLMEngine, SamplingParams, make_model, resolve_model
-from pdserve.engine.model_loader import load_tokenizer
+from pdserve.engine.model_loader import eos_ids, load_tokenizer
 from pdserve.engine.presets import preset_info
 
 
@@ -82,3 +82,13 @@ def test_cuda_runs_and_matches_first_tokens(model_dirs, hf_reference, dtype):
                             pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
         assert out.token_ids[0] == want[0]
     assert_pool_idle(engine)
+
+
+def test_every_eos_id_of_the_config_and_the_tokenizer_ends_generation(model_dirs):
+    """A config may list several EOS ids (Llama 3 does); each one, and the tokenizer's, stops a request."""
+    config = AutoConfig.from_pretrained(model_dirs["tiny-llama"])
+    tokenizer = load_tokenizer(model_dirs["tiny-llama"])
+    config.eos_token_id = [7, 11]
+    assert eos_ids(config, tokenizer) == {7, 11, tokenizer.eos_token_id}
+    config.eos_token_id = None
+    assert eos_ids(config, tokenizer) == {tokenizer.eos_token_id}

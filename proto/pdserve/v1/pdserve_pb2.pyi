@@ -114,7 +114,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "vocab_size", "max_model_len", "mode", "dtype", "block_size", "eos_token_id")
+    __slots__ = ("name", "model_type", "vocab_size", "max_model_len", "mode", "dtype", "block_size", "eos_token_id", "eos_token_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     vocab_size: int
@@ -131,4 +132,5 @@ class ModelInfo(_message.Message):
     dtype: str
     block_size: int
     eos_token_id: int
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mode: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mode: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -62,7 +62,8 @@ class PDServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """The token ids the served model's tokenizer gives `text` (no special tokens added).
+        """The token ids the served model's tokenizer gives `text` (no special tokens added: no BOS, no chat
+        template), as GenerateRequest.text is tokenized.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
