@@ -144,6 +144,7 @@ class KVReceiver:
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        self._verify(header, payload)
         try:
             incoming = self._get(header.transfer_id)
         except TransferError:
@@ -151,11 +152,6 @@ class KVReceiver:
             raise
         try:
             kv = self._decode(incoming, header, payload)
-        except CorruptFrame as e:
-            self._count("corrupt_frames")
-            log.warning("transfer %s: frame of layer %d at token %d dropped: %s", header.transfer_id,
-                        header.layer, header.start_token, e)
-            raise
         except TransferError as e:
             self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
@@ -167,6 +163,7 @@ class KVReceiver:
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
             self.kv_cache.write_tokens(header.layer, slots, kv)
+            _wait_for_side_stream(self.kv_cache.data.device)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
             incoming.transfer.bytes_moved += payload.nbytes
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
@@ -174,11 +171,19 @@ class KVReceiver:
         self._count("frames")
         self._count("bytes", payload.nbytes)
 
-    def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
-        """The frame's KV, checked; CorruptFrame for damaged bytes, TransferError for a frame that
-        could not belong to this transfer."""
+    def _verify(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        """CorruptFrame (counted) unless the frame's checksum holds. Checked first: it covers the
+        transfer's id too, and a damaged id is a corrupt frame (sent again), not a frame of no open
+        transfer (which ends the transfer as refused)."""
         if payload.nbytes != header.payload_bytes or frame_checksum(header, payload) != header.crc32:
+            self._count("corrupt_frames")
+            log.warning("transfer %s: frame of layer %d at token %d dropped: checksum mismatch (its header or "
+                        "its bytes)", header.transfer_id, header.layer, header.start_token)
             raise CorruptFrame(f"checksum mismatch on a frame of layer {header.layer} (its header or its bytes)")
+
+    def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
+        """The KV of a frame whose checksum holds; TransferError for a frame that could not belong to
+        this transfer."""
         if not 0 <= header.layer < self.layout.num_layers:
             raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
         if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
@@ -204,6 +209,10 @@ class KVReceiver:
         once admitted: the sender sends those layers' frames again and commits once more).
         `recompute`: give up on the KV and recompute it here from the handoff's tokens."""
         incoming = self._get(transfer_id)
+        if handoff.request_id != incoming.transfer.request_id:  # a caller's bug: refuse, holding on to nothing
+            self.abort(transfer_id, f"committed as request {handoff.request_id!r}")
+            raise TransferError(f"transfer {transfer_id} is request {incoming.transfer.request_id!r}'s, "
+                                f"not {handoff.request_id!r}'s")
         if not recompute:
             incomplete = incoming.incomplete_layers()
             if incomplete:
@@ -297,3 +306,12 @@ class KVReceiver:
         if incoming is None:
             raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
         return incoming
+
+
+def _wait_for_side_stream(device: torch.device) -> None:
+    """A write queued on a stream other than the engine's (NCCL's receive runs on its group's own)
+    has landed when this returns: the caller then lets an abort free the blocks, and the engine's
+    next step, on its own stream, may hand them to another request. Writes on the engine's stream are
+    ordered before that step already: no wait."""
+    if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+        torch.cuda.current_stream(device).synchronize()

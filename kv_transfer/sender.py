@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,22 +31,38 @@ FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, smal
 
 @dataclass
 class LevelSizes:
-    """Measured encoded bytes per (token × layer) at each level of one codec, kept per worker."""
+    """Measured encoded bytes per (token × layer) at each level of one codec, kept per worker.
+
+    A frame's fixed bytes (header, scales, a group's anchor token) weigh more the shorter it is, so a
+    level's figure is taken from the longest frames it was measured on (`measured_on`): a frame more
+    than twice as long measures it anew, and a frame under half as long is not counted. Otherwise a
+    level first met on a short frame would look too large for good, and never be chosen (so never
+    measured) again."""
 
     bytes_per_token: dict[int, float]
+    measured_on: dict[int, int] = field(default_factory=dict)  # level -> frame tokens its figure is from
 
     def observe(self, level: int, num_tokens: int, nbytes: int) -> None:
         seen = nbytes / max(1, num_tokens)
-        old = self.bytes_per_token.get(level)
-        self.bytes_per_token[level] = seen if old is None else 0.8 * old + 0.2 * seen
+        if self.outdated(level, num_tokens):
+            self.bytes_per_token[level], self.measured_on[level] = seen, num_tokens
+        elif 2 * num_tokens >= self.measured_on[level]:
+            self.bytes_per_token[level] = 0.8 * self.bytes_per_token[level] + 0.2 * seen
+
+    def outdated(self, level: int, num_tokens: int) -> bool:
+        """Whether a frame of `num_tokens` should measure `level`: unknown, or known from short frames only."""
+        return level not in self.bytes_per_token or num_tokens > 2 * self.measured_on[level]
 
 
 class LevelController:
     """Picks each frame's level: the finest at which everything still to send fits in the time left
     before the request's TTFT objective at the measured bandwidth (the finest, without an objective).
-    A level's size is measured by encoding a real frame at it the first time it is needed."""
+    A level's size is measured by encoding a real frame at it when it is needed and `LevelSizes` has
+    no figure for frames this long."""
 
     def __init__(self, codec: Codec, sizes: LevelSizes, bandwidth_bps: float, deadline: float | None) -> None:
+        if not bandwidth_bps > 0:
+            raise ValueError(f"bandwidth must be positive, not {bandwidth_bps}")
         self.codec = codec
         self.sizes = sizes
         self.bandwidth_bps = bandwidth_bps
@@ -60,10 +76,9 @@ class LevelController:
         time_left = self.deadline - time.time()
         payloads: dict[int, Payload] = {}
         for level in range(levels):
-            size = self.sizes.bytes_per_token.get(level)
-            if size is None:
+            if self.sizes.outdated(level, kv.shape[1]):
                 payloads[level] = self._encode(kv, layer, level)
-                size = self.sizes.bytes_per_token[level]
+            size = self.sizes.bytes_per_token[level]
             if size * tokens_left / self.bandwidth_bps <= time_left or level == levels - 1:
                 return level, payloads[level] if level in payloads else self._encode(kv, layer, level)
         raise AssertionError("the coarsest level is always chosen")
@@ -143,6 +158,7 @@ class OutgoingTransfer:
         self.frame_tokens = frame_tokens
         self.num_layers = kv_cache.layout.num_layers
         self.frames_sent = 0
+        self.bytes_sent = 0  # payload bytes, over every channel the transfer used (a resend opens another)
         self.levels_used: dict[int, int] = {}  # level -> frames
         self._token_layers_left = (num_tokens - first_token) * self.num_layers
         self._sent_until = [first_token] * self.num_layers  # tokens before it are sent, per layer
@@ -177,6 +193,7 @@ class OutgoingTransfer:
             header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
             self.channel.send(header, payload)
         self.frames_sent += 1
+        self.bytes_sent += header.payload_bytes
         self.levels_used[level] = self.levels_used.get(level, 0) + 1
         if not resend:
             self._token_layers_left -= n

@@ -313,7 +313,8 @@ class PrefillWorker:
         finally:
             channel.close()
             ray.get(decode.abort_transfer.remote(transfer_id, "probe finished"), timeout=COMMIT_TIMEOUT_S)
-        self._bandwidth[_peer(lease)] = channel.bytes_sent / max(seconds, 1e-9)
+        if channel.bytes_sent:  # none when the decode worker held every probe block already
+            self._bandwidth[_peer(lease)] = channel.bytes_sent / max(seconds, 1e-9)
         return {"bytes": channel.bytes_sent, "seconds": seconds, "handoff_s": time.perf_counter() - t_reserve}
 
     def _transport_name(self, lease: Lease) -> str:
@@ -710,7 +711,7 @@ class PrefillWorker:
             if not transfer.advance_unless_finished(TransferState.SUCCESS):
                 return  # cancelled during the commit: the router aborts the request on the decode worker
             self.sink.send(job.request_id, events={HANDOFF_COMMITTED: time.time()})  # this worker may go now
-            sent = outgoing.channel.bytes_sent if outgoing is not None else 0
+            sent = outgoing.bytes_sent if outgoing is not None else 0
             transfer.bytes_moved = sent
             ev = transfer.events
             self.metrics.ended(job.transport, job.lease.codec, "recomputed" if recompute else "success", sent,

@@ -21,7 +21,11 @@ sends and receives may have fallen out of step (a frame unanswered, or refused b
 a send that failed; the peer gone) drops its group and forms a new one on its next transfer. A frame
 received whole and then refused by the sink (its transfer aborted there: a cancel, a request done at
 its first token) fails only its own transfer: the group stays, in step, for the pair's other
-transfers.
+transfers. gloo matches each send to its receive by tag, not by order, so a gloo channel that ends
+with frames unanswered (closed early, or its answers late) leaves the group to the others too: its
+sends complete as the receiver takes the frames it was told of, and the sender waits for them on a
+thread (`P2PSender.settle`), dropping the group only if one fails or is still pending after
+GROUP_TIMEOUT_S.
 
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
@@ -48,6 +52,7 @@ import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, Deferred, deliver, notify
+from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -85,8 +90,11 @@ def _process_group(backend: str, store: dist.Store, rank: int, host: str) -> dis
         options._timeout = _timeout()
         return dist.ProcessGroupGloo(store, rank, 2, options)
     # A timed-out NCCL operation must end this pair's group, not the worker: the default (3) tears
-    # the whole process down. Read when the group is made.
+    # the whole process down. Nor is it worth torch's debug dump (its flight recorder), whose
+    # handling on timeout may also end the process: a pair's timeout is an ordinary peer failure
+    # here. Both read when the group is made.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = _timeout()
     return dist.ProcessGroupNCCL(store, rank, 2, options)
@@ -150,6 +158,7 @@ class P2PChannel:
         self.bytes_sent = 0
         self.control = ControlClient(address, secret=sender.secret)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
+        self._pending_lock = threading.Lock()  # sends post from the sending thread; close comes from any
 
     def send(self, header: FrameHeader, payload: Payload | torch.Tensor) -> None:
         tensor = self._as_tensor(payload)  # held until the send completes
@@ -184,7 +193,9 @@ class P2PChannel:
         tag = self.group.tag()
         seq = self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
         try:
-            self._pending.append((self.group.pg.send([tensor], 1, tag), tensor))
+            work = self.group.pg.send([tensor], 1, tag)
+            with self._pending_lock:
+                self._pending.append((work, tensor))
         except RuntimeError as e:  # announced but not sent: the receiver waits for it, the group is done
             self.sender.drop_group(self.address, self.group)
             raise TransferError(f"p2p send to {self.address} failed: {e}") from e
@@ -201,26 +212,39 @@ class P2PChannel:
         next transfer to this peer forms a new one). A refusal is raised after the sends completed."""
         refusal = None
         try:
-            try:
-                self.control.wait(answered, timeout)
-            except TransferError as e:
-                if not (answered() and self.control.taken_whole):
-                    raise
-                refusal = e  # every frame had its receive: the sends complete, the group stays in step
-            for work, _ in self._pending:
+            self.control.wait(answered, timeout)
+        except TransferError as e:
+            if not (answered() and self.control.taken_whole):
+                self._leave_pending()
+                raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
+            refusal = e  # every frame had its receive: the sends complete, the group stays in step
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        try:
+            for work, _ in pending:
                 work.wait(datetime.timedelta(seconds=timeout))  # with a timeout, NCCL's wait blocks too
-        except (RuntimeError, TransferError) as e:
+        except RuntimeError as e:
             self.sender.drop_group(self.address, self.group)
             raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
-        finally:
-            self._pending.clear()
         if refusal is not None:
             raise refusal
 
-    def close(self) -> None:
-        if self._pending:  # not finished: sends may be left without receives
+    def _leave_pending(self) -> None:
+        """Let go of sends whose frames may never be received (unanswered, or refused before their
+        receive). gloo matches sends by tag, so while every answer so far says the frame was taken
+        whole, the group is in step for the pair's other transfers: the sender waits for these sends.
+        Otherwise (NCCL matches in issue order; a frame refused unreceived) the group is dropped."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        if self.device is None and self.control.taken_whole:
+            self.sender.settle(self.address, self.group, pending)
+        else:
             self.sender.drop_group(self.address, self.group)
-        self._pending.clear()
+
+    def close(self) -> None:
+        self._leave_pending()  # not finished: sends may be left without receives
         self.control.close()
 
 
@@ -255,6 +279,22 @@ class P2PSender:
                 with self._lock:
                     self._groups[address] = group
         return P2PChannel(self, group, address, transfer_id)
+
+    def settle(self, address: str, group: _Group, pending: list[tuple[dist.Work, torch.Tensor]]) -> None:
+        """Wait, on a thread of their own, for the sends of a gloo channel that ended with frames
+        unanswered: they complete as the receiver takes the frames it was told of. One that fails,
+        or is still pending after GROUP_TIMEOUT_S, drops the group. (A gloo send cannot be polled: its
+        `is_completed` changes only in `wait`, and a wait that times out breaks the pair.)"""
+        def wait_for_sends() -> None:
+            try:
+                for work, _ in pending:
+                    work.wait(_timeout())
+            except RuntimeError as e:
+                log.warning("KV %s sender: a send to %s left by an ended transfer failed (%s); group torn down",
+                            self.backend, address, (str(e).splitlines() or ["no reason given"])[0][:200])
+                self.drop_group(address, group)
+
+        start_guarded(f"kv-{self.backend}-settle", wait_for_sends, lambda error: self.drop_group(address, group))
 
     def drop_group(self, address: str, group: _Group) -> None:
         """Tear down a pair's group (if it is still the current one) and tell the peer."""

@@ -12,11 +12,10 @@ instead, as many at a time as a segment has slots.
 Nothing leaks when either side dies: the sender unlinks a segment's file as soon as the receiver has
 answered a message that used it (both have it mapped by then), so the memory goes away with the last
 mapping. The sender holds a lock on the file for the segment's whole life, and the lock dies with
-it: a sender killed before the unlink leaves a file nobody holds, which the next sender started on
-the node removes (`sweep_orphan_segments`); one killed after it leaves the receiver's mapping, which
-the receiver drops within SWEEP_S (`control`), or sooner when it next maps a segment (a restarted
-sender's first frame does that). A
-channel takes a segment from its transport's pool for the peer and returns it when it closes with
+it. A sender killed leaves the receiver's mapping, which the receiver drops within SWEEP_S
+(`control`), or sooner when it next maps a segment (a restarted sender's first frame does that),
+removing the file too if the sender had not unlinked it yet. A file no receiver mapped (or one left
+half made) is removed by the next sender started on the node (`sweep_orphan_segments`). A channel takes a segment from its transport's pool for the peer and returns it when it closes with
 nothing unanswered, so sequential transfers reuse one mapping.
 """
 
@@ -30,6 +29,7 @@ import re
 import struct
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +51,8 @@ _SLOT_ALIGN = 64 << 10
 SEND_TIMEOUT_S = 30.0  # waiting for a free slot: the receiver is stuck or gone
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
+_MAKING = ".making-"  # a segment's name while it is made (locked, then renamed)
+MAKING_STALE_S = 60.0  # a file under its making name this long was left by a sender killed making it
 _SLOT = struct.Struct("<QQ")  # offset, length
 FRAME, INLINE, RELEASE = b"F", b"I", b"R"
 _PARTS = {FRAME: 3, INLINE: 2, RELEASE: 1}  # after [kind, seq]: header, segment name, slot / header, payload / name
@@ -69,7 +71,7 @@ class _Segment:
         # Open, and locked, until `close`: the lock dies with this process, which tells the sweep and
         # the receiver that nobody owns the segment any more. Made under a name the sweep ignores and
         # renamed once locked, so no sweep sees it unlocked.
-        making = SHM_DIR / f".making-{self.name}"
+        making = SHM_DIR / f"{_MAKING}{self.name}"
         self._fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
@@ -170,16 +172,20 @@ class ShmChannel:
 
 def sweep_orphan_segments(directory: Path = SHM_DIR) -> int:
     """Remove the segment files no living sender holds locked: left by one killed between making a
-    segment and its receiver mapping it. Returns how many."""
+    segment and its receiver mapping it, or while making it. Returns how many."""
     removed = 0
-    for path in directory.glob("pdserve-kv-*"):
-        if not _NAME.fullmatch(path.name):
+    for path in [*directory.glob("pdserve-kv-*"), *directory.glob(f"{_MAKING}pdserve-kv-*")]:
+        being_made = path.name.startswith(_MAKING)
+        if not _NAME.fullmatch(path.name.removeprefix(_MAKING)):
             continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # gone meanwhile, or not ours to open
             continue
         try:
+            # One being made is unlocked for a moment after it is created: judged by its age too.
+            if being_made and time.time() - os.fstat(fd).st_mtime < MAKING_STALE_S:
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.fstat(fd).st_nlink:  # not unlinked by its sender meanwhile
                 path.unlink()
@@ -300,6 +306,9 @@ class ShmReceiver:
             log.info("shared memory segment %s: no sender holds it any more (released, or its sender died); "
                      "unmapped", name)
             self._unmap(name)
+            # A sender killed before it took this side's answer left the name linked: nobody else will
+            # open it (a living sender holds its segments locked; a released one is unlinked already).
+            (SHM_DIR / name).unlink(missing_ok=True)
 
     def _unmap(self, name: str) -> None:
         entry = self._maps.pop(name, None)

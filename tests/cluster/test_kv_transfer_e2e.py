@@ -59,17 +59,17 @@ def counters(cluster, pool: str) -> dict:
 def corrupt_frames(self, layer: int, times: int) -> None:
     """Flip a byte of the next `times` frames of `layer` as they arrive (before the checksum test)."""
     receiver, left = self.receiver, [times]
-    original = receiver._decode
+    original = receiver._verify
 
-    def damaging(incoming, header, payload):
+    def damaging(header, payload):
         if header.layer == layer and left[0] > 0:
             left[0] -= 1
             damaged = bytearray(payload)
             damaged[len(damaged) // 2] ^= 0xFF
             payload = memoryview(damaged)
-        return original(incoming, header, payload)
+        return original(header, payload)
 
-    receiver._decode = damaging
+    receiver._verify = damaging
 
 
 def test_a_prefix_the_decode_worker_holds_is_not_sent_again(cluster, hf_reference):
@@ -168,6 +168,10 @@ def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
     assert after[0]["frames_resent"] == before[0]["frames_resent"] + 1
     assert after[0]["recomputed"] == before[0]["recomputed"]
     assert after[1]["corrupt_frames"] == before[1].get("corrupt_frames", 0) + 1
+    config = hf_reference[ARCH].model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    layer_bytes = len(prompt) * 2 * config.num_key_value_heads * head_dim * 4  # one layer's float32 K and V
+    assert last_transfer(cluster)["bytes"] == (config.num_hidden_layers + 1) * layer_bytes  # layer 1 twice
     assert_idle(cluster)
 
 

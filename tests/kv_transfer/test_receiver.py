@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TEST_PRESETS, random_prompts
-from helpers import assert_pool_idle, run_all
+from helpers import assert_pool_idle, run_all, wait_until
 from kv_helpers import synthetic_tables
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -139,13 +139,13 @@ def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_
     prefill.release(request_id)
 
 
-@pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8")],
-                         ids=lambda d: next(iter(d)))
+@pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8"),
+                                    dict(transfer_id="t2")], ids=lambda d: next(iter(d)))
 def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_reference, damage):
-    """Frames of 16 tokens: each damaged field but the codec still names something this transfer
-    could take (tokens [0, 16) of layer 0 as layer 1's, or as tokens [16, 32), or at level 1), so
-    only the checksum covering the header keeps good KV out of the wrong place; a damaged codec is
-    caught as damage too, to be sent again, not as a refusal that ends the transfer."""
+    """Frames of 16 tokens: each damaged field but the codec and the id still names something this
+    transfer could take (tokens [0, 16) of layer 0 as layer 1's, or as tokens [16, 32), or at level
+    1), so only the checksum covering the header keeps good KV out of the wrong place; a damaged codec
+    or transfer id is caught as damage too, to be sent again, not as a refusal that ends the transfer."""
     prefill, decode, receiver, outputs = sides
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 32, 32, seed=10)[0]
     request_id = prefilled(prefill, prompt)
@@ -628,3 +628,18 @@ def test_state_machine_rejects_illegal_moves():
     assert t.fail("boom") and not t.fail("twice") and t.error == "boom"
     with pytest.raises(IllegalTransition):
         t.advance(TransferState.SUCCESS)
+
+
+def test_a_commit_naming_another_request_is_refused_and_frees_the_reservation(sides, hf_reference):
+    """A commit must admit the request its reservation was made for: one naming another request
+    (a caller's bug) would otherwise abort that one and leave this reservation's blocks held."""
+    prefill, decode, receiver, _ = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 32, 32, seed=11)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    with pytest.raises(TransferError, match="not 'someone-else'"):
+        receiver.commit("t1", replace(handoff, request_id="someone-else"))
+    assert receiver.num_in_flight == 0
+    assert wait_until(lambda: not decode.requests)  # the abort runs on the engine loop
+    assert_pool_idle(decode)
+    prefill.release(request_id)

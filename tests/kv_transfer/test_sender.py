@@ -50,3 +50,27 @@ def test_the_coarsest_level_when_nothing_fits_and_the_estimate_uses_it(cachegen)
     assert level == cachegen.num_levels - 1
     coarsest = min(controller.sizes.bytes_per_token.values())
     assert controller.transfer_s(1000) == pytest.approx(coarsest * 1000 / 1e3)
+
+
+def test_a_level_first_measured_on_a_short_frame_is_measured_again_on_a_long_one(cachegen):
+    """A short frame's fixed bytes (header, escape count, a group's anchor token) make its bytes per
+    token larger than a long frame's: a level measured once on a 1-token frame, and judged by that
+    figure alone, would look too large for every long frame after, and never be chosen again."""
+    short, long = synthetic_kv(1, seed=4), synthetic_kv(1200, seed=5)
+    per_token = [size / 1200 for size in sizes_by_level(cachegen, long)]
+    sizes = LevelSizes({})
+    LevelController(cachegen, sizes, bandwidth_bps=1.0, deadline=None).encode(short, 0, tokens_left=1)
+    assert sizes.bytes_per_token[0] > 1.2 * per_token[0]  # as the short frame measured it
+    # Room for level 0 at its long-frame size, but not at the short frame's figure.
+    bandwidth = 1.1 * per_token[0] * 12000 / 1.0
+    controller = LevelController(cachegen, sizes, bandwidth, deadline=time.time() + 1.0)
+    level, _ = controller.encode(long, 0, tokens_left=12000)
+    assert level == 0
+    assert sizes.bytes_per_token[0] == pytest.approx(per_token[0]) and sizes.measured_on[0] == 1200
+    controller.encode(short, 0, tokens_left=1)  # a short frame again: it does not skew the long frames' figure
+    assert sizes.bytes_per_token[0] == pytest.approx(per_token[0])
+
+
+def test_a_bandwidth_of_zero_is_refused():
+    with pytest.raises(ValueError, match="bandwidth"):
+        LevelController(make_codec("raw", None, LAYOUT), LevelSizes({}), bandwidth_bps=0.0, deadline=None)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 import zlib
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import wait_until
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, start_receiver
@@ -165,6 +167,45 @@ def test_a_transfer_the_receiver_refuses_leaves_the_others_to_it_whole(pair):
     going_on.finish(timeout=30)
     going_on.close()
     assert [d for h, d in accepted.frames] == sent
+
+
+def test_a_gloo_channel_closed_with_frames_unanswered_leaves_the_group_to_the_others():
+    """A transfer that ends early (a cancel, a request done at its first token) closes its channel
+    while its frames still wait on the receiver's lane. gloo matches sends by tag, so the pair's
+    group stays for the transfer beside it, and the early one's sends complete as the receiver takes
+    its frames (tearing the group down failed every transfer to that decode worker)."""
+    sink = RecordingSink()
+
+    def slow_sink(header, payload):
+        time.sleep(0.1)  # frames queue up on the group's lane
+        sink(header, payload)
+
+    receiver = P2PReceiver(slow_sink, "gloo", "127.0.0.1")
+    sender = P2PSender("gloo", "127.0.0.1")
+    try:
+        early, going_on = sender.open(receiver.address, "early"), sender.open(receiver.address, "going-on")
+        group = early.group
+        for i in range(3):
+            header, data = frame(i, 2000, seed=i)
+            early.send(dataclasses.replace(header, transfer_id="early"), data)
+        early.close()  # its three frames unanswered
+        for i in range(3):
+            header, data = frame(i, 2000, seed=10 + i)
+            going_on.send(dataclasses.replace(header, transfer_id="going-on"), data)
+        going_on.finish(timeout=30)
+        going_on.close()
+        for transfer_id in ("early", "going-on"):  # every frame the receiver was told of, taken whole
+            assert [h.layer for h, _ in sink.frames if h.transfer_id == transfer_id] == [0, 1, 2]
+        settling = [t for t in threading.enumerate() if t.name == "kv-gloo-settle"]
+        for thread in settling:  # the early channel's sends: done, since the receiver took their frames
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in settling)
+        later = sender.open(receiver.address, "later")
+        assert later.group is group
+        later.close()
+    finally:
+        sender.close()
+        receiver.stop()
 
 
 def test_a_receiver_that_is_gone_fails_the_channel_within_its_timeout():
@@ -559,6 +600,35 @@ def sending_child(transport: str, address: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+def test_a_receiver_removes_the_file_of_a_sender_killed_before_it_took_the_answer(monkeypatch):
+    """A sender SIGKILLed between announcing a frame and taking the answer has not unlinked its
+    segment's file: within a sweep, the receiver, finding nobody holds the segment, unmaps it and
+    removes the file."""
+    from pdserve.kv_transfer.transports import control
+    from pdserve.kv_transfer.transports.shm import SHM_DIR
+
+    monkeypatch.setattr(control, "SWEEP_S", 0.2)
+    receiver = start_receiver("shm", RecordingSink())
+    child = subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
+                              "from pdserve.kv_transfer.interface import FrameHeader\n"
+                              "from pdserve.kv_transfer.transports import make_sender\n"
+                              f"channel = make_sender('shm').open({receiver.address!r}, 't1')\n"
+                              "data = bytes(1000)\n"
+                              "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
+                              "print(channel.segment.name, flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        assert wait_until(lambda: name in receiver._maps, timeout=10)
+        kill(child)  # it never took the answer: its file is still linked
+        assert (SHM_DIR / name).is_file()
+        assert wait_until(lambda: not (SHM_DIR / name).exists(), timeout=10)
+        assert name not in receiver._maps
+    finally:
+        kill(child)
+        receiver.stop()
+
+
 def test_a_receiver_unmaps_the_segments_of_a_sender_killed_after_they_were_mapped():
     """A sender SIGKILLed once its segment is mapped on both sides (the name already unlinked) never
     sends the release: the receiver drops that mapping when it next maps a segment (a restarted
@@ -717,10 +787,17 @@ def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
     finally:
         kill(child)
     living = _Segment(slots=1, slot_bytes=4096)
+    # Files under the making name: one left by a sender killed while making it (old), one being made now.
+    half_made, being_made = (SHM_DIR / f".making-pdserve-kv-{uuid.uuid4().hex}" for _ in range(2))
+    for path in (half_made, being_made):
+        path.write_bytes(b"")
+    os.utime(half_made, (time.time() - 120, time.time() - 120))
     try:
         assert orphan.is_file() and living.path.is_file()
-        assert sweep_orphan_segments() >= 1
+        assert sweep_orphan_segments() >= 2
         assert not orphan.exists() and living.path.is_file()
+        assert not half_made.exists() and being_made.exists()
     finally:
         living.close()
-        orphan.unlink(missing_ok=True)
+        for path in (orphan, half_made, being_made):
+            path.unlink(missing_ok=True)
