@@ -11,7 +11,9 @@ progress.
 Frames arrive from any transport, on its threads, through `receive_frame`: checked (its checksum), decoded
 and written straight into the reserved blocks (one copy), without a round trip through the engine
 loop; no running request reads those blocks. Each transfer's lock orders writes against an abort,
-so a block is never written after it was freed. A corrupt frame is counted and dropped; `commit`
+so a block is never written after it was freed. On CUDA the writes run on the receiving thread's
+own stream (`side_streams.beside_the_engine`), not queued behind the engine's steps, and have
+landed before the lock is let go. A corrupt frame is counted and dropped; `commit`
 then names the layers still incomplete, the sender sends their frames once more, and if they still do
 not arrive the request is recomputed here from its tokens (`commit(..., recompute=True)`).
 
@@ -37,6 +39,7 @@ from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHando
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, frame_checksum, parse_offer, usable_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
+from pdserve.kv_transfer.side_streams import beside_the_engine
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
 
@@ -156,14 +159,15 @@ class KVReceiver:
             self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
             raise
-        slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
         with incoming.lock:
             if not incoming.takes_frames or incoming.transfer.state.is_terminal:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
-            self.kv_cache.write_tokens(header.layer, slots, kv)
-            _wait_for_side_stream(self.kv_cache.data.device)
+            with beside_the_engine(self.kv_cache.data.device):
+                slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token,
+                                                  header.num_tokens)
+                self.kv_cache.write_tokens(header.layer, slots, kv)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
             incoming.transfer.bytes_moved += payload.nbytes
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
@@ -307,11 +311,3 @@ class KVReceiver:
             raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
         return incoming
 
-
-def _wait_for_side_stream(device: torch.device) -> None:
-    """A write queued on a stream other than the engine's (NCCL's receive runs on its group's own)
-    has landed when this returns: the caller then lets an abort free the blocks, and the engine's
-    next step, on its own stream, may hand them to another request. Writes on the engine's stream are
-    ordered before that step already: no wait."""
-    if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
-        torch.cuda.current_stream(device).synchronize()

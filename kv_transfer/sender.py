@@ -13,10 +13,7 @@ copied out at all.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,6 +22,7 @@ from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_transfer.codecs import Codec, frame_checksum, make_codec
 from pdserve.kv_transfer.codecs.base import Unrepresentable, device_bytes, payload_nbytes
 from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
+from pdserve.kv_transfer.side_streams import off_the_compute_stream
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
 
@@ -104,20 +102,6 @@ def make_frame(transfer_id: str, layer: int, start: int, num_tokens: int, codec:
     return replace(header, crc32=frame_checksum(header, travelling)), travelling
 
 
-@contextmanager
-def off_the_compute_stream(device: torch.device) -> Iterator[None]:
-    """On CUDA, what runs inside queues on a side stream that first waits for what the compute stream
-    has queued so far (this layer's writes included), so reading a layer out never delays the next
-    layer's kernels; only the sender thread waits for it. Elsewhere, nothing changes."""
-    if device.type != "cuda":
-        yield
-        return
-    side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield
-
-
 def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int, n: int,
             to_host: bool = True) -> torch.Tensor:
     """K and V of tokens [start, start + n) of one layer: in host memory (from a GPU, through pinned
@@ -129,20 +113,6 @@ def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int
     host.copy_(kv, non_blocking=True)
     torch.cuda.current_stream(kv.device).synchronize()
     return host
-
-
-# One per sending thread (the prefill worker has one per decode worker): a shared stream would make
-# each thread's synchronize wait for the others' reads too.
-_side_streams = threading.local()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    streams = getattr(_side_streams, "by_device", None)
-    if streams is None:
-        streams = _side_streams.by_device = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
 
 
 class OutgoingTransfer:
