@@ -151,15 +151,12 @@ class OutgoingTransfer:
             start = stop
 
     def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
-        codec, device = self.controller.codec, self.channel.device
+        device = self.channel.device
         with off_the_compute_stream(self.kv_cache.data.device):
             # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.
-            kv = read_kv(self.kv_cache, layer, block_ids, start, n, to_host=device is None or codec.name != "raw")
-            try:
-                level, payload = self.controller.encode(kv, layer, max(n, self._token_layers_left))
-            except Unrepresentable:  # exact instead: the receiver takes raw frames in any transfer
-                codec, level = make_codec("raw", None, self.kv_cache.layout), 0
-                payload = codec.encode(kv, layer)
+            kv = read_kv(self.kv_cache, layer, block_ids, start, n,
+                         to_host=device is None or self.controller.codec.name != "raw")
+            codec, level, payload = self._encode(kv, layer, max(n, self._token_layers_left))
             header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
             self.channel.send(header, payload)
         self.frames_sent += 1
@@ -167,3 +164,16 @@ class OutgoingTransfer:
         self.levels_used[level] = self.levels_used.get(level, 0) + 1
         if not resend:
             self._token_layers_left -= n
+
+    def _encode(self, kv: torch.Tensor, layer: int, tokens_left: int) -> tuple[Codec, int, Payload]:
+        """The frame's codec, level and payload: the agreed codec's, or raw (which the receiver takes
+        in any transfer) where that codec cannot represent the KV, or would make it larger (CacheGen
+        pays an escape per value far outside the range its tables were profiled on)."""
+        try:
+            level, payload = self.controller.encode(kv, layer, tokens_left)
+            if payload_nbytes(payload) <= kv.numel() * kv.element_size():
+                return self.controller.codec, level, payload
+        except Unrepresentable:
+            pass
+        raw = make_codec("raw", None, self.kv_cache.layout)
+        return raw, 0, raw.encode(kv, layer)

@@ -643,3 +643,36 @@ def test_a_commit_naming_another_request_is_refused_and_frees_the_reservation(si
     assert wait_until(lambda: not decode.requests)  # the abort runs on the engine loop
     assert_pool_idle(decode)
     prefill.release(request_id)
+
+
+def test_a_frame_cachegen_would_make_larger_than_raw_travels_raw(sides, hf_reference, tmp_path):
+    """KV far outside the range the tables were profiled on costs CacheGen an escape per value (4
+    bytes on top of its symbol): a frame that would come out larger than raw goes raw, exact; the
+    others in cachegen."""
+    prefill, decode, receiver, _ = sides
+    layout = prefill.kv_layout
+    receiver.model_dir = synthetic_tables(tmp_path, layout)
+    cachegen = make_codec("cachegen", receiver.model_dir, layout)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 64, 64, seed=12)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff = prefill.export_handoff(request_id)
+    receiver.reserve("t1", request_id, handoff.prompt_token_ids, handoff.params, len(prompt),
+                     codecs=offers({"cachegen": cachegen}))
+    seq = prefill.requests[request_id]
+    slots = prefill.kv_cache.token_slots(seq.block_table, 0, len(prompt))
+    outlying = prefill.kv_cache.read_tokens(1, slots) * 1e6
+    prefill.kv_cache.write_tokens(1, slots, outlying)
+    headers = []
+    channel = DirectChannel(lambda header, payload: (headers.append(header), receiver.receive_frame(header, payload)))
+    outgoing = OutgoingTransfer("t1", channel, LevelController(cachegen, LevelSizes({}), 1e9, None),
+                                prefill.kv_cache, 0, len(prompt), frame_tokens=32)
+    for layer in range(layout.num_layers):
+        outgoing.send_through(layer, seq.block_table, len(prompt))
+    assert [(h.layer, h.codec) for h in headers] == [(layer, "raw" if layer == 1 else "cachegen")
+                                                     for layer in range(layout.num_layers) for _ in range(2)]
+    assert all(h.payload_bytes < 32 * layout.bytes_per_token_layer for h in headers if h.codec == "cachegen")
+    arrived = decode.kv_cache.read_tokens(1, decode.kv_cache.token_slots(
+        receiver._get("t1").reservation.block_ids, 0, len(prompt)))
+    torch.testing.assert_close(arrived, outlying, rtol=0, atol=0)
+    receiver.abort("t1", "done")
+    prefill.release(request_id)
