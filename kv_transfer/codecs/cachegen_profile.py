@@ -50,7 +50,10 @@ def collect_kv(model_dir: str | Path, num_tokens: int, window: int,
         for layer, layer_cache in enumerate(cache.layers):
             kv = torch.stack([layer_cache.keys[0], layer_cache.values[0]]).transpose(1, 2)  # [2, T, H, D]
             heads = (kv.shape[2], kv.shape[3])
-            per_layer[layer].append(channels_first(kv, GROUP_SIZE))
+            # A sliding-window layer keeps only its last window - 1 tokens: its latest whole groups,
+            # so no zero padding enters the statistics.
+            whole = kv.shape[1] // GROUP_SIZE * GROUP_SIZE
+            per_layer[layer].append(channels_first(kv[:, kv.shape[1] - whole :] if whole else kv, GROUP_SIZE))
     return [np.concatenate(chunks, axis=2) for chunks in per_layer], heads
 
 

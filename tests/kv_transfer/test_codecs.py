@@ -17,6 +17,7 @@ from pdserve.kv_transfer import codecs as codecs_module
 from pdserve.kv_transfer.codecs import CODEC_NAMES, CodecUnavailable, checksum, make_codec
 from pdserve.kv_transfer.codecs.base import device_bytes, payload_nbytes
 from pdserve.kv_transfer.codecs.cachegen import CacheGenCodec
+from pdserve.kv_transfer.codecs.cachegen_profile import collect_kv
 from pdserve.kv_transfer.interface import CorruptFrame
 
 @pytest.fixture(scope="module")
@@ -153,3 +154,15 @@ def test_the_shipped_model_has_cachegen_tables():
     model_dir = resolve_model("pystd-llama")
     layout = load_model(model_dir, torch.float32, "cpu", block_size=16).kv_layout
     assert isinstance(CacheGenCodec.for_model(model_dir, layout), CacheGenCodec)
+
+
+def test_profiling_a_sliding_window_model_counts_only_the_tokens_its_layers_keep(model_dirs):
+    """tiny-gemma2's sliding layers cache their last 23 tokens of each 100-token window: profiled as
+    whole groups of those, not padded with zeros to the next group (which skewed their means, steps
+    and symbol counts); its full-attention layers keep the whole window."""
+    kv, heads = collect_kv(model_dirs["tiny-gemma2"], num_tokens=300, window=100, progress=False)
+    assert heads[0] >= 1 and len(kv) >= 2
+    lengths = [x.shape[2] for x in kv]
+    assert min(lengths) < max(lengths) == 300  # sliding and full layers both profiled
+    for x in kv:
+        assert (np.abs(x).sum(axis=(0, 1)) > 0).all(), "a token of zeros: padding in the statistics"
