@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+JOIN_REFUSAL_S = 0.05  # how long a JOIN's refusal is waited for before this side forms its half
 JOIN, FRAME, LEAVE = b"J", b"F", b"L"
 _PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
 _TAG = struct.Struct("<I")
@@ -125,6 +126,14 @@ class _Group:
         join = ControlClient(address, secret=secret)
         try:
             join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
+            # A refusal (a store address the receiver will not dial, say) is answered at once; an
+            # accepted JOIN only once the group has formed, which needs this half too. Without this
+            # look, a refused JOIN cost GROUP_TIMEOUT_S and its cause was never seen.
+            try:
+                join.wait(lambda: not join.unanswered, JOIN_REFUSAL_S)
+            except TransferError:
+                if join.failures:
+                    raise
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
                 self.pg.send([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 0).wait(_timeout())

@@ -480,6 +480,22 @@ def test_a_group_whose_join_is_answered_too_late_is_torn_down_on_both_sides(monk
         receiver.stop()
 
 
+def test_a_join_the_receiver_refuses_fails_the_open_at_once_saying_why():
+    """A receiver dials only a store on the address the JOIN came from: a sender whose host setting
+    names another ("localhost" for 127.0.0.1) is refused at once, and its open fails naming the cause
+    (it waited out the group timeout, 30 s, and reported gloo's timeout instead)."""
+    receiver = P2PReceiver(RecordingSink(), "gloo", "127.0.0.1")
+    sender = P2PSender("gloo", "localhost")
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="names a store on 'localhost'"):
+            sender.open(receiver.address, "t1")
+        assert time.monotonic() - started < 5
+    finally:
+        sender.close()
+        receiver.stop()
+
+
 def test_a_peer_that_never_joins_its_group_holds_up_no_open_to_another_peer(monkeypatch):
     """Forming a gloo group with a peer that never answers its JOIN waits out the group timeout;
     meanwhile a channel to another peer opens (its group formed) and delivers, before that wait ends."""
