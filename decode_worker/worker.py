@@ -229,7 +229,7 @@ class DecodeWorker:
     def _on_fault(self, reason: str) -> None:
         """Fail every request held here with an explicit error; `ping` now reports the worker dead."""
         self.fault = self.fault or f"{self.worker_id}: {reason}"
-        held = set(self.receiver.abort_all(reason))
+        held = set(self.receiver.close(reason))  # no transfer takes frames into blocks freed below
         if self.loop.running:  # the lease thread died, the loop did not: free what the requests hold
             held |= set(self.loop.call(lambda e: [r for r in list(e.requests) if e.abort_request(r)]))
         else:  # on the dead loop's own thread (or after it): nothing else touches the engine now

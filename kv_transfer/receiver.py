@@ -82,10 +82,13 @@ class KVReceiver:
         self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
+        self.closed: str | None = None  # why no reservation is taken any more (`close`)
 
     # --- control plane --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",)) -> Lease:
+        if self.closed is not None:
+            raise TransferError(self.closed)
         transfer = Transfer(transfer_id, request_id)
         codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
@@ -98,7 +101,13 @@ class KVReceiver:
                              reservation.cached_blocks * self.layout.block_size,
                              np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
         with self._lock:
-            self._incoming[transfer_id] = incoming
+            closed = self.closed
+            if closed is None:
+                self._incoming[transfer_id] = incoming
+        if closed is not None:  # closed while the blocks were being reserved: nothing may write into them
+            transfer.fail(closed)
+            self.loop.post(lambda e: e.abort_request(request_id))
+            raise TransferError(closed)
         self._count("cached_blocks", reservation.cached_blocks)
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
@@ -133,6 +142,8 @@ class KVReceiver:
             # first token, a preemption) by the transfer's id, and nothing aborts the request here.
             if request_id in self.aborted or transfer_id in self.aborted:
                 raise TransferError(f"request {request_id!r} was aborted")
+            if self.closed is not None:
+                raise TransferError(self.closed)
             try:
                 return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens),
                                       timeout=max(1.0, deadline - time.monotonic()), kind="kv")
@@ -275,6 +286,14 @@ class KVReceiver:
         with self._lock:
             ids = [t for t, inc in self._incoming.items() if inc.transfer.request_id == request_id]
         return any([self.abort(t, reason) for t in ids])
+
+    def close(self, reason: str) -> list[str]:
+        """Take no reservation any more, and abort every open one (the worker failed); returns their
+        request ids. A reservation under way as this runs is aborted as it ends, so no transfer
+        writes into blocks the worker's engine-wide abort freed."""
+        with self._lock:
+            self.closed = self.closed or reason
+        return self.abort_all(reason)
 
     def abort_all(self, reason: str) -> list[str]:
         """Abort every open transfer; returns their request ids."""

@@ -676,3 +676,29 @@ def test_a_frame_cachegen_would_make_larger_than_raw_travels_raw(sides, hf_refer
     torch.testing.assert_close(arrived, outlying, rtol=0, atol=0)
     receiver.abort("t1", "done")
     prefill.release(request_id)
+
+
+def test_a_closed_receiver_takes_no_reservation_even_one_under_way(sides, hf_reference):
+    """A decode worker that failed closes its receiver, then aborts every request in its engine: a
+    reservation whose blocks were being taken as it closed must not stay open (its blocks freed by
+    that abort would take its frames while another request holds them)."""
+    prefill, decode, receiver, _ = sides
+    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 40, 40, seed=13)
+    request_ids = [prefilled(prefill, prompt) for prompt in prompts]
+    reserve_blocks = receiver._reserve_blocks
+
+    def closing_meanwhile(*args):
+        reservation = reserve_blocks(*args)
+        receiver.close("decode worker failed")  # lands between taking the blocks and the lease
+        return reservation
+
+    receiver._reserve_blocks = closing_meanwhile
+    with pytest.raises(TransferError, match="decode worker failed"):
+        reserve(receiver, prefill, request_ids[0])
+    with pytest.raises(TransferError, match="decode worker failed"):  # and none after
+        reserve(receiver, prefill, request_ids[1], transfer_id="t2")
+    assert receiver.num_in_flight == 0
+    assert wait_until(lambda: not decode.requests)  # the reserved blocks' abort runs on the engine loop
+    assert_pool_idle(decode)
+    for request_id in request_ids:
+        prefill.release(request_id)
