@@ -280,10 +280,12 @@ class Cluster:
         config = AutoConfig.from_pretrained(model_dir)
         tokenizer = load_tokenizer(model_dir)
         eos = sorted(eos_ids(config, tokenizer))
+        declared = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [None])[0]
+        first = declared if declared is not None else tokenizer.eos_token_id
         info = pdserve_pb2.ModelInfo(
             name=m.model, model_type=config.model_type, vocab_size=config.vocab_size,
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
-            block_size=m.block_size, eos_token_id=eos[0] if eos else 0, eos_token_ids=eos,
+            block_size=m.block_size, eos_token_id=first if first is not None else 0, eos_token_ids=eos,
         )
         return ServedModel(m.model, tokenizer, info)
 

@@ -11,9 +11,9 @@ progress.
 Frames arrive from any transport, on its threads, through `receive_frame`: checked (its checksum), decoded
 and written straight into the reserved blocks (one copy), without a round trip through the engine
 loop; no running request reads those blocks. Each transfer's lock orders writes against an abort,
-so a block is never written after it was freed. On CUDA the writes run on the receiving thread's
-own stream (`side_streams.beside_the_engine`), not queued behind the engine's steps, and have
-landed before the lock is let go. A corrupt frame is counted and dropped; `commit`
+so a block is never written after it was freed. On CUDA a frame is taken on the receiving
+thread's own stream (`side_streams.beside_the_engine`), not queued behind the engine's steps, and
+its write has landed before the lock is let go. A corrupt frame is counted and dropped; `commit`
 then names the layers still incomplete, the sender sends their frames once more, and if they still do
 not arrive the request is recomputed here from its tokens (`commit(..., recompute=True)`).
 
@@ -39,7 +39,7 @@ from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHando
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, frame_checksum, parse_offer, usable_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
-from pdserve.kv_transfer.side_streams import beside_the_engine
+from pdserve.kv_transfer.side_streams import beside_the_engine, landed
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
 
@@ -158,6 +158,10 @@ class KVReceiver:
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        with beside_the_engine(self.kv_cache.data.device):
+            self._receive(header, payload)
+
+    def _receive(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         self._verify(header, payload)
         try:
             incoming = self._get(header.transfer_id)
@@ -175,10 +179,12 @@ class KVReceiver:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
-            with beside_the_engine(self.kv_cache.data.device):
+            try:
                 slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token,
                                                   header.num_tokens)
                 self.kv_cache.write_tokens(header.layer, slots, kv)
+            finally:
+                landed(self.kv_cache.data.device)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
             incoming.transfer.bytes_moved += payload.nbytes
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)

@@ -13,6 +13,7 @@ copied out at all.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -35,21 +36,32 @@ class LevelSizes:
     level's figure is taken from the longest frames it was measured on (`measured_on`): a frame more
     than twice as long measures it anew, and a frame under half as long is not counted. Otherwise a
     level first met on a short frame would look too large for good, and never be chosen (so never
-    measured) again."""
+    measured) again. Shared by the worker's sending threads (one per decode worker): under a lock."""
 
     bytes_per_token: dict[int, float]
     measured_on: dict[int, int] = field(default_factory=dict)  # level -> frame tokens its figure is from
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def observe(self, level: int, num_tokens: int, nbytes: int) -> None:
         seen = nbytes / max(1, num_tokens)
-        if self.outdated(level, num_tokens):
-            self.bytes_per_token[level], self.measured_on[level] = seen, num_tokens
-        elif 2 * num_tokens >= self.measured_on[level]:
-            self.bytes_per_token[level] = 0.8 * self.bytes_per_token[level] + 0.2 * seen
+        with self._lock:
+            if self._outdated(level, num_tokens):
+                self.bytes_per_token[level], self.measured_on[level] = seen, num_tokens
+            elif 2 * num_tokens >= self.measured_on[level]:
+                self.bytes_per_token[level] = 0.8 * self.bytes_per_token[level] + 0.2 * seen
 
     def outdated(self, level: int, num_tokens: int) -> bool:
         """Whether a frame of `num_tokens` should measure `level`: unknown, or known from short frames only."""
+        with self._lock:
+            return self._outdated(level, num_tokens)
+
+    def _outdated(self, level: int, num_tokens: int) -> bool:
         return level not in self.bytes_per_token or num_tokens > 2 * self.measured_on[level]
+
+    def smallest(self) -> float | None:
+        """The smallest figure of any level (the coarsest measured), or None before any."""
+        with self._lock:
+            return min(self.bytes_per_token.values(), default=None)
 
 
 class LevelController:
@@ -83,9 +95,8 @@ class LevelController:
 
     def transfer_s(self, token_layers: int) -> float | None:
         """The estimated time to send this many token-layers at the coarsest measured level."""
-        if not self.sizes.bytes_per_token:
-            return None
-        return min(self.sizes.bytes_per_token.values()) * token_layers / self.bandwidth_bps
+        smallest = self.sizes.smallest()
+        return None if smallest is None else smallest * token_layers / self.bandwidth_bps
 
     def _encode(self, kv: torch.Tensor, layer: int, level: int) -> Payload:
         payload = self.codec.encode(kv, layer, level)

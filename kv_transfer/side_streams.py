@@ -13,7 +13,11 @@ import torch
 
 # One per thread (the prefill worker sends from one per decode worker; frames arrive on each
 # transport's threads): a shared stream would make each thread's synchronize wait for the others too.
+# High priority: torch hands streams out in turn from a pool of 32 per device and priority, and
+# NCCL's groups take theirs from the default priority's pool; one shared with them would make a
+# synchronize here wait on a send or receive stuck on a peer. (Past 32 threads, ours share.)
 _streams = threading.local()
+_HIGH_PRIORITY = -1
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -22,7 +26,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if streams is None:
         streams = _streams.by_device = {}
     if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
+        streams[device] = torch.cuda.Stream(device, priority=_HIGH_PRIORITY)
     return streams[device]
 
 
@@ -42,17 +46,19 @@ def off_the_compute_stream(device: torch.device) -> Iterator[None]:
 
 @contextmanager
 def beside_the_engine(device: torch.device) -> Iterator[None]:
-    """What runs inside (a frame's copies into reserved blocks) queues on this thread's side stream,
-    or on the stream the transport made current (NCCL: its group's), not behind the engine's steps,
-    and has landed when the block ends: the caller then lets an abort free the blocks, which the
-    engine's next step may hand to another request. No wait for the engine's stream first: blocks are
-    reserved between steps, and no step queued then touches them."""
-    if device.type != "cuda":
+    """What runs inside (a frame's checks, decoding and copy into reserved blocks) queues on this
+    thread's side stream, or on the stream the transport made current (NCCL: its group's), not
+    behind the engine's steps; `landed` waits for it. No wait for the engine's stream first: blocks
+    are reserved between steps, each of which the engine waits for, so none queued touches them."""
+    if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         yield
         return
-    stream = torch.cuda.current_stream(device)
-    if stream == torch.cuda.default_stream(device):
-        stream = side_stream(device)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(side_stream(device)):
         yield
-    stream.synchronize()
+
+
+def landed(device: torch.device) -> None:
+    """Wait for what this thread queued on its current stream: before letting an abort free blocks
+    it wrote, which the engine's next step may hand to another request."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -40,6 +40,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -61,7 +62,9 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
-JOIN_REFUSAL_S = 0.05  # how long a JOIN's refusal is waited for before this side forms its half
+JOIN_REFUSAL_S = 0.2  # how long a JOIN's refusal is waited for before this side forms its half
+REFUSAL_LOOK_S = 0.05  # after a group failed to form: a refusal already answered is read in this
+SETTLE_STOP_S = 2.0  # how long closing a sender waits for its threads settling left-over sends
 JOIN, FRAME, LEAVE = b"J", b"F", b"L"
 _PARTS = {JOIN: 2, LEAVE: 1, FRAME: 3}  # each kind's parts after (kind, sequence number)
 _TAG = struct.Struct("<I")
@@ -128,22 +131,26 @@ class _Group:
             join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
             # A refusal (a store address the receiver will not dial, say) is answered at once; an
             # accepted JOIN only once the group has formed, which needs this half too. Without this
-            # look, a refused JOIN cost GROUP_TIMEOUT_S and its cause was never seen.
-            try:
-                join.wait(lambda: not join.unanswered, JOIN_REFUSAL_S)
-            except TransferError:
-                if join.failures:
-                    raise
+            # look, a refused JOIN cost GROUP_TIMEOUT_S.
+            _raise_refusal(join, JOIN_REFUSAL_S)
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
                 self.pg.send([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 0).wait(_timeout())
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
-        except BaseException:
+        except BaseException as e:
+            refusal = None
+            if not join.failures:  # the group did not form: a refusal that came late says why
+                try:
+                    _raise_refusal(join, REFUSAL_LOOK_S)
+                except TransferError as refused:
+                    refusal = refused
             # The peer may have formed its side: told on the JOIN's own socket, so after the JOIN.
             try:
                 join.send(LEAVE, [self.id.encode()])
             except TransferError:
                 pass  # closed or gone: nothing to tell
+            if refusal is not None:
+                raise refusal from e
             raise
         finally:
             join.close()
@@ -155,6 +162,15 @@ class _Group:
         with self._lock:
             self._next_tag = (self._next_tag + 1) % (1 << 31)
             return self._next_tag
+
+
+def _raise_refusal(join: ControlClient, wait_s: float) -> None:
+    """Raise the JOIN's refusal (TransferError) if it comes within `wait_s`; else nothing."""
+    try:
+        join.wait(lambda: not join.unanswered, wait_s)
+    except TransferError:
+        if join.failures:
+            raise
 
 
 class P2PChannel:
@@ -270,6 +286,7 @@ class P2PSender:
         self.device = device
         self._groups: dict[str, _Group] = {}
         self._forming: dict[str, threading.Lock] = {}  # per peer: one group formation at a time
+        self._settling: list[threading.Thread] = []  # `settle`'s threads
         self._lock = threading.Lock()
 
     def open(self, address: str, transfer_id: str) -> P2PChannel:
@@ -303,7 +320,9 @@ class P2PSender:
                             self.backend, address, (str(e).splitlines() or ["no reason given"])[0][:200])
                 self.drop_group(address, group)
 
-        start_guarded(f"kv-{self.backend}-settle", wait_for_sends, lambda error: self.drop_group(address, group))
+        thread = start_guarded(f"kv-{self.backend}-settle", wait_for_sends, lambda error: self.drop_group(address, group))
+        with self._lock:
+            self._settling = [t for t in self._settling if t.is_alive()] + [thread]
 
     def drop_group(self, address: str, group: _Group) -> None:
         """Tear down a pair's group (if it is still the current one) and tell the peer."""
@@ -321,6 +340,11 @@ class P2PSender:
             self.drop_group(address, group)
 
     def close(self) -> None:
+        """Drop every group, after waiting up to SETTLE_STOP_S for the sends being settled (a process
+        exiting under a gloo wait can abort in C++; one still waiting then ends with its group)."""
+        deadline = time.monotonic() + SETTLE_STOP_S
+        for thread in list(self._settling):
+            thread.join(max(0.0, deadline - time.monotonic()))
         for address in list(self._groups):
             self.forget(address)
 

@@ -236,8 +236,9 @@ class DirectChannel:
     def send(self, header: FrameHeader, payload) -> None:
         if self.device is not None and self.device.type == "cuda":
             assert payload.is_cuda  # raw KV bound for a GPU never goes through the host
-            # As NCCL's receiving thread does: on the default stream, once the frame is whole (the
-            # sender made it on its side stream), and done with it before it is freed.
+            # Handed on from the default stream once the frame is whole (the sender made it on its
+            # side stream), as a shm or gRPC thread would: the receiver takes it on a stream of its
+            # own. Done with it before it is freed.
             torch.cuda.current_stream(self.device).synchronize()
             default = torch.cuda.default_stream(self.device)
             with torch.cuda.stream(default):
