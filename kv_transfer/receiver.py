@@ -335,4 +335,3 @@ class KVReceiver:
         if incoming is None:
             raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
         return incoming
-

@@ -233,8 +233,9 @@ class P2PChannel:
     def _settle(self, answered: Callable[[], bool], timeout: float) -> None:
         """Take the receiver's answers until `answered()`, then wait for the pending sends. A frame
         refused before its receive was posted has a send that never completes: unless every answer
-        came and every frame was taken whole (received, if refused then), the group is dropped (the
-        next transfer to this peer forms a new one). A refusal is raised after the sends completed."""
+        came and every frame was taken whole (received, if refused then), the pending sends are let
+        go (`_leave_pending`: gloo's waited for, NCCL's group dropped). A refusal is raised after the
+        sends completed."""
         refusal = None
         try:
             self.control.wait(answered, timeout)
@@ -320,7 +321,8 @@ class P2PSender:
                             self.backend, address, (str(e).splitlines() or ["no reason given"])[0][:200])
                 self.drop_group(address, group)
 
-        thread = start_guarded(f"kv-{self.backend}-settle", wait_for_sends, lambda error: self.drop_group(address, group))
+        thread = start_guarded(f"kv-{self.backend}-settle", wait_for_sends,
+                               lambda error: self.drop_group(address, group))
         with self._lock:
             self._settling = [t for t in self._settling if t.is_alive()] + [thread]
 

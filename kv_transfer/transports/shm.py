@@ -15,8 +15,9 @@ mapping. The sender holds a lock on the file for the segment's whole life, and t
 it. A sender killed leaves the receiver's mapping, which the receiver drops within SWEEP_S
 (`control`), or sooner when it next maps a segment (a restarted sender's first frame does that),
 removing the file too if the sender had not unlinked it yet. A file no receiver mapped (or one left
-half made) is removed by the next sender started on the node (`sweep_orphan_segments`). A channel takes a segment from its transport's pool for the peer and returns it when it closes with
-nothing unanswered, so sequential transfers reuse one mapping.
+half made) is removed by the next sender started on the node (`sweep_orphan_segments`). A channel
+takes a segment from its transport's pool for the peer and returns it when it closes with nothing
+unanswered, so sequential transfers reuse one mapping.
 """
 
 from __future__ import annotations
