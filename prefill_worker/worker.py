@@ -515,7 +515,10 @@ class PrefillWorker:
             job.lane.decode_name = f"decode worker {lease.worker_id}"
             # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
             # pings and cancels take the lock.
-            outgoing = self._outgoing(job, lease)
+            try:
+                outgoing = self._outgoing(job, lease)
+            except ValueError as e:  # the pools' settings disagree (a transport one lacks): not the request's
+                raise TransferError(f"cannot send to {job.lane.decode_name}: {e}") from e
             with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
                 owned = self._owns(job)
                 if owned:

@@ -558,3 +558,22 @@ def test_the_trained_model_serves_with_cachegen_frames():
             hf.hidden_size // hf.num_attention_heads) * 4
         assert sent["bytes"] < raw_bytes / 6, (sent["bytes"], raw_bytes)
         assert_idle(c)
+
+
+def test_pools_set_up_apart_are_the_clusters_fault_not_the_requests(cluster, hf_reference):
+    """A prefill worker wanting gRPC for a decode worker that listens on shared memory only fails the
+    attempt as UNAVAILABLE, so the router retries it elsewhere (here: prefilled on the decode worker)
+    and it completes; it failed as INVALID_ARGUMENT, telling the client its request was wrong."""
+    def want(self, transport: str) -> None:
+        self.kv = dataclasses.replace(self.kv, transport=transport)
+
+    prefill = worker(cluster, "prefill")
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=49)[0]
+    retries = cluster.router.stats.retries
+    on_worker(prefill, want, "grpc")
+    try:
+        assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    finally:
+        on_worker(prefill, want, "shm")
+    assert cluster.router.stats.retries == retries + 1
+    assert_idle(cluster)
