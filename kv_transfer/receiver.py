@@ -174,14 +174,13 @@ class KVReceiver:
             self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
             raise
+        slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
         with incoming.lock:
             if not incoming.takes_frames or incoming.transfer.state.is_terminal:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
             try:
-                slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token,
-                                                  header.num_tokens)
                 self.kv_cache.write_tokens(header.layer, slots, kv)
             finally:
                 landed(self.kv_cache.data.device)

@@ -436,8 +436,7 @@ class P2PReceiver:
             try:
                 joined.pg.recv([buffer], 0, tag).wait(_timeout())  # with a timeout, NCCL's wait blocks too
             except RuntimeError as e:  # the peer is gone or stalled: this group is done
-                self._drop(group_id)
-                self._abort(group_id, joined)  # NCCL: its stuck receive ends with the communicator
+                self._tear_down(group_id, joined)  # NCCL: its stuck receive ends with the communicator
                 raise TransferError(f"p2p receive failed, group torn down: {e}") from e
             try:
                 deliver(self.sink, header, memoryview(buffer.numpy()) if self.device is None else buffer)
@@ -464,11 +463,14 @@ class P2PReceiver:
         except RuntimeError as e:  # DistNetworkError: its connection is closed
             log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
                      self.backend, group_id, (str(e).splitlines() or ["no reason given"])[0][:200])
-            self._drop(group_id)
-            self._abort(group_id, joined)
+            self._tear_down(group_id, joined)
         finally:
             with self._lock:
                 self._checking.discard(group_id)
+
+    def _tear_down(self, group_id: str, joined: _Joined) -> None:
+        self._drop(group_id)
+        self._abort(group_id, joined)
 
     def _abort(self, group_id: str, joined: _Joined) -> None:
         """End a group this side dropped: NCCL's communicator goes now, not with the last reference."""

@@ -611,15 +611,18 @@ def kill(child: subprocess.Popen) -> None:
         child.wait(10)
 
 
-def sending_child(transport: str, address: str) -> subprocess.Popen:
-    """A process that sends one frame to `address` over `transport`, says so, and waits to be killed."""
+def sending_child(transport: str, address: str, take_the_answer: bool = True) -> subprocess.Popen:
+    """A process that sends one frame to `address` over `transport` and waits to be killed. It says
+    'sent' once the frame is answered; or, not taking the answer (shm), prints its segment's name."""
+    then = ("channel.finish(10)\nprint('sent', flush=True)\n" if take_the_answer
+            else "print(channel.segment.name, flush=True)\n")
     return subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
                              "from pdserve.kv_transfer.interface import FrameHeader\n"
                              "from pdserve.kv_transfer.transports import make_sender\n"
                              f"channel = make_sender({transport!r}).open({address!r}, 't1')\n"
                              "data = bytes(1000)\n"
                              "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
-                             "channel.finish(10)\nprint('sent', flush=True)\ntime.sleep(60)"],
+                             f"{then}time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -632,14 +635,7 @@ def test_a_receiver_removes_the_file_of_a_sender_killed_before_it_took_the_answe
 
     monkeypatch.setattr(control, "SWEEP_S", 0.2)
     receiver = start_receiver("shm", RecordingSink())
-    child = subprocess.Popen([sys.executable, "-c", "import time, zlib\n"
-                              "from pdserve.kv_transfer.interface import FrameHeader\n"
-                              "from pdserve.kv_transfer.transports import make_sender\n"
-                              f"channel = make_sender('shm').open({receiver.address!r}, 't1')\n"
-                              "data = bytes(1000)\n"
-                              "channel.send(FrameHeader('t1', 0, 0, 16, 'raw', 0, zlib.crc32(data), 1000), data)\n"
-                              "print(channel.segment.name, flush=True)\ntime.sleep(60)"],
-                             stdout=subprocess.PIPE, text=True)
+    child = sending_child("shm", receiver.address, take_the_answer=False)
     try:
         name = child.stdout.readline().strip()
         assert wait_until(lambda: name in receiver._maps, timeout=10)
