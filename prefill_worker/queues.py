@@ -10,8 +10,9 @@ blocks while that chunk runs). The engine chunks long prompts and runs a running
 admitted shorts in one step, so a short prompt waits behind at most one chunk.
 
 Each job has a key (the prefill worker's: its decode worker's lane), and a job whose key is busy
-(that decode worker has not yet granted the lease of the job before) waits in its place while jobs
-behind it with other keys go ahead; at most one job per key is taken at a time.
+(that decode worker has not yet granted the leases of the jobs before) waits in its place while jobs
+behind it with other keys go ahead. A key's jobs are taken one at a time, except shorts in one batch:
+they go together, whatever their keys, or they would not share a step.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class PrefillQueues(Generic[J]):
 
     def take(self, timeout: float, long_busy: Callable[[], bool], short_inflight: Callable[[], int],
              busy_keys: Callable[[], Collection[Hashable]] = frozenset) -> list[J]:
-        """The jobs to start now, in order, no two with one key; [] when none is due within `timeout`.
+        """The jobs to start now, in order, none of a busy key; [] when none is due within `timeout`.
         `long_busy`: whether a long prompt is still in its prompt pass; `short_inflight`: short prompt
         tokens started and not past their first token; `busy_keys`: keys whose jobs wait."""
         deadline = time.monotonic() + timeout
@@ -105,12 +106,9 @@ class PrefillQueues(Generic[J]):
                 batch, tokens = [], 0
                 for entry in free:
                     job, n, _ = entry
-                    if self._key(job) in busy:  # taken for this batch already
-                        continue
                     if batch and tokens + n > room:
                         break
                     self._short.remove(entry)
-                    busy.add(self._key(job))
                     batch.append(job)
                     tokens += n
                 return batch

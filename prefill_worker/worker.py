@@ -9,11 +9,12 @@ Each request is a job that moves through
 RESOURCE_EXHAUSTED), in one FCFS line or in LAPS's short and long queues (`queues`). One feeder
 thread takes jobs when they are due (FCFS: when the engine has less than one step's budget of work
 ahead, so a reservation is made as the prompt pass starts, not while the job queues; LAPS: a long
-prompt when the one before is on its last chunk) and hands each to its decode worker's lane, which
-adds the prompt to the engine with `prefill_only` and, beside the pass, reserves blocks on that
-decode worker (the lease; the decode side waits a bounded time for free blocks; the lease says which
-leading blocks it already holds and which codec it agreed to) and opens a channel on the transport
-chosen for the pair. The engine's layer hook records each layer of each chunk as soon as it is
+prompt when the one before is on its last chunk; a batch of shorts together). It adds their
+prompts to the engine with `prefill_only`, in one command so that a batch shares a step, and beside
+the pass reserves blocks on each job's decode worker (the lease; the decode side waits a bounded time
+for free blocks; the lease says which leading blocks it already holds and which codec it agreed to);
+that decode worker's lane waits for the lease and opens a channel on the transport chosen for the
+pair. The engine's layer hook records each layer of each chunk as soon as it is
 written; once the lease is there, the decode worker's sender thread sends what the decode worker
 lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level). After
 the last layer a commit thread commits the handoff (first token included); layers the decode side
@@ -24,8 +25,8 @@ than the transfer, nothing is sent at all. `_finish` ends every job, on every pa
 are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
 failure, tells the router why. A cancel (`abort`) is honoured in every state.
 
-Each decode worker has a lane of its own (`_Lane`): the thread that starts its jobs (one at a time,
-each waiting for its lease, while the lane's next jobs wait in the queues), the sender thread that
+Each decode worker has a lane of its own (`_Lane`): the thread that waits for its jobs' leases (one
+job at a time, or one batch of shorts, while the lane's next jobs wait in the queues), the sender thread that
 keeps its frames in order, and the threads that wait on its commits and drains. A decode worker that
 stops answering (its reservations, its KV path cut, its commit stuck) or whose pool is full holds up
 only its own lane: the feeder starts prompts bound for the others, and transfers already under way
@@ -100,7 +101,6 @@ DRAIN_S = 0.5
 LEASE_CHECK_S = 0.5
 PREFILL_LEASE_MARGIN_S = 2.0  # the decode side's lease lapses first; this one is the backstop
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for blocks
-START_WAIT_S = 5.0  # the feeder's wait for a job's prompt to reach the engine (a step or two, normally)
 _BEFORE_FIRST_TOKEN = ("queued", "reserving", "prefilling")
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a pair not yet probed (the launcher probes each)
 
@@ -109,11 +109,12 @@ class _Lane:
     """One decode worker's threads on this side (see the module's docstring)."""
 
     def __init__(self, name: str) -> None:
-        # Starts one job at a time and waits for its lease; meanwhile (`starting`) the lane's next jobs
-        # wait in the queues, where the feeder starts other lanes' jobs: a decode worker whose pool is
-        # full (or that does not answer) holds back the prompts bound for it, and only those.
+        # Waits for the leases of the jobs the feeder started (one batch of them at most); meanwhile
+        # (`starting`: how many, under the worker's lock) the lane's next jobs wait in the queues, where
+        # the feeder starts other lanes' jobs: a decode worker whose pool is full (or that does not
+        # answer) holds back the prompts bound for it, and only those.
         self.starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-start-{name}")
-        self.starting = False
+        self.starting = 0
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-send-{name}")
         self.committers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-commit-{name}")
         # Apart from the commits (each may wait 30 s on a decode worker that stopped answering): a
@@ -161,7 +162,6 @@ class _Job:
     new_tokens: int  # the prompt tokens the router expects this worker to compute (its cache has the rest)
     short: bool = False  # in LAPS's short queue
     state: str = "queued"
-    cancelled: bool = False
     transfer: Transfer | None = None
     outgoing: OutgoingTransfer | None = None  # None: the decode worker recomputes the KV (nothing is sent)
     lease: Lease | None = None
@@ -176,8 +176,7 @@ class _Job:
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
-    started: threading.Event = field(default_factory=threading.Event)  # its prompt is in the engine, or `_start` ended
-    reserved: threading.Event = field(default_factory=threading.Event)  # `_start` is done with the lease
+    reserved: threading.Event = field(default_factory=threading.Event)  # `_await_lease` is done with the lease
 
     @property
     def request_id(self) -> str:
@@ -378,7 +377,6 @@ class PrefillWorker:
             for request_id in request_ids:
                 self.aborted.add(request_id)
                 if (job := self._jobs.get(request_id)) is not None:
-                    job.cancelled = True
                     jobs.append(job)
         for job in jobs:
             self._finish(job, reason="aborted by the router")
@@ -411,37 +409,63 @@ class PrefillWorker:
     # --- the feeder thread ----------------------------------------------------------------------
     def _feed(self) -> None:
         while not self._stop.is_set() and self.fault is None:
+            jobs = []
             for job in self.queues.take(0.1, self._long_busy, self._short_inflight, self._starting_lanes):
-                if job.cancelled:
-                    continue
                 if (refusal := job.lane.refusal()) is not None:  # queued as its decode worker stopped answering
                     self._finish(job, error=refusal, code=UNAVAILABLE)
-                    continue
-                if not self.queues.length_aware:
-                    self._wait_for_room()
-                self._hand_to_lane(job)
+                else:
+                    jobs.append(job)
+            if jobs and not self.queues.length_aware:
+                self._wait_for_room()
+            self._start(jobs)
 
     def _starting_lanes(self) -> list[_Lane]:
         with self._lock:
             return [lane for lane in self._lanes.values() if lane.starting]
 
-    def _hand_to_lane(self, job: _Job) -> None:
-        """Start the job on its lane (free: the queues hand out no job of a starting lane); return once
-        its prompt is in the engine, so the next room check counts it."""
-        with self._lock:  # `shutdown` stops the lanes' pools only after `_stop`
-            if self._stop.is_set():
-                return
-            job.lane.starting = True
-            self._on_lane(job.lane.starter, "start", self._start_on_lane, job)
-        job.started.wait(START_WAIT_S)
-
-    def _start_on_lane(self, job: _Job) -> None:
+    def _start(self, jobs: list[_Job]) -> None:
+        """Start the prompt passes of jobs released together and, beside them, reserve on their decode
+        workers: the reservation (a Ray round trip, and a bounded wait when a decode pool is full) runs
+        beside the pass instead of before it. The prompts join the engine in one command, so they
+        share a step (added one by one, each could miss the step the one before started); each job's
+        lane then waits for its lease (`_await_lease`). Returns once the prompts are in the engine, so
+        the next room check counts them."""
+        reserving: list[tuple[_Job, ray.ObjectRef]] = []
+        for job in jobs:
+            work, transfer = job.work, Transfer(uuid.uuid4().hex, job.request_id)
+            with self._lock:
+                if not self._owns(job):  # cancelled since the queues handed it out
+                    continue
+                job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
+            try:
+                reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id,
+                                                        work.prompt_token_ids, work.params,
+                                                        len(work.prompt_token_ids), offers(self._codecs))
+            except Exception as e:
+                self._failed_to_start(job, e)
+                continue
+            reserving.append((job, reservation))
+        if not reserving:
+            return
         try:
-            self._start(job)
-        finally:
-            job.started.set()
-            job.lane.starting = False
-            self.queues.wake()  # the lane's next job may start
+            errors = self.loop.call(lambda engine: [_add_prompt(engine, job.work) for job, _ in reserving])
+        except Exception as e:  # the loop stopped, or a long command held it past the call's bound
+            errors = [e] * len(reserving)
+        for (job, reservation), error in zip(reserving, errors):
+            if error is not None:
+                self._failed_to_start(job, error)
+                continue
+            with self._lock:  # `shutdown` stops the lanes' pools only after `_stop`
+                owned = self._owns(job) and not self._stop.is_set()
+                if owned:
+                    job.lane.starting += 1
+                    self._on_lane(job.lane.starter, "start", self._await_lease, job, reservation)
+            if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
+                self.loop.post(lambda e, request_id=job.request_id: e.abort_request(request_id))  # and its
+                # engine command may have preceded the add
+
+    def _failed_to_start(self, job: _Job, error: BaseException) -> None:
+        self._finish(job, error=f"prefill could not start: {_reason(error)}", code=_code(error))
 
     def _on_lane(self, pool: ThreadPoolExecutor, what: str, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on one of a lane's pools; an exception it lets out (a bug: each handles its
@@ -483,29 +507,14 @@ class PrefillWorker:
         """Whether `job` is still running here (not finished by a cancel or a fault). Call under the lock."""
         return self._jobs.get(job.request_id) is job
 
-    def _start(self, job: _Job) -> None:
-        """On the job's lane: start the prompt pass and reserve on the decode worker at once: the
-        reservation (a Ray round trip, and a bounded wait when the decode pool is full) runs beside the
-        pass instead of before it; layers written before the lease comes are sent when it does. The
-        lane's next job starts once this one has its lease, so a full decode pool still holds back
-        the prompts bound for it (and only those)."""
-        work = job.work
-        transfer = Transfer(uuid.uuid4().hex, work.request_id)
-        with self._lock:
-            if not self._owns(job):
-                return
-            job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
+    def _await_lease(self, job: _Job, reservation: ray.ObjectRef) -> None:
+        """On the job's lane: wait for its lease, open its channel, and send the layers written before
+        the lease came. Meanwhile the lane's next jobs wait in the queues, so a full decode pool holds
+        back the prompts bound for it (and only those)."""
+        transfer = job.transfer
         try:
-            reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id, work.prompt_token_ids,
-                                                    work.params, len(work.prompt_token_ids), offers(self._codecs))
-            self.loop.call(lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
-                                                   prefill_only=True))
-            job.started.set()
-            with self._lock:
-                owned = self._owns(job)
-            if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
-                self.loop.post(lambda e: e.abort_request(work.request_id))  # its engine command may precede the add
-                return
+            if (refusal := job.lane.refusal()) is not None:  # a job before it on the lane went unanswered
+                raise TransferError(refusal)
             try:
                 lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
             except ray.exceptions.GetTimeoutError:
@@ -534,9 +543,12 @@ class PrefillWorker:
             for layer in list(job.written):  # written before the lease came: send them now
                 self._forward_layer(job, layer)
         except Exception as e:
-            self._finish(job, error=f"prefill could not start: {_reason(e)}", code=_code(e))
+            self._failed_to_start(job, e)
         finally:
             job.reserved.set()
+            with self._lock:
+                job.lane.starting -= 1
+            self.queues.wake()  # the lane's next job may start
 
     def _stop_lane(self, job: _Job, reservation: ray.ObjectRef) -> None:
         """The job's decode worker left its reservation unanswered past the bound: its lane takes no
@@ -629,10 +641,10 @@ class PrefillWorker:
                     job.state = "committing"
                 self._on_lane(job.lane.committers, "commit", self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
-                self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
-                               finish_reason=out.finish_reason, text=out.text, events=events,
-                               cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
-                self._finish(job, reason="request finished at prefill")
+                self._finish(job, reason="request finished at prefill", last_message=lambda out=out, events=events:
+                             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
+                                            finish_reason=out.finish_reason, text=out.text, events=events,
+                                            cached_tokens=out.num_cached_tokens, first_index=out.first_new_index))
 
     def _on_loop_fatal(self, error: BaseException) -> None:
         self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
@@ -672,6 +684,8 @@ class PrefillWorker:
                 self._expire(job)
 
     def _expire(self, job: _Job) -> None:
+        if not 0 < job.lease_until < time.time():  # renewed since the lease thread listed it
+            return
         if self._finish(job, error=f"lease expired: the transfer to its decode worker made no progress for "
                                    f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE):
             self.counters["leases_expired"] += 1  # not when the job had ended, or committed, meanwhile
@@ -749,14 +763,21 @@ class PrefillWorker:
         return owned
 
     # --- every job ends here --------------------------------------------------------------------
-    def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "") -> bool:
+    def _finish(self, job: _Job, error: str | None = None, code: str = UNAVAILABLE, reason: str = "",
+                last_message: Callable[[], None] | None = None) -> bool:
         """End a job once (later calls do nothing): release everything, report a failure. Whether this
-        call reported `error` (not when the job had ended already, or its transfer committed)."""
+        call reported `error` (not when the job had ended already, or its transfer committed).
+        `last_message` (a request done at its first token: that token, final) is sent only if this call
+        ends the job, so a fault or lease expiry that ends it just after cannot report it failed too."""
         with self._lock:
             if self._jobs.get(job.request_id) is not job:
                 return False
             del self._jobs[job.request_id]
-            job.state = "done"
+            queued, job.state = job.state == "queued", "done"
+        if last_message is not None:
+            last_message()
+        if queued:  # a cancelled job left in the queues would count toward a batch's room and its lanes
+            self.queues.remove(lambda j: j is job)
         failed = job.transfer is not None and job.transfer.fail(error or reason)  # from here on no frame is sent
         if error is not None and job.transfer is not None and job.transfer.state is TransferState.SUCCESS:
             # Committed (a lease expiry or a fault landing just after): the request is the decode
@@ -810,6 +831,15 @@ class PrefillWorker:
             jobs = list(self._jobs.values())
         for job in jobs:
             self._finish(job, error=self.fault, code=INTERNAL)
+
+
+def _add_prompt(engine: LLMEngine, work: WorkRequest) -> Exception | None:
+    """Add a prompt to compute (on the engine loop); the error that refused it, if one did."""
+    try:
+        engine.add_request(work.prompt_token_ids, work.params, work.request_id, prefill_only=True)
+    except Exception as e:  # the request's own fault (a prompt the engine cannot take): the others go on
+        return e
+    return None
 
 
 def _close_logged(channel: LayerChannel) -> None:

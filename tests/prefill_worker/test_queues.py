@@ -88,12 +88,14 @@ def test_a_job_whose_decode_worker_is_busy_waits_in_place_while_others_go_ahead(
     assert [job for _ in range(3) for job in queues.take(0.1, never, none_inflight)] == ["a2", "a3", "b2"]
 
 
-def test_a_short_batch_takes_one_job_per_decode_worker_and_none_of_a_busy_one() -> None:
+def test_a_short_batch_takes_every_free_decode_workers_shorts_and_none_of_a_busy_one() -> None:
+    """Shorts bound for one decode worker go in one batch (so they share a step); those of a decode
+    worker still waiting for a lease stay, in place."""
     queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=100, key=decode_worker_of)
     for job in ("a1", "a2", "b1", "c1", "b2"):
         queues.put(job, 8)
-    assert queues.take(0.1, never, none_inflight, lambda: {"c"}) == ["a1", "b1"]
-    assert queues.take(0.1, never, none_inflight) == ["a2", "c1", "b2"]
+    assert queues.take(0.1, never, none_inflight, lambda: {"c"}) == ["a1", "a2", "b1", "b2"]
+    assert queues.take(0.1, never, none_inflight) == ["c1"]
 
 
 def test_a_busy_decode_workers_shorts_neither_end_a_batch_nor_open_the_window() -> None:

@@ -1,0 +1,161 @@
+"""The prefill worker's jobs in a running cluster, at the moments where two of its threads meet: shorts
+released together share one step, a job cancelled while queued leaves the queues, a lease renewed
+after the lease thread listed it as late is not expired, and a request done at its first token is
+reported once. The moments are made by running code inside the worker (Ray's `__ray_call__`); the
+worker's own threads do the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from cluster_helpers import assert_idle, manifest, on_worker, prefill_job_states, worker
+from conftest import random_prompts
+from helpers import wait_until
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.engine import SamplingParams
+from pdserve.router.client import AsyncClient, Client
+from pdserve.wire import WorkRequest
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
+ARCH = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with Cluster(manifest(model_dirs[ARCH], transport="shm"), log=lambda _: None) as c:
+        yield c
+
+
+def hold_the_feeder(self) -> None:
+    """The feeder takes nothing from the queues until `release_the_feeder` (jobs pile up queued). Returns
+    once the feeder is held: a `take` already under way could still hand out the next job put."""
+    held = threading.Event()
+
+    def take_nothing(timeout, *args, **kwargs):
+        held.set()
+        time.sleep(timeout)
+        return []
+
+    self.queues.take = take_nothing
+    assert held.wait(5), "the feeder did not come back to the queues"
+
+
+def release_the_feeder(self) -> None:
+    vars(self.queues).pop("take", None)
+    self.queues.wake()
+
+
+def test_shorts_bound_for_one_decode_worker_released_together_share_a_step(cluster, hf_reference):
+    """Three short prompts wait in LAPS's short queue, all bound for the one decode worker; released
+    as one batch, their passes run in one engine step (each had waited for the lease of the one
+    before, a step apart), and every output is exact."""
+    def laps_with_a_layer_log(self) -> tuple:
+        kept = (self.queues.length_aware, self.queues.short_tokens, self.queues.window_s, self.queues.short_room)
+        self.queues.configure(True, short_tokens=64, window_s=0.0, short_room=1024)
+        original, self.test_steps = self.engine.runner.layer_hook, []
+
+        def log_layer(layer, chunks):
+            if layer == 0:
+                self.test_steps.append(sorted(chunk.seq.request_id for chunk in chunks))
+            original(layer, chunks)
+
+        self.engine.runner.layer_hook = log_layer
+        self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
+        return kept
+
+    def restore(self, kept: tuple) -> list[list[str]]:
+        self.test_restore()
+        self.queues.configure(*kept)
+        return self.test_steps
+
+    prefill = worker(cluster, "prefill")
+    prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 20, 40, seed=50)
+    kept = on_worker(prefill, laps_with_a_layer_log)
+    on_worker(prefill, hold_the_feeder)
+    try:
+        async def run():
+            async with AsyncClient(cluster.address, timeout=60) as client:
+                calls = [asyncio.create_task(client.generate(p, temperature=0, max_tokens=4, ignore_eos=True))
+                         for p in prompts]
+                all_queued = lambda: on_worker(prefill, prefill_job_states).count("queued") == 3  # noqa: E731
+                assert await asyncio.to_thread(wait_until, all_queued, 10), "the three prompts never all queued"
+                on_worker(prefill, release_the_feeder)
+                return await asyncio.gather(*calls)
+
+        results = asyncio.run(run())
+    finally:
+        on_worker(prefill, release_the_feeder)
+        steps = on_worker(prefill, restore, kept)
+    assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
+    assert [len(step) for step in steps] == [3], f"the prompts' passes ran in steps {steps}"
+    assert_idle(cluster)
+
+
+def test_a_job_cancelled_in_the_queue_leaves_it_and_a_renewed_lease_is_not_expired(cluster):
+    """A job cancelled while queued is taken out of the queues at once (left there, it counted toward a
+    short batch's room and kept its lane's place until the feeder skipped it). And the lease thread,
+    which lists the late jobs and then expires them one by one, expires none whose lease was renewed
+    in between."""
+    def queue_expire_then_cancel(self, decode) -> tuple[bool, list[str]]:
+        work = WorkRequest("queued-then-cancelled", [5] * 20, SamplingParams.greedy(max_tokens=2))
+        self.prefill(work, decode)
+        job = self._jobs[work.request_id]
+        self._renew(job)  # as `_send_layer` does after the lease thread listed the job as late
+        self._expire(job)
+        survived = self._jobs.get(work.request_id) is job
+        self.abort([work.request_id])
+        return survived, [j.request_id for j in self.queues.remove(lambda j: True)]
+
+    prefill = worker(cluster, "prefill")
+    expired = on_worker(prefill, lambda self: self.counters["leases_expired"])
+    on_worker(prefill, hold_the_feeder)
+    try:
+        survived, left_queued = on_worker(prefill, queue_expire_then_cancel, worker(cluster, "decode").handle)
+    finally:
+        on_worker(prefill, release_the_feeder)
+    assert survived, "a lease renewed after the lease thread listed it was expired"
+    assert left_queued == [], "the cancelled job stayed in the queues"
+    assert on_worker(prefill, lambda self: self.counters["leases_expired"]) == expired
+    assert_idle(cluster)
+
+
+def test_a_request_done_at_its_first_token_is_reported_once(cluster, hf_reference):
+    """A fault or lease expiry ends the job just after its final message (its one token) was sent: that
+    job is already over, so nothing reports it failed as well, and the router retries nothing."""
+    def fail_after_the_last_message(self) -> None:
+        original, self.test_reports = self.sink.send, []
+
+        def send(request_id, *args, **kwargs):
+            original(request_id, *args, **kwargs)
+            if kwargs.get("finish_reason"):
+                job = self._jobs.get(request_id)
+                self.test_reports.append(job is not None and self._finish(job, error="injected fault"))
+
+        self.sink.send = send
+
+    def restore(self) -> list[bool]:
+        deadline = time.monotonic() + 5  # the client may have its token before the injected call returns
+        while not self.test_reports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        vars(self.sink).pop("send", None)
+        return self.test_reports
+
+    prefill = worker(cluster, "prefill")
+    retries = cluster.router.stats.retries
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=51)[0]
+    on_worker(prefill, fail_after_the_last_message)
+    try:
+        with Client(cluster.address, timeout=30) as client:
+            out = client.generate(prompt, max_tokens=1, temperature=0, ignore_eos=True)
+    finally:
+        reports = on_worker(prefill, restore)
+    assert out.token_ids == hf_reference[ARCH].greedy(prompt, 1) and out.finish_reason == "length"
+    assert reports == [False], "the job was reported failed after its final message"
+    assert cluster.router.stats.retries == retries
+    assert_idle(cluster)
