@@ -12,18 +12,22 @@ admitted shorts in one step, so a short prompt waits behind at most one chunk.
 Each job has a key (the prefill worker's: its decode worker's lane), and a job whose key is busy
 (that decode worker has not yet granted the leases of the jobs before) waits in its place while jobs
 behind it with other keys go ahead. A key's jobs are taken one at a time, except shorts in one batch:
-they go together, whatever their keys, or they would not share a step.
+they go together (up to `SHORTS_PER_KEY` of a key), or they would not share a step.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable
 from typing import Generic, TypeVar
 
 J = TypeVar("J")
+# Shorts of one key (decode worker) in one batch, at most. Each holds a reservation there, and a decode
+# worker whose KV memory is full holds each reservation's call (one of its actor's threads) for up to
+# `reserve_wait_s`: a batch must not take them all.
+SHORTS_PER_KEY = 8
 
 
 class PrefillQueues(Generic[J]):
@@ -103,12 +107,15 @@ class PrefillQueues(Generic[J]):
             waited = time.monotonic() - free[0][2]
             room = self.short_room - short_inflight()
             if room > 0 and (waited >= self.window_s or queued >= room):
-                batch, tokens = [], 0
+                batch, tokens, per_key = [], 0, Counter()
                 for entry in free:
                     job, n, _ = entry
+                    if per_key[self._key(job)] == SHORTS_PER_KEY:  # the rest of that key's wait for the next
+                        continue
                     if batch and tokens + n > room:
                         break
                     self._short.remove(entry)
+                    per_key[self._key(job)] += 1
                     batch.append(job)
                     tokens += n
                 return batch

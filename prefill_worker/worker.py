@@ -110,7 +110,7 @@ class _Lane:
 
     def __init__(self, name: str) -> None:
         # Waits for the leases of the jobs the feeder started (one batch of them at most); meanwhile
-        # (`starting`: how many, under the worker's lock) the lane's next jobs wait in the queues, where
+        # (`starting`: batches waiting, under the worker's lock) the lane's next jobs wait in the queues, where
         # the feeder starts other lanes' jobs: a decode worker whose pool is full (or that does not
         # answer) holds back the prompts bound for it, and only those.
         self.starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-start-{name}")
@@ -176,7 +176,8 @@ class _Job:
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
-    reserved: threading.Event = field(default_factory=threading.Event)  # `_await_lease` is done with the lease
+    # Its lease is taken (or refused), or the job has ended: what its commit waits for.
+    reserved: threading.Event = field(default_factory=threading.Event)
 
     @property
     def request_id(self) -> str:
@@ -367,6 +368,10 @@ class PrefillWorker:
             self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
             return
         self.queues.put(job, new_tokens, job.short)
+        with self._lock:
+            cancelled = not self._owns(job)
+        if cancelled:  # between the two: `_finish` found nothing to take out of the queues
+            self.queues.remove(lambda j: j is job)
         self.faults.took_request()
 
     def abort(self, request_ids: list[str]) -> list[str]:
@@ -385,10 +390,12 @@ class PrefillWorker:
     def shutdown(self) -> None:
         with self._lock:  # `_lane` makes no lane after this
             self._stop.set()
-            lanes = list(self._lanes.values())
+            lanes, jobs = list(self._lanes.values()), list(self._jobs.values())
         self.loop.stop()
         for lane in lanes:
             lane.shutdown()
+        for job in jobs:  # a lease wait cancelled with its lane leaves no commit thread waiting for it
+            job.reserved.set()
         self.sink.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -427,18 +434,20 @@ class PrefillWorker:
         """Start the prompt passes of jobs released together and, beside them, reserve on their decode
         workers: the reservation (a Ray round trip, and a bounded wait when a decode pool is full) runs
         beside the pass instead of before it. The prompts join the engine in one command, so they
-        share a step (added one by one, each could miss the step the one before started); each job's
-        lane then waits for its lease (`_await_lease`). Returns once the prompts are in the engine, so
-        the next room check counts them."""
+        share a step (added one by one, each could miss the step the one before started); each decode
+        worker's lane then takes its jobs' leases (`_await_leases`). Returns once the prompts are in
+        the engine, so the next room check counts them."""
+        with self._lock:  # all marked at once: a ping or the queues' checks see the batch whole
+            jobs = [job for job in jobs if self._owns(job) and not self._stop.is_set()]  # not cancelled since
+            now = time.time()
+            for job in jobs:
+                job.state, job.prefill_started = "reserving", now
+                job.transfer = Transfer(uuid.uuid4().hex, job.request_id)
         reserving: list[tuple[_Job, ray.ObjectRef]] = []
         for job in jobs:
-            work, transfer = job.work, Transfer(uuid.uuid4().hex, job.request_id)
-            with self._lock:
-                if not self._owns(job):  # cancelled since the queues handed it out
-                    continue
-                job.state, job.transfer, job.prefill_started = "reserving", transfer, time.time()
+            work = job.work
             try:
-                reservation = job.decode.reserve.remote(transfer.transfer_id, work.request_id,
+                reservation = job.decode.reserve.remote(job.transfer.transfer_id, work.request_id,
                                                         work.prompt_token_ids, work.params,
                                                         len(work.prompt_token_ids), offers(self._codecs))
             except Exception as e:
@@ -451,18 +460,89 @@ class PrefillWorker:
             errors = self.loop.call(lambda engine: [_add_prompt(engine, job.work) for job, _ in reserving])
         except Exception as e:  # the loop stopped, or a long command held it past the call's bound
             errors = [e] * len(reserving)
+        by_lane: dict[_Lane, list[tuple[_Job, ray.ObjectRef]]] = {}
         for (job, reservation), error in zip(reserving, errors):
             if error is not None:
                 self._failed_to_start(job, error)
-                continue
+            else:
+                by_lane.setdefault(job.lane, []).append((job, reservation))
+        for lane, started in by_lane.items():
             with self._lock:  # `shutdown` stops the lanes' pools only after `_stop`
-                owned = self._owns(job) and not self._stop.is_set()
+                if self._stop.is_set():
+                    return
+                lane.starting += 1
+                self._on_lane(lane.starter, "start", self._await_leases, lane, started)
+            for job, _ in started:
+                with self._lock:
+                    owned = self._owns(job)
+                if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode
+                    # side, and its engine command may have preceded the add
+                    self.loop.post(lambda e, request_id=job.request_id: e.abort_request(request_id))
+
+    def _await_leases(self, lane: _Lane, started: list[tuple[_Job, ray.ObjectRef]]) -> None:
+        """On a lane: take the leases of the jobs just started for its decode worker, in the order they
+        come (a granted lease waiting behind another job's wait for blocks would let its decode-side
+        lease lapse), within the reservation's bound. Meanwhile the lane's next jobs wait in the
+        queues, so a full decode pool holds back the prompts bound for it (and only those)."""
+        pending = {reservation: job for job, reservation in started}
+        deadline = time.monotonic() + self.reserve_wait_s + RESERVE_MARGIN_S
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()),
+                                    fetch_local=False)
+                if not ready:
+                    break
+                self._take_lease(pending.pop(ready[0]), ready[0])
+            if pending:
+                reservation, job = next(iter(pending.items()))
+                self._stop_lane(job, reservation)
+                for job in pending.values():
+                    self._finish(job, error=f"prefill could not start: {lane.decode_name} did not answer the KV "
+                                            f"reservation within {self.reserve_wait_s + RESERVE_MARGIN_S:.0f} s")
+        except Exception as e:  # Ray itself failed the wait (shutting down): the jobs cannot start
+            for job in pending.values():
+                self._failed_to_start(job, e)
+        finally:
+            with self._lock:
+                lane.starting -= 1
+            self.queues.wake()  # the lane's next jobs may start
+
+    def _take_lease(self, job: _Job, reservation: ray.ObjectRef) -> None:
+        """Take a granted reservation's lease (or its refusal), open the job's channel and send the
+        layers written before the lease came."""
+        transfer = job.transfer
+        try:
+            with self._lock:
+                owned = self._owns(job)
+            if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
+                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
+                return
+            lease = ray.get(reservation)
+            job.lane.decode_name = f"decode worker {lease.worker_id}"
+            # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
+            # pings and cancels take the lock.
+            try:
+                outgoing = self._outgoing(job, lease)
+            except ValueError as e:  # the pools' settings disagree (a transport one lacks): not the request's
+                raise TransferError(f"cannot send to {job.lane.decode_name}: {e}") from e
+            with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
+                owned = self._owns(job)
                 if owned:
-                    job.lane.starting += 1
-                    self._on_lane(job.lane.starter, "start", self._await_lease, job, reservation)
-            if not owned:  # ended meanwhile: its `abort_transfer` ends the reservation on the decode side,
-                self.loop.post(lambda e, request_id=job.request_id: e.abort_request(request_id))  # and its
-                # engine command may have preceded the add
+                    transfer.advance(TransferState.RESERVED)
+                    job.lease, job.outgoing = lease, outgoing
+                    job.state = "prefilling" if job.state == "reserving" else job.state  # not if already done
+                    self._renew(job)
+            if not owned:
+                if outgoing is not None:
+                    _close_logged(outgoing.channel)
+                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
+                return
+            for layer in list(job.written):  # written before the lease came: send them now
+                self._forward_layer(job, layer)
+        except Exception as e:
+            self._failed_to_start(job, e)
+        finally:
+            job.reserved.set()
 
     def _failed_to_start(self, job: _Job, error: BaseException) -> None:
         self._finish(job, error=f"prefill could not start: {_reason(error)}", code=_code(error))
@@ -507,52 +587,10 @@ class PrefillWorker:
         """Whether `job` is still running here (not finished by a cancel or a fault). Call under the lock."""
         return self._jobs.get(job.request_id) is job
 
-    def _await_lease(self, job: _Job, reservation: ray.ObjectRef) -> None:
-        """On the job's lane: wait for its lease, open its channel, and send the layers written before
-        the lease came. Meanwhile the lane's next jobs wait in the queues, so a full decode pool holds
-        back the prompts bound for it (and only those)."""
-        transfer = job.transfer
-        try:
-            if (refusal := job.lane.refusal()) is not None:  # a job before it on the lane went unanswered
-                raise TransferError(refusal)
-            try:
-                lease = ray.get(reservation, timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
-            except ray.exceptions.GetTimeoutError:
-                self._stop_lane(job, reservation)
-                raise TransferError(f"{job.lane.decode_name} did not answer the KV reservation within "
-                                    f"{self.reserve_wait_s + RESERVE_MARGIN_S:.0f} s") from None
-            job.lane.decode_name = f"decode worker {lease.worker_id}"
-            # Outside the lock: opening a channel may take a while (a gloo pair forms its group), and
-            # pings and cancels take the lock.
-            try:
-                outgoing = self._outgoing(job, lease)
-            except ValueError as e:  # the pools' settings disagree (a transport one lacks): not the request's
-                raise TransferError(f"cannot send to {job.lane.decode_name}: {e}") from e
-            with self._lock:  # what is taken here, `_finish` releases; a job it already ended takes nothing
-                owned = self._owns(job)
-                if owned:
-                    transfer.advance(TransferState.RESERVED)
-                    job.lease, job.outgoing = lease, outgoing
-                    job.state = "prefilling" if job.state == "reserving" else job.state  # not if already done
-                    self._renew(job)
-            if not owned:  # ended while reserving: its `abort_transfer` may have come before the reservation
-                if outgoing is not None:
-                    _close_logged(outgoing.channel)
-                job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
-                return
-            for layer in list(job.written):  # written before the lease came: send them now
-                self._forward_layer(job, layer)
-        except Exception as e:
-            self._failed_to_start(job, e)
-        finally:
-            job.reserved.set()
-            with self._lock:
-                job.lane.starting -= 1
-            self.queues.wake()  # the lane's next job may start
-
     def _stop_lane(self, job: _Job, reservation: ray.ObjectRef) -> None:
         """The job's decode worker left its reservation unanswered past the bound: its lane takes no
-        job until it answers, and the jobs queued for it fail now (the job itself fails as it returns)."""
+        job until it answers, and the jobs queued for it fail now (those waiting for leases, as this
+        returns)."""
         lane = job.lane
         self.counters["reservations_unanswered"] += 1
         lane.not_answering(reservation, job.prefill_started)
@@ -593,7 +631,7 @@ class PrefillWorker:
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
         """A layer of these chunks is written: queue what the decode worker lacks of it for sending
-        (once the job has its lease; `_start` forwards what was written before)."""
+        (once the job has its lease; `_take_lease` forwards what was written before)."""
         for chunk in chunks:
             job = self._jobs.get(chunk.seq.request_id)
             if job is None or job.transfer is None:
@@ -637,7 +675,7 @@ class PrefillWorker:
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
                 handoff = self.engine.export_handoff(out.request_id)
-                with self._lock:  # `_start` reads and writes the state under it
+                with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
                 self._on_lane(job.lane.committers, "commit", self._commit, job, handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
@@ -693,7 +731,7 @@ class PrefillWorker:
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
         that arrived corrupt) are sent once more; if they still are, it recomputes the request."""
-        job.reserved.wait()  # `_start` ends it on every path, within its bounded wait for the lease
+        job.reserved.wait()  # set once the lease is taken or refused, or the job has ended (`_finish`)
         with self._lock:
             if not self._owns(job):  # the reservation failed, or a cancel came: already finished
                 return
@@ -774,8 +812,12 @@ class PrefillWorker:
                 return False
             del self._jobs[job.request_id]
             queued, job.state = job.state == "queued", "done"
+        job.reserved.set()  # a commit waiting for the lease goes on, and finds the job ended
         if last_message is not None:
-            last_message()
+            try:
+                last_message()
+            except Exception:  # the rest must run: the blocks here and the reservation there are freed
+                log.exception("request %s: sending its last message failed", job.request_id)
         if queued:  # a cancelled job left in the queues would count toward a batch's room and its lanes
             self.queues.remove(lambda j: j is job)
         failed = job.transfer is not None and job.transfer.fail(error or reason)  # from here on no frame is sent

@@ -1,7 +1,7 @@
 """The prefill worker's jobs in a running cluster, at the moments where two of its threads meet: shorts
-released together share one step, a job cancelled while queued leaves the queues, a lease renewed
-after the lease thread listed it as late is not expired, and a request done at its first token is
-reported once. The moments are made by running code inside the worker (Ray's `__ray_call__`); the
+released together share one step, and each one's lease is taken as it comes; a job cancelled while
+queued leaves the queues, a lease renewed after the lease thread listed it as late is not expired,
+and a request done at its first token is reported once. The moments are made by running code inside the worker (Ray's `__ray_call__`); the
 worker's own threads do the rest."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import ray
-from cluster_helpers import assert_idle, manifest, on_worker, prefill_job_states, worker
+from cluster_helpers import assert_idle, manifest, on_worker, worker
 from conftest import random_prompts
 from helpers import wait_until
 
@@ -51,49 +52,127 @@ def release_the_feeder(self) -> None:
     self.queues.wake()
 
 
+def laps_with_a_step_log(self) -> tuple:
+    """LAPS with shorts up to 64 tokens, batched at once, and a log of the requests in each step
+    (`self.test_steps`); returns the queues' settings before, for `restore_laps`."""
+    kept = (self.queues.length_aware, self.queues.short_tokens, self.queues.window_s, self.queues.short_room)
+    self.queues.configure(True, short_tokens=64, window_s=0.0, short_room=1024)
+    original, self.test_steps = self.engine.runner.layer_hook, []
+
+    def log_layer(layer, chunks):
+        if layer == 0:
+            self.test_steps.append(sorted(chunk.seq.request_id for chunk in chunks))
+        original(layer, chunks)
+
+    self.engine.runner.layer_hook = log_layer
+    self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
+    return kept
+
+
+def restore_laps(self, kept: tuple) -> list[list[str]]:
+    self.test_restore()
+    self.queues.configure(*kept)
+    return self.test_steps
+
+
+def queued_shorts(self) -> list[list[int]]:
+    """The prompts in the short queue, in order."""
+    with self.queues._cv:
+        return [job.work.prompt_token_ids for job, _, _ in self.queues._short]
+
+
+def queued_request_id(self, prompt: list[int]) -> str:
+    with self._lock:
+        return next(job.request_id for job in self._jobs.values() if job.work.prompt_token_ids == prompt)
+
+
+async def release_together(client: AsyncClient, prefill, prompts: list[list[int]],
+                           before_release: Callable[[list[int]], None] = lambda order: None,
+                           ) -> tuple[list[asyncio.Task], list[int]]:
+    """Send `prompts` (greedy, 4 tokens each) while the prefill worker's feeder is held; once all are
+    queued, call `before_release` with their order in the queue (indexes into `prompts`), then release
+    the feeder: they go as one batch. Returns the calls, under way, and that order."""
+    on_worker(prefill, hold_the_feeder)
+    try:
+        calls = [asyncio.create_task(client.generate(p, temperature=0, max_tokens=4, ignore_eos=True))
+                 for p in prompts]
+        all_queued = lambda: len(on_worker(prefill, queued_shorts)) == len(prompts)  # noqa: E731
+        assert await asyncio.to_thread(wait_until, all_queued, 10), "the prompts never all queued"
+        order = [prompts.index(p) for p in on_worker(prefill, queued_shorts)]
+        await asyncio.to_thread(before_release, order)
+    finally:
+        on_worker(prefill, release_the_feeder)
+    return calls, order
+
+
 def test_shorts_bound_for_one_decode_worker_released_together_share_a_step(cluster, hf_reference):
     """Three short prompts wait in LAPS's short queue, all bound for the one decode worker; released
     as one batch, their passes run in one engine step (each had waited for the lease of the one
     before, a step apart), and every output is exact."""
-    def laps_with_a_layer_log(self) -> tuple:
-        kept = (self.queues.length_aware, self.queues.short_tokens, self.queues.window_s, self.queues.short_room)
-        self.queues.configure(True, short_tokens=64, window_s=0.0, short_room=1024)
-        original, self.test_steps = self.engine.runner.layer_hook, []
-
-        def log_layer(layer, chunks):
-            if layer == 0:
-                self.test_steps.append(sorted(chunk.seq.request_id for chunk in chunks))
-            original(layer, chunks)
-
-        self.engine.runner.layer_hook = log_layer
-        self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
-        return kept
-
-    def restore(self, kept: tuple) -> list[list[str]]:
-        self.test_restore()
-        self.queues.configure(*kept)
-        return self.test_steps
-
     prefill = worker(cluster, "prefill")
     prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 20, 40, seed=50)
-    kept = on_worker(prefill, laps_with_a_layer_log)
-    on_worker(prefill, hold_the_feeder)
-    try:
-        async def run():
-            async with AsyncClient(cluster.address, timeout=60) as client:
-                calls = [asyncio.create_task(client.generate(p, temperature=0, max_tokens=4, ignore_eos=True))
-                         for p in prompts]
-                all_queued = lambda: on_worker(prefill, prefill_job_states).count("queued") == 3  # noqa: E731
-                assert await asyncio.to_thread(wait_until, all_queued, 10), "the three prompts never all queued"
-                on_worker(prefill, release_the_feeder)
-                return await asyncio.gather(*calls)
 
+    async def run():
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            calls, _ = await release_together(client, prefill, prompts)
+            return await asyncio.gather(*calls)
+
+    kept = on_worker(prefill, laps_with_a_step_log)
+    try:
         results = asyncio.run(run())
     finally:
-        on_worker(prefill, release_the_feeder)
-        steps = on_worker(prefill, restore, kept)
+        steps = on_worker(prefill, restore_laps, kept)
     assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
     assert [len(step) for step in steps] == [3], f"the prompts' passes ran in steps {steps}"
+    assert_idle(cluster)
+
+
+def hold_the_reservation_of(self, request_id: str) -> None:
+    """On the decode worker: its reservation for `request_id` waits until `release_the_reservation`
+    (as one waits for free blocks when the KV memory is full)."""
+    original, self.test_release = self.receiver.reserve, threading.Event()
+
+    def reserve(transfer_id, held_id, *args):
+        if held_id == request_id:
+            self.test_release.wait(30)
+        return original(transfer_id, held_id, *args)
+
+    self.receiver.reserve = reserve
+
+
+def release_the_reservation(self) -> None:
+    vars(self.receiver).pop("reserve", None)
+    self.test_release.set()
+
+
+def test_a_lease_granted_is_taken_at_once_while_one_before_it_waits(cluster, hf_reference):
+    """Two shorts for the one decode worker start as one batch, and the decode worker holds the first
+    one's reservation (as a full KV memory does, for up to `reserve_wait_s`). The second's lease,
+    granted at once, is taken at once and its request completes while the first still waits: taken
+    in the batch's order, it waited too, and its decode-side lease (5 s here) lapsed meanwhile. The
+    first completes once its reservation is answered; both exactly."""
+    prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
+    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=52)
+
+    def hold_the_first(order: list[int]) -> None:
+        on_worker(decode, hold_the_reservation_of, on_worker(prefill, queued_request_id, prompts[order[0]]))
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            calls, order = await release_together(client, prefill, prompts, hold_the_first)
+            held, granted = calls[order[0]], calls[order[1]]
+            await asyncio.wait([granted], timeout=10)
+            assert granted.done() and not held.done(), "the granted lease waited behind the held one"
+            on_worker(decode, release_the_reservation)
+            return await asyncio.gather(*calls)
+
+    kept = on_worker(prefill, laps_with_a_step_log)
+    try:
+        results = asyncio.run(run())
+    finally:
+        on_worker(decode, lambda self: hasattr(self, "test_release") and release_the_reservation(self))
+        on_worker(prefill, restore_laps, kept)
+    assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
     assert_idle(cluster)
 
 

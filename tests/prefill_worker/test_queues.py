@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdserve.prefill_worker.queues import PrefillQueues
+from pdserve.prefill_worker.queues import SHORTS_PER_KEY, PrefillQueues
 
 
 def never() -> bool:
@@ -96,6 +96,18 @@ def test_a_short_batch_takes_every_free_decode_workers_shorts_and_none_of_a_busy
         queues.put(job, 8)
     assert queues.take(0.1, never, none_inflight, lambda: {"c"}) == ["a1", "a2", "b1", "b2"]
     assert queues.take(0.1, never, none_inflight) == ["c1"]
+
+
+def test_a_short_batch_takes_a_bounded_share_of_one_decode_workers_shorts() -> None:
+    """Each short of a batch holds a reservation on its decode worker: one batch takes at most
+    SHORTS_PER_KEY of them, and the others of that decode worker wait for the next."""
+    queues: PrefillQueues[str] = PrefillQueues(True, short_tokens=32, window_s=0.0, short_room=1000,
+                                               key=decode_worker_of)
+    jobs = [f"a{i}" for i in range(SHORTS_PER_KEY + 2)] + ["b1"]
+    for job in jobs:
+        queues.put(job, 8)
+    assert queues.take(0.1, never, none_inflight) == jobs[:SHORTS_PER_KEY] + ["b1"]
+    assert queues.take(0.1, never, none_inflight) == jobs[SHORTS_PER_KEY:-1]
 
 
 def test_a_busy_decode_workers_shorts_neither_end_a_batch_nor_open_the_window() -> None:
