@@ -16,11 +16,11 @@ for free blocks; the lease says which leading blocks it already holds and which 
 that decode worker's lane waits for the lease and opens a channel on the transport chosen for the
 pair. The engine's layer hook records each layer of each chunk as soon as it is
 written; once the lease is there, the decode worker's sender thread sends what the decode worker
-lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level). After
-the last layer a commit thread commits the handoff (first token included); layers the decode side
-reports incomplete (a corrupt frame) are sent once more, and if they still fail the decode worker
-recomputes the request from its tokens. When the controller expects that recomputation to be faster
-than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
+lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level). Once
+the pass is over and the lease taken, a commit thread commits the handoff (first token included);
+layers the decode side reports incomplete (a corrupt frame) are sent once more, and if they still
+fail the decode worker recomputes the request from its tokens. When the controller expects that
+recomputation to be faster than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
 (a job ended early, failed or not, once its frames in flight are answered, so the channel's resources
 are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
 failure, tells the router why. A cancel (`abort`) is honoured in every state.
@@ -176,8 +176,9 @@ class _Job:
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
-    # Its lease is taken (or refused), or the job has ended: what its commit waits for.
-    reserved: threading.Event = field(default_factory=threading.Event)
+    handoff: Any = None  # the prompt pass's handoff (the first token included), once the pass is over
+    lease_settled: bool = False  # `_take_lease` is done with it (taken or refused)
+    commit_started: bool = False  # both of the above: `_commit_when_ready` handed it to a commit thread
 
     @property
     def request_id(self) -> str:
@@ -390,12 +391,10 @@ class PrefillWorker:
     def shutdown(self) -> None:
         with self._lock:  # `_lane` makes no lane after this
             self._stop.set()
-            lanes, jobs = list(self._lanes.values()), list(self._jobs.values())
+            lanes = list(self._lanes.values())
         self.loop.stop()
         for lane in lanes:
             lane.shutdown()
-        for job in jobs:  # a lease wait cancelled with its lane leaves no commit thread waiting for it
-            job.reserved.set()
         self.sink.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -542,7 +541,7 @@ class PrefillWorker:
         except Exception as e:
             self._failed_to_start(job, e)
         finally:
-            job.reserved.set()
+            self._commit_when_ready(job, lease_settled=True)
 
     def _failed_to_start(self, job: _Job, error: BaseException) -> None:
         self._finish(job, error=f"prefill could not start: {_reason(error)}", code=_code(error))
@@ -677,7 +676,7 @@ class PrefillWorker:
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
-                self._on_lane(job.lane.committers, "commit", self._commit, job, handoff)
+                self._commit_when_ready(job, handoff=handoff)
             else:  # finished on its first token (stop, length): nothing to hand over
                 self._finish(job, reason="request finished at prefill", last_message=lambda out=out, events=events:
                              self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
@@ -728,10 +727,22 @@ class PrefillWorker:
                                    f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE):
             self.counters["leases_expired"] += 1  # not when the job had ended, or committed, meanwhile
 
+    def _commit_when_ready(self, job: _Job, handoff: Any = None, lease_settled: bool = False) -> None:
+        """Record that the job's prompt pass is over (its handoff) or its lease settled, and start its
+        commit once both are, whichever comes second. A commit thread does not wait for a lease: a
+        batch may hold more of a lane's reservations than the lane has commit threads, and one whose
+        lease was granted would wait behind those still waiting for blocks, its lease lapsing."""
+        with self._lock:
+            job.handoff = job.handoff if handoff is None else handoff
+            job.lease_settled = job.lease_settled or lease_settled
+            ready = job.handoff is not None and job.lease_settled and not job.commit_started
+            job.commit_started = job.commit_started or ready
+        if ready:
+            self._on_lane(job.lane.committers, "commit", self._commit, job, job.handoff)
+
     def _commit(self, job: _Job, handoff: Any) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
         that arrived corrupt) are sent once more; if they still are, it recomputes the request."""
-        job.reserved.wait()  # set once the lease is taken or refused, or the job has ended (`_finish`)
         with self._lock:
             if not self._owns(job):  # the reservation failed, or a cancel came: already finished
                 return
@@ -812,7 +823,6 @@ class PrefillWorker:
                 return False
             del self._jobs[job.request_id]
             queued, job.state = job.state == "queued", "done"
-        job.reserved.set()  # a commit waiting for the lease goes on, and finds the job ended
         if last_message is not None:
             try:
                 last_message()

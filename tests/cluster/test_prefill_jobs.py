@@ -127,52 +127,59 @@ def test_shorts_bound_for_one_decode_worker_released_together_share_a_step(clust
     assert_idle(cluster)
 
 
-def hold_the_reservation_of(self, request_id: str) -> None:
-    """On the decode worker: its reservation for `request_id` waits until `release_the_reservation`
-    (as one waits for free blocks when the KV memory is full)."""
+def hold_the_reservations_of(self, request_ids: list[str]) -> None:
+    """On the decode worker: its reservations for `request_ids` wait until `release_the_reservations`
+    (as they wait for free blocks when the KV memory is full)."""
     original, self.test_release = self.receiver.reserve, threading.Event()
 
-    def reserve(transfer_id, held_id, *args):
-        if held_id == request_id:
+    def reserve(transfer_id, request_id, *args):
+        if request_id in request_ids:
             self.test_release.wait(30)
-        return original(transfer_id, held_id, *args)
+        return original(transfer_id, request_id, *args)
 
     self.receiver.reserve = reserve
 
 
-def release_the_reservation(self) -> None:
+def release_the_reservations(self) -> None:
     vars(self.receiver).pop("reserve", None)
     self.test_release.set()
 
 
-def test_a_lease_granted_is_taken_at_once_while_one_before_it_waits(cluster, hf_reference):
-    """Two shorts for the one decode worker start as one batch, and the decode worker holds the first
-    one's reservation (as a full KV memory does, for up to `reserve_wait_s`). The second's lease,
-    granted at once, is taken at once and its request completes while the first still waits: taken
-    in the batch's order, it waited too, and its decode-side lease (5 s here) lapsed meanwhile. The
-    first completes once its reservation is answered; both exactly."""
+def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, hf_reference):
+    """Six shorts for the one decode worker start as one batch, and the decode worker holds the
+    reservations of the first five (as a full KV memory does, for up to `reserve_wait_s`). The sixth's
+    lease, granted at once, is taken and committed at once, and its request completes while the
+    others still wait. Before, it waited for them: its lease taken in the batch's order, or its
+    commit behind theirs on the lane's four commit threads; its decode-side lease (5 s here) lapsed
+    meanwhile. The others complete once their reservations are answered; all exactly."""
     prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
-    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=52)
+    prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 20, 40, seed=52)
 
-    def hold_the_first(order: list[int]) -> None:
-        on_worker(decode, hold_the_reservation_of, on_worker(prefill, queued_request_id, prompts[order[0]]))
+    def hold_all_but_the_last(order: list[int]) -> None:
+        held = [on_worker(prefill, queued_request_id, prompts[i]) for i in order[:-1]]
+        on_worker(decode, hold_the_reservations_of, held)
 
     async def run():
         async with AsyncClient(cluster.address, timeout=60) as client:
-            calls, order = await release_together(client, prefill, prompts, hold_the_first)
-            held, granted = calls[order[0]], calls[order[1]]
+            calls, order = await release_together(client, prefill, prompts, hold_all_but_the_last)
+            held, granted = [calls[i] for i in order[:-1]], calls[order[-1]]
             await asyncio.wait([granted], timeout=10)
-            assert granted.done() and not held.done(), "the granted lease waited behind the held one"
-            on_worker(decode, release_the_reservation)
+            assert granted.done() and not any(call.done() for call in held), \
+                "the granted lease waited behind the held ones"
+            on_worker(decode, release_the_reservations)
             return await asyncio.gather(*calls)
 
+    retries, expired = cluster.router.stats.retries, on_worker(prefill, lambda self: self.counters["leases_expired"])
     kept = on_worker(prefill, laps_with_a_step_log)
     try:
         results = asyncio.run(run())
     finally:
-        on_worker(decode, lambda self: hasattr(self, "test_release") and release_the_reservation(self))
+        on_worker(decode, lambda self: hasattr(self, "test_release") and release_the_reservations(self))
         on_worker(prefill, restore_laps, kept)
     assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
+    # Not by a retry: waiting, the granted one's transfer made no progress, and its lease lapsed.
+    assert cluster.router.stats.retries == retries
+    assert on_worker(prefill, lambda self: self.counters["leases_expired"]) == expired
     assert_idle(cluster)
 
 
