@@ -20,14 +20,15 @@ lacks of it (`kv_transfer.sender`; the level controller picks each frame's quali
 the pass is over and the lease taken, a commit thread commits the handoff (first token included);
 layers the decode side reports incomplete (a corrupt frame) are sent once more, and if they still
 fail the decode worker recomputes the request from its tokens. When the controller expects that
-recomputation to be faster than the transfer, nothing is sent at all. `_finish` ends every job, on every path: it closes the channel
-(a job ended early, failed or not, once its frames in flight are answered, so the channel's resources
-are reused), aborts the transfer on both sides unless it committed, frees the local blocks and, for a
-failure, tells the router why. A cancel (`abort`) is honoured in every state.
+recomputation to be faster than the transfer, nothing is sent at all. `_finish` ends every job, on
+every path: it closes the channel (a job ended early, failed or not, once its frames in flight are
+answered, so the channel's resources are reused), aborts the transfer on both sides unless it
+committed, frees the local blocks and, for a failure, tells the router why. A cancel (`abort`) is
+honoured in every state.
 
 Each decode worker has a lane of its own (`_Lane`): the thread that waits for its jobs' leases (one
-job at a time, or one batch of shorts, while the lane's next jobs wait in the queues), the sender thread that
-keeps its frames in order, and the threads that wait on its commits and drains. A decode worker that
+job at a time, or one batch of shorts, while the lane's next jobs wait in the queues), the sender
+thread that keeps its frames in order, and the threads that run its commits and drains. A decode worker that
 stops answering (its reservations, its KV path cut, its commit stuck) or whose pool is full holds up
 only its own lane: the feeder starts prompts bound for the others, and transfers already under way
 to them go on, where on shared threads they waited behind it (a reservation for up to

@@ -1,8 +1,8 @@
 """The prefill worker's jobs in a running cluster, at the moments where two of its threads meet: shorts
 released together share one step, and each one's lease is taken as it comes; a job cancelled while
 queued leaves the queues, a lease renewed after the lease thread listed it as late is not expired,
-and a request done at its first token is reported once. The moments are made by running code inside the worker (Ray's `__ray_call__`); the
-worker's own threads do the rest."""
+and a request done at its first token is reported once. The moments are made by running code inside
+the worker (Ray's `__ray_call__`); the worker's own threads do the rest."""
 
 from __future__ import annotations
 
