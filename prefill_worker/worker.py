@@ -496,9 +496,10 @@ class PrefillWorker:
             if pending:
                 reservation, job = next(iter(pending.items()))
                 self._stop_lane(job, reservation)
+                unanswered = TransferError(f"{lane.decode_name} did not answer the KV reservation within "
+                                           f"{self.reserve_wait_s + RESERVE_MARGIN_S:.0f} s")
                 for job in pending.values():
-                    self._finish(job, error=f"prefill could not start: {lane.decode_name} did not answer the KV "
-                                            f"reservation within {self.reserve_wait_s + RESERVE_MARGIN_S:.0f} s")
+                    self._failed_to_start(job, unanswered)
         except Exception as e:  # Ray itself failed the wait (shutting down): the jobs cannot start
             for job in pending.values():
                 self._failed_to_start(job, e)
@@ -739,15 +740,15 @@ class PrefillWorker:
             ready = job.handoff is not None and job.lease_settled and not job.commit_started
             job.commit_started = job.commit_started or ready
         if ready:
-            self._on_lane(job.lane.committers, "commit", self._commit, job, job.handoff)
+            self._on_lane(job.lane.committers, "commit", self._commit, job)
 
-    def _commit(self, job: _Job, handoff: Any) -> None:
+    def _commit(self, job: _Job) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
         that arrived corrupt) are sent once more; if they still are, it recomputes the request."""
         with self._lock:
             if not self._owns(job):  # the reservation failed, or a cancel came: already finished
                 return
-        transfer, outgoing, lane = job.transfer, job.outgoing, job.lane
+        transfer, outgoing, lane, handoff = job.transfer, job.outgoing, job.lane, job.handoff
         try:
             lane.sent(COMMIT_TIMEOUT_S)
             recompute = outgoing is None

@@ -77,13 +77,15 @@ def attribute_owner(self, path: str) -> tuple[object, str]:
     return owner, name
 
 
-def install_gate(self, path: str) -> None:
-    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`."""
+def install_gate(self, path: str, when=lambda *args, **kwargs: True) -> None:
+    """Make the worker's method at `path` ("_start", "receiver.reserve", ...) wait until `open_gate`:
+    every call, or those whose arguments `when` accepts."""
     owner, name = attribute_owner(self, path)
     original, gate = getattr(owner, name), threading.Event()
 
     def gated(*args, **kwargs):
-        gate.wait(30)
+        if when(*args, **kwargs):
+            gate.wait(30)
         return original(*args, **kwargs)
 
     setattr(owner, name, gated)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import ray
-from cluster_helpers import assert_idle, manifest, on_worker, worker
+from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, worker
 from conftest import random_prompts
 from helpers import wait_until
 
@@ -127,24 +127,6 @@ def test_shorts_bound_for_one_decode_worker_released_together_share_a_step(clust
     assert_idle(cluster)
 
 
-def hold_the_reservations_of(self, request_ids: list[str]) -> None:
-    """On the decode worker: its reservations for `request_ids` wait until `release_the_reservations`
-    (as they wait for free blocks when the KV memory is full)."""
-    original, self.test_release = self.receiver.reserve, threading.Event()
-
-    def reserve(transfer_id, request_id, *args):
-        if request_id in request_ids:
-            self.test_release.wait(30)
-        return original(transfer_id, request_id, *args)
-
-    self.receiver.reserve = reserve
-
-
-def release_the_reservations(self) -> None:
-    vars(self.receiver).pop("reserve", None)
-    self.test_release.set()
-
-
 def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, hf_reference):
     """Six shorts for the one decode worker start as one batch, and the decode worker holds the
     reservations of the first five (as a full KV memory does, for up to `reserve_wait_s`). The sixth's
@@ -157,7 +139,7 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
 
     def hold_all_but_the_last(order: list[int]) -> None:
         held = [on_worker(prefill, queued_request_id, prompts[i]) for i in order[:-1]]
-        on_worker(decode, hold_the_reservations_of, held)
+        on_worker(decode, install_gate, "receiver.reserve", lambda transfer_id, request_id, *_: request_id in held)
 
     async def run():
         async with AsyncClient(cluster.address, timeout=60) as client:
@@ -166,7 +148,7 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
             await asyncio.wait([granted], timeout=10)
             assert granted.done() and not any(call.done() for call in held), \
                 "the granted lease waited behind the held ones"
-            on_worker(decode, release_the_reservations)
+            on_worker(decode, open_gate)
             return await asyncio.gather(*calls)
 
     retries, expired = cluster.router.stats.retries, on_worker(prefill, lambda self: self.counters["leases_expired"])
@@ -174,7 +156,7 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
     try:
         results = asyncio.run(run())
     finally:
-        on_worker(decode, lambda self: hasattr(self, "test_release") and release_the_reservations(self))
+        on_worker(decode, lambda self: hasattr(self, "test_gate") and open_gate(self))
         on_worker(prefill, restore_laps, kept)
     assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
     # Not by a retry: waiting, the granted one's transfer made no progress, and its lease lapsed.
