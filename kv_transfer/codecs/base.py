@@ -21,8 +21,8 @@ def rounded_like(bound: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """A bound on |x - decoded| for values decoded in float32, widened by their rounding to kv's
     dtype (the engine's, which `decode` is asked for): half an ulp of |x| + bound at most."""
     finfo = torch.finfo(kv.dtype)
-    magnitude = kv.detach().to("cpu", torch.float32).abs() + bound
-    return bound + magnitude * (finfo.eps / 2) + finfo.smallest_normal * finfo.eps / 2
+    magnitude = kv.detach().to("cpu", torch.float64).abs() + bound  # float64: |x| + bound may pass float32's range
+    return (bound + magnitude * (finfo.eps / 2) + finfo.smallest_normal * finfo.eps / 2).to(torch.float32)
 
 
 def payload_bytes(payload: Payload) -> np.ndarray:

@@ -60,7 +60,10 @@ class TokenScaledCodec(ABC):
         expect_size(self.name, data.nbytes, scale_bytes + 2 * num_tokens * self.channels)
         scale = bytes_as_tensor(data[:scale_bytes], torch.float32).view(2, num_tokens, 1)
         values = bytes_as_tensor(data[scale_bytes:], self.value_dtype).view(2, num_tokens, self.channels)
-        out = (values.to(torch.float32) * scale).to(dtype)
+        out = values.to(torch.float32).mul_(scale)
+        # A token near the largest float32 can round past it (inf); its true values are within dtype's range.
+        limit = torch.finfo(dtype).max
+        out = out.clamp_(-limit, limit).to(dtype)
         return out.view(2, num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
 
     def tokens(self, kv: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,10 @@ class TokenScaledCodec(ABC):
 
 def token_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """[2, n] float32: each token's absmax / qmax, or 1 where the token is all zeros (inf or NaN
-    where it holds one)."""
-    scale = x.abs().amax(dim=2) / qmax
+    where it holds one). Rounded up where float32 rounded it down, so absmax / scale <= qmax: for
+    subnormal scales (absmax under ~1e-36) that rounding is coarse, and the clamp to qmax would cost more
+    than scale / 2."""
+    absmax = x.abs().amax(dim=2)
+    scale = absmax / qmax
+    scale = torch.where(absmax / scale > qmax, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     return torch.where(scale == 0, torch.ones_like(scale), scale)

@@ -107,6 +107,21 @@ def test_lossy_codecs_stay_within_their_bound(name, num_tokens, dtype, tables_di
             assert bool((error <= bound).all()), f"{name} level {level} layer {layer}: {float((error - bound).max())}"
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8", "cachegen"])
+@pytest.mark.parametrize("magnitude", [torch.finfo(torch.float32).max, 1e30, 1e-30, 1e-38, 1e-41])
+def test_lossy_codecs_hold_their_bound_at_the_ends_of_float32(name, magnitude, tables_dir):
+    """Tokens whose largest value is float32's largest (int8 decoded it as inf) or subnormal (the
+    scale's coarse rounding pushed values past int8's range), with no slack added to the bound."""
+    c = codec(name, tables_dir)
+    kv = synthetic_kv(9, seed=11).double()
+    kv = (kv / kv.abs().amax() * magnitude).float()
+    assert bool(torch.isfinite(kv).all()) and float(kv.abs().max()) > 0
+    for level in range(c.num_levels):
+        out = c.decode(memoryview(c.encode(kv, 0, level)), 0, level, 9, torch.float32)
+        error = (out.double() - kv.double()).abs()
+        assert bool(torch.isfinite(out).all()) and bool((error <= c.error_bound(kv, 0, level).double()).all())
+
+
 def test_cachegen_levels_trade_size_for_error_and_beat_int8(tables_dir):
     c, int8 = codec("cachegen", tables_dir), codec("int8", tables_dir)
     kv = synthetic_kv(1500, seed=3)
