@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.presets import resolve_model
@@ -36,8 +36,9 @@ from pdserve.wire import ClusterSecret
 
 log = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
-# Pings get their own thread, so blocking calls on the other threads cannot delay them.
-CONCURRENCY_GROUPS = {HEALTH_GROUP: 2}
+# Pings get their own threads, so blocking calls on the other threads cannot delay them; so do a decode
+# worker's reservations, which wait for free blocks (see decode_worker.worker).
+CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2}, DecodeWorker: {HEALTH_GROUP: 2, RESERVE_GROUP: RESERVE_THREADS}}
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 SNAPSHOT_TIMEOUT_S = 10.0
 AUDIT_LEAK_MARGIN_S = 5.0  # past the KV lease, a worker still holding something at idle leaks it
@@ -152,7 +153,7 @@ class Cluster:
     def _spawn(self, role: str, name: str, spec: PoolSpec, model: ModelSource) -> WorkerRef:
         m = self.manifest
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls).options(
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS[cls])(cls).options(
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )

@@ -43,6 +43,11 @@ from pdserve.threads import start_guarded
 from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, TokenSink, WorkRequest
 
 LEASE_CHECK_S = 0.5
+# Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
+# pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
+# that free blocks could not run. More reservations than this queue for a thread.
+RESERVE_GROUP = "reserve"
+RESERVE_THREADS = 32
 
 
 class DecodeWorker:
@@ -105,6 +110,7 @@ class DecodeWorker:
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     # --- KV transfer, receiving side ------------------------------------------------------------
+    @ray.method(concurrency_group=RESERVE_GROUP)
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | None = None) -> Lease:
         """Reserve blocks for an incoming request; the lease says which leading blocks are cached here,

@@ -25,8 +25,8 @@ from typing import Generic, TypeVar
 
 J = TypeVar("J")
 # Shorts of one key (decode worker) in one batch, at most. Each holds a reservation there, and a decode
-# worker whose KV memory is full holds each reservation's call (one of its actor's threads) for up to
-# `reserve_wait_s`: a batch must not take them all.
+# worker whose KV memory is full holds each reservation's call (one of the threads its actor keeps for
+# reservations, RESERVE_THREADS) for up to `reserve_wait_s`: one batch must not take them all.
 SHORTS_PER_KEY = 8
 
 

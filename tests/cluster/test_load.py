@@ -86,6 +86,29 @@ def test_a_busy_worker_stays_healthy(cluster, hf_reference):
     assert_idle(cluster)
 
 
+def test_reservations_waiting_for_blocks_leave_the_calls_that_free_blocks_a_thread(cluster):
+    """More reservations waiting (for blocks, here held at a gate) than the decode actor has ordinary
+    threads: an abort, a lease renewal and a commit's kind of call still run at once."""
+    from pdserve.engine import SamplingParams
+
+    decode = worker(cluster, "decode")
+    on_worker(decode, install_gate, "receiver.reserve")
+    ids = [f"held-{i}" for i in range(70)]
+    held = [decode.handle.reserve.remote(t, t, [3] * 20, SamplingParams(max_tokens=4), 20) for t in ids]
+    try:
+        time.sleep(1)  # the reservations reach the actor and take its threads
+        assert ray.get(decode.handle.abort_transfer.remote("no-such-transfer", "test"), timeout=10) is False
+        with pytest.raises(ray.exceptions.RayTaskError, match="no-such-transfer"):
+            ray.get(decode.handle.renew_lease.remote("no-such-transfer"), timeout=10)
+    finally:
+        ray.get([decode.handle.abort_transfer.remote(t, "test over") for t in ids], timeout=60)  # tombstones
+        on_worker(decode, open_gate)
+    for ref in held:
+        with pytest.raises(ray.exceptions.RayTaskError, match="aborted"):
+            ray.get(ref, timeout=60)
+    assert_idle(cluster)
+
+
 def test_duplicate_client_request_ids_are_harmless(cluster, hf_reference):
     prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=22)
 
