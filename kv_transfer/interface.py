@@ -147,6 +147,9 @@ class Codec(Protocol):
     num_levels: int  # quality levels, 0 = finest; lossless codecs have one
     lossless: bool
     digest: str  # of what both sides must hold alike besides the code (cachegen's tables); "" if nothing
+    # Encoded bytes per token of one layer where every frame's size follows from its length; None where
+    # it depends on the values (then the sender measures it).
+    fixed_bytes_per_token: int | None
 
     def encode(self, kv: torch.Tensor, layer: int, level: int = 0) -> Payload: ...
 

@@ -13,6 +13,7 @@ copied out at all.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -39,8 +40,17 @@ class LevelSizes:
     measured) again. Shared by the worker's sending threads (one per decode worker): under a lock."""
 
     bytes_per_token: dict[int, float]
-    measured_on: dict[int, int] = field(default_factory=dict)  # level -> frame tokens its figure is from
+    measured_on: dict[int, float] = field(default_factory=dict)  # level -> frame tokens its figure is from
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, codec: Codec) -> LevelSizes:
+        """Nothing measured yet, or for a codec whose sizes are fixed, its size, which nothing measures
+        again: the recompute decision has a transfer time from a worker's first transfer on."""
+        if codec.fixed_bytes_per_token is None:
+            return cls({})
+        return cls(dict.fromkeys(range(codec.num_levels), float(codec.fixed_bytes_per_token)),
+                   dict.fromkeys(range(codec.num_levels), math.inf))
 
     def observe(self, level: int, num_tokens: int, nbytes: int) -> None:
         seen = nbytes / max(1, num_tokens)

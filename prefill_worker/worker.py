@@ -614,7 +614,7 @@ class PrefillWorker:
         (the controller expects that to be faster than sending it even at the coarsest level)."""
         layout = self.engine.kv_layout
         codec = self._codecs[lease.codec]  # one of those offered: the decode worker answers with one, or raw
-        sizes = self._level_sizes.setdefault(codec.name, LevelSizes({}))
+        sizes = self._level_sizes.setdefault(codec.name, LevelSizes.of(codec))
         deadline = job.arrived + self.kv.ttft_slo_s if self.kv.ttft_slo_s is not None else None
         controller = LevelController(codec, sizes, self._bandwidth.get(_peer(lease), DEFAULT_BANDWIDTH), deadline)
         num_tokens = len(job.work.prompt_token_ids)

@@ -101,6 +101,7 @@ class CacheGenTables:
 class CacheGenCodec:
     name = "cachegen"
     lossless = False
+    fixed_bytes_per_token = None  # entropy coded: measured
 
     def __init__(self, tables: CacheGenTables, layout: KVLayout) -> None:
         expected = (layout.num_layers, layout.num_kv_heads, layout.head_dim)

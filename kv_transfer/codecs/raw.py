@@ -27,6 +27,7 @@ class RawCodec:
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+        self.fixed_bytes_per_token = layout.bytes_per_token_layer
 
     def encode(self, kv: torch.Tensor, layer: int, level: int = 0) -> np.ndarray | torch.Tensor:
         """A uint8 view of the tensor's bytes (no copy when it is contiguous): a numpy array for a

@@ -35,6 +35,7 @@ class TokenScaledCodec(ABC):
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.channels = layout.num_kv_heads * layout.head_dim
+        self.fixed_bytes_per_token = 2 * (4 + self.channels)  # K's and V's float32 scale and one byte per channel
 
     @abstractmethod
     def to_values(self, scaled: torch.Tensor) -> torch.Tensor:

@@ -74,3 +74,18 @@ def test_a_level_first_measured_on_a_short_frame_is_measured_again_on_a_long_one
 def test_a_bandwidth_of_zero_is_refused():
     with pytest.raises(ValueError, match="bandwidth"):
         LevelController(make_codec("raw", None, LAYOUT), LevelSizes({}), bandwidth_bps=0.0, deadline=None)
+
+
+@pytest.mark.parametrize("name", ["raw", "int8", "fp8"])
+def test_a_codec_of_fixed_size_has_a_transfer_estimate_before_its_first_frame(name):
+    """The recompute decision needs the estimate on a worker's first transfer too; for these codecs
+    it is exact: what a frame of any length encodes to."""
+    codec = make_codec(name, None, LAYOUT)
+    controller = LevelController(codec, LevelSizes.of(codec), bandwidth_bps=1e3, deadline=None)
+    for num_tokens in (1, 37, 300):
+        kv = synthetic_kv(num_tokens, seed=num_tokens).to(LAYOUT.dtype)
+        assert controller.transfer_s(num_tokens) == pytest.approx(codec.encode(kv, 0).nbytes / 1e3)
+
+
+def test_a_codec_whose_size_depends_on_the_values_is_measured(cachegen):
+    assert LevelController(cachegen, LevelSizes.of(cachegen), 1e3, None).transfer_s(1000) is None
