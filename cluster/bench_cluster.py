@@ -1,6 +1,8 @@
 """`pdserve bench cluster`: deployments side by side on the same machine, model and requests.
 
-Every deployment (disaggregated over shm, grpc and gloo; colocated) runs at once in one Ray instance,
+Every deployment (disaggregated over shm, grpc and gloo; over shm with every prompt's KV streamed
+layer by layer beside its pass, where the others send a prompt under `layerwise_min_tokens` once its
+pass ends; colocated) runs at once in one Ray instance,
 and the low-load requests go to them in turn, each prompt to every deployment in a shuffled order:
 the machine's drift over minutes (this 2-core VM's speed moves by tens of percent) falls on all of
 them alike, and each request's TTFT is compared with colocated's for the same prompt (the paired
@@ -43,7 +45,12 @@ from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.presets import resolve_model
 from pdserve.router.client import Client
 
-DEPLOYMENTS = (("disaggregated", "shm"), ("disaggregated", "grpc"), ("disaggregated", "gloo"), ("colocated", "shm"))
+# (name, mode, transport, kv_transfer settings beyond those): the low-load prompts (at most 512 tokens) are
+# sent once their pass ends (`layerwise_min_tokens`), and, in "shm, layer by layer", beside the pass.
+DEPLOYMENTS = (("disaggregated/shm", "disaggregated", "shm", {}),
+               ("disaggregated/shm, layer by layer", "disaggregated", "shm", {"layerwise_min_tokens": 0}),
+               ("disaggregated/grpc", "disaggregated", "grpc", {}), ("disaggregated/gloo", "disaggregated", "gloo", {}),
+               ("colocated", "colocated", "shm", {}))
 BASELINE = "colocated"
 
 
@@ -56,8 +63,8 @@ class ClusterBenchConfig:
     long_prompt: int = 2000  # "2K tokens", within the benchmark's max_model_len of 2048
     num_long: int = 8
     trace: str = DEFAULT_TRACE  # prompt lengths from this Azure trace (in the trace folders)
-    # > 0: every worker's engine on CUDA. All deployments run at once, so the 8 workers' shares must
-    # fit the GPUs there are (0.125 each: all of them on one GPU).
+    # > 0: every worker's engine on CUDA. All deployments run at once, so the 10 workers' shares must
+    # fit the GPUs there are (0.1 each: all of them on one GPU).
     gpus_per_worker: float = 0.0
     seed: int = 0
     out: Path = Path("bench-results/cluster.json")
@@ -101,10 +108,10 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else 0.0
 
 
-def _manifest(cfg: ClusterBenchConfig, mode: str, transport: str) -> Manifest:
+def _manifest(cfg: ClusterBenchConfig, mode: str, transport: str, kv_transfer: dict) -> Manifest:
     pool = {"num_cpus": 1, "threads": 1, "num_gpus": cfg.gpus_per_worker}
     return load_manifest({
-        "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport}, "max_model_len": 2048,
+        "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport, **kv_transfer}, "max_model_len": 2048,
         "kv_memory_mb": 256, "server": {"address": "127.0.0.1:0", "http_address": None},
         "pools": {"prefill": pool, "decode": pool},
     })
@@ -193,7 +200,7 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
         f"from {source}), one at a time, each prompt to every deployment in turn; {cfg.max_tokens} output tokens "
         f"each; model {cfg.model}")
     # One Ray instance holds every deployment's workers at once; they are idle but for their own requests.
-    manifests = [_manifest(cfg, mode, transport) for mode, transport in DEPLOYMENTS]
+    manifests = [_manifest(cfg, mode, transport, kv) for _, mode, transport, kv in DEPLOYMENTS]
     cpus = sum(p.num_cpus * p.replicas for m in manifests for p in (m.pools.prefill, m.pools.decode))
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -202,11 +209,10 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
     try:
         with ExitStack() as stack:
             deployments = []
-            for (mode, transport), manifest in zip(DEPLOYMENTS, manifests):
-                log(f"starting {mode}/{transport} ...")
+            for (name, mode, _, _), manifest in zip(DEPLOYMENTS, manifests):
+                log(f"starting {name} ...")
                 cluster = stack.enter_context(Cluster(manifest, log=lambda _: None))
                 client = stack.enter_context(Client(cluster.address, timeout=300))
-                name = f"{mode}/{transport}" if mode == "disaggregated" else mode
                 deployments.append(_Deployment(DeploymentResult(name), mode, cluster, client))
             for d in deployments:  # warm-up
                 for p in warm_up:

@@ -373,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
                     "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
-                    help="GPUs for each worker (engines on CUDA); all 4 deployments' 8 workers run at once, "
-                         "so 0.125 puts them all on one GPU")
+                    help="GPUs for each worker (engines on CUDA); all 5 deployments' 10 workers run at once, "
+                         "so 0.1 puts them all on one GPU")
     bc.add_argument("--out", default="bench-results/cluster.json")
     bc.set_defaults(func=_bench_cluster)
     bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "

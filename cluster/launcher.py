@@ -174,7 +174,8 @@ class Cluster:
         host = kv.host or ("127.0.0.1" if m.ray.address == "local" else None)  # None: each worker's node address
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
-                                frame_tokens=kv.frame_tokens, lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
+                                frame_tokens=kv.frame_tokens, layerwise_min_tokens=kv.layerwise_min_tokens,
+                                lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
                                 ttft_slo_s=m.router.ttft_slo_s, recompute=kv.recompute, secret=self._secret)
 
     @property

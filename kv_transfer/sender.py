@@ -27,6 +27,11 @@ from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
 from pdserve.kv_transfer.side_streams import off_the_compute_stream
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
+# Prompts this long or longer stream their KV layer by layer beside the prompt pass; a shorter one's is
+# sent once the pass ends. Sending beside the pass slows it (the sending process's Python and copies
+# share the cores and the GIL), which costs the first token more than a short prompt's transfer, sent
+# after, costs the second (measured: docs/benchmarks.md, "The handoff in serving").
+LAYERWISE_MIN_TOKENS = 1024
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pdserve.kv_transfer.sender import FRAME_TOKENS
+from pdserve.kv_transfer.sender import FRAME_TOKENS, LAYERWISE_MIN_TOKENS
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -21,6 +21,7 @@ class TransferSettings:
     host: str | None = None  # where receiving halves listen; None: the worker's own node address (`on_node`)
     tls: dict[str, str] = field(default_factory=dict)  # cert, key and ca, all three (mutual TLS)
     frame_tokens: int = FRAME_TOKENS
+    layerwise_min_tokens: int = LAYERWISE_MIN_TOKENS  # shorter prompts' KV is sent once their pass ends
     lease_s: float = 30.0
     reserve_wait_s: float = 10.0
     ttft_slo_s: float | None = None  # the level controller fits each transfer into it

@@ -16,7 +16,9 @@ for free blocks; the lease says which leading blocks it already holds and which 
 that decode worker's lane waits for the lease and opens a channel on the transport chosen for the
 pair. The engine's layer hook records each layer of each chunk as soon as it is
 written; once the lease is there, the decode worker's sender thread sends what the decode worker
-lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level). Once
+lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level): layer by
+layer beside the pass, or, for a prompt shorter than `kv_transfer.layerwise_min_tokens`, all at once
+when the pass ends (sending beside the pass slows it more than a short prompt's transfer is worth). Once
 the pass is over and the lease taken, a commit thread commits the handoff (first token included);
 layers the decode side reports incomplete (a corrupt frame) are sent once more, and if they still
 fail the decode worker recomputes the request from its tokens. When the controller expects that
@@ -538,7 +540,7 @@ class PrefillWorker:
                     _close_logged(outgoing.channel)
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
                 return
-            for layer in list(job.written):  # written before the lease came: send them now
+            for layer in list(job.written):  # written before the lease came: send them now (or hold them)
                 self._forward_layer(job, layer)
         except Exception as e:
             self._failed_to_start(job, e)
@@ -644,14 +646,20 @@ class PrefillWorker:
                 self._forward_layer(job, layer)
 
     def _forward_layer(self, job: _Job, layer: int) -> None:
-        """Hand what is written of `layer` to the sender thread (or, when the decode worker recomputes
-        the KV, keep its lease alive while a long prompt runs). Forwarding twice sends nothing twice."""
-        if layer == 0:
+        """Hand what is written of `layer` to the sender thread: during the pass for a prompt that
+        streams layer by layer (`kv_transfer.layerwise_min_tokens`), else once the pass is over.
+        Meanwhile (or when the decode worker recomputes the KV) keep its lease alive while the pass
+        runs. Forwarding twice sends nothing twice."""
+        held = job.outgoing is not None and not (job.prompt_done_at or self._layerwise(job))
+        if layer == 0 and not held:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-        if job.outgoing is not None:
+        if job.outgoing is not None and not held:
             self._on_lane(job.lane.sender, "send", self._send_layer, job, layer)
         elif layer == 0:
             self._on_lane(job.lane.sender, "renew", self._renew_lease, job)
+
+    def _layerwise(self, job: _Job) -> bool:
+        return len(job.work.prompt_token_ids) >= self.kv.layerwise_min_tokens
 
     def _on_preempted(self, request_id: str) -> None:
         """The engine gave up the request's blocks (its KV memory is full), and another request may write
@@ -675,6 +683,9 @@ class PrefillWorker:
                 job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
+                if not self._layerwise(job) and job.lease is not None:  # held until now (else `_take_lease` sends)
+                    for layer in list(job.written):
+                        self._forward_layer(job, layer)
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
@@ -787,7 +798,7 @@ class PrefillWorker:
             self.transfer_log.append({
                 "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
                 "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"],
-                "tokens": len(handoff.prompt_token_ids), "recomputed": recompute,
+                "tokens": len(handoff.prompt_token_ids), "recomputed": recompute, "layerwise": self._layerwise(job),
                 "cached_tokens": job.lease.cached_blocks * self.engine.kv_layout.block_size,
                 "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)

@@ -21,11 +21,14 @@ def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
     """A small test cluster. Every disaggregated request takes the KV transfer path and sends its KV
     unless the test says otherwise (`router={"local_prefill_tokens": None}` measures conditional
     disaggregation's threshold, which sends short prompts to their decode worker;
-    `kv_transfer={"recompute": True}` lets a slow link make the decode worker recompute the KV)."""
+    `kv_transfer={"recompute": True}` lets a slow link make the decode worker recompute the KV). Every
+    prompt streams its KV layer by layer beside its pass (the path where most threads meet), unless
+    the test sets `kv_transfer.layerwise_min_tokens`."""
     router = {"local_prefill_tokens": 0, **extra.pop("router", {})}
+    kv_transfer = {"transport": transport, "lease_s": 5, "recompute": False, "layerwise_min_tokens": 0,
+                   **extra.pop("kv_transfer", {})}
     data = {
-        "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512,
-        "kv_transfer": {"transport": transport, "lease_s": 5, "recompute": False, **extra.pop("kv_transfer", {})},
+        "model": str(model_dir), "mode": mode, "kv_memory_mb": 16, "max_model_len": 512, "kv_transfer": kv_transfer,
         "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0", **extra.pop("server", {})},
         "pools": {"prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}},
         "router": router,

@@ -159,6 +159,45 @@ def test_transfers_failed_mid_prompt_leave_their_shm_segment_to_the_next(cluster
     assert on_worker(prefill, segments_made) - made <= 1
 
 
+def slow_first_layer_with_threshold(self, layerwise_min_tokens: int | None) -> None:
+    """Each prompt pass pauses before handing over its first layer, so the lease (reserved beside the
+    pass) is taken before any layer is written; and prompts of at least `layerwise_min_tokens` stream
+    layer by layer. None: both as they were."""
+    if layerwise_min_tokens is None:
+        self.kv, self.engine.runner.layer_hook = self.test_kept
+        return
+    self.test_kept = (self.kv, self.engine.runner.layer_hook)
+    original = self.engine.runner.layer_hook
+
+    def slow(layer, chunks):
+        if layer == 0:
+            time.sleep(1.0)
+        original(layer, chunks)
+
+    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=layerwise_min_tokens)
+    self.engine.runner.layer_hook = slow
+
+
+def test_a_short_prompt_is_sent_when_its_pass_ends_a_long_one_layer_by_layer(cluster, hf_reference):
+    vocab = hf_reference[ARCH].vocab_size
+    short, long = random_prompts(1, vocab, 40, 40, seed=53)[0], random_prompts(1, vocab, 120, 120, seed=54)[0]
+    prefill = worker(cluster, "prefill")
+    on_worker(prefill, slow_first_layer_with_threshold, 100)
+    try:
+        sent = {}
+        for name, prompt in (("short", short), ("long", long)):
+            assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+            sent[name] = last_transfer(cluster)
+    finally:
+        on_worker(prefill, slow_first_layer_with_threshold, None)
+    assert not sent["short"]["layerwise"] and sent["long"]["layerwise"]
+    # The short prompt's first frame left after its pass; the long one's during it.
+    assert sent["short"]["first_layer"] >= sent["short"]["prompt_done"]
+    assert sent["long"]["first_layer"] < sent["long"]["prompt_done"]
+    assert sent["short"]["bytes"] > 0 and sent["long"]["bytes"] > 0
+    assert_idle(cluster)
+
+
 def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
     before = counters(cluster, "prefill"), counters(cluster, "decode")
     on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
