@@ -110,8 +110,9 @@ class KVTransferSpec(_Strict):
     host: str | None = None  # where KV receivers listen; default: loopback on a local cluster, else the node's address
     tls: KVTLSSpec | None = None  # TLS on the gRPC transport
     frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
-    # Prompts of at least this many tokens stream their KV layer by layer beside the prompt pass; a
-    # shorter one's is sent once its pass ends (streaming slows the pass more than it saves); 0: every prompt.
+    # Prompt passes of at least this many tokens (computed: the prefill worker's prefix cache aside) stream
+    # their KV layer by layer beside the pass; a shorter one's is sent once it ends (streaming slows the
+    # pass more than it saves); 0: every prompt.
     layerwise_min_tokens: int = Field(1024, ge=0)
     lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every frame that arrives
     reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks

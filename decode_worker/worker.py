@@ -45,9 +45,10 @@ from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, TokenSink, Wor
 LEASE_CHECK_S = 0.5
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
-# that free blocks could not run. More reservations than this queue for a thread.
+# that free blocks could not run. As many as there are ordinary threads: one queued for a thread starts
+# its own `reserve_wait_s` late, and the prefill side gives up on it `RESERVE_MARGIN_S` after that.
 RESERVE_GROUP = "reserve"
-RESERVE_THREADS = 32
+RESERVE_THREADS = 64
 
 
 class DecodeWorker:

@@ -2,7 +2,8 @@
 
 The prefill worker calls `send_through(layer, ...)` from its sender thread whenever a layer's KV up
 to some token is final: for each chunk of the prompt pass, as soon as the forward pass has written
-that layer (layer-wise streaming); the first call also sends what its own prefix cache served. Tokens the
+that layer (layer-wise streaming), or, for a pass shorter than `LAYERWISE_MIN_TOKENS`, for every
+layer once the pass is over; the first call also sends what its own prefix cache served. Tokens the
 decode worker already holds (the lease's `cached_blocks`) are never sent. Frames are cut at chunk ends
 and at multiples of `frame_tokens` (CacheGen's context chunks); the receiver tracks which tokens of
 each layer arrived, so a layer sent again may be cut differently. The `LevelController` picks each
@@ -27,8 +28,8 @@ from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
 from pdserve.kv_transfer.side_streams import off_the_compute_stream
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
-# Prompts this long or longer stream their KV layer by layer beside the prompt pass; a shorter one's is
-# sent once the pass ends. Sending beside the pass slows it (the sending process's Python and copies
+# Prompt passes this long or longer (the tokens the prefill worker computes) stream their KV layer by
+# layer beside the pass; a shorter one's is sent once the pass ends. Sending beside the pass slows it (the sending process's Python and copies
 # share the cores and the GIL), which costs the first token more than a short prompt's transfer, sent
 # after, costs the second (measured: docs/benchmarks.md, "The handoff in serving").
 LAYERWISE_MIN_TOKENS = 1024

@@ -59,7 +59,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,10 +148,6 @@ class _Lane:
                 return None
         return f"{self.decode_name} has not answered a KV reservation made {time.time() - since:.0f} s ago"
 
-    def sent(self, timeout: float) -> None:
-        """Wait until every frame queued so far on this lane is sent (or skipped, its job ended)."""
-        self.sender.submit(lambda: None).result(timeout)
-
     def shutdown(self) -> None:
         for pool in (self.starter, self.sender, self.committers, self.drains):
             pool.shutdown(wait=False, cancel_futures=True)
@@ -179,6 +175,12 @@ class _Job:
     lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # Streams its KV layer by layer beside the pass (else it is sent once the pass ends); set with the lease.
+    layerwise: bool = False
+    held_sent: bool = False  # not layerwise: its layers have gone to the sender thread (`_send_held`)
+    # What was handed to its lane's sender thread (frames, lease renewals): its commit, or the drain of its
+    # channel, waits for these, not for the other jobs' frames queued on the lane (a batch's, at its end).
+    queued: list[Future] = field(default_factory=list)
     handoff: Any = None  # the prompt pass's handoff (the first token included), once the pass is over
     lease_settled: bool = False  # `_take_lease` is done with it (taken or refused)
     commit_started: bool = False  # both of the above: `_commit_when_ready` handed it to a commit thread
@@ -186,6 +188,12 @@ class _Job:
     @property
     def request_id(self) -> str:
         return self.work.request_id
+
+    def sent(self, timeout: float) -> None:
+        """Wait until every frame queued for this job so far is sent (or skipped, the job ended)."""
+        deadline = time.monotonic() + timeout
+        for future in list(self.queued):
+            future.result(max(0.0, deadline - time.monotonic()))
 
 
 class PrefillWorker:
@@ -532,6 +540,7 @@ class PrefillWorker:
                 owned = self._owns(job)
                 if owned:
                     transfer.advance(TransferState.RESERVED)
+                    job.layerwise = self._streams_layerwise(job, outgoing)  # before the lease: `_push_layer` reads it
                     job.lease, job.outgoing = lease, outgoing
                     job.state = "prefilling" if job.state == "reserving" else job.state  # not if already done
                     self._renew(job)
@@ -540,8 +549,11 @@ class PrefillWorker:
                     _close_logged(outgoing.channel)
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
                 return
-            for layer in list(job.written):  # written before the lease came: send them now (or hold them)
-                self._forward_layer(job, layer)
+            if job.layerwise:
+                for layer in list(job.written):  # written before the lease came: send them now
+                    self._forward_layer(job, layer)
+            else:
+                self._send_held(job)
         except Exception as e:
             self._failed_to_start(job, e)
         finally:
@@ -550,11 +562,11 @@ class PrefillWorker:
     def _failed_to_start(self, job: _Job, error: BaseException) -> None:
         self._finish(job, error=f"prefill could not start: {_reason(error)}", code=_code(error))
 
-    def _on_lane(self, pool: ThreadPoolExecutor, what: str, fn: Callable[..., None], *args: Any) -> None:
+    def _on_lane(self, pool: ThreadPoolExecutor, what: str, fn: Callable[..., None], *args: Any) -> Future:
         """Run `fn(*args)` on one of a lane's pools; an exception it lets out (a bug: each handles its
         own job's failures) fails the worker's requests, as one in a long-lived thread does."""
-        submit_guarded(pool, f"kv-{what}", lambda: fn(*args),
-                       lambda e: self._on_fault(f"KV {what} thread failed: {type(e).__name__}: {e}"))
+        return submit_guarded(pool, f"kv-{what}", lambda: fn(*args),
+                              lambda e: self._on_fault(f"KV {what} thread failed: {type(e).__name__}: {e}"))
 
     def _in_pass(self, short: bool) -> list[_Job]:
         with self._lock:
@@ -646,20 +658,37 @@ class PrefillWorker:
                 self._forward_layer(job, layer)
 
     def _forward_layer(self, job: _Job, layer: int) -> None:
-        """Hand what is written of `layer` to the sender thread: during the pass for a prompt that
-        streams layer by layer (`kv_transfer.layerwise_min_tokens`), else once the pass is over.
-        Meanwhile (or when the decode worker recomputes the KV) keep its lease alive while the pass
-        runs. Forwarding twice sends nothing twice."""
-        held = job.outgoing is not None and not (job.prompt_done_at or self._layerwise(job))
+        """Hand what is written of `layer` to the sender thread: during the pass for a job that
+        streams layer by layer (`_streams_layerwise`), else once the pass is over. Meanwhile (or when
+        the decode worker recomputes the KV) keep its lease alive while the pass runs. Forwarding
+        twice sends nothing twice."""
+        held = job.outgoing is not None and not (job.layerwise or job.prompt_done_at)
         if layer == 0 and not held:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None and not held:
-            self._on_lane(job.lane.sender, "send", self._send_layer, job, layer)
+            job.queued.append(self._on_lane(job.lane.sender, "send", self._send_layer, job, layer))
         elif layer == 0:
-            self._on_lane(job.lane.sender, "renew", self._renew_lease, job)
+            job.queued.append(self._on_lane(job.lane.sender, "renew", self._renew_lease, job))
 
-    def _layerwise(self, job: _Job) -> bool:
-        return len(job.work.prompt_token_ids) >= self.kv.layerwise_min_tokens
+    def _send_held(self, job: _Job) -> None:
+        """Hand every layer of a job that does not stream layer by layer to the sender thread, once its
+        pass is over and its lease taken, whichever comes second (both call this), and only once."""
+        with self._lock:
+            ready = job.lease is not None and bool(job.prompt_done_at) and not job.held_sent
+            job.held_sent = job.held_sent or ready
+        if ready:
+            for layer in list(job.written):
+                self._forward_layer(job, layer)
+
+    def _streams_layerwise(self, job: _Job, outgoing: OutgoingTransfer | None) -> bool:
+        """Whether the job's KV goes layer by layer beside its pass: a pass of at least
+        `kv_transfer.layerwise_min_tokens` (the tokens computed here; what this worker's prefix cache
+        holds is read out, not computed, and hides nothing), or frames whose level is chosen to arrive
+        by the TTFT objective, which sending after the pass would leave no time for."""
+        if outgoing is None:
+            return False
+        by_objective = outgoing.controller.deadline is not None and outgoing.controller.codec.num_levels > 1
+        return job.new_tokens >= self.kv.layerwise_min_tokens or by_objective
 
     def _on_preempted(self, request_id: str) -> None:
         """The engine gave up the request's blocks (its KV memory is full), and another request may write
@@ -683,9 +712,8 @@ class PrefillWorker:
                 job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
-                if not self._layerwise(job) and job.lease is not None:  # held until now (else `_take_lease` sends)
-                    for layer in list(job.written):
-                        self._forward_layer(job, layer)
+                if not job.layerwise:
+                    self._send_held(job)
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
@@ -761,7 +789,7 @@ class PrefillWorker:
                 return
         transfer, outgoing, lane, handoff = job.transfer, job.outgoing, job.lane, job.handoff
         try:
-            lane.sent(COMMIT_TIMEOUT_S)
+            job.sent(COMMIT_TIMEOUT_S)
             recompute = outgoing is None
             for attempt in range(2):
                 if outgoing is not None:
@@ -798,7 +826,7 @@ class PrefillWorker:
             self.transfer_log.append({
                 "bytes": sent, "first_layer": ev["transferring"], "last_layer": job.last_layer_at,
                 "prompt_done": job.prompt_done_at, "delivered": job.delivered_at, "committed": ev["success"],
-                "tokens": len(handoff.prompt_token_ids), "recomputed": recompute, "layerwise": self._layerwise(job),
+                "tokens": len(handoff.prompt_token_ids), "recomputed": recompute, "layerwise": job.layerwise,
                 "cached_tokens": job.lease.cached_blocks * self.engine.kv_layout.block_size,
                 "codec": job.lease.codec, "levels": dict(outgoing.levels_used) if outgoing else {}})
             self._finish(job)
@@ -858,21 +886,22 @@ class PrefillWorker:
         if job.outgoing is not None:  # a committed transfer's channel is finished: nothing to drain
             # Failed or ended early, its frames in flight are answered first (refused: the decode side
             # aborted it), so its shm segment is reused and a gloo/NCCL pair's group stays for the others.
-            ended_early = job.transfer.state is not TransferState.SUCCESS
-            self._close_channel(job.outgoing.channel, job.lane if ended_early else None)
+            self._close_channel(job, drain=job.transfer.state is not TransferState.SUCCESS)
         request_id = job.request_id
         self.loop.post(lambda e: e.abort_request(request_id))  # frees the held blocks (no-op if none)
         if error is not None:
             self.sink.send(request_id, error=error, error_code=code)
         return error is not None
 
-    def _close_channel(self, channel: LayerChannel, drain_on: _Lane | None) -> None:
-        """Close a channel; given its decode worker's lane, on a thread of it once its frames in flight
-        are answered (bounded by `DRAIN_S`; a frame the decode side refused, its transfer aborted, is
+    def _close_channel(self, job: _Job, drain: bool) -> None:
+        """Close the job's channel; to `drain` it, on a thread of its lane once its frames in flight are
+        answered (bounded by `DRAIN_S`; a frame the decode side refused, its transfer aborted, is
         answered too)."""
+        channel = job.outgoing.channel
+
         def drain_and_close() -> None:
             try:
-                drain_on.sent(DRAIN_S)  # the job's queued frames are skipped or sent
+                job.sent(DRAIN_S)  # the job's queued frames are skipped or sent
                 channel.finish(DRAIN_S)
             except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
@@ -881,9 +910,9 @@ class PrefillWorker:
             finally:
                 _close_logged(channel)
 
-        if drain_on is not None:
+        if drain:
             try:
-                self._on_lane(drain_on.drains, "drain", drain_and_close)
+                self._on_lane(job.lane.drains, "drain", drain_and_close)
                 return
             except RuntimeError:  # shutting down: no drain thread takes it
                 pass

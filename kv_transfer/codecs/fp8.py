@@ -3,7 +3,7 @@ where torch has it.
 
 Error bound, from e4m3's 3 mantissa bits and its subnormal spacing of 2^-9 (scale = absmax / 448):
 |x - decoded| <= max(|x| / 16, scale / 1024), plus the rounding to the engine's dtype
-(`error_bound` counts it) and float32 arithmetic. A token holding inf or NaN raises `Unrepresentable`
+and float32 arithmetic (`error_bound` counts both). A token holding inf or NaN raises `Unrepresentable`
 (the sender sends that frame raw).
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.codecs.base import CodecUnavailable, rounded_like
-from pdserve.kv_transfer.codecs.scaled import TokenScaledCodec, token_scales
+from pdserve.kv_transfer.codecs.scaled import QUOTIENT_ROUNDING, TokenScaledCodec, token_scales
 
 
 def fp8_dtype() -> torch.dtype:
@@ -44,4 +44,5 @@ class Fp8Codec(TokenScaledCodec):
         """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv."""
         x = self.tokens(kv)
         scale = token_scales(x, self.qmax)[..., None]
-        return rounded_like(torch.maximum(x.abs() / 16, scale / 1024).view(kv.shape), kv)
+        bound = torch.maximum(x.abs() / 16, scale / 1024) + x.abs() * QUOTIENT_ROUNDING
+        return rounded_like(bound.view(kv.shape), kv)

@@ -1,7 +1,7 @@
 """The `int8` codec: per-token absmax scaling (`scaled`) into int8.
 
 Error bound: |x - decoded| <= scale / 2 = absmax / 254 for every element of the token, plus the
-rounding to the engine's dtype (`error_bound` counts it) and float32 arithmetic. A token holding inf or
+rounding to the engine's dtype and float32 arithmetic (`error_bound` counts both). A token holding inf or
 NaN raises `Unrepresentable` (the sender sends that frame raw).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kv_transfer.codecs.base import rounded_like
-from pdserve.kv_transfer.codecs.scaled import TokenScaledCodec, token_scales
+from pdserve.kv_transfer.codecs.scaled import QUOTIENT_ROUNDING, TokenScaledCodec, token_scales
 
 
 class Int8Codec(TokenScaledCodec):
@@ -23,4 +23,6 @@ class Int8Codec(TokenScaledCodec):
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
         """The largest |x - decoded| each element may have, decoded in kv's dtype: shaped like kv."""
-        return rounded_like((token_scales(self.tokens(kv), self.qmax) / 2)[..., None, None], kv)
+        x = self.tokens(kv)
+        half_step = (token_scales(x, self.qmax) / 2)[..., None]
+        return rounded_like((half_step + x.abs() * QUOTIENT_ROUNDING).view(kv.shape), kv)

@@ -72,6 +72,11 @@ class TokenScaledCodec(ABC):
         return kv.detach().to("cpu", torch.float32).reshape(2, -1, self.channels)
 
 
+# float32's rounding of x / scale, relative to |x|, and of what is cast to the one-byte type after it:
+# a quotient rounded onto a half (int8) or a midpoint (e4m3) may then round the wrong way.
+QUOTIENT_ROUNDING = 2.0**-23
+
+
 def token_scales(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """[2, n] float32: each token's absmax / qmax, or 1 where the token is all zeros (inf or NaN
     where it holds one). Rounded up where float32 rounded it down, so absmax / scale <= qmax: for

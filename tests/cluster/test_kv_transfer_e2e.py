@@ -41,6 +41,28 @@ def cluster(model_dirs):
         yield c
 
 
+def set_layerwise_min_tokens(self, tokens: int) -> int:
+    """Inside the prefill worker: the passes streamed layer by layer from now on; the setting before."""
+    before = self.kv.layerwise_min_tokens
+    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=tokens)
+    return before
+
+
+@pytest.fixture(params=["layerwise", "held"])
+def frames(request, cluster):
+    """The prompt's frames leave layer by layer beside its pass (the module's manifest), or all once its
+    pass ends (as the default `layerwise_min_tokens` has it for these short prompts)."""
+    if request.param == "layerwise":
+        yield request.param
+        return
+    prefill = worker(cluster, "prefill")
+    before = on_worker(prefill, set_layerwise_min_tokens, 10**6)
+    try:
+        yield request.param
+    finally:
+        on_worker(prefill, set_layerwise_min_tokens, before)
+
+
 def generate(cluster, prompt):
     with Client(cluster.address) as client:
         return client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -198,10 +220,10 @@ def test_a_short_prompt_is_sent_when_its_pass_ends_a_long_one_layer_by_layer(clu
     assert_idle(cluster)
 
 
-def test_a_corrupt_frame_is_sent_again(cluster, hf_reference):
+def test_a_corrupt_frame_is_sent_again(cluster, hf_reference, frames):
     before = counters(cluster, "prefill"), counters(cluster, "decode")
     on_worker(worker(cluster, "decode"), corrupt_frames, 1, 1)
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 90, 90, seed=33)[0]
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 90, 90, seed=33 if frames == "layerwise" else 133)[0]
     assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     after = counters(cluster, "prefill"), counters(cluster, "decode")
     assert after[0]["frames_resent"] == before[0]["frames_resent"] + 1
@@ -253,10 +275,10 @@ def test_a_cancel_during_a_resend_closes_the_fresh_channel(cluster, hf_reference
     assert closed == [True], "the resend's channel was left open"
 
 
-def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_reference):
+def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_reference, frames):
     before = counters(cluster, "prefill"), counters(cluster, "decode")
     on_worker(worker(cluster, "decode"), corrupt_frames, 0, 2)
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=34)[0]
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=34 if frames == "layerwise" else 134)[0]
     assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     after = counters(cluster, "prefill"), counters(cluster, "decode")
     assert after[0]["recomputed"] == before[0]["recomputed"] + 1
@@ -350,9 +372,10 @@ def test_a_prefill_worker_offers_only_the_codecs_it_can_encode_with(cluster, tmp
     assert on_worker(prefill, usable, ("cachegen", "int8"), str(tmp_path)) == ["int8", "raw"]
 
 
-def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):
-    """The prefill worker's stream stops in the middle of the prompt pass, with layer 0 sent, and
-    nothing else happens (a cut link): the decode worker's lease on the half-filled reservation expires;
+def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference, frames):
+    """The prefill worker's stream stops in the middle of the prompt pass, with layer 0 sent (none, its
+    frames held for the pass's end), and nothing else happens (a cut link): the decode worker's lease on
+    the (half-)filled reservation expires;
     when the prefill side resumes, its transfer is gone and it reports the failure; the router tries
     the request again, which completes with exactly the undisturbed tokens, and both pools are free."""
     def stall_after_layer_0(self):
@@ -373,7 +396,7 @@ def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_referenc
     prefill = worker(cluster, "prefill")
     expired_before = counters(cluster, "decode").get("leases_expired", 0)
     on_worker(prefill, stall_after_layer_0)
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36)[0]
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36 if frames == "layerwise" else 136)[0]
     outcomes: list[object] = []
     retries = cluster.router.stats.retries
 

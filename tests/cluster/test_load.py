@@ -137,10 +137,13 @@ PHASES = {
 }
 
 
-@pytest.fixture(scope="module", params=["shm", "grpc"])
+# Over shm every prompt streams its KV layer by layer beside its pass; over gRPC these short prompts'
+# KV leaves when the pass ends (the default `layerwise_min_tokens`): a cancel meets either path.
+@pytest.fixture(scope="module", params=[("shm", 0), ("grpc", 1024)], ids=["shm-layerwise", "grpc-held"])
 def transport_cluster(request, model_dirs):
-    with Cluster(manifest(model_dirs[ARCH], transport=request.param, pools=quarter_core_pools()),
-                 log=lambda _: None) as c:
+    transport, layerwise_min_tokens = request.param
+    with Cluster(manifest(model_dirs[ARCH], transport=transport, pools=quarter_core_pools(),
+                          kv_transfer={"layerwise_min_tokens": layerwise_min_tokens}), log=lambda _: None) as c:
         yield c
 
 

@@ -7,6 +7,7 @@ the worker (Ray's `__ray_call__`); the worker's own threads do the rest."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import time
@@ -162,6 +163,59 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
     # Not by a retry: waiting, the granted one's transfer made no progress, and its lease lapsed.
     assert cluster.router.stats.retries == retries
     assert on_worker(prefill, lambda self: self.counters["leases_expired"]) == expired
+    assert_idle(cluster)
+
+
+def hold_frames_and_gate_all_but_the_first_jobs_sends(self) -> int:
+    """Short prompts' frames held for their pass's end (the default for them); every frame of a job
+    other than the first whose frames reach the sender thread waits at a gate (`open_gate`); and each
+    commit starts half a second late, so every job's frames are queued before any commit looks at the
+    lane. Returns the setting before (`restore_frames`)."""
+    before = self.kv.layerwise_min_tokens
+    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=10**6)
+    first: list[object] = []
+    install_gate(self, "_send_layer", lambda job, layer: first.append(job) or job is not first[0])
+    commit = self._commit
+    self._commit = lambda job: time.sleep(0.5) or commit(job)
+    return before
+
+
+def restore_frames(self, before: int) -> None:
+    if hasattr(self, "test_gate"):
+        open_gate(self)
+    vars(self).pop("_commit", None)
+    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=before)
+
+
+def test_a_jobs_commit_waits_for_its_own_frames_not_the_lanes(cluster, hf_reference):
+    """Two shorts share a step, and their frames, held for the pass's end, queue one job after the
+    other on their lane's sender thread; the second job's frames are held up. The first job's commit
+    waits for its own frames only, so it completes meanwhile. Before, a commit waited for every frame
+    queued on the lane, the whole batch's."""
+    prefill = worker(cluster, "prefill")
+    prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=55)
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            calls, _ = await release_together(client, prefill, prompts)
+            # Within the decode side's lease (5 s): waiting past it, the commit would be redone by a retry.
+            done, _ = await asyncio.wait(calls, timeout=4, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1 and not all(call.done() for call in calls), \
+                "a commit waited for the other job's frames"
+            on_worker(prefill, open_gate)
+            return await asyncio.gather(*calls)
+
+    retries = cluster.router.stats.retries
+    kept = on_worker(prefill, laps_with_a_step_log)
+    before = on_worker(prefill, hold_frames_and_gate_all_but_the_first_jobs_sends)
+    try:
+        results = asyncio.run(run())
+    finally:
+        on_worker(prefill, restore_frames, before)
+        steps = on_worker(prefill, restore_laps, kept)
+    assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 4) for p in prompts]
+    assert [len(step) for step in steps] == [2], f"the prompts' passes ran in steps {steps}"
+    assert cluster.router.stats.retries == retries
     assert_idle(cluster)
 
 

@@ -18,6 +18,7 @@ from pdserve.kv_transfer.codecs import CODEC_NAMES, CodecUnavailable, checksum, 
 from pdserve.kv_transfer.codecs.base import device_bytes, payload_nbytes
 from pdserve.kv_transfer.codecs.cachegen import CacheGenCodec
 from pdserve.kv_transfer.codecs.cachegen_profile import collect_kv
+from pdserve.kv_transfer.codecs.scaled import token_scales
 from pdserve.kv_transfer.interface import CorruptFrame
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,19 @@ def test_lossy_codecs_hold_their_bound_at_the_ends_of_float32(name, magnitude, t
         out = c.decode(memoryview(c.encode(kv, 0, level)), 0, level, 9, torch.float32)
         error = (out.double() - kv.double()).abs()
         assert bool(torch.isfinite(out).all()) and bool((error <= c.error_bound(kv, 0, level).double()).all())
+
+
+def test_int8_holds_its_bound_where_float32_rounds_a_quotient_onto_a_half():
+    """141.02283 / (166.60371 / 127) is just above 107.5, rounded in float32 to 107.5, which rounds
+    to 107 (half to even): an error past scale / 2 by float32's rounding of the quotient."""
+    c = make_codec("int8", None, LAYOUT)
+    kv = torch.zeros(2, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    kv[:, 0, 0, 0] = 166.6037139892578  # the token's absmax
+    kv[0, 0, 0, 1] = 141.0228271484375
+    out = c.decode(memoryview(c.encode(kv, 0)), 0, 0, 1, torch.float32)
+    error = (out.double() - kv.double()).abs()
+    assert float(error[0, 0, 0, 1]) > float(token_scales(c.tokens(kv), c.qmax)[0, 0]) / 2  # the case arises
+    assert bool((error <= c.error_bound(kv, 0).double()).all())
 
 
 def test_cachegen_levels_trade_size_for_error_and_beat_int8(tables_dir):
