@@ -552,8 +552,7 @@ class PrefillWorker:
             if job.layerwise:
                 for layer in list(job.written):  # written before the lease came: send them now
                     self._forward_layer(job, layer)
-            else:
-                self._send_held(job)
+            self._send_held(job)
         except Exception as e:
             self._failed_to_start(job, e)
         finally:
@@ -673,8 +672,8 @@ class PrefillWorker:
     def _send_held(self, job: _Job) -> None:
         """Hand every layer of a job that does not stream layer by layer to the sender thread, once its
         pass is over and its lease taken, whichever comes second (both call this), and only once."""
-        with self._lock:
-            ready = job.lease is not None and bool(job.prompt_done_at) and not job.held_sent
+        with self._lock:  # `layerwise` is set with the lease, under it
+            ready = job.lease is not None and not job.layerwise and bool(job.prompt_done_at) and not job.held_sent
             job.held_sent = job.held_sent or ready
         if ready:
             for layer in list(job.written):
@@ -682,9 +681,10 @@ class PrefillWorker:
 
     def _streams_layerwise(self, job: _Job, outgoing: OutgoingTransfer | None) -> bool:
         """Whether the job's KV goes layer by layer beside its pass: a pass of at least
-        `kv_transfer.layerwise_min_tokens` (the tokens computed here; what this worker's prefix cache
-        holds is read out, not computed, and hides nothing), or frames whose level is chosen to arrive
-        by the TTFT objective, which sending after the pass would leave no time for."""
+        `kv_transfer.layerwise_min_tokens` tokens computed (as the router expects: this worker's
+        prefix cache holds the rest; a short pass is what sending beside it slows most, whatever the
+        bytes), or frames whose level is chosen to arrive by the TTFT objective, which the time after
+        the pass is past."""
         if outgoing is None:
             return False
         by_objective = outgoing.controller.deadline is not None and outgoing.controller.codec.num_levels > 1
@@ -712,8 +712,7 @@ class PrefillWorker:
                 job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
-                if not job.layerwise:
-                    self._send_held(job)
+                self._send_held(job)
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
@@ -808,7 +807,8 @@ class PrefillWorker:
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
                     if not self._reopen_channel(job):
                         return  # cancelled meanwhile: `_finish` did the rest
-                    lane.sender.submit(self._resend, job, incomplete, block_ids).result(COMMIT_TIMEOUT_S)
+                    job.queued.append(lane.sender.submit(self._resend, job, incomplete, block_ids))
+                    job.sent(COMMIT_TIMEOUT_S)  # a drain (the job cancelled meanwhile) waits for it too
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
                                 job.request_id, incomplete)

@@ -167,16 +167,25 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
 
 
 def hold_frames_and_gate_all_but_the_first_jobs_sends(self) -> int:
-    """Short prompts' frames held for their pass's end (the default for them); every frame of a job
-    other than the first whose frames reach the sender thread waits at a gate (`open_gate`); and each
-    commit starts half a second late, so every job's frames are queued before any commit looks at the
-    lane. Returns the setting before (`restore_frames`)."""
+    """Short prompts' frames held for their pass's end (the default for them); each pass pauses before
+    its first layer, so every lease is taken before the pass ends and the pass's end queues each job's
+    frames in one go, one job after the other; every frame of a job other than the first whose frames
+    reach the sender thread waits at a gate (`open_gate`); and each commit starts half a second late,
+    so every job's frames are queued before any commit looks at the lane. Returns the setting before
+    (`restore_frames`)."""
     before = self.kv.layerwise_min_tokens
     self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=10**6)
     first: list[object] = []
-    install_gate(self, "_send_layer", lambda job, layer: first.append(job) or job is not first[0])
-    commit = self._commit
+
+    def others(job, layer) -> bool:
+        first[:] = first or [job]
+        return job is not first[0]
+
+    install_gate(self, "_send_layer", others)
+    commit, hook = self._commit, self.engine.runner.layer_hook
     self._commit = lambda job: time.sleep(0.5) or commit(job)
+    self.engine.runner.layer_hook = lambda layer, chunks: (layer == 0 and time.sleep(0.5)) or hook(layer, chunks)
+    self.test_hook = hook
     return before
 
 
@@ -184,6 +193,7 @@ def restore_frames(self, before: int) -> None:
     if hasattr(self, "test_gate"):
         open_gate(self)
     vars(self).pop("_commit", None)
+    self.engine.runner.layer_hook = self.test_hook
     self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=before)
 
 
