@@ -17,8 +17,8 @@ that decode worker's lane waits for the lease and opens a channel on the transpo
 pair. The engine's layer hook records each layer of each chunk as soon as it is
 written; once the lease is there, the decode worker's sender thread sends what the decode worker
 lacks of it (`kv_transfer.sender`; the level controller picks each frame's quality level): layer by
-layer beside the pass, or, for a prompt shorter than `kv_transfer.layerwise_min_tokens`, all at once
-when the pass ends (sending beside the pass slows it more than a short prompt's transfer is worth). Once
+layer beside the pass, or, for a pass of fewer than `kv_transfer.layerwise_min_tokens` tokens computed,
+all at once when it ends (sending beside a short pass slows it more than its transfer is worth). Once
 the pass is over and the lease taken, a commit thread commits the handoff (first token included);
 layers the decode side reports incomplete (a corrupt frame) are sent once more, and if they still
 fail the decode worker recomputes the request from its tokens. When the controller expects that
