@@ -29,9 +29,10 @@ from pdserve.kv_transfer.side_streams import off_the_compute_stream
 
 FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
 # Prompt passes this long or longer (the tokens the prefill worker computes) stream their KV layer by
-# layer beside the pass; a shorter one's is sent once the pass ends. Sending beside the pass slows it (the sending process's Python and copies
-# share the cores and the GIL), which costs the first token more than a short prompt's transfer, sent
-# after, costs the second (measured: docs/benchmarks.md, "The handoff in serving").
+# layer beside the pass; a shorter one's is sent once the pass ends. Sending beside the pass slows it
+# (the sending process's Python and copies share the cores and the GIL), which costs the first token
+# more than a short prompt's transfer, sent after, costs the second (measured: docs/benchmarks.md,
+# "The handoff in serving").
 LAYERWISE_MIN_TOKENS = 1024
 
 

@@ -177,7 +177,6 @@ class _Job:
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     # Streams its KV layer by layer beside the pass (else it is sent once the pass ends); set with the lease.
     layerwise: bool = False
-    held_sent: bool = False  # not layerwise: its layers have gone to the sender thread (`_send_held`)
     # What was handed to its lane's sender thread (frames, lease renewals): its commit, or the drain of its
     # channel, waits for these, not for the other jobs' frames queued on the lane (a batch's, at its end).
     queued: list[Future] = field(default_factory=list)
@@ -549,10 +548,9 @@ class PrefillWorker:
                     _close_logged(outgoing.channel)
                 job.decode.abort_transfer.remote(transfer.transfer_id, "request ended while reserving")
                 return
-            if job.layerwise:
+            if job.layerwise:  # else all its layers go once the pass is over (`_commit_when_ready`)
                 for layer in list(job.written):  # written before the lease came: send them now
                     self._forward_layer(job, layer)
-            self._send_held(job)
         except Exception as e:
             self._failed_to_start(job, e)
         finally:
@@ -669,16 +667,6 @@ class PrefillWorker:
         elif layer == 0:
             job.queued.append(self._on_lane(job.lane.sender, "renew", self._renew_lease, job))
 
-    def _send_held(self, job: _Job) -> None:
-        """Hand every layer of a job that does not stream layer by layer to the sender thread, once its
-        pass is over and its lease taken, whichever comes second (both call this), and only once."""
-        with self._lock:  # `layerwise` is set with the lease, under it
-            ready = job.lease is not None and not job.layerwise and bool(job.prompt_done_at) and not job.held_sent
-            job.held_sent = job.held_sent or ready
-        if ready:
-            for layer in list(job.written):
-                self._forward_layer(job, layer)
-
     def _streams_layerwise(self, job: _Job, outgoing: OutgoingTransfer | None) -> bool:
         """Whether the job's KV goes layer by layer beside its pass: a pass of at least
         `kv_transfer.layerwise_min_tokens` tokens computed (as the router expects: this worker's
@@ -712,7 +700,6 @@ class PrefillWorker:
                 job.prompt_done_at = now
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
-                self._send_held(job)
                 handoff = self.engine.export_handoff(out.request_id)
                 with self._lock:  # `_take_lease` reads and writes the state under it
                     job.state = "committing"
@@ -769,7 +756,8 @@ class PrefillWorker:
 
     def _commit_when_ready(self, job: _Job, handoff: Any = None, lease_settled: bool = False) -> None:
         """Record that the job's prompt pass is over (its handoff) or its lease settled, and start its
-        commit once both are, whichever comes second. A commit thread does not wait for a lease: a
+        commit once both are, whichever comes second: first handing every layer of a job that does not
+        stream layer by layer to the sender thread. A commit thread does not wait for a lease: a
         batch may hold more of a lane's reservations than the lane has commit threads, and one whose
         lease was granted would wait behind those still waiting for blocks, its lease lapsing."""
         with self._lock:
@@ -777,8 +765,12 @@ class PrefillWorker:
             job.lease_settled = job.lease_settled or lease_settled
             ready = job.handoff is not None and job.lease_settled and not job.commit_started
             job.commit_started = job.commit_started or ready
-        if ready:
-            self._on_lane(job.lane.committers, "commit", self._commit, job)
+        if not ready:
+            return
+        if job.lease is not None and not job.layerwise:  # held for the pass's end (no lease: failed to start)
+            for layer in list(job.written):
+                self._forward_layer(job, layer)
+        self._on_lane(job.lane.committers, "commit", self._commit, job)
 
     def _commit(self, job: _Job) -> None:
         """Commit once every frame is delivered. Layers the decode side reports incomplete (a frame
