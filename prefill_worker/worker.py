@@ -81,6 +81,7 @@ from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.kv_transfer.transports import make_sender
 from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
+from pdserve.prefill_worker.handed_work import HandedWork
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded, submit_guarded
 from pdserve.wire import (
@@ -177,9 +178,7 @@ class _Job:
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     # Streams its KV layer by layer beside the pass (else it is sent once the pass ends); set with the lease.
     layerwise: bool = False
-    # What was handed to its lane's sender thread (frames, lease renewals): its commit, or the drain of its
-    # channel, waits for these, not for the other jobs' frames queued on the lane (a batch's, at its end).
-    queued: list[Future] = field(default_factory=list)
+    handed: HandedWork = field(default_factory=HandedWork)  # to its lane's sender thread, not yet done
     handoff: Any = None  # the prompt pass's handoff (the first token included), once the pass is over
     lease_settled: bool = False  # `_take_lease` is done with it (taken or refused)
     commit_started: bool = False  # both of the above: `_commit_when_ready` handed it to a commit thread
@@ -187,12 +186,6 @@ class _Job:
     @property
     def request_id(self) -> str:
         return self.work.request_id
-
-    def sent(self, timeout: float) -> None:
-        """Wait until every frame queued for this job so far is sent (or skipped, the job ended)."""
-        deadline = time.monotonic() + timeout
-        for future in list(self.queued):
-            future.result(max(0.0, deadline - time.monotonic()))
 
 
 class PrefillWorker:
@@ -663,9 +656,9 @@ class PrefillWorker:
         if layer == 0 and not held:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None and not held:
-            job.queued.append(self._on_lane(job.lane.sender, "send", self._send_layer, job, layer))
+            job.handed.add(self._on_lane(job.lane.sender, "send", self._send_layer, job, layer))
         elif layer == 0:
-            job.queued.append(self._on_lane(job.lane.sender, "renew", self._renew_lease, job))
+            job.handed.add(self._on_lane(job.lane.sender, "renew", self._renew_lease, job))
 
     def _streams_layerwise(self, job: _Job, outgoing: OutgoingTransfer | None) -> bool:
         """Whether the job's KV goes layer by layer beside its pass: a pass of at least
@@ -780,7 +773,7 @@ class PrefillWorker:
                 return
         transfer, outgoing, lane, handoff = job.transfer, job.outgoing, job.lane, job.handoff
         try:
-            job.sent(COMMIT_TIMEOUT_S)
+            job.handed.wait(COMMIT_TIMEOUT_S)
             recompute = outgoing is None
             for attempt in range(2):
                 if outgoing is not None:
@@ -799,8 +792,8 @@ class PrefillWorker:
                     block_ids = list(self.loop.call(lambda e: e.requests[job.request_id].block_table))
                     if not self._reopen_channel(job):
                         return  # cancelled meanwhile: `_finish` did the rest
-                    job.queued.append(lane.sender.submit(self._resend, job, incomplete, block_ids))
-                    job.sent(COMMIT_TIMEOUT_S)  # a drain (the job cancelled meanwhile) waits for it too
+                    job.handed.add(lane.sender.submit(self._resend, job, incomplete, block_ids))
+                    job.handed.wait(COMMIT_TIMEOUT_S)  # a drain (the job cancelled meanwhile) waits for it too
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
                                 job.request_id, incomplete)
@@ -893,7 +886,7 @@ class PrefillWorker:
 
         def drain_and_close() -> None:
             try:
-                job.sent(DRAIN_S)  # the job's queued frames are skipped or sent
+                job.handed.wait(DRAIN_S)  # the job's queued frames are skipped or sent
                 channel.finish(DRAIN_S)
             except (TransferError, TimeoutError, CancelledError, RuntimeError):  # the last two: shutting down
                 pass  # not drained: `close` releases what it cannot reuse
