@@ -170,6 +170,12 @@ class KVReceiver:
             raise
         try:
             kv = self._decode(incoming, header, payload)
+        except CorruptFrame as e:  # intact on the wire, yet it does not decode: dropped as a damaged frame is,
+            # so its layer is sent again and then recomputed here, rather than the whole transfer failing
+            self._count("corrupt_frames")
+            log.warning("transfer %s: frame of layer %d at token %d dropped: %s", header.transfer_id, header.layer,
+                        header.start_token, e)
+            raise
         except TransferError as e:
             self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
@@ -180,6 +186,7 @@ class KVReceiver:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
+            incoming.expires_at = time.time() + self.lease_s  # before the write: a long one is progress too
             try:
                 self.kv_cache.write_tokens(header.layer, slots, kv)
             finally:
@@ -187,7 +194,6 @@ class KVReceiver:
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
             incoming.transfer.bytes_moved += payload.nbytes
         incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-        incoming.expires_at = time.time() + self.lease_s
         self._count("frames")
         self._count("bytes", payload.nbytes)
 
@@ -249,6 +255,8 @@ class KVReceiver:
             # leaves its tombstone (before queueing its engine abort), so admitting would revive the request.
             if handoff.request_id in self.aborted or transfer_id in self.aborted:
                 raise TransferError(f"request {handoff.request_id!r} was aborted")
+            if self.closed is not None:  # the worker failed after this commit took the transfer out
+                raise TransferError(self.closed)
             if recompute:
                 engine.resume_request(handoff)
             else:
@@ -277,8 +285,10 @@ class KVReceiver:
             incoming = self._incoming.pop(transfer_id, None)
             if incoming is None:  # perhaps not reserved yet: the reservation will find this tombstone
                 self.aborted.add(transfer_id)
-        if incoming is None:
-            return False
+        return incoming is not None and self._end(incoming, reason)
+
+    def _end(self, incoming: _Incoming, reason: str) -> bool:
+        """Fail a transfer taken out of `_incoming` and free its blocks, unless it ended already."""
         with incoming.lock:  # no frame is being written into the blocks while they are freed
             if not incoming.transfer.fail(reason):
                 return False
@@ -308,9 +318,11 @@ class KVReceiver:
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
+        # Checked and taken out at once: a frame, a renewal or a commit landing in between wins instead
+        # (an abort by id would leave its tombstone, and a commit under way would fail on it).
         with self._lock:
-            late = [t for t, inc in self._incoming.items() if inc.expires_at < now]
-        expired = [t for t in late if self.abort(t, "lease expired")]
+            late = [self._incoming.pop(t) for t, inc in list(self._incoming.items()) if inc.expires_at < now]
+        expired = [inc.transfer.transfer_id for inc in late if self._end(inc, "lease expired")]
         self._count("leases_expired", len(expired))
         return expired
 

@@ -139,6 +139,28 @@ def test_a_corrupt_frame_is_dropped_and_its_layer_reported_incomplete(sides, hf_
     prefill.release(request_id)
 
 
+def test_a_frame_intact_on_the_wire_that_does_not_decode_is_dropped_as_corrupt(sides, hf_reference):
+    """Its checksum holds (the sender checksummed what it sent), but raw has no level 1: the frame is
+    dropped and counted as a damaged one is, so its layer is sent again (and, failing that, recomputed);
+    the transfer is not aborted under the sender, whose commit would then find nothing to commit."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=56)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    seq = prefill.requests[request_id]
+    slots = prefill.kv_cache.token_slots(seq.block_table, 0, 30)
+    kv = make_codec("raw", None, prefill.kv_layout).encode(prefill.kv_cache.read_tokens(0, slots), 0)
+    with pytest.raises(CorruptFrame, match="level 1"):
+        receiver.receive_frame(*make_frame("t1", 0, 0, 30, "raw", 1, kv, None))
+    assert receiver.counters["corrupt_frames"] == 1 and receiver.num_in_flight == 1
+    send_layer(receiver, prefill, request_id, 1)
+    assert receiver.commit("t1", handoff) == [0]
+    send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
+
+
 @pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8"),
                                     dict(transfer_id="t2")], ids=lambda d: next(iter(d)))
 def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_reference, damage):
@@ -589,6 +611,62 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
+class RunOnFirstRelease:
+    """A lock that runs `then` the moment it is first released (`then` may take it too)."""
+
+    def __init__(self, lock: threading.Lock, then) -> None:
+        self.lock, self.then = lock, then
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+
+
+def test_a_commit_landing_in_the_middle_of_lease_expiry_either_wins_or_loses_whole(sides, hf_reference):
+    """Expiry finds the lease lapsed; a commit then takes the transfer out before expiry ends it (the
+    engine loop is busy, so the commit's admission waits). Exactly one may win: a commit that fails
+    must be the expiry's doing (counted, the blocks freed), never a tombstone the expiry left on a
+    transfer it no longer found, while reporting that it expired nothing."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=57)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    for layer in range(decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer)
+    loop_busy = threading.Event()
+    receiver.loop.post(lambda e: loop_busy.wait(10))
+    committed: list = []
+
+    def commit() -> None:
+        try:
+            committed.append(receiver.commit("t1", handoff))
+        except TransferError as e:
+            committed.append(e)
+
+    commit_thread = threading.Thread(target=commit)
+
+    def commit_takes_the_transfer() -> None:  # bounded: until the commit took it out, or found it gone
+        commit_thread.start()
+        wait_until(lambda: "t1" not in receiver._incoming or committed, timeout=5)
+
+    receiver._lock = RunOnFirstRelease(receiver._lock, commit_takes_the_transfer)
+    expired = receiver.expire_leases(now=time.time() + 10)
+    loop_busy.set()
+    commit_thread.join(10)
+    prefill.release(request_id)
+    if committed == [[]]:
+        assert expired == [] and wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    else:
+        assert expired == ["t1"] and receiver.counters["leases_expired"] == 1, (expired, committed)
+        receiver.loop.call(lambda e: None)  # the engine abort the expiry queued has run
+        assert_pool_idle(decode)
+
+
 class CommitOnFirstRelease:
     """A transfer's lock that lets its commit in the moment the lock is first released: a commit
     landing in the middle of whatever took it (the race at its widest)."""
@@ -703,3 +781,37 @@ def test_a_closed_receiver_takes_no_reservation_even_one_under_way(sides, hf_ref
     assert_pool_idle(decode)
     for request_id in request_ids:
         prefill.release(request_id)
+
+
+def test_a_commit_whose_admission_comes_after_the_receiver_closed_is_refused(sides, hf_reference):
+    """The commit took its transfer out (so closing finds nothing to abort) and queued its admission
+    behind a busy engine loop; the worker fails meanwhile. Admitted, the request would run on a worker
+    that reports itself dead, with nobody told; refused, the prefill side reports it and the router
+    places it again."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=58)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    for layer in range(decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer)
+    loop_busy = threading.Event()
+    receiver.loop.post(lambda e: loop_busy.wait(10))
+    committed: list = []
+
+    def commit() -> None:
+        try:
+            committed.append(receiver.commit("t1", handoff))
+        except TransferError as e:
+            committed.append(e)
+
+    commit_thread = threading.Thread(target=commit)
+    commit_thread.start()
+    assert wait_until(lambda: receiver.num_in_flight == 0)  # taken out, its admission queued
+    assert receiver.close("decode worker failed") == []
+    loop_busy.set()
+    commit_thread.join(10)
+    prefill.release(request_id)
+    assert len(committed) == 1 and isinstance(committed[0], TransferError), committed
+    assert "decode worker failed" in str(committed[0])
+    receiver.loop.call(lambda e: None)  # the engine abort the failed commit queued has run
+    assert_pool_idle(decode)
