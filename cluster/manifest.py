@@ -124,6 +124,13 @@ class KVTransferSpec(_Strict):
     def codecs(self) -> tuple[str, ...]:
         return (self.codec,) if isinstance(self.codec, str) else tuple(self.codec)
 
+    @model_validator(mode="after")
+    def _tls_on_grpc(self) -> "KVTransferSpec":
+        if self.tls is not None and self.transport not in ("auto", "grpc"):
+            raise ValueError(f"tls secures the grpc transport only (auto uses it across nodes); transport "
+                             f"{self.transport!r} cannot: remove tls, or choose grpc or auto")
+        return self
+
 
 class ServerSpec(_Strict):
     address: str = "127.0.0.1:50051"  # the gRPC API

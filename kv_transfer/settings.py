@@ -48,6 +48,9 @@ class TransferSettings:
         wanted = self.transport
         if wanted == "auto":
             wanted = "shm" if same_node and "shm" in addresses else "grpc"
+        elif wanted == "shm" and not same_node:  # its segments would name files on another machine
+            raise ValueError("transport 'shm' moves KV between workers on one node, and this pair is on two; "
+                             "use 'auto' (shared memory within a node, gRPC across) or 'grpc'")
         if wanted not in addresses:
             raise ValueError(f"the decode worker does not listen on {wanted!r} (it has {sorted(addresses)})")
         return wanted

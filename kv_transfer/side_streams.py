@@ -13,11 +13,12 @@ import torch
 
 # One per thread (the prefill worker sends from one per decode worker; frames arrive on each
 # transport's threads): a shared stream would make each thread's synchronize wait for the others too.
-# High priority: torch hands streams out in turn from a pool of 32 per device and priority, and
-# NCCL's groups take theirs from the default priority's pool; one shared with them would make a
-# synchronize here wait on a send or receive stuck on a peer. (Past 32 threads, ours share.)
 _streams = threading.local()
-_HIGH_PRIORITY = -1
+# Every stream the KV transfer makes is of high priority: torch hands streams out in turn from a pool of
+# 32 per device and priority, and NCCL's groups take theirs from the default priority's pool; one
+# shared with them would make a synchronize here wait on a send or receive stuck on a peer. (Past 32
+# streams, ours share.)
+HIGH_PRIORITY = -1
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -26,7 +27,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if streams is None:
         streams = _streams.by_device = {}
     if device not in streams:
-        streams[device] = torch.cuda.Stream(device, priority=_HIGH_PRIORITY)
+        streams[device] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
     return streams[device]
 
 

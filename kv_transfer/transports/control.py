@@ -61,6 +61,17 @@ class Refused(TransferError):
 Handler = Callable[[bytes, list[zmq.Frame]], "Deferred | None"]
 
 
+def frame_header(data: memoryview) -> FrameHeader:
+    """A control message's frame header. One that does not parse is a malformed message (FAILED), not
+    a damaged frame (CORRUPT, which the sender sends again): the channel cannot damage a message (TCP,
+    and CURVE's authentication with the cluster secret), so only a faulty sender sends one, and its
+    payload was not taken (a process group's send is left without a receive)."""
+    try:
+        return FrameHeader.unpack(data)
+    except CorruptFrame as e:
+        raise TransferError(f"malformed frame header: {e}") from None
+
+
 def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
     """Hand a frame taken whole to the sink; the sink's refusal is answered REFUSED."""
     try:

@@ -22,6 +22,7 @@ Mutual TLS (the manifest's `kv_transfer.tls`) additionally keeps strangers from 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import queue
 import threading
@@ -57,6 +58,13 @@ OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
 
 
 def _read_tls(tls: dict[str, str]) -> tuple[bytes, bytes, bytes]:
@@ -291,6 +299,11 @@ class GrpcReceiver:
         self.address = f"{host}:{port}"
         log.info("KV grpc receiver listening on %s%s%s", self.address, " (mutual TLS)" if tls else "",
                  " (cluster secret)" if secret is not None else "")
+        if not tls and not _is_loopback(host):
+            log.warning("KV grpc receiver on %s without kv_transfer.tls: the KV%s crosses the network in clear "
+                        "text, so whoever can read this network can read it%s", self.address,
+                        " and the cluster's token" if secret is not None else "",
+                        ", and send KV of its own with the token" if secret is not None else "")
 
     def stop(self) -> None:
         self._server.stop(grace=None)

@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -52,7 +53,9 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, Deferred, deliver, notify
+from pdserve.kv_transfer.side_streams import HIGH_PRIORITY
+from pdserve.kv_transfer.transports.control import (ControlClient, ControlServer, Deferred, deliver, frame_header,
+                                                     notify)
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+CONNECT_MARGIN_S = 5.0  # on top of it, for an NCCL group's first operation (`_connect`)
 JOIN_REFUSAL_S = 0.2  # how long a JOIN's refusal is waited for before this side forms its half
 REFUSAL_LOOK_S = 0.05  # after a group failed to form: a refusal already answered is read in this
 SETTLE_STOP_S = 2.0  # how long closing a sender waits for its threads settling left-over sends
@@ -104,6 +108,38 @@ def _process_group(backend: str, store: dist.Store, rank: int, host: str) -> dis
     return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
+def _connect(pg: dist.Backend, device: torch.device, rank: int, stream: torch.cuda.Stream | None) -> None:
+    """The pair's first operation (rank 0 sends a byte, rank 1 receives it), which sets NCCL's
+    communicator up. In torch's default (blocking) mode that setup waits for the peer's half with no
+    bound of its own: a peer that refused the JOIN late, or died while joining, would hold this thread
+    (and, on the sending side, the peer's `forming` lock, so every later open to it) forever. So it
+    runs on a thread of its own, waited for GROUP_TIMEOUT_S + CONNECT_MARGIN_S; past that the group
+    is given up (TransferError) and the thread left behind, its outcome logged if it ever comes."""
+    def first_operation() -> None:
+        with _on(stream):
+            byte = torch.zeros(1, dtype=torch.uint8, device=device)
+            (pg.send([byte], 1, 0) if rank == 0 else pg.recv([byte], 0, 0)).wait(_timeout())
+
+    connected: Future = Future()
+
+    def run() -> None:
+        try:
+            first_operation()
+        except BaseException as e:  # noqa: BLE001 (raised in the waiting thread, or logged below)
+            connected.set_exception(e)
+        else:
+            connected.set_result(None)
+
+    threading.Thread(target=run, name="kv-nccl-connect", daemon=True).start()
+    try:
+        connected.result(GROUP_TIMEOUT_S + CONNECT_MARGIN_S)
+    except TimeoutError:
+        connected.add_done_callback(lambda late: log.warning("a p2p group given up on connected late: %s",
+                                                             late.exception() or "no error"))
+        raise TransferError(f"the p2p group's communicator did not connect within "
+                            f"{GROUP_TIMEOUT_S + CONNECT_MARGIN_S:g} s: its peer never joined") from None
+
+
 def check_backend(backend: str, device: torch.device | None) -> None:
     """Raise ValueError naming what is missing for `backend` with payloads on `device`."""
     if backend == "gloo":
@@ -135,7 +171,7 @@ class _Group:
             _raise_refusal(join, JOIN_REFUSAL_S)
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
-                self.pg.send([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 0).wait(_timeout())
+                _connect(self.pg, device, 0, None)
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
         except BaseException as e:
             refusal = None
@@ -356,8 +392,8 @@ class _Joined(NamedTuple):
 
     pg: dist.Backend
     store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
-    # NCCL: the group's own, so a stuck receive holds up no other group (from torch's shared pool of
-    # 32 per device, handed out in turn: groups may share one)
+    # NCCL: the group's own, so a stuck receive holds up no other group (from torch's pool of 32 per
+    # device of high priority, handed out in turn: groups may share one, NCCL's groups never do)
     stream: torch.cuda.Stream | None
 
 
@@ -397,27 +433,27 @@ class P2PReceiver:
                 raise TransferError(f"p2p JOIN names no valid store port: {port[:20]!r}")
             return Deferred(group_id, lambda: self._join(group_id, store_host, int(port)))
         if kind == LEAVE:  # on the lane: after the group's JOIN, even one answered too late
-            return Deferred(group_id, lambda: self._drop(group_id))
-        header = FrameHeader.unpack(parts[0].buffer)
+            return Deferred(group_id, lambda: self._leave(group_id))
+        header = frame_header(parts[0].buffer)
         (tag,) = _TAG.unpack(parts[2].bytes)
         with self._lock:
             joined = self._groups.get(group_id)
         if joined is None:
             raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
         if header.payload_bytes > MAX_FRAME_BYTES:
-            self._drop(group_id)  # the stream cannot be resynchronised
+            self._server.run_on_lane(group_id, lambda: self._leave(group_id))  # its sends cannot be matched any more
             raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
         return Deferred(group_id, lambda: self._receive(group_id, joined, header, tag))
 
     def _join(self, group_id: str, store_host: str, port: int) -> None:
         store = dist.TCPStore(store_host, port, world_size=2, is_master=False, timeout=_timeout())
         group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
-        stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
+        stream = torch.cuda.Stream(self.device, priority=HIGH_PRIORITY) \
+            if self.device is not None and self.device.type == "cuda" else None
         joined = _Joined(group, store, stream)
         if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
             try:
-                with _on(stream):
-                    group.recv([torch.empty(1, dtype=torch.uint8, device=self.device)], 0, 0).wait(_timeout())
+                _connect(group, self.device, 1, stream)
             except RuntimeError as e:
                 self._abort(group_id, joined)
                 raise TransferError(f"p2p group {group_id[:40]!r} did not form: {e}") from e
@@ -444,9 +480,13 @@ class P2PReceiver:
                 if joined.stream is not None:  # the frame is in the cache before its answer (and the commit)
                     joined.stream.synchronize()
 
-    def _drop(self, group_id: str) -> None:
+    def _leave(self, group_id: str) -> None:
+        """End a group its sender left (or that can no longer be in step): NCCL's communicator, its GPU
+        memory and proxy thread go now, not whenever the last reference does."""
         with self._lock:
-            self._groups.pop(group_id, None)
+            joined = self._groups.pop(group_id, None)
+        if joined is not None:
+            self._abort(group_id, joined)
 
     def _drop_orphans(self) -> None:
         """Look for groups whose sender died (it sent no LEAVE): each on its group's lane, since the
@@ -469,7 +509,8 @@ class P2PReceiver:
                 self._checking.discard(group_id)
 
     def _tear_down(self, group_id: str, joined: _Joined) -> None:
-        self._drop(group_id)
+        with self._lock:
+            self._groups.pop(group_id, None)
         self._abort(group_id, joined)
 
     def _abort(self, group_id: str, joined: _Joined) -> None:

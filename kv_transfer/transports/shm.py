@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, notify
+from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, frame_header, notify
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -271,12 +271,13 @@ class ShmReceiver:
         if kind == RELEASE:
             self._unmap(_segment_name(parts[0].bytes))
             return
-        header = FrameHeader.unpack(parts[0].buffer)
         if kind == INLINE:
-            deliver(self.sink, header, parts[1].buffer)
+            deliver(self.sink, frame_header(parts[0].buffer), parts[1].buffer)
         else:  # FRAME
             offset, length = _SLOT.unpack(parts[2].bytes)
+            # Mapped first, whatever the rest says: the sender unlinks a segment on its first answer.
             mapping = self._mapping(_segment_name(parts[1].bytes))
+            header = frame_header(parts[0].buffer)
             if offset + length > len(mapping):
                 raise TransferError(f"slot [{offset}, {offset + length}) outside a segment of {len(mapping)} bytes")
             deliver(self.sink, header, memoryview(mapping)[offset : offset + length])

@@ -41,6 +41,8 @@ def test_default_manifest_is_valid():
         ({"server": {"tls_cert": "/nonexistent.pem"}}, "tls_cert and tls_key must be given together"),
         ({"server": {"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}}, "does not exist"),
         ({"pools": {"decode": {"resources": {"decode": "lots"}}}}, "pools.decode.resources.decode"),
+        ({"kv_transfer": {"transport": "gloo", "tls": {"cert": "c.pem", "key": "k.pem", "ca": "ca.pem"}}},
+         "tls secures the grpc transport only"),
     ],
 )
 def test_invalid_manifests_name_the_field(data, message):

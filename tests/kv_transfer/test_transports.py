@@ -5,6 +5,7 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -820,3 +821,98 @@ def test_a_segment_left_by_a_killed_sender_is_swept_and_a_living_one_kept():
         living.close()
         for path in (orphan, half_made, being_made):
             path.unlink(missing_ok=True)
+
+
+class NeverConnects:
+    """Stands in for an NCCL group whose first operation sets its communicator up and, in torch's
+    blocking mode, waits for a peer that never joins with no bound of its own (NCCL needs a GPU; the
+    bound around it is what is tested)."""
+
+    def __init__(self) -> None:
+        self.peer_joins = threading.Event()
+
+    def send(self, tensors, rank, tag):
+        return self
+
+    def wait(self, timeout):
+        self.peer_joins.wait(10)
+
+
+def test_an_nccl_groups_first_operation_is_given_up_on_past_the_group_timeout(monkeypatch, caplog):
+    """Past the bound the group is given up with an error saying why (the open fails, and with it the
+    transfer: the router places the request again) instead of holding the opening thread forever; if
+    the operation ever ends, that is logged."""
+    from pdserve.kv_transfer.transports import p2p
+
+    monkeypatch.setattr(p2p, "GROUP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(p2p, "CONNECT_MARGIN_S", 0.1)
+    group = NeverConnects()
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="did not connect within 0.3 s: its peer never joined"):
+        p2p._connect(group, torch.device("cpu"), 0, None)
+    assert time.monotonic() - started < 2
+    with caplog.at_level(logging.WARNING, logger=p2p.__name__):
+        group.peer_joins.set()
+        assert wait_until(lambda: "connected late" in caplog.text)
+
+
+class UnparsableHeader(FrameHeader):
+    """Packs as a faulty sender would: a transfer id that is not UTF-8."""
+
+    def pack(self) -> bytes:
+        return super().pack()[: -len(f"{self.transfer_id}\0{self.codec}")] + b"\xff\0raw"
+
+
+def test_a_p2p_frame_whose_header_does_not_parse_fails_the_transfer_and_its_group_goes(monkeypatch):
+    """No receive is posted for a frame whose header does not parse, so its send never completes:
+    answered FAILED (not CORRUPT, which would have the sender send it again and wait out the group
+    timeout), the sender drops the group, and its LEAVE ends the receiver's half (aborted, not left
+    to whenever the last reference goes)."""
+    from pdserve.kv_transfer.transports import p2p
+
+    receiver = P2PReceiver(RecordingSink(), "gloo", "127.0.0.1")
+    aborted, abort = [], receiver._abort
+    monkeypatch.setattr(receiver, "_abort", lambda group_id, joined: (aborted.append(group_id),
+                                                                      abort(group_id, joined)))
+    sender = P2PSender("gloo", "127.0.0.1")
+    try:
+        channel = sender.open(receiver.address, "t1")
+        group_id = channel.group.id
+        header, payload = frame(0, 64, seed=3)
+        channel.send(UnparsableHeader(*dataclasses.astuple(header)), payload)
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="malformed frame header"):
+            channel.finish(10)
+        assert time.monotonic() - started < 5 and channel.control.corrupt == 0
+        assert not sender._groups and wait_until(lambda: aborted == [group_id] and not receiver._groups)
+        channel.close()
+        channel = sender.open(receiver.address, "t2")  # a fresh group for the pair's next transfer
+        channel.send(*frame(0, 64, seed=4))
+        channel.finish(10)
+        assert len(receiver.sink.frames) == 1
+        channel.close()
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_an_shm_frame_whose_header_does_not_parse_fails_its_transfer_and_leaves_the_next_one_whole():
+    """Answered FAILED, not CORRUPT: a CORRUPT answer before the receiver had mapped the segment
+    unlinked it unmapped and returned it to the pool, and the pair's next transfer found it gone."""
+    receiver = start_receiver("shm", RecordingSink(), host="127.0.0.1")
+    sender = make_sender("shm", host="127.0.0.1", frame_bytes=1024)
+    try:
+        channel = sender.open(receiver.address, "t1")
+        header, payload = frame(0, 64, seed=5)
+        channel.send(UnparsableHeader(*dataclasses.astuple(header)), payload)
+        with pytest.raises(TransferError, match="malformed frame header"):
+            channel.finish(10)
+        channel.close()
+        channel = sender.open(receiver.address, "t2")
+        channel.send(*frame(0, 64, seed=6))
+        channel.finish(10)
+        assert len(receiver.sink.frames) == 1
+        channel.close()
+    finally:
+        sender.close()
+        receiver.stop()
