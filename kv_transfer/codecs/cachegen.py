@@ -11,8 +11,8 @@ the same tables: a prefill worker offers the codec with their digest, and a deco
 tables differ refuses it.
 
 Payload: u32 number of escapes, the escaped values (float32), then the ANS words (u32). Error bound:
-|x - decoded| <= step / 2 for every element, plus the rounding to the engine's dtype (`error_bound`
-counts it); escaped values, non-finite ones included, exact.
+|x - decoded| <= step / 2 for every element, plus float32's rounding on the way and the rounding to
+the engine's dtype (`error_bound` counts both); escaped values, non-finite ones included, exact.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ from pdserve.kv_transfer.codecs.cachegen_quant import (
 from pdserve.kv_transfer.interface import CorruptFrame, Payload
 
 TABLES_FILE = "cachegen_tables.npz"
+# float32's rounding on the way to a decoded value, relative to the magnitudes involved (`error_bound`):
+# a dozen roundings of 2^-24 each at most, with room.
+ROUNDING = 2.0**-20
 _COUNT = struct.Struct("<I")
 
 
@@ -127,8 +130,7 @@ class CacheGenCodec:
         check_encode_level(self.name, level, self.num_levels)
         n = kv.shape[1]
         x = channels_first(kv, self.group_size)
-        x -= self.tables.mean[layer][..., None]
-        symbols = quantize(x, self.tables.steps(layer, level), n, self.group_size)
+        symbols = quantize(x, self.tables.mean[layer][..., None], self.tables.steps(layer, level), n, self.group_size)
         coded = coded_deltas(n, self.group_size)
         coder = constriction.stream.stack.AnsCoder()
         models = self._channel_models(layer, level)
@@ -157,8 +159,8 @@ class CacheGenCodec:
         if escape_count(symbols, steps) != num_escapes:
             raise CorruptFrame(f"cachegen payload decodes to {escape_count(symbols, steps)} escapes, "
                                f"its header says {num_escapes}")
-        x = dequantize(symbols, steps, self.group_size)[:, :, :num_tokens]
-        x += self.tables.mean[layer][..., None]
+        x = dequantize(symbols, self.tables.mean[layer][..., None], steps, self.group_size,
+                       float(torch.finfo(dtype).max))[:, :, :num_tokens]
         out = torch.from_numpy(x).transpose(1, 2).to(dtype)
         return out.reshape(2, num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
 
@@ -181,9 +183,18 @@ class CacheGenCodec:
         return Symbols(anchors, deltas.astype(np.int32, copy=False), escapes)
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
-        """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv."""
-        step = np.maximum(self.tables.anchor_step[layer, level], self.tables.delta_step[layer, level])
-        return rounded_like(torch.from_numpy(step / 2).view(2, 1, self.layout.num_kv_heads, self.layout.head_dim), kv)
+        """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv. Half a step,
+        plus float32's rounding on the way (taking the mean off, the quotient, which may land on a half
+        and round the wrong way, the products and sums that rebuild the value: each within 2^-24 of
+        what it rounds, which the channel's largest distance from its mean in the frame bounds)."""
+        shape = (2, 1, self.layout.num_kv_heads, self.layout.head_dim)
+        step = torch.from_numpy(np.maximum(self.tables.anchor_step[layer, level],
+                                           self.tables.delta_step[layer, level])).view(shape).double()
+        mean = torch.from_numpy(self.tables.mean[layer]).view(shape).double()
+        x = kv.detach().to("cpu", torch.float64)
+        spread = torch.where(torch.isfinite(x), (x - mean).abs(), 0.0).amax(dim=1, keepdim=True)
+        rounding = ROUNDING * (x.abs().nan_to_num(0.0, 0.0, 0.0) + mean.abs() + spread + step)
+        return rounded_like(step / 2 + rounding, kv)
 
     def _channel_models(self, layer: int, level: int) -> list[list[tuple[object, object]]]:
         """[K/V][channel] -> (anchor model, delta model), built once per (layer, level)."""

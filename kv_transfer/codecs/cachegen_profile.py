@@ -72,11 +72,10 @@ def build_tables(kv_per_layer: list[np.ndarray], head_layout: tuple[int, int]) -
     anchor_counts = np.zeros((*shape, alphabet))
     delta_counts = np.zeros((*shape, alphabet))
     for layer, x in enumerate(kv_per_layer):
-        centred = x - mean[layer][..., None]
         for level in range(levels):
             steps = Steps(step[layer, level][..., None], step[layer, level][..., None],
                           radius[layer, level][..., None], radius[layer, level][..., None])
-            symbols = quantize(centred, steps, x.shape[2], GROUP_SIZE)
+            symbols = quantize(x, mean[layer][..., None], steps, x.shape[2], GROUP_SIZE)
             coded = coded_deltas(x.shape[2], GROUP_SIZE)
             _histogram(symbols.anchors, anchor_counts[layer, level])
             _histogram(symbols.deltas[:, :, :coded], delta_counts[layer, level])

@@ -6,9 +6,11 @@ quantized on its own at the anchor step; each other token of the group is coded 
 from the *reconstructed* anchor, quantized at the delta step. Since the difference is taken from what
 the decoder will see, no error carries over: every element ends within half its step of the original.
 
-A channel's symbols at one (layer, level) run over 0..2R+1: s = q + R for a quantized value
-q in [-R, R], and s = 2R + 1, the escape, for any value outside that range (or not finite), whose
-float32 value then travels beside the coded symbols, so the bound holds for every input.
+Values are quantized with the channel's mean taken off. A channel's symbols at one (layer, level)
+run over 0..2R+1: s = q + R for a quantized value q in [-R, R], and s = 2R + 1, the escape, for any
+value outside that range (or not finite), whose own float32 value (the mean not taken off: taking it
+off and adding it back rounds) then travels beside the coded symbols, so the bound holds for every
+input and escaped values come back exactly.
 """
 
 from __future__ import annotations
@@ -54,25 +56,27 @@ def channels_first(kv: torch.Tensor, group_size: int) -> np.ndarray:
     return out
 
 
-def quantize(x: np.ndarray, steps: Steps, num_tokens: int, group_size: int) -> Symbols:
-    """Symbols of `x` (from `channels_first`)."""
+def quantize(x: np.ndarray, mean: np.ndarray, steps: Steps, num_tokens: int, group_size: int) -> Symbols:
+    """Symbols of `x` (from `channels_first`), quantized about the channels' `mean` ([2, channels, 1])."""
     two, channels, padded = x.shape
     groups = padded // group_size
-    xg = x.reshape(two, channels, groups, group_size)
-    anchors = xg[..., 0]
-    qa = np.rint(anchors / steps.anchor_step)
-    escape_a = ~(np.abs(qa) <= steps.anchor_radius)  # NaN compares false: escaped too
-    anchor_hat = np.where(escape_a, anchors, qa * steps.anchor_step)
-    others = xg[..., 1:]
-    qd = np.rint((others - anchor_hat[..., None]) / steps.delta_step[..., None])
+    original = x.reshape(two, channels, groups, group_size)
+    with np.errstate(over="ignore", invalid="ignore"):  # what overflows (near float32's end) escapes
+        xg = original - mean[..., None]
+        anchors = xg[..., 0]
+        qa = np.rint(anchors / steps.anchor_step)
+        escape_a = ~(np.abs(qa) <= steps.anchor_radius)  # NaN compares false: escaped too
+        anchor_hat = np.where(escape_a, anchors, qa * steps.anchor_step)
+        others = xg[..., 1:]
+        qd = np.rint((others - anchor_hat[..., None]) / steps.delta_step[..., None])
     qd = qd.reshape(two, channels, -1)
     escape_d = ~(np.abs(qd) <= steps.delta_radius)
     coded = coded_deltas(num_tokens, group_size)
     qd[:, :, coded:] = 0  # padding: never coded, never escaped
     escape_d[:, :, coded:] = False
-    escapes = anchors[escape_a]
+    escapes = original[..., 0][escape_a]
     if escape_d.any():
-        escapes = np.concatenate([escapes, others.reshape(two, channels, -1)[escape_d]])
+        escapes = np.concatenate([escapes, original[..., 1:].reshape(two, channels, -1)[escape_d]])
     return Symbols(
         anchors=np.where(escape_a, 2 * steps.anchor_radius + 1, qa + steps.anchor_radius).astype(np.int32),
         deltas=np.where(escape_d, 2 * steps.delta_radius + 1, qd + steps.delta_radius).astype(np.int32),
@@ -85,20 +89,28 @@ def escape_count(symbols: Symbols, steps: Steps) -> int:
                + np.count_nonzero(symbols.deltas == 2 * steps.delta_radius + 1))
 
 
-def dequantize(symbols: Symbols, steps: Steps, group_size: int) -> np.ndarray:
-    """float32 [2, channels, whole groups of tokens] from symbols whose escape count was checked.
-    Padding deltas must hold the zero symbol (R)."""
+def dequantize(symbols: Symbols, mean: np.ndarray, steps: Steps, group_size: int, limit: float) -> np.ndarray:
+    """float32 [2, channels, whole groups of tokens] from symbols whose escape count was checked, about
+    the channels' `mean`. Padding deltas must hold the zero symbol (R). Values that were coded are
+    clamped to ±`limit` (the largest finite value of the dtype they are decoded into: near its end,
+    a value within half a step may lie past it, which the cast would make infinite)."""
     two, channels, groups = symbols.anchors.shape
     escape_a = symbols.anchors == 2 * steps.anchor_radius + 1
     anchor_hat = (symbols.anchors - steps.anchor_radius).astype(np.float32) * steps.anchor_step
     num_escaped_anchors = int(np.count_nonzero(escape_a))
-    anchor_hat[escape_a] = symbols.escapes[:num_escaped_anchors]
+    escaped_anchors = symbols.escapes[:num_escaped_anchors]
+    # The deltas after an escaped anchor are against it as the encoder had it: about the mean.
+    anchor_hat[escape_a] = escaped_anchors - np.broadcast_to(mean, anchor_hat.shape)[escape_a]
     out = np.empty((two, channels, groups, group_size), dtype=np.float32)
     out[..., 0] = anchor_hat
     qd = (symbols.deltas - steps.delta_radius).astype(np.float32).reshape(two, channels, groups, group_size - 1)
     others = out[..., 1:]
-    np.multiply(qd, steps.delta_step[..., None], out=others)
-    others += anchor_hat[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):  # clamped below
+        np.multiply(qd, steps.delta_step[..., None], out=others)
+        others += anchor_hat[..., None]
+        out += mean[..., None]
+    np.clip(out, -limit, limit, out=out)
+    out[..., 0][escape_a] = escaped_anchors
     escape_d = (symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)
     if num_escaped_anchors < len(symbols.escapes):
         others[escape_d] = symbols.escapes[num_escaped_anchors:]
