@@ -60,7 +60,12 @@ class CacheListener(Protocol):
 
 
 class OutOfBlocks(RuntimeError):
-    """Raised when an allocation asks for more blocks than are free (callers check first)."""
+    """Raised when an allocation asks for more blocks than are free (callers check first). `free`: the
+    blocks free then (a caller waiting for room need not try again before there are more)."""
+
+    def __init__(self, message: str, free: int) -> None:
+        super().__init__(message)
+        self.free = free
 
 
 class BlockPool:
@@ -94,7 +99,7 @@ class BlockPool:
     # --- allocation -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
-            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} free")
+            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} free", self.num_free)
         blocks = [self._take_one() for _ in range(n)]
         for b in blocks:
             self._refcount[b] = 1

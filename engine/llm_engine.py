@@ -298,7 +298,8 @@ class LLMEngine:
         need = -(-num_kv_tokens // bs) - len(hits)
         if not self.pool.can_allocate(need):
             self.pool.free(hits)
-            raise OutOfBlocks(f"request {request_id!r} needs {need} KV blocks, {self.pool.num_free} free")
+            raise OutOfBlocks(f"request {request_id!r} needs {need} KV blocks, {self.pool.num_free} free",
+                              self.pool.num_free)
         seq.block_table = hits + self.pool.allocate(need)
         self.pool.count_lookup(len(hashes), len(hits))
         seq.block_hashes = hashes[: len(hits)]

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
 
 log = logging.getLogger(__name__)
+RESERVE_RETRY_S = 1.0  # a reservation waiting for room tries again this often at least (`_wait_for_room`)
 
 
 @dataclass
@@ -137,13 +139,15 @@ class KVReceiver:
     def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams, num_kv_tokens: int) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
-        while True:
+
+        def ended() -> bool:
             # Either tombstone: the prefill side ends a transfer on its own (a request done at its
             # first token, a preemption) by the transfer's id, and nothing aborts the request here.
-            if request_id in self.aborted or transfer_id in self.aborted:
-                raise TransferError(f"request {request_id!r} was aborted")
-            if self.closed is not None:
-                raise TransferError(self.closed)
+            return request_id in self.aborted or transfer_id in self.aborted or self.closed is not None
+
+        while True:
+            if ended():
+                raise TransferError(self.closed or f"request {request_id!r} was aborted")
             try:
                 return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens),
                                       timeout=max(1.0, deadline - time.monotonic()), kind="kv")
@@ -152,9 +156,20 @@ class KVReceiver:
                 if remaining <= 0:
                     raise KVMemoryFull(f"decode worker's KV memory stayed full for {self.reserve_wait_s:g} s: {e}") \
                         from None
-                self.loop.wait_progress(min(remaining, 0.1))
+                self._wait_for_room(e.free, min(remaining, RESERVE_RETRY_S), ended)
             except Exception as e:
                 raise TransferError(f"decode worker cannot take request {request_id!r}: {e}") from e
+
+    def _wait_for_room(self, free: int, timeout: float, ended: Callable[[], bool]) -> None:
+        """Until the pool has more than `free` blocks free (what it had when the reservation failed),
+        the reservation `ended`, or `timeout`. Trying again sooner repeats the failure on the engine
+        loop between its steps (the prompt's hashing and prefix lookup: with many reservations
+        waiting, milliseconds per step); `timeout` (RESERVE_RETRY_S at most) covers room made another
+        way (a prefix the request can share, cached meanwhile)."""
+        deadline = time.monotonic() + timeout
+        pool = self.loop.engine.pool
+        while not ended() and pool.num_free <= free and time.monotonic() < deadline:
+            self.loop.wait_progress(min(deadline - time.monotonic(), 0.1))
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:

@@ -446,6 +446,39 @@ def test_a_waiting_reservation_is_granted_when_blocks_free_up(sides):
     assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
 
 
+def test_a_waiting_reservation_tries_again_when_blocks_free_not_at_every_engine_pass(sides):
+    """Each try hashes the prompt and looks its prefix up on the engine loop, between steps: with many
+    reservations waiting, at every pass of the loop (each step, each idle wait) that was milliseconds
+    of every step. Nothing freed, it tries again only every RESERVE_RETRY_S."""
+    from pdserve.kv_transfer import receiver as receiver_module
+
+    _, decode, receiver, _ = sides
+    receiver.reserve_wait_s = 0.8
+    held = fill_pool(receiver, decode)
+    tries, begin_import = [], decode.begin_import
+
+    def counted(*args):
+        tries.append(time.monotonic())
+        return begin_import(*args)
+
+    decode.begin_import = counted
+    busy = threading.Event()
+    ticking = threading.Thread(target=lambda: [receiver.loop.call(lambda e: None) for _ in range(400)
+                                               if not busy.wait(0.002)])  # the loop passes, as steps would
+    ticking.start()
+    try:
+        with pytest.raises(KVMemoryFull):
+            receiver.reserve("big-t", "big", [5] * 1000, GREEDY, 1000)
+    finally:
+        busy.set()
+        ticking.join(10)
+    assert len(tries) <= 0.8 / receiver_module.RESERVE_RETRY_S + 2, len(tries)
+    del decode.begin_import
+    for lease in held:
+        receiver.abort(lease.transfer_id, "test over")
+    assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
+
+
 def test_a_reservation_waiting_for_blocks_ends_when_its_transfer_is_aborted(sides):
     """The prefill side gives up on a transfer whose reservation waits for room (its request ended at
     its first token): the abort names the transfer, not the request, and the wait ends at once."""
