@@ -8,19 +8,26 @@ the machine's drift over minutes (this 2-core VM's speed moves by tens of percen
 them alike, and each request's TTFT is compared with colocated's for the same prompt (the paired
 ratio). Idle deployments wait on queues and timers, which costs each the same.
 
+Every request of a disaggregated deployment is disaggregated: its router never prefills a short
+prompt on the decode worker (`router.local_prefill_tokens: 0`) and its decode worker never recomputes
+a prompt's KV instead of receiving it (`kv_transfer.recompute: false`), features that would make some
+of its requests colocated ones.
+
 For each deployment:
   - TTFT at low load: requests one at a time (prompt lengths from an Azure trace, `--trace`, with
     fresh tokens each round so no prefix cache helps), with the breakdown the API returns: queue,
     prefill, first-token delivery (TTFT - queue - prefill), and the KV transfer that runs after the
     prompt pass and before the second token; and the median of TTFT / colocated's TTFT, per prompt;
+  - the same for 2K-token prompts (`--long-prompt`), which stream their KV layer by layer beside
+    the pass where the trace's (at most 512 tokens) are sent once it ends;
   - streaming overhead per token: the client's median gap between tokens minus the decode worker's
     median step time for the same steps (batch 1): what gRPC + pyzmq + detokenizing add per token;
-  - KV bytes/s (disaggregated, one deployment at a time): 2K-token prompts, bytes moved over (commit
-    acknowledged - first layer pushed); the "tail" is the time from the end of the prompt pass (its
-    step sampled the first token) until the receiver has answered every frame: the transfer that
-    layer-wise streaming does not hide behind the prompt pass (the commit call after it is not
-    transfer); the hidden share is 1 - tail / (the time the same bytes take on the transport alone,
-    measured by probes beside it).
+  - KV bytes/s (disaggregated), from the 2K-token prompts: bytes moved over (commit acknowledged -
+    first layer pushed); the "tail" is the time from the end of the prompt pass (its step sampled
+    the first token) until the receiver has answered every frame: the transfer that layer-wise
+    streaming does not hide behind the prompt pass (the commit call after it is not transfer); the
+    hidden share is 1 - tail / (the time the same bytes take on the transport alone, measured by
+    probes after them).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from pdserve.cluster.workload import DEFAULT_TRACE, RequestShape, azure_trace_sh
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.presets import resolve_model
 from pdserve.router.client import Client
+from pdserve.router.placement import WorkerRef
 
 # (name, mode, transport, kv_transfer settings beyond those): the low-load prompts (at most 512 tokens) are
 # sent once their pass ends (`layerwise_min_tokens`), and, in "shm, layer by layer", beside the pass.
@@ -75,6 +83,8 @@ class DeploymentResult:
     name: str
     ttft_ms: float = 0.0
     ttft_vs_colocated: float = 0.0  # median over prompts of TTFT / colocated's TTFT, same prompt
+    long_ttft_ms: float = 0.0  # the same two for the 2K-token prompts
+    long_ttft_vs_colocated: float = 0.0
     queued_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_delivery_ms: float = 0.0
@@ -97,6 +107,7 @@ class _Deployment:
     cluster: Cluster
     client: Client
     timings: list[dict] = field(default_factory=list)  # per low-load request, in prompt order
+    long_timings: list[dict] = field(default_factory=list)  # per 2K-token prompt, in prompt order
     gaps: list[float] = field(default_factory=list)  # client gaps between tokens after the second
 
     @property
@@ -111,35 +122,46 @@ def _median_ms(values: list[float]) -> float:
 def _manifest(cfg: ClusterBenchConfig, mode: str, transport: str, kv_transfer: dict) -> Manifest:
     pool = {"num_cpus": 1, "threads": 1, "num_gpus": cfg.gpus_per_worker}
     return load_manifest({
-        "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport, **kv_transfer}, "max_model_len": 2048,
+        "model": cfg.model, "mode": mode, "kv_transfer": {"transport": transport, "recompute": False, **kv_transfer},
+        "router": {"local_prefill_tokens": 0}, "max_model_len": 2048,
         "kv_memory_mb": 256, "server": {"address": "127.0.0.1:0", "http_address": None},
         "pools": {"prefill": pool, "decode": pool},
     })
 
 
-def _one_request(d: _Deployment, prompt: list[int], max_tokens: int) -> None:
+def _one_request(d: _Deployment, prompt: list[int], max_tokens: int, timings_into: list[dict]) -> None:
     arrivals, timings = [], None
     for chunk in d.client.generate(prompt, stream=True, temperature=0, max_tokens=max_tokens, ignore_eos=True):
         arrivals.append(time.perf_counter())
         timings = chunk.timings or timings
     if timings is None:  # the paired ratio needs every request's
         raise RuntimeError(f"{d.result.name}: a stream ended without the request's timings")
-    d.timings.append(timings)
+    timings_into.append(timings)
     d.gaps += [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # steady decode, after the handoff
 
 
-def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: list[list[int]], log=print) -> None:
+def _in_turn(deployments: list[_Deployment], prompts: list[list[int]], max_tokens: int, long: bool,
+             order_rng: random.Random, log, every: int) -> None:
     """Every prompt to every deployment, one request at a time, in a shuffled order per prompt."""
-    order_rng = random.Random(cfg.seed)
-    steps_before = {d.result.name: [len(ray.get(w.handle.stats.remote())["steps"]) for w in d.decode_workers]
-                    for d in deployments}
     for i, prompt in enumerate(prompts):
         order = list(deployments)
         order_rng.shuffle(order)
         for d in order:
-            _one_request(d, prompt, cfg.max_tokens)
-        if (i + 1) % (len(prompts) // cfg.rounds) == 0:  # once per round
-            log(f"  low load: {i + 1}/{len(prompts)} prompts, each to all {len(deployments)} deployments")
+            _one_request(d, prompt, max_tokens, d.long_timings if long else d.timings)
+        if (i + 1) % every == 0:
+            log(f"  {'2K-token prompts' if long else 'low load'}: {i + 1}/{len(prompts)} prompts, each to all "
+                f"{len(deployments)} deployments")
+
+
+def _paired(timings: list[dict], baseline: list[dict]) -> float:
+    return statistics.median(t["ttft"] / b["ttft"] for t, b in zip(timings, baseline))
+
+
+def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: list[list[int]], log=print) -> None:
+    """The trace's prompts, every one to every deployment in turn."""
+    steps_before = {d.result.name: [len(ray.get(w.handle.stats.remote())["steps"]) for w in d.decode_workers]
+                    for d in deployments}
+    _in_turn(deployments, prompts, cfg.max_tokens, False, random.Random(cfg.seed), log, len(prompts) // cfg.rounds)
     baseline = next(d for d in deployments if d.result.name == BASELINE)
     for d in deployments:
         r, timings = d.result, d.timings
@@ -147,7 +169,7 @@ def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: l
         for w, before in zip(d.decode_workers, steps_before[d.result.name]):
             steps += [s for n, s in ray.get(w.handle.stats.remote())["steps"][before:] if n == 1]
         r.ttft_ms = _median_ms([t["ttft"] for t in timings])
-        r.ttft_vs_colocated = statistics.median(t["ttft"] / b["ttft"] for t, b in zip(timings, baseline.timings))
+        r.ttft_vs_colocated = _paired(timings, baseline.timings)
         r.queued_ms = _median_ms([t["queued"] for t in timings])
         r.prefill_ms = _median_ms([t["prefill"] for t in timings])
         r.first_token_delivery_ms = _median_ms([t["ttft"] - t["queued"] - t["prefill"] for t in timings])
@@ -159,16 +181,33 @@ def low_load(cfg: ClusterBenchConfig, deployments: list[_Deployment], prompts: l
             f"{r.kv_transfer_ms:.1f} ms, ITL {r.client_itl_ms:.2f} ms vs step {r.worker_step_ms:.2f} ms")
 
 
-def kv_transfers(cfg: ClusterBenchConfig, d: _Deployment, log=print) -> None:
-    """2K-token prompts through one disaggregated deployment, then probes of its transport alone."""
-    r, cluster, client = d.result, d.cluster, d.client
-    long_prompts = random_token_prompts([RequestShape(cfg.long_prompt, 2)] * cfg.num_long,
-                                        client.model_info().vocab_size, seed=99)
-    prefill = next(w for w in cluster.workers if w.pool == "prefill")
-    before = len(ray.get(prefill.handle.stats.remote())["transfers"])
-    for p in long_prompts:
-        client.generate(p, temperature=0, max_tokens=2, ignore_eos=True)
-    log_entries = ray.get(prefill.handle.stats.remote())["transfers"][before:]
+def long_prompts(cfg: ClusterBenchConfig, deployments: list[_Deployment], vocab: int, log=print) -> None:
+    """2K-token prompts, every one to every deployment in turn (TTFT, paired with colocated's), then
+    each disaggregated deployment's transfers of them and probes of its transport alone."""
+    prompts = random_token_prompts([RequestShape(cfg.long_prompt, 2)] * cfg.num_long, vocab, seed=99)
+    prefills = {d.result.name: next(w for w in d.cluster.workers if w.pool == "prefill") for d in deployments
+                if d.mode == "disaggregated"}
+    before = {name: len(ray.get(w.handle.stats.remote())["transfers"]) for name, w in prefills.items()}
+    _in_turn(deployments, prompts, 2, True, random.Random(cfg.seed + 1), log, len(prompts))
+    baseline = next(d for d in deployments if d.result.name == BASELINE)
+    for d in deployments:
+        d.result.long_ttft_ms = _median_ms([t["ttft"] for t in d.long_timings])
+        d.result.long_ttft_vs_colocated = _paired(d.long_timings, baseline.long_timings)
+        log(f"  {d.result.name}: TTFT of {cfg.long_prompt}-token prompts {d.result.long_ttft_ms:.1f} ms "
+            f"({d.result.long_ttft_vs_colocated:.3f}x colocated, per prompt)")
+        if d.mode == "disaggregated":
+            prefill = prefills[d.result.name]
+            kv_transfers(cfg, d, prefill, ray.get(prefill.handle.stats.remote())["transfers"][before[d.result.name]:],
+                         log)
+
+
+def kv_transfers(cfg: ClusterBenchConfig, d: _Deployment, prefill: WorkerRef, log_entries: list[dict],
+                 log=print) -> None:
+    """One disaggregated deployment's transfers of the 2K-token prompts, then probes of its transport alone."""
+    r = d.result
+    log_entries = [e for e in log_entries if not e["recomputed"]]  # none, with recompute off: a check
+    if len(log_entries) != cfg.num_long:
+        raise RuntimeError(f"{r.name}: {len(log_entries)} of {cfg.num_long} 2K-token prompts were transferred")
     decode = d.decode_workers[0]
     probes = [ray.get(prefill.handle.probe_transfer.remote(decode.handle, cfg.long_prompt))
               for _ in range(cfg.num_long)]
@@ -218,9 +257,7 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
                 for p in warm_up:
                     d.client.generate(p, temperature=0, max_tokens=4, ignore_eos=True)
             low_load(cfg, deployments, prompts, log)
-            for d in deployments:
-                if d.mode == "disaggregated":
-                    kv_transfers(cfg, d, log)
+            long_prompts(cfg, deployments, vocab, log)
     finally:
         if started_ray:
             ray.shutdown()
@@ -238,12 +275,13 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
 
 def summary_table(results: list[DeploymentResult]) -> str:
     lines = ["| deployment | TTFT | TTFT / colocated's, per prompt | queue | prefill | first-token delivery | "
-             "KV transfer (before token 2) | client ITL | worker step | streaming overhead/token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "KV transfer (before token 2) | client ITL | worker step | streaming overhead/token | TTFT, 2K-token "
+             "prompts | its / colocated's, per prompt |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.name} | {r.ttft_ms:.1f} | {r.ttft_vs_colocated:.3f} | {r.queued_ms:.1f} | "
                      f"{r.prefill_ms:.1f} | {r.first_token_delivery_ms:.1f} | {r.kv_transfer_ms:.1f} | "
-                     f"{r.client_itl_ms:.2f} | {r.worker_step_ms:.2f} | {r.client_itl_ms - r.worker_step_ms:.2f} |")
+                     f"{r.client_itl_ms:.2f} | {r.worker_step_ms:.2f} | {r.client_itl_ms - r.worker_step_ms:.2f} | "
+                     f"{r.long_ttft_ms:.1f} | {r.long_ttft_vs_colocated:.3f} |")
     lines += ["", "| transport | KV per request (MiB) | transport alone (MiB/s) | in serving, first layer to commit "
               "(MiB/s) | tail after the prompt pass (ms) | sender's last frame, from the pass's end (ms) | hidden behind the "
               "prompt pass |", "|---|---|---|---|---|---|---|"]

@@ -2,18 +2,23 @@
 
 Transports: a prompt's KV (of the model's layout, 2K and 16K tokens, random bytes) is sent as
 frames from this process to a receiving half in a child process, whose sink copies every frame into
-one preallocated buffer, as the receiver's write into the reserved blocks does. Beside each, the same
-bytes over a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
+one preallocated buffer, as the receiver's write into the reserved blocks does: the transport alone
+(the frames' checksums are made beforehand and not checked; `pdserve bench cluster`'s probes time the
+whole path, checksums, decoding and the write into blocks included). Beside each, the same bytes over
+a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
 `grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), what
 grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with
-`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Medians
-of `repeats` runs, after one warm-up (connections, groups and segments set up).
+`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are
+set up at once and timed in turn, each repeat in a shuffled order, after one warm-up each
+(connections, groups and segments set up): medians of `repeats` runs, and each transport's share of
+the socket is the median of its per-repeat ratios.
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
 frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts
 on the wire (payload, scales, escapes and the frame header); perplexity change is on the second half
 of each window against exact KV; greedy agreement compares 64-token continuations from compressed and
-exact KV; encode and decode speeds are MB of KV in the engine's dtype per second on one thread.
+exact KV; encode and decode speeds are MB of KV in the engine's dtype (float32 here) per second on one
+thread, and decode also as MB of the same KV in bf16 (half the bytes for the same elements).
 (`pdserve bench cluster` gives the serving side: TTFT against colocated and the hidden share.)
 """
 
@@ -23,9 +28,11 @@ import json
 import math
 import multiprocessing as mp
 import platform
+import random
 import socket
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
@@ -128,76 +135,103 @@ def _frames(layout: KVLayout, num_tokens: int) -> list[tuple[FrameHeader, np.nda
     return frames
 
 
-def _time_transport(kind: str, frames: list[tuple[FrameHeader, np.ndarray]], repeats: int) -> list[float]:
-    total = sum(d.nbytes for _, d in frames)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_receiving_process, args=(kind, max(d.nbytes for _, d in frames) * 4, child))
-    process.start()
-    seconds = []
-    try:
-        address = parent.recv()
+class _TransportRun:
+    """One transport (or the TCP socket, or grpcio alone) set up once, its receiving half in a child
+    process: `once()` sends every frame through it and returns the seconds until the last is taken."""
+
+    def __init__(self, kind: str, frames: list[tuple[FrameHeader, np.ndarray]]) -> None:
+        self.kind, self.frames = kind, frames
+        self.total = sum(d.nbytes for _, d in frames)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_receiving_process,
+                                    args=(kind, max(d.nbytes for _, d in frames) * 4, child))
+        self._process.start()
+        self._runs = 0
+        self._closers: list = []
+        address = self._conn.recv()
         if address is None:
+            self.close()
             raise RuntimeError(f"KV transport {kind!r} needs two GPUs for this benchmark")
         if kind == "tcp":
             host, port = address.rsplit(":", 1)
-            with socket.create_connection((host, int(port))) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for run in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    parent.send(total)
-                    for _, data in frames:
-                        sock.sendall(data)
-                    sock.recv(1)
-                    if run:
-                        seconds.append(time.perf_counter() - t0)
-                parent.send(None)
+            self._sock = socket.create_connection((host, int(port)))
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._closers.append(self._sock.close)
         elif kind == "grpc-bytes":
-            with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-                push = channel.stream_unary("/bench.Bytes/Push")
-                for run in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    push(bytes(memoryview(data)) for _, data in frames)
-                    if run:
-                        seconds.append(time.perf_counter() - t0)
-            parent.send(None)
+            channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            self._push = channel.stream_unary("/bench.Bytes/Push")
+            self._closers.append(channel.close)
         else:
-            sender = make_sender(kind, frame_bytes=max(d.nbytes for _, d in frames))  # as the prefill worker
-            device = getattr(sender, "device", None)  # NCCL's frames start on the GPU, as the KV does
-            payloads = [data if device is None else torch.from_numpy(data).to(device) for _, data in frames]
-            try:
-                for run in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    channel = sender.open(address, f"bench-{run}")
-                    for (header, _), payload in zip(frames, payloads):
-                        channel.send(header, payload)
-                    channel.finish(timeout=120)
-                    channel.close()
-                    if run:
-                        seconds.append(time.perf_counter() - t0)
-            finally:
-                sender.close()
-            parent.send(None)
-    finally:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-    return seconds
+            self._address = address
+            self._sender = make_sender(kind, frame_bytes=max(d.nbytes for _, d in frames))  # as the prefill worker
+            self._closers.append(self._sender.close)
+            device = getattr(self._sender, "device", None)  # NCCL's frames start on the GPU, as the KV does
+            self._payloads = [data if device is None else torch.from_numpy(data).to(device) for _, data in frames]
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        if self.kind == "tcp":
+            self._conn.send(self.total)
+            for _, data in self.frames:
+                self._sock.sendall(data)
+            self._sock.recv(1)
+        elif self.kind == "grpc-bytes":
+            self._push(bytes(memoryview(data)) for _, data in self.frames)
+        else:
+            channel = self._sender.open(self._address, f"bench-{self._runs}")
+            for (header, _), payload in zip(self.frames, self._payloads):
+                channel.send(header, payload)
+            channel.finish(timeout=120)
+            channel.close()
+        self._runs += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for close in self._closers:
+            close()
+        try:
+            self._conn.send(None)  # the child stops
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
 
 
 def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[dict]:
+    """Per prompt length, every transport and the TCP socket set up at once, then timed in turn: each
+    repeat runs each of them once, in a shuffled order, so the machine's drift falls on all alike; a
+    transport's share of the socket is the median of its per-repeat ratios. One warm-up each first
+    (connections, groups and segments set up)."""
     rows = []
+    order_rng = random.Random(0)
+    kinds = ["tcp", *cfg.transports, *(["grpc-bytes"] if "grpc" in cfg.transports else [])]
     for num_tokens in cfg.prompt_tokens:
         frames = _frames(layout, num_tokens)
         total = sum(d.nbytes for _, d in frames)
-        tcp = statistics.median(_time_transport("tcp", frames, cfg.repeats))
-        for kind in [*cfg.transports, *(["grpc-bytes"] if "grpc" in cfg.transports else [])]:
-            s = statistics.median(_time_transport(kind, frames, cfg.repeats))
+        with ExitStack() as stack:
+            runs = {}
+            for kind in kinds:
+                runs[kind] = _TransportRun(kind, frames)
+                stack.callback(runs[kind].close)
+            seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for repeat in range(cfg.repeats + 1):
+                order = list(kinds)
+                order_rng.shuffle(order)
+                for kind in order:
+                    s = runs[kind].once()
+                    if repeat:  # the first is the warm-up
+                        seconds[kind].append(s)
+        tcp = statistics.median(seconds["tcp"])
+        for kind in kinds[1:]:
+            s = statistics.median(seconds[kind])
+            share = statistics.median(t / k for t, k in zip(seconds["tcp"], seconds[kind]))
             rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
                          "seconds": s, "gb_per_s": total / s / 1e9, "tcp_gb_per_s": total / tcp / 1e9,
-                         "share_of_tcp": tcp / s})
+                         "share_of_tcp": share})
             log(f"  {kind:10s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
-                f"raw TCP {total / tcp / 1e9:.2f} GB/s ({tcp / s:.0%})")
+                f"raw TCP {total / tcp / 1e9:.2f} GB/s (per repeat, {share:.0%} of it)")
     return rows
 
 
@@ -215,6 +249,7 @@ class CodecRow:
     identical_continuations: float = 0.0
     encode_mb_per_s: float = 0.0
     decode_mb_per_s: float = 0.0
+    decode_bf16_mb_per_s: float = 0.0  # the same elements counted as bf16 bytes
     extra: dict = field(default_factory=dict)
 
 
@@ -289,11 +324,13 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
                            perplexity_change=math.exp(loss - exact_loss) - 1,
                            token_agreement=float((tokens == exact_tokens).float().mean()),
                            identical_continuations=float((tokens == exact_tokens).all(dim=1).float().mean()),
-                           encode_mb_per_s=raw_bytes / enc_s / 1e6, decode_mb_per_s=raw_bytes / dec_s / 1e6)
+                           encode_mb_per_s=raw_bytes / enc_s / 1e6, decode_mb_per_s=raw_bytes / dec_s / 1e6,
+                           decode_bf16_mb_per_s=elements * 2 / dec_s / 1e6)
             rows.append(row)
             log(f"  {name:8s} level {level}: {row.bits_per_element:6.2f} bits/element, perplexity "
                 f"{row.perplexity:.3f} ({row.perplexity_change:+.2%}), agreement {row.token_agreement:.1%}, "
-                f"encode {row.encode_mb_per_s:.0f} MB/s, decode {row.decode_mb_per_s:.0f} MB/s")
+                f"encode {row.encode_mb_per_s:.0f} MB/s, decode {row.decode_mb_per_s:.0f} MB/s "
+                f"({row.decode_bf16_mb_per_s:.0f} MB/s as bf16)")
     int8_bits = next((r.bits_per_element for r in rows if r.codec == "int8"), None)
     for row in rows:
         row.ratio_vs_bf16 = 16 / row.bits_per_element

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -146,8 +147,11 @@ def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int
 class OutgoingTransfer:
     def __init__(self, transfer_id: str, channel: LayerChannel, controller: LevelController,
                  kv_cache: PagedKVCache, first_token: int, num_tokens: int,
-                 frame_tokens: int = FRAME_TOKENS) -> None:
+                 frame_tokens: int = FRAME_TOKENS, before_frame: Callable[[], None] = lambda: None) -> None:
         self.transfer_id = transfer_id
+        # Called before each frame is read: may raise to stop the transfer (its blocks may be another's
+        # by now); that the channel took the frame before is progress.
+        self.before_frame = before_frame
         self.channel = channel
         self.controller = controller
         self.kv_cache = kv_cache
@@ -179,6 +183,7 @@ class OutgoingTransfer:
             start = stop
 
     def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
+        self.before_frame()
         device = self.channel.device
         with off_the_compute_stream(self.kv_cache.data.device):
             # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.

@@ -39,10 +39,11 @@ that leaves a reservation unanswered past that bound gets no job until it answer
 queued for it, and new ones, fail at once with UNAVAILABLE, and the router places them elsewhere.
 
 Both sides of a transfer hold a lease. The decode side's lapses when no frame arrives for `lease_s`
-(`KVReceiver`); this side's lapses when the job's transfer makes no progress (a layer sent, a frame
-delivered, a commit answered) for `lease_s` + `PREFILL_LEASE_MARGIN_S`: a decode worker that hangs
-mid-commit frees this side's blocks within the lease, not after every bounded wait in turn, and the
-router retries the request.
+(`KVReceiver`); this side's lapses when the job's transfer makes no progress (a frame taken by the
+channel, which keeps at most a bounded window unanswered; a commit answered) for `lease_s` +
+`PREFILL_LEASE_MARGIN_S`: a decode worker that hangs mid-commit frees this side's blocks within the
+lease, not after every bounded wait in turn, and the router retries the request. So the lease, not a
+fixed bound, ends a transfer: a long prompt over a slow link goes on as long as its frames do.
 
 Before serving, the worker profiles its prompt passes (`profile`, called by the launcher, and by the
 supervisor after a restart); its health report carries the fitted step cost, the LAPS threshold
@@ -296,14 +297,18 @@ class PrefillWorker:
         to abort). The bandwidth is kept for the level controller of transfers to that worker."""
         transfer_id = uuid.uuid4().hex
         t_reserve = time.perf_counter()
-        lease = ray.get(decode.reserve.remote(transfer_id, f"{PROBE_PREFIX}{transfer_id}", [3] * num_tokens,
-                                              SamplingParams.greedy(max_tokens=1), num_tokens),
-                        timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
-        layout = self.engine.kv_layout
-        raw = self._codecs["raw"]
-        first = lease.cached_blocks * layout.block_size
-        data = torch.randn(2, num_tokens - first, layout.num_kv_heads, layout.head_dim).to(layout.dtype)
-        channel = self._open_channel(lease, transfer_id)
+        try:
+            lease = ray.get(decode.reserve.remote(transfer_id, f"{PROBE_PREFIX}{transfer_id}", [3] * num_tokens,
+                                                  SamplingParams.greedy(max_tokens=1), num_tokens),
+                            timeout=self.reserve_wait_s + RESERVE_MARGIN_S)
+            layout = self.engine.kv_layout
+            raw = self._codecs["raw"]
+            first = lease.cached_blocks * layout.block_size
+            data = torch.randn(2, num_tokens - first, layout.num_kv_heads, layout.head_dim).to(layout.dtype)
+            channel = self._open_channel(lease, transfer_id)
+        except BaseException:  # the reservation may stand (granted late, or the channel failed): let it go
+            decode.abort_transfer.remote(transfer_id, "probe failed")
+            raise
         try:
             t0 = time.perf_counter()
             for layer in range(layout.num_layers):
@@ -631,7 +636,15 @@ class PrefillWorker:
         job.transport = self._transport_name(lease)
         channel = self._open_channel(lease, job.transfer.transfer_id)
         return OutgoingTransfer(job.transfer.transfer_id, channel, controller, self.engine.kv_cache, first,
-                                num_tokens, self.kv.frame_tokens)
+                                num_tokens, self.kv.frame_tokens, before_frame=lambda: self._frame_due(job))
+
+    def _frame_due(self, job: _Job) -> None:
+        """Before each of the job's frames is read: a job that ended reads no more of its blocks (the
+        engine may have handed them to another request); in one still running, the channel took the
+        frame before (the transports hold a bounded window unanswered): progress, so its lease is renewed."""
+        if job.transfer.state.is_terminal:
+            raise TransferError(f"transfer {job.transfer.transfer_id} ended: no more frames")
+        self._renew(job)
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
@@ -657,8 +670,8 @@ class PrefillWorker:
             job.transfer.advance_unless_finished(TransferState.TRANSFERRING)
         if job.outgoing is not None and not held:
             job.handed.add(self._on_lane(job.lane.sender, "send", self._send_layer, job, layer))
-        elif layer == 0:
-            job.handed.add(self._on_lane(job.lane.sender, "renew", self._renew_lease, job))
+        elif layer == 0:  # at once, not on the sender thread behind the lane's other jobs' frames
+            self._renew_lease(job)
 
     def _streams_layerwise(self, job: _Job, outgoing: OutgoingTransfer | None) -> bool:
         """Whether the job's KV goes layer by layer beside its pass: a pass of at least
@@ -773,13 +786,16 @@ class PrefillWorker:
                 return
         transfer, outgoing, lane, handoff = job.transfer, job.outgoing, job.lane, job.handoff
         try:
-            job.handed.wait(COMMIT_TIMEOUT_S)
             recompute = outgoing is None
             for attempt in range(2):
+                if not self._sent_while_progressing(job):
+                    return  # ended meanwhile (a cancel, a fault, its lease): `_finish` did the rest
                 if outgoing is not None:
-                    outgoing.channel.finish(COMMIT_TIMEOUT_S)
+                    outgoing.channel.finish(COMMIT_TIMEOUT_S)  # what is left: the transport's window at most
                     job.delivered_at = job.delivered_at or time.time()
                 self._renew(job)  # the commit has its own bound (a recompute job sent nothing to renew it)
+                if transfer.state.is_terminal:  # not committed once ended: its blocks here may be another's
+                    return
                 incomplete = ray.get(job.decode.commit.remote(transfer.transfer_id, handoff, recompute),
                                      timeout=COMMIT_TIMEOUT_S)
                 self._renew(job)
@@ -793,7 +809,6 @@ class PrefillWorker:
                     if not self._reopen_channel(job):
                         return  # cancelled meanwhile: `_finish` did the rest
                     job.handed.add(lane.sender.submit(self._resend, job, incomplete, block_ids))
-                    job.handed.wait(COMMIT_TIMEOUT_S)  # a drain (the job cancelled meanwhile) waits for it too
                 else:
                     log.warning("request %s: layers %s still incomplete, the decode worker recomputes it",
                                 job.request_id, incomplete)
@@ -817,6 +832,19 @@ class PrefillWorker:
             self._finish(job)
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
+
+    def _sent_while_progressing(self, job: _Job) -> bool:
+        """Wait until the job's work on the sender thread is done (its frames handed to the channel);
+        False if the job ended meanwhile. No bound of its own: a long prompt over a slow link may take
+        longer than any fixed one, and each frame renews the lease, so the lease ends a transfer that
+        stops making progress (the lease thread finishes the job, which this then sees)."""
+        while True:
+            try:
+                job.handed.wait(LEASE_CHECK_S)
+                return not job.transfer.state.is_terminal
+            except TimeoutError:
+                if job.transfer.state.is_terminal:
+                    return False
 
     def _resend(self, job: _Job, layers: list[int], block_ids: list[int]) -> None:
         if not job.transfer.state.is_terminal:  # a commit that gave up waiting ended it: its blocks are freed

@@ -1,7 +1,10 @@
 """gRPC client streaming: the cross-node default, over TLS (mutual) when the manifest gives certificates.
 
 A channel is one `PushKV` stream fed from a queue: `send` cuts a frame into pieces of at most
-`PIECE_BYTES` and returns; `finish` ends the stream and reads the receiver's `KVAck`. Each piece
+`PIECE_BYTES` and returns once grpcio has taken all but `WINDOW_BYTES` of what was queued (so the
+sender keeps pace with the link, its lease renewed as frames go, and what is left when `finish` ends
+the stream is at most a window, not the whole prompt's KV held in memory behind a slow link); `finish`
+ends the stream and reads the receiver's `KVAck`. Each piece
 becomes a message only when grpcio's request thread takes it to the wire (the payload stays unchanged
 until `finish`, as the channel interface allows); building every message up front in the sending
 thread moved a 16K-token prompt at about half the rate, measured side by side (docs/benchmarks.md).
@@ -26,6 +29,7 @@ import ipaddress
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +48,8 @@ log = logging.getLogger(__name__)
 CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the cluster's token
 
 PIECE_BYTES = 4 << 20
+WINDOW_BYTES = 64 << 20  # queued on a stream and not yet taken by grpcio, at most (a piece more)
+SEND_TIMEOUT_S = 30.0  # a stream that takes nothing for this long has stalled
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 _MESSAGE_LIMIT = PIECE_BYTES + (64 << 10)  # a piece and its header fields
 OPTIONS = [
@@ -140,8 +146,21 @@ class GrpcChannel:
         self.bytes_sent = 0
         self._queue: queue.SimpleQueue[tuple[kv_transfer_pb2.KVFrame, memoryview] | None] = queue.SimpleQueue()
         self._ended = False
-        messages = (_encode(fields, piece) for fields, piece in iter(self._queue.get, None))
-        self._call = push.future(messages, metadata=metadata)
+        self._queued_bytes = 0  # put on the queue and not yet taken by grpcio's request thread
+        self._taken = threading.Condition()
+        self._call = push.future(self._messages(), metadata=metadata)
+        self._call.add_done_callback(lambda _: self._wake())
+
+    def _messages(self) -> Iterator[bytes]:
+        for fields, piece in iter(self._queue.get, None):
+            with self._taken:
+                self._queued_bytes -= piece.nbytes
+                self._taken.notify_all()
+            yield _encode(fields, piece)
+
+    def _wake(self) -> None:
+        with self._taken:
+            self._taken.notify_all()
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         if self._ended:
@@ -155,8 +174,23 @@ class GrpcChannel:
                 transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
                 num_tokens=header.num_tokens, codec=header.codec, level=header.level, crc32=header.crc32,
                 payload_bytes=header.payload_bytes, offset=offset)
-            self._queue.put((fields, view[offset : offset + PIECE_BYTES]))
+            piece = view[offset : offset + PIECE_BYTES]
+            self._wait_for_room()
+            with self._taken:
+                self._queued_bytes += piece.nbytes
+            self._queue.put((fields, piece))
         self.bytes_sent += view.nbytes
+
+    def _wait_for_room(self) -> None:
+        with self._taken:
+            room = self._taken.wait_for(lambda: self._queued_bytes < WINDOW_BYTES or self._ended or self._call.done(),
+                                        SEND_TIMEOUT_S)
+        if not room:
+            raise TransferError(f"transfer {self.transfer_id}: the KV stream took nothing for {SEND_TIMEOUT_S:g} s")
+        if self._call.done() and not self._ended:  # the receiver ended it (a refused frame): `finish` says why
+            self.finish(0)
+        if self._ended or self._call.done():
+            raise TransferError(f"transfer {self.transfer_id}: the KV stream ended before its last frame")
 
     def finish(self, timeout: float) -> None:
         self._end_stream()
@@ -177,6 +211,7 @@ class GrpcChannel:
         if not self._ended:
             self._ended = True
             self._queue.put(None)
+            self._wake()  # a send waiting for room stops
 
 
 class GrpcSender:

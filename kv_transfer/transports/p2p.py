@@ -27,6 +27,10 @@ sends complete as the receiver takes the frames it was told of, and the sender w
 thread (`P2PSender.settle`), dropping the group only if one fails or is still pending after
 GROUP_TIMEOUT_S.
 
+A host channel's sends are asynchronous: it keeps at most WINDOW_BYTES of frames unanswered (`send`
+waits for answers past that), so the sender keeps pace with the receiver, and it lets go of each
+answered send's buffer as it goes rather than at its end.
+
 Where the bytes live is the `device`: None (gloo's default) moves host bytes and hands the sink a
 memoryview; a device (a CUDA device for NCCL) moves tensors there, so KV read out of a GPU cache goes
 GPU to GPU without touching host memory, and the sink gets the received tensor. The sender checksums
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
+WINDOW_BYTES = 64 << 20  # a host channel's frames sent and not yet answered, at most (a frame more)
 CONNECT_MARGIN_S = 5.0  # on top of it, for an NCCL group's first operation (`_connect`)
 JOIN_REFUSAL_S = 0.2  # how long a JOIN's refusal is waited for before this side forms its half
 REFUSAL_LOOK_S = 0.05  # after a group failed to form: a refusal already answered is read in this
@@ -218,13 +223,14 @@ class P2PChannel:
         self.device = sender.device  # where payloads must be (`LayerChannel.device`)
         self.bytes_sent = 0
         self.control = ControlClient(address, secret=sender.secret)
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight, with their buffers
+        self._pending: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # sends in flight, with their buffers
         self._pending_lock = threading.Lock()  # sends post from the sending thread; close comes from any
 
     def send(self, header: FrameHeader, payload: Payload | torch.Tensor) -> None:
         tensor = self._as_tensor(payload)  # held until the send completes
         if self.device is None:
             self._post(header, tensor)
+            self._keep_within_window()
             return
         # NCCL matches sends to receives in the order they are issued, whatever their tags, and the
         # receiving half posts receives in the order control messages reach it, over one socket per
@@ -252,16 +258,38 @@ class P2PChannel:
 
     def _post(self, header: FrameHeader, tensor: torch.Tensor) -> int:
         tag = self.group.tag()
-        seq = self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)])
+        seq = self.control.send(FRAME, [header.pack(), self.group.id.encode(), _TAG.pack(tag)], tag=tensor.numel())
         try:
             work = self.group.pg.send([tensor], 1, tag)
             with self._pending_lock:
-                self._pending.append((work, tensor))
+                self._pending[seq] = (work, tensor)
         except RuntimeError as e:  # announced but not sent: the receiver waits for it, the group is done
             self.sender.drop_group(self.address, self.group)
             raise TransferError(f"p2p send to {self.address} failed: {e}") from e
         self.bytes_sent += tensor.numel()
         return seq
+
+    def _keep_within_window(self) -> None:
+        """Host sends go out asynchronously: past WINDOW_BYTES unanswered, wait for answers (the sender
+        keeps pace with the receiver, so a slow link leaves `finish` a window, not the prompt), and let
+        go of the sends answered, each received whole so complete (their buffers need not wait for the
+        channel's end). Not after a frame was refused unreceived: `_settle` sorts those out."""
+        def unanswered_bytes() -> int:
+            return sum(self.control.unanswered.values())
+
+        if unanswered_bytes() > WINDOW_BYTES:
+            self.control.wait(lambda: unanswered_bytes() <= WINDOW_BYTES, GROUP_TIMEOUT_S)
+        if not self.control.taken_whole:
+            return
+        with self._pending_lock:
+            answered = [seq for seq in self._pending if seq not in self.control.unanswered]
+            done = [self._pending.pop(seq) for seq in answered]
+        try:
+            for work, _ in done:
+                work.wait(_timeout())
+        except RuntimeError as e:
+            self.sender.drop_group(self.address, self.group)
+            raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
 
     def finish(self, timeout: float) -> None:
         self._settle(lambda: not self.control.unanswered, timeout)
@@ -281,7 +309,7 @@ class P2PChannel:
                 raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
             refusal = e  # every frame had its receive: the sends complete, the group stays in step
         with self._pending_lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending = list(self._pending.values()), {}
         try:
             for work, _ in pending:
                 work.wait(datetime.timedelta(seconds=timeout))  # with a timeout, NCCL's wait blocks too
@@ -297,7 +325,7 @@ class P2PChannel:
         whole, the group is in step for the pair's other transfers: the sender waits for these sends.
         Otherwise (NCCL matches in issue order; a frame refused unreceived) the group is dropped."""
         with self._pending_lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending = list(self._pending.values()), {}
         if not pending:
             return
         if self.device is None and self.control.taken_whole:

@@ -916,3 +916,53 @@ def test_an_shm_frame_whose_header_does_not_parse_fails_its_transfer_and_leaves_
     finally:
         sender.close()
         receiver.stop()
+
+
+class HeldSink(RecordingSink):
+    """Takes nothing until `open` is set: a receiver (or a link) slower than the sender."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = threading.Event()
+
+    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        self.open.wait(10)
+        super().__call__(header, payload)
+
+
+@pytest.mark.parametrize("kind", ["grpc", "gloo"])
+def test_a_sender_on_an_asynchronous_transport_keeps_pace_with_its_receiver(monkeypatch, kind):
+    """gRPC queues frames for grpcio's thread and gloo posts host sends asynchronously: without a
+    bound, the sender ran through the whole prompt at once (its lease renewed as if each frame had
+    gone, the prompt's KV held in memory), and `finish` was left to wait for all of it, within a
+    fixed 30 s however slow the link. With a window, `send` waits once that much is unanswered."""
+    from pdserve.kv_transfer.transports import grpc_stream, p2p
+
+    monkeypatch.setattr(grpc_stream if kind == "grpc" else p2p, "WINDOW_BYTES", 1 << 20)
+    sink = HeldSink()
+    receiver = start_receiver(kind, sink, host="127.0.0.1")
+    sender = make_sender(kind, host="127.0.0.1")
+    frames = [frame(layer, 256 << 10, seed=layer) for layer in range(128)]  # 32 MiB
+    sent: list[int] = []
+    try:
+        channel = sender.open(receiver.address, "t1")
+
+        def send_all() -> None:
+            for header, payload in frames:
+                channel.send(header, payload)
+                sent.append(header.layer)
+
+        sending = threading.Thread(target=send_all)
+        sending.start()
+        time.sleep(1.5)
+        assert sending.is_alive() and len(sent) < len(frames) // 2, len(sent)  # waiting, not run through
+        sink.open.set()
+        sending.join(30)
+        assert not sending.is_alive() and len(sent) == len(frames)
+        channel.finish(30)
+        assert [h.layer for h, _ in sink.frames] == list(range(len(frames)))
+        channel.close()
+    finally:
+        sink.open.set()
+        sender.close()
+        receiver.stop()
