@@ -228,8 +228,9 @@ def kv_transfers(cfg: ClusterBenchConfig, d: _Deployment, prefill: WorkerRef, lo
 
 
 def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
-    if cfg.num_requests < 1 or cfg.rounds < 1:
-        raise ValueError(f"need at least one prompt length and one round (got {cfg.num_requests}, {cfg.rounds})")
+    if cfg.num_requests < 1 or cfg.rounds < 1 or cfg.num_long < 1:
+        raise ValueError(f"need at least one prompt length, one round and one long prompt (got {cfg.num_requests}, "
+                         f"{cfg.rounds}, {cfg.num_long})")
     shapes, source = azure_trace_shapes(cfg.num_requests, input_scale=0.25, output_scale=1.0, max_prompt=512,
                                         max_output=cfg.max_tokens, trace=cfg.trace)
     vocab = len(load_tokenizer(resolve_model(cfg.model)))

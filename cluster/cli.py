@@ -190,7 +190,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
 
     run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, rounds=args.rounds,
-                           trace=args.trace, gpus_per_worker=args.gpus_per_worker, out=Path(args.out)))
+                           num_long=args.long_prompts, trace=args.trace, gpus_per_worker=args.gpus_per_worker,
+                           out=Path(args.out)))
     return 0
 
 
@@ -370,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
     bc.add_argument("--rounds", type=int, default=3, help="requests per prompt length (fresh tokens each round)")
+    bc.add_argument("--long-prompts", type=int, default=8, help="2K-token prompts, each to every deployment")
     bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
                     "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,

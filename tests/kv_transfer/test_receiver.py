@@ -644,6 +644,33 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
+def every_layer_delivered(sides, hf_reference, seed: int) -> tuple[list[int], str, object]:
+    """A 30-token prompt prefilled, reserved as transfer t1, and every layer of it received: its
+    prompt, request id and handoff."""
+    prefill, decode, receiver, _ = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=seed)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    for layer in range(decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer)
+    return prompt, request_id, handoff
+
+
+def commit_behind_a_busy_loop(receiver, handoff) -> tuple[threading.Thread, threading.Event, list]:
+    """A commit of t1 on a thread (not started yet) while the engine loop is busy until the event is
+    set, so its admission waits; the list gets what the commit returned, or its TransferError."""
+    loop_busy, committed = threading.Event(), []
+    receiver.loop.post(lambda e: loop_busy.wait(10))
+
+    def commit() -> None:
+        try:
+            committed.append(receiver.commit("t1", handoff))
+        except TransferError as e:
+            committed.append(e)
+
+    return threading.Thread(target=commit), loop_busy, committed
+
+
 class RunOnFirstRelease:
     """A lock that runs `then` the moment it is first released (`then` may take it too)."""
 
@@ -666,22 +693,8 @@ def test_a_commit_landing_in_the_middle_of_lease_expiry_either_wins_or_loses_who
     must be the expiry's doing (counted, the blocks freed), never a tombstone the expiry left on a
     transfer it no longer found, while reporting that it expired nothing."""
     prefill, decode, receiver, outputs = sides
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=57)[0]
-    request_id = prefilled(prefill, prompt)
-    handoff, _ = reserve(receiver, prefill, request_id)
-    for layer in range(decode.kv_layout.num_layers):
-        send_layer(receiver, prefill, request_id, layer)
-    loop_busy = threading.Event()
-    receiver.loop.post(lambda e: loop_busy.wait(10))
-    committed: list = []
-
-    def commit() -> None:
-        try:
-            committed.append(receiver.commit("t1", handoff))
-        except TransferError as e:
-            committed.append(e)
-
-    commit_thread = threading.Thread(target=commit)
+    prompt, request_id, handoff = every_layer_delivered(sides, hf_reference, seed=57)
+    commit_thread, loop_busy, committed = commit_behind_a_busy_loop(receiver, handoff)
 
     def commit_takes_the_transfer() -> None:  # bounded: until the commit took it out, or found it gone
         commit_thread.start()
@@ -822,22 +835,8 @@ def test_a_commit_whose_admission_comes_after_the_receiver_closed_is_refused(sid
     that reports itself dead, with nobody told; refused, the prefill side reports it and the router
     places it again."""
     prefill, decode, receiver, outputs = sides
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=58)[0]
-    request_id = prefilled(prefill, prompt)
-    handoff, _ = reserve(receiver, prefill, request_id)
-    for layer in range(decode.kv_layout.num_layers):
-        send_layer(receiver, prefill, request_id, layer)
-    loop_busy = threading.Event()
-    receiver.loop.post(lambda e: loop_busy.wait(10))
-    committed: list = []
-
-    def commit() -> None:
-        try:
-            committed.append(receiver.commit("t1", handoff))
-        except TransferError as e:
-            committed.append(e)
-
-    commit_thread = threading.Thread(target=commit)
+    _, request_id, handoff = every_layer_delivered(sides, hf_reference, seed=58)
+    commit_thread, loop_busy, committed = commit_behind_a_busy_loop(receiver, handoff)
     commit_thread.start()
     assert wait_until(lambda: receiver.num_in_flight == 0)  # taken out, its admission queued
     assert receiver.close("decode worker failed") == []

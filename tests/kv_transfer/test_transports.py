@@ -863,6 +863,14 @@ class UnparsableHeader(FrameHeader):
         return super().pack()[: -len(f"{self.transfer_id}\0{self.codec}")] + b"\xff\0raw"
 
 
+def assert_the_next_transfer_delivers(sender, receiver) -> None:
+    channel = sender.open(receiver.address, "t2")
+    channel.send(*frame(0, 64, seed=4))
+    channel.finish(10)
+    assert len(receiver.sink.frames) == 1
+    channel.close()
+
+
 def test_a_p2p_frame_whose_header_does_not_parse_fails_the_transfer_and_its_group_goes(monkeypatch):
     """No receive is posted for a frame whose header does not parse, so its send never completes:
     answered FAILED (not CORRUPT, which would have the sender send it again and wait out the group
@@ -886,11 +894,7 @@ def test_a_p2p_frame_whose_header_does_not_parse_fails_the_transfer_and_its_grou
         assert time.monotonic() - started < 5 and channel.control.corrupt == 0
         assert not sender._groups and wait_until(lambda: aborted == [group_id] and not receiver._groups)
         channel.close()
-        channel = sender.open(receiver.address, "t2")  # a fresh group for the pair's next transfer
-        channel.send(*frame(0, 64, seed=4))
-        channel.finish(10)
-        assert len(receiver.sink.frames) == 1
-        channel.close()
+        assert_the_next_transfer_delivers(sender, receiver)  # in a fresh group
     finally:
         sender.close()
         receiver.stop()
@@ -908,11 +912,7 @@ def test_an_shm_frame_whose_header_does_not_parse_fails_its_transfer_and_leaves_
         with pytest.raises(TransferError, match="malformed frame header"):
             channel.finish(10)
         channel.close()
-        channel = sender.open(receiver.address, "t2")
-        channel.send(*frame(0, 64, seed=6))
-        channel.finish(10)
-        assert len(receiver.sink.frames) == 1
-        channel.close()
+        assert_the_next_transfer_delivers(sender, receiver)
     finally:
         sender.close()
         receiver.stop()
