@@ -168,8 +168,8 @@ class KVReceiver:
         way (a prefix the request can share, cached meanwhile)."""
         deadline = time.monotonic() + timeout
         pool = self.loop.engine.pool
-        while not ended() and pool.num_free <= free and time.monotonic() < deadline:
-            self.loop.wait_progress(min(deadline - time.monotonic(), 0.1))
+        while not ended() and self.loop.running and pool.num_free <= free and time.monotonic() < deadline:
+            self.loop.wait_progress(min(deadline - time.monotonic(), 0.1))  # a stopped loop: the next try says so
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:

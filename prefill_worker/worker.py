@@ -126,6 +126,7 @@ class _Lane:
         # channel closed early holds its resources (shm: a segment, up to 64 MiB) until its drain, at most 1 s.
         self.drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-drain-{name}")
         self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
+        self.progressed_at = 0.0  # the sender thread last handed a frame to a channel (time.time())
         self.decode_name = "its decode worker"  # until a lease names it
         # A reservation the decode worker left unanswered past its bound, and since when: until it
         # answers that one, the lane's prompts fail at once (UNAVAILABLE: the router places them on
@@ -645,6 +646,7 @@ class PrefillWorker:
         if job.transfer.state.is_terminal:
             raise TransferError(f"transfer {job.transfer.transfer_id} ended: no more frames")
         self._renew(job)
+        job.lane.progressed_at = time.time()
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
@@ -749,9 +751,20 @@ class PrefillWorker:
         while not self._stop.wait(LEASE_CHECK_S):
             now = time.time()
             with self._lock:
-                late = [j for j in self._jobs.values() if 0 < j.lease_until < now]
-            for job in late:
-                self._expire(job)
+                leased = [j for j in self._jobs.values() if j.lease_until > 0]
+            for job in leased:
+                if self._waits_behind_a_busy_lane(job, now):
+                    self._renew_lease(job)
+                elif job.lease_until < now:
+                    self._expire(job)
+
+    def _waits_behind_a_busy_lane(self, job: _Job, now: float) -> bool:
+        """Whether the job's frames wait on its lane's sender thread while that sends other jobs' (one
+        job's frames after another's, at the link's pace), and its leases are due for renewal (a third
+        of them gone): it makes progress as the lane does, and must not lapse behind a long transfer."""
+        full = self.kv.lease_s + PREFILL_LEASE_MARGIN_S
+        return (job.handed.pending > 0 and now - job.lane.progressed_at < self.kv.lease_s / 3
+                and job.lease_until - now < full * 2 / 3)
 
     def _expire(self, job: _Job) -> None:
         if not 0 < job.lease_until < time.time():  # renewed since the lease thread listed it
