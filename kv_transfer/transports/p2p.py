@@ -139,7 +139,7 @@ def _connect(pg: dist.Backend, device: torch.device, rank: int, stream: torch.cu
     try:
         connected.result(GROUP_TIMEOUT_S + CONNECT_MARGIN_S)
     except TimeoutError:
-        connected.add_done_callback(lambda late: log.warning("a p2p group given up on connected late: %s",
+        connected.add_done_callback(lambda late: log.warning("a p2p group given up on connected after all: %s",
                                                              late.exception() or "no error"))
         raise TransferError(f"the p2p group's communicator did not connect within "
                             f"{GROUP_TIMEOUT_S + CONNECT_MARGIN_S:g} s: its peer never joined") from None
