@@ -4,9 +4,10 @@ Each frame of one layer is quantized by `cachegen_quant` (tokens in groups: an a
 deltas against the reconstructed anchor), after the channel's mean is taken off. Step sizes are per
 (layer, level, K/V, channel): the channel's spread times the level's factor times its layer group's
 (shallow layers get finer steps: their errors travel through every later layer). Symbols are entropy
-coded by constriction's ANS coder, each channel with its own categorical distribution for anchors and
-one for deltas, profiled offline on calibration text (`cachegen_profile`) and stored next to the model
-(`cachegen_tables.npz`): nothing about the distributions travels with a frame. Both sides must hold
+coded by constriction's ANS coder (`cachegen_coding`: those near zero two at a time), each channel
+with its own categorical distribution for anchors and one for deltas, profiled offline on calibration
+text (`cachegen_profile`) and stored next to the model (`cachegen_tables.npz`): nothing about the
+distributions travels with a frame. Both sides must hold
 the same tables: a prefill worker offers the codec with their digest, and a decode worker whose
 tables differ refuses it.
 
@@ -35,6 +36,7 @@ from pdserve.kv_transfer.codecs.base import (
     payload_bytes,
     rounded_like,
 )
+from pdserve.kv_transfer.codecs.cachegen_coding import RowModels
 from pdserve.kv_transfer.codecs.cachegen_quant import (
     Steps,
     Symbols,
@@ -116,7 +118,7 @@ class CacheGenCodec:
         self.layout = layout
         self.num_levels = tables.num_levels
         self.group_size = tables.group_size
-        self._models: dict[tuple[int, int], list[tuple[object, object]]] = {}
+        self._models: dict[tuple[int, int], tuple[RowModels, RowModels]] = {}
 
     @classmethod
     def for_model(cls, model_dir: str | Path | None, layout: KVLayout) -> CacheGenCodec:
@@ -132,13 +134,12 @@ class CacheGenCodec:
         x = channels_first(kv, self.group_size)
         symbols = quantize(x, self.tables.mean[layer][..., None], self.tables.steps(layer, level), n, self.group_size)
         coded = coded_deltas(n, self.group_size)
+        anchor_models, delta_models = self._row_models(layer, level)
         coder = constriction.stream.stack.AnsCoder()
-        models = self._channel_models(layer, level)
-        # A stack: encoded in reverse so that decoding runs forward (channel by channel, anchors first).
-        for (kv_index, channel), (anchor_model, delta_model) in reversed(list(_indexed(models))):
-            if coded:
-                coder.encode_reverse(symbols.deltas[kv_index, channel, :coded], delta_model)
-            coder.encode_reverse(symbols.anchors[kv_index, channel], anchor_model)
+        # A stack: pushed in the reverse of the order `_decode_symbols` reads (anchors, then deltas).
+        if coded:
+            delta_models.encode(coder, symbols.deltas[:, :, :coded].reshape(-1, coded))
+        anchor_models.encode(coder, symbols.anchors.reshape(-1, symbols.anchors.shape[2]))
         words = coder.get_compressed()
         return np.concatenate([np.frombuffer(_COUNT.pack(len(symbols.escapes)), np.uint8),
                                symbols.escapes.view(np.uint8), words.view(np.uint8)])
@@ -169,18 +170,15 @@ class CacheGenCodec:
         groups = num_groups(num_tokens, self.group_size)
         coded = coded_deltas(num_tokens, self.group_size)
         channels = self.layout.num_kv_heads * self.layout.head_dim
-        anchors = np.empty((2, channels, groups), dtype=np.int32)
-        # Padding deltas hold the zero symbol, R, as `dequantize` expects.
-        deltas = np.repeat(self.tables.radius[layer, level][..., None], groups * (self.group_size - 1), axis=2)
+        anchor_models, delta_models = self._row_models(layer, level)
         coder = constriction.stream.stack.AnsCoder(words)
         try:
-            for (kv_index, channel), (anchor_model, delta_model) in _indexed(self._channel_models(layer, level)):
-                anchors[kv_index, channel] = coder.decode(anchor_model, groups)
-                if coded:
-                    deltas[kv_index, channel, :coded] = coder.decode(delta_model, coded)
+            anchors = anchor_models.decode(coder, groups)
+            # Padding deltas hold the zero symbol, R, as `dequantize` expects.
+            deltas = delta_models.decode(coder, coded, padded_length=groups * (self.group_size - 1))
         except Exception as e:  # constriction raises on words that cannot have come from its encoder
             raise CorruptFrame(f"cachegen payload does not decode: {e}") from None
-        return Symbols(anchors, deltas.astype(np.int32, copy=False), escapes)
+        return Symbols(anchors.reshape(2, channels, -1), deltas.reshape(2, channels, -1), escapes)
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
         """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv. Half a step,
@@ -196,25 +194,12 @@ class CacheGenCodec:
         rounding = ROUNDING * (x.abs().nan_to_num(0.0, 0.0, 0.0) + mean.abs() + spread + step)
         return rounded_like(step / 2 + rounding, kv)
 
-    def _channel_models(self, layer: int, level: int) -> list[list[tuple[object, object]]]:
-        """[K/V][channel] -> (anchor model, delta model), built once per (layer, level)."""
+    def _row_models(self, layer: int, level: int) -> tuple[RowModels, RowModels]:
+        """(anchor models, delta models), built once per (layer, level)."""
         key = (layer, level)
         if key not in self._models:
             t = self.tables
-            self._models[key] = [
-                [(_categorical(t.anchor_probs[layer, level, kv, c], t.radius[layer, level, kv, c]),
-                  _categorical(t.delta_probs[layer, level, kv, c], t.radius[layer, level, kv, c]))
-                 for c in range(t.radius.shape[-1])]
-                for kv in range(2)
-            ]
+            radius = t.radius[layer, level].reshape(-1)
+            self._models[key] = tuple(RowModels.from_probs(probs[layer, level].reshape(len(radius), -1), radius)
+                                      for probs in (t.anchor_probs, t.delta_probs))
         return self._models[key]
-
-
-def _categorical(probs: np.ndarray, radius: int) -> object:
-    return constriction.stream.model.Categorical(probs[: 2 * int(radius) + 2].astype(np.float64), perfect=False)
-
-
-def _indexed(models: list[list[tuple[object, object]]]):
-    for kv_index, channels in enumerate(models):
-        for channel, pair in enumerate(channels):
-            yield (kv_index, channel), pair

@@ -96,22 +96,24 @@ def dequantize(symbols: Symbols, mean: np.ndarray, steps: Steps, group_size: int
     a value within half a step may lie past it, which the cast would make infinite)."""
     two, channels, groups = symbols.anchors.shape
     escape_a = symbols.anchors == 2 * steps.anchor_radius + 1
-    anchor_hat = (symbols.anchors - steps.anchor_radius).astype(np.float32) * steps.anchor_step
+    # Symbols are small integers: float32 holds them, and their differences, exactly.
+    anchor_hat = np.subtract(symbols.anchors, steps.anchor_radius, dtype=np.float32) * steps.anchor_step
     num_escaped_anchors = int(np.count_nonzero(escape_a))
     escaped_anchors = symbols.escapes[:num_escaped_anchors]
     # The deltas after an escaped anchor are against it as the encoder had it: about the mean.
     anchor_hat[escape_a] = escaped_anchors - np.broadcast_to(mean, anchor_hat.shape)[escape_a]
     out = np.empty((two, channels, groups, group_size), dtype=np.float32)
-    out[..., 0] = anchor_hat
-    qd = (symbols.deltas - steps.delta_radius).astype(np.float32).reshape(two, channels, groups, group_size - 1)
     others = out[..., 1:]
     with np.errstate(over="ignore", invalid="ignore"):  # clamped below
+        out[..., 0] = anchor_hat + mean
+        qd = np.subtract(symbols.deltas, steps.delta_radius, dtype=np.float32).reshape(others.shape)
         np.multiply(qd, steps.delta_step[..., None], out=others)
-        others += anchor_hat[..., None]
-        out += mean[..., None]
-    np.clip(out, -limit, limit, out=out)
+        others += out[..., :1]
+    # Past an escaped anchor, or with steps this large, a coded value may pass the limit.
+    reach = np.abs(mean) + steps.anchor_radius * steps.anchor_step + steps.delta_radius * steps.delta_step
+    if num_escaped_anchors or not reach.max() < limit / 2:
+        np.clip(out, -limit, limit, out=out)
     out[..., 0][escape_a] = escaped_anchors
-    escape_d = (symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)
     if num_escaped_anchors < len(symbols.escapes):
-        others[escape_d] = symbols.escapes[num_escaped_anchors:]
+        others[(symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)] = symbols.escapes[num_escaped_anchors:]
     return out.reshape(two, channels, -1)

@@ -1,0 +1,128 @@
+"""How cachegen's symbols are entropy coded: each row (one channel's anchors, or its deltas) as pairs of
+core symbols, then the symbols outside the core.
+
+constriction's categorical decoder searches the model's cumulative table for every symbol, so a
+symbol costs more the larger the alphabet (about 9 ns over 4 symbols, 18 over 64, 31 over 4096 on
+the machine of docs/benchmarks.md). Quantized KV puts nearly all of a row's mass on a few symbols
+about the zero symbol R, so a row's alphabet 0..2R+1 is split. Its *core*, the 2k+1 symbols R-k..R+k,
+plus one *outer* symbol standing for every other, make an alphabet of C = 2k+2; core symbols are
+coded two at a time, as one symbol of an alphabet of C^2 whose probabilities are the products (one
+search for two symbols). Each outer symbol's own value follows, coded with the row's distribution
+over the symbols outside the core. By the chain rule this costs no bits against coding each symbol
+on its own, but for the coder's 24-bit rounding of the smallest products.
+
+k is the smallest that holds `CORE_MASS` of the row's profiled mass, at most `MAX_CORE`. Both sides
+must choose alike, or the decoder reads garbage that no checksum catches: the choice is made in
+integers, which no platform rounds differently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import constriction
+import numpy as np
+
+CORE_MASS = (19, 20)  # 95%: numerator, denominator
+MAX_CORE = 7  # k: core alphabets of up to 16, pairs of up to 256
+_MASS_UNIT = 2.0**32  # probabilities as integers, for the choice of k
+_PAIRS = (2 * MAX_CORE + 2) ** 2
+
+
+def _pair_split() -> np.ndarray:
+    """int32 [(MAX_CORE + 1) * _PAIRS]: at k * _PAIRS + pair, the pair's two core indices as int16s in
+    memory order (first, second)."""
+    table = np.zeros((MAX_CORE + 1, _PAIRS, 2), dtype=np.int16)
+    for k in range(MAX_CORE + 1):
+        base = 2 * k + 2
+        pairs = np.arange(base * base)
+        table[k, : base * base] = np.stack([pairs // base, pairs % base], axis=1)
+    return table.reshape(-1).view(np.int32)
+
+
+_PAIR_SPLIT = _pair_split()
+
+
+@dataclass(frozen=True)
+class RowModels:
+    """The models of one kind of row (anchors, or deltas) at one (layer, level): rows K/V-major."""
+
+    radius: np.ndarray  # int32 [rows, 1]: R, the zero symbol; 2R + 1 is the escape
+    core: np.ndarray  # int32 [rows, 1]: k
+    pair_models: list[object]
+    tail_models: list[object | None]  # None where one symbol lies outside the core: it needs no bits
+
+    @classmethod
+    def from_probs(cls, probs: np.ndarray, radius: np.ndarray) -> RowModels:
+        """probs: float32 [rows, 2 R_max + 2], each row's symbols 0..2R+1 first; radius: [rows]."""
+        radii, cores, pair_models, tail_models = [], [], [], []
+        for row_probs, r in zip(probs, radius.tolist()):
+            p = row_probs[: 2 * r + 2].astype(np.float64)
+            k = _core_radius(p, r)
+            tail = np.concatenate([p[: r - k], p[r + k + 1 :]])
+            core = np.append(p[r - k : r + k + 1], math.fsum(tail.tolist()))
+            pair_models.append(constriction.stream.model.Categorical(np.outer(core, core).ravel(), perfect=False))
+            tail_models.append(constriction.stream.model.Categorical(tail, perfect=False) if len(tail) > 1 else None)
+            radii.append(r)
+            cores.append(k)
+        return cls(_column(radii), _column(cores), pair_models, tail_models)
+
+    def encode(self, coder: constriction.stream.stack.AnsCoder, symbols: np.ndarray) -> None:
+        """Push rows of symbols [rows, n] so that `decode` reads them first, in order."""
+        low, width = self.radius - self.core, 2 * self.core + 1  # the core: low .. low + width - 1
+        index = symbols - low
+        outside = np.flatnonzero((index < 0) | (index >= width))  # few: positions, not a mask
+        rows = outside // symbols.shape[1]
+        index.flat[outside] = width[rows, 0]  # the outer symbol
+        tails = symbols.flat[outside]
+        tails = np.where(tails < low[rows, 0], tails, tails - width[rows, 0])
+        ends = np.cumsum(np.bincount(rows, minlength=len(self.tail_models))).tolist()
+        if index.shape[1] % 2:  # a row of odd length ends in a padding zero symbol: index k
+            index = np.concatenate([index, self.core], axis=1)
+        pairs = index[:, 0::2] * (width + 1) + index[:, 1::2]
+        # A stack: what is decoded last is pushed first, each array reversed within.
+        for row in reversed(range(len(ends))):
+            start = ends[row - 1] if row else 0
+            if ends[row] > start and self.tail_models[row] is not None:
+                coder.encode_reverse(tails[start : ends[row]], self.tail_models[row])
+        for row_pairs, model in zip(pairs[::-1], reversed(self.pair_models)):
+            coder.encode_reverse(row_pairs, model)
+
+    def decode(self, coder: constriction.stream.stack.AnsCoder, length: int, padded_length: int = 0) -> np.ndarray:
+        """Rows of `length` symbols, int32 [rows, max(length, padded_length)]: the padding holds the
+        zero symbol, R."""
+        symbols = np.empty((len(self.pair_models), max(length, padded_length)), dtype=np.int32)
+        symbols[:, length:] = self.radius
+        if not length:
+            return symbols
+        half = -(-length // 2)
+        pairs = np.concatenate([coder.decode(model, half) for model in self.pair_models])
+        # Both indices of each pair at once: one lookup of the pair's two int16 halves.
+        index = _PAIR_SPLIT.take(pairs.reshape(-1, half) + self.core * _PAIRS).view(np.int16)[:, :length]
+        low, width = self.radius - self.core, 2 * self.core + 1
+        np.add(index, low, out=symbols[:, :length])
+        outside = np.flatnonzero(index == width.astype(np.int16))  # few: positions, not a mask
+        rows, columns = np.divmod(outside, length)
+        counts = np.bincount(rows, minlength=len(self.tail_models)).tolist()
+        tails = [coder.decode(model, n) if model is not None else np.zeros(n, dtype=np.int32)
+                 for n, model in zip(counts, self.tail_models) if n]
+        if tails:
+            tail = np.concatenate(tails)
+            symbols[rows, columns] = np.where(tail < low[rows, 0], tail, tail + width[rows, 0])
+        return symbols
+
+
+def _column(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32)[:, None]
+
+
+def _core_radius(probs: np.ndarray, radius: int) -> int:
+    """The smallest k whose core R-k..R+k holds CORE_MASS of the row (k <= R: the escape stays out)."""
+    mass = np.rint(probs * _MASS_UNIT).astype(np.int64)
+    total = int(mass.sum())
+    numerator, denominator = CORE_MASS
+    for k in range(min(MAX_CORE, radius)):
+        if int(mass[radius - k : radius + k + 1].sum()) * denominator >= total * numerator:
+            return k
+    return min(MAX_CORE, radius)
