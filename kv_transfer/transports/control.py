@@ -16,7 +16,8 @@ what senders that died left behind (they sent no goodbye).
 
 Every wait is bounded: a send that the peer does not take within SEND_TIMEOUT_S (its queue full, or
 gone) fails the channel, and so does an answer that does not come in time. A client may be closed
-from another thread (a cancel) while its owner waits: the owner's wait ends within one poll.
+from another thread (a cancel) while its owner waits or sends: the owner's wait ends within one poll,
+a send waiting for room in the peer's queue within SEND_RETRY_S.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ OK, CORRUPT, FAILED, REFUSED = 0, 1, 2, 3
 _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
+SEND_RETRY_S = 0.01
 SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LANE_STOP_S = 2.0  # how long `stop` waits for the lanes' work under way
@@ -271,7 +273,6 @@ class ControlClient:
         self.on_answer = on_answer  # called with each answered message's tag (a channel frees its buffer)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         if secret is not None:
             secret.client(self._socket)
         self._socket.connect(address)
@@ -285,17 +286,25 @@ class ControlClient:
 
     def send(self, kind: bytes, parts: list[bytes | memoryview], tag: Any = None) -> int:
         """Send one message; its `tag` comes back to `on_answer` with the answer (recorded under the
-        lock that taking answers needs, so whichever thread takes the answer finds it)."""
-        with self._lock:
-            self._check_open()
-            seq = self._next_seq
-            self._next_seq += 1
-            try:
-                self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], copy=False)
-            except zmq.Again:
-                raise TransferError(f"KV receiver took no message for {SEND_TIMEOUT_S:g} s") from None
-            self.unanswered[seq] = tag
-            return seq
+        lock that taking answers needs, so whichever thread takes the answer finds it). While the
+        peer's queue is full, tried again every SEND_RETRY_S for SEND_TIMEOUT_S, without the lock in
+        between: a close from another thread is not held up behind a stalled peer."""
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            with self._lock:
+                self._check_open()
+                seq = self._next_seq
+                try:
+                    self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
+                else:
+                    self._next_seq += 1
+                    self.unanswered[seq] = tag
+                    return seq
+            if time.monotonic() >= deadline:
+                raise TransferError(f"KV receiver took no message for {SEND_TIMEOUT_S:g} s")
+            time.sleep(SEND_RETRY_S)
 
     def wait(self, until: Callable[[], bool], timeout: float) -> None:
         """Take answers until `until()` holds; TransferError on a failure answer, after `timeout`, or

@@ -775,6 +775,49 @@ def test_a_control_loop_that_dies_tells_its_owner(monkeypatch):
         server.stop()
 
 
+def test_closing_a_control_client_is_not_held_up_by_a_send_to_a_stalled_peer(monkeypatch):
+    """A peer that takes no message (its process stalled) fills the client's queue, and a send then
+    waits for room; a close from another thread (a cancel) ends that send at once, instead of waiting
+    behind it for the send's whole timeout."""
+    import zmq
+
+    from pdserve.kv_transfer.transports import control
+
+    monkeypatch.setattr(control, "SEND_TIMEOUT_S", 8.0)
+    stalled = zmq.Context.instance().socket(zmq.ROUTER)  # bound, never read
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.LINGER, 0)
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    client = control.ControlClient(f"tcp://127.0.0.1:{port}")
+    sent, ended = [0], []
+
+    def keep_sending() -> None:
+        try:
+            while True:
+                client.send(b"x", [b"\0" * 65536])
+                sent[0] += 1
+        except TransferError as e:
+            ended.append(e)
+
+    thread = threading.Thread(target=keep_sending, daemon=True)
+    thread.start()
+    try:
+        def queue_full() -> bool:
+            before = sent[0]
+            time.sleep(0.5)
+            return sent[0] == before
+
+        assert wait_until(queue_full, timeout=20)
+        t0 = time.monotonic()
+        client.close()
+        thread.join(timeout=3)
+        assert time.monotonic() - t0 < 2 and not thread.is_alive()
+        assert "closed" in str(ended[0])
+    finally:
+        client.close()
+        stalled.close()
+
+
 def test_stopping_a_control_server_lets_its_lanes_finish_their_work():
     """Work under way on a lane (a gloo group being torn down, say) ends before `stop` returns, so a
     process that exits right after stopping its receiver does not exit under it."""
