@@ -253,14 +253,14 @@ class CodecRow:
     perplexity_change: float = 0.0
     token_agreement: float = 0.0
     identical_continuations: float = 0.0
-    # Speeds in MB/s of raw KV per core, over whole chunks (FRAME_TOKENS, what a long prompt's frames
-    # hold) and over the 512-token frames of the perplexity windows; decode also counted in bf16 bytes.
+    # Speeds in MB/s of raw KV per core, over the perplexity windows' frames (512 tokens) and over
+    # whole chunks (`chunk_`: FRAME_TOKENS, what a long prompt's frames hold); decode also in bf16 bytes.
     encode_mb_per_s: float = 0.0
     decode_mb_per_s: float = 0.0
     decode_bf16_mb_per_s: float = 0.0
-    short_encode_mb_per_s: float = 0.0
-    short_decode_mb_per_s: float = 0.0
-    short_decode_bf16_mb_per_s: float = 0.0
+    chunk_encode_mb_per_s: float = 0.0
+    chunk_decode_mb_per_s: float = 0.0
+    chunk_decode_bf16_mb_per_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -348,18 +348,19 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
                            perplexity_change=math.exp(loss - exact_loss) - 1,
                            token_agreement=float((tokens == exact_tokens).float().mean()),
                            identical_continuations=float((tokens == exact_tokens).all(dim=1).float().mean()),
-                           encode_mb_per_s=chunk_bytes / chunk_enc_s / 1e6,
-                           decode_mb_per_s=chunk_bytes / chunk_dec_s / 1e6,
-                           decode_bf16_mb_per_s=chunk_bytes / 2 / chunk_dec_s / 1e6,
-                           short_encode_mb_per_s=raw_bytes / enc_s / 1e6, short_decode_mb_per_s=raw_bytes / dec_s / 1e6,
-                           short_decode_bf16_mb_per_s=raw_bytes / 2 / dec_s / 1e6)
+                           encode_mb_per_s=raw_bytes / enc_s / 1e6, decode_mb_per_s=raw_bytes / dec_s / 1e6,
+                           decode_bf16_mb_per_s=raw_bytes / 2 / dec_s / 1e6,
+                           chunk_encode_mb_per_s=chunk_bytes / chunk_enc_s / 1e6,
+                           chunk_decode_mb_per_s=chunk_bytes / chunk_dec_s / 1e6,
+                           chunk_decode_bf16_mb_per_s=chunk_bytes / 2 / chunk_dec_s / 1e6)
             rows.append(row)
+            frame_tokens = min(cfg.window_tokens // 2, FRAME_TOKENS)
             log(f"  {name:8s} level {level}: {row.bits_per_element:6.2f} bits/element, perplexity "
                 f"{row.perplexity:.3f} ({row.perplexity_change:+.2%}), agreement {row.token_agreement:.1%}; "
-                f"MB/s of float32 KV (as bf16) in {FRAME_TOKENS}-token chunks: encode {row.encode_mb_per_s:.0f}, "
-                f"decode {row.decode_mb_per_s:.0f} ({row.decode_bf16_mb_per_s:.0f}); "
-                f"in {min(cfg.window_tokens // 2, FRAME_TOKENS)}-token frames: encode {row.short_encode_mb_per_s:.0f}, decode {row.short_decode_mb_per_s:.0f} "
-                f"({row.short_decode_bf16_mb_per_s:.0f})")
+                f"MB/s of float32 KV (as bf16) in {FRAME_TOKENS}-token chunks: encode "
+                f"{row.chunk_encode_mb_per_s:.0f}, decode {row.chunk_decode_mb_per_s:.0f} "
+                f"({row.chunk_decode_bf16_mb_per_s:.0f}); in {frame_tokens}-token frames: encode "
+                f"{row.encode_mb_per_s:.0f}, decode {row.decode_mb_per_s:.0f} ({row.decode_bf16_mb_per_s:.0f})")
     int8_bits = next((r.bits_per_element for r in rows if r.codec == "int8"), None)
     for row in rows:
         row.ratio_vs_bf16 = 16 / row.bits_per_element

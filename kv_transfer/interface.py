@@ -146,7 +146,7 @@ class Codec(Protocol):
     name: str
     num_levels: int  # quality levels, 0 = finest; lossless codecs have one
     lossless: bool
-    digest: str  # of what both sides must hold alike besides the code (cachegen's tables); "" if nothing
+    digest: str  # of what both sides must hold alike (cachegen's tables and payload coding); "" if nothing
     # Encoded bytes per token of one layer where every frame's size follows from its length; None where
     # it depends on the values (then the sender measures it).
     fixed_bytes_per_token: int | None

@@ -130,9 +130,9 @@ class KVReceiver:
         """The codec `name` if this side can decode it as the offer's sender encodes (None: logged)."""
         codec = usable_codec(name, self.model_dir, self.layout, "refused, negotiating down")
         if codec is not None and codec.digest != digest:
-            log.warning("codec %r refused, negotiating down: the prefill worker's tables (digest %r) are not "
-                        "this worker's (%r); profile once and give both pools the same model directory",
-                        name, digest, codec.digest)
+            log.warning("codec %r refused, negotiating down: the prefill worker's tables or coding (digest %r) "
+                        "are not this worker's (%r); profile once, give both pools the same model directory "
+                        "and the same pdserve version", name, digest, codec.digest)
             return None
         return codec
 

@@ -7,9 +7,8 @@ deltas against the reconstructed anchor), after the channel's mean is taken off.
 coded by constriction's ANS coder (`cachegen_coding`: those near zero two at a time), each channel
 with its own categorical distribution for anchors and one for deltas, profiled offline on calibration
 text (`cachegen_profile`) and stored next to the model (`cachegen_tables.npz`): nothing about the
-distributions travels with a frame. Both sides must hold
-the same tables: a prefill worker offers the codec with their digest, and a decode worker whose
-tables differ refuses it.
+distributions travels with a frame. Both sides must hold the same tables and code alike: a prefill
+worker offers the codec with a digest of both, and a decode worker whose digest differs refuses it.
 
 Payload: u32 number of escapes, the escaped values (float32), then the ANS words (u32). Error bound:
 |x - decoded| <= step / 2 for every element, plus float32's rounding on the way and the rounding to
@@ -36,7 +35,7 @@ from pdserve.kv_transfer.codecs.base import (
     payload_bytes,
     rounded_like,
 )
-from pdserve.kv_transfer.codecs.cachegen_coding import RowModels
+from pdserve.kv_transfer.codecs.cachegen_coding import FORMAT, RowModels
 from pdserve.kv_transfer.codecs.cachegen_quant import (
     Steps,
     Symbols,
@@ -114,7 +113,8 @@ class CacheGenCodec:
             raise CodecUnavailable(f"cachegen tables are for KV layout {tuple(tables.layout)}, this model has "
                                    f"{expected} (layers, KV heads, head dim)")
         self.tables = tables
-        self.digest = tables.digest
+        # What both sides must hold alike: the tables, and the coding their payloads use.
+        self.digest = hashlib.sha256(f"{tables.digest}:{FORMAT}".encode()).hexdigest()[:16]
         self.layout = layout
         self.num_levels = tables.num_levels
         self.group_size = tables.group_size
@@ -171,8 +171,8 @@ class CacheGenCodec:
         coded = coded_deltas(num_tokens, self.group_size)
         channels = self.layout.num_kv_heads * self.layout.head_dim
         anchor_models, delta_models = self._row_models(layer, level)
-        coder = constriction.stream.stack.AnsCoder(words)
         try:
+            coder = constriction.stream.stack.AnsCoder(words)
             anchors = anchor_models.decode(coder, groups)
             # Padding deltas hold the zero symbol, R, as `dequantize` expects.
             deltas = delta_models.decode(coder, coded, padded_length=groups * (self.group_size - 1))

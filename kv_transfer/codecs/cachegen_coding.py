@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import constriction
 import numpy as np
 
+FORMAT = "core-pairs-1"  # how payloads are coded: part of the codec's digest, so peers coding otherwise refuse it
 CORE_MASS = (19, 20)  # 95%: numerator, denominator
 MAX_CORE = 7  # k: core alphabets of up to 16, pairs of up to 256
 _MASS_UNIT = 2.0**32  # probabilities as integers, for the choice of k
@@ -56,17 +57,20 @@ class RowModels:
     @classmethod
     def from_probs(cls, probs: np.ndarray, radius: np.ndarray) -> RowModels:
         """probs: float32 [rows, 2 R_max + 2], each row's symbols 0..2R+1 first; radius: [rows]."""
-        radii, cores, pair_models, tail_models = [], [], [], []
-        for row_probs, r in zip(probs, radius.tolist()):
-            p = row_probs[: 2 * r + 2].astype(np.float64)
-            k = _core_radius(p, r)
-            tail = np.concatenate([p[: r - k], p[r + k + 1 :]])
-            core = np.append(p[r - k : r + k + 1], math.fsum(tail.tolist()))
+        probs = probs.astype(np.float64)
+        cores = _core_radii(probs, radius)
+        pair_models, tail_models = [], []
+        for p, r, k in zip(probs, radius.tolist(), cores.tolist()):
+            tail = np.concatenate([p[: r - k], p[r + k + 1 : 2 * r + 2]])
+            outer = math.fsum(tail.tolist())
+            core = np.append(p[r - k : r + k + 1], outer)
             pair_models.append(constriction.stream.model.Categorical(np.outer(core, core).ravel(), perfect=False))
-            tail_models.append(constriction.stream.model.Categorical(tail, perfect=False) if len(tail) > 1 else None)
-            radii.append(r)
-            cores.append(k)
-        return cls(_column(radii), _column(cores), pair_models, tail_models)
+            if len(tail) > 1:  # the profile may have found nothing outside the core: then any model will do
+                tail_models.append(constriction.stream.model.Categorical(tail if outer else np.ones_like(tail),
+                                                                         perfect=False))
+            else:
+                tail_models.append(None)
+        return cls(_column(radius), _column(cores), pair_models, tail_models)
 
     def encode(self, coder: constriction.stream.stack.AnsCoder, symbols: np.ndarray) -> None:
         """Push rows of symbols [rows, n] so that `decode` reads them first, in order."""
@@ -113,16 +117,27 @@ class RowModels:
         return symbols
 
 
-def _column(values: list[int]) -> np.ndarray:
-    return np.array(values, dtype=np.int32)[:, None]
+def _column(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1, 1)
 
 
-def _core_radius(probs: np.ndarray, radius: int) -> int:
-    """The smallest k whose core R-k..R+k holds CORE_MASS of the row (k <= R: the escape stays out)."""
-    mass = np.rint(probs * _MASS_UNIT).astype(np.int64)
-    total = int(mass.sum())
+def _core_radii(probs: np.ndarray, radius: np.ndarray) -> np.ndarray:
+    """Per row, the smallest k whose core R-k..R+k holds CORE_MASS of the row's mass, at most
+    min(MAX_CORE, R) (the escape stays out). Counted in integers: each row divided by its exactly
+    rounded sum, then in units of 2^-32, so that every platform chooses alike."""
+    rows, width = probs.shape
+    radius = np.asarray(radius, dtype=np.int64)
+    in_alphabet = np.arange(width)[None, :] < 2 * radius[:, None] + 2
+    probs = np.where(in_alphabet, probs, 0.0)
+    totals = np.array([math.fsum(row) for row in probs.tolist()])
+    if not (np.all(probs >= 0) and np.all(np.isfinite(totals)) and np.all(totals > 0)):
+        raise ValueError("cachegen tables: a channel's symbol probabilities are negative, not finite, or all zero")
+    mass = np.rint(probs / totals[:, None] * _MASS_UNIT).astype(np.int64)
+    cumulative = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(mass, axis=1)], axis=1)
+    k = np.arange(MAX_CORE + 1)[None, :]
+    low = np.maximum(radius[:, None] - k, 0)
+    high = np.minimum(radius[:, None] + k + 1, width)
+    held = np.take_along_axis(cumulative, high, axis=1) - np.take_along_axis(cumulative, low, axis=1)
     numerator, denominator = CORE_MASS
-    for k in range(min(MAX_CORE, radius)):
-        if int(mass[radius - k : radius + k + 1].sum()) * denominator >= total * numerator:
-            return k
-    return min(MAX_CORE, radius)
+    enough = (held * denominator >= cumulative[:, -1:] * numerator) | (k >= np.minimum(MAX_CORE, radius)[:, None])
+    return np.argmax(enough, axis=1)

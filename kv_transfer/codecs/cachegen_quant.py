@@ -110,10 +110,12 @@ def dequantize(symbols: Symbols, mean: np.ndarray, steps: Steps, group_size: int
         np.multiply(qd, steps.delta_step[..., None], out=others)
         others += out[..., :1]
     # Past an escaped anchor, or with steps this large, a coded value may pass the limit.
-    reach = np.abs(mean) + steps.anchor_radius * steps.anchor_step + steps.delta_radius * steps.delta_step
+    reach = (np.abs(mean) + steps.anchor_radius * np.abs(steps.anchor_step)
+             + steps.delta_radius * np.abs(steps.delta_step))
     if num_escaped_anchors or not reach.max() < limit / 2:
         np.clip(out, -limit, limit, out=out)
     out[..., 0][escape_a] = escaped_anchors
     if num_escaped_anchors < len(symbols.escapes):
-        others[(symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)] = symbols.escapes[num_escaped_anchors:]
+        escape_d = (symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)
+        others[escape_d] = symbols.escapes[num_escaped_anchors:]
     return out.reshape(two, channels, -1)

@@ -84,3 +84,21 @@ def test_the_core_is_the_smallest_that_holds_its_share_of_the_mass():
         held = [p[31 - j : 32 + j].sum() / p.sum() for j in range(MAX_CORE + 1)]
         assert 0 <= k <= MAX_CORE and (held[k] >= share - 1e-6 or k == MAX_CORE)
         assert k == 0 or held[k - 1] < share + 1e-6
+
+
+def test_a_row_whose_profile_has_nothing_outside_its_core_still_codes_every_symbol():
+    """Hand-made tables, or a channel profiled without a pseudo-count, may put no mass outside the
+    core: symbols there are rare, not impossible (an escape), and still come back."""
+    probs = np.zeros((2, 8), dtype=np.float32)
+    probs[:, 3] = 1.0  # R = 3: only the zero symbol was ever seen
+    models = RowModels.from_probs(probs, np.array([3, 3]))
+    assert models.core.ravel().tolist() == [0, 0]
+    symbols = np.array([[3, 3, 7, 3, 0], [6, 3, 3, 3, 3]], dtype=np.int32)
+    round_trip((models, symbols), (models, symbols[:, :2]))
+
+
+def test_tables_whose_probabilities_cannot_be_a_distribution_are_refused():
+    probs = np.zeros((2, 8), dtype=np.float32)
+    probs[0, 3] = 1.0
+    with pytest.raises(ValueError, match="all zero"):
+        RowModels.from_probs(probs, np.array([3, 3]))
