@@ -58,18 +58,23 @@ class RowModels:
     def from_probs(cls, probs: np.ndarray, radius: np.ndarray) -> RowModels:
         """probs: float32 [rows, 2 R_max + 2], each row's symbols 0..2R+1 first; radius: [rows]."""
         probs = probs.astype(np.float64)
+        radius = np.asarray(radius, dtype=np.int64)
         cores = _core_radii(probs, radius)
-        pair_models, tail_models = [], []
-        for p, r, k in zip(probs, radius.tolist(), cores.tolist()):
-            tail = np.concatenate([p[: r - k], p[r + k + 1 : 2 * r + 2]])
-            outer = math.fsum(tail.tolist())
-            core = np.append(p[r - k : r + k + 1], outer)
-            pair_models.append(constriction.stream.model.Categorical(np.outer(core, core).ravel(), perfect=False))
-            if len(tail) > 1:  # the profile may have found nothing outside the core: then any model will do
-                tail_models.append(constriction.stream.model.Categorical(tail if outer else np.ones_like(tail),
-                                                                         perfect=False))
-            else:
-                tail_models.append(None)
+        pair_models: list[object] = [None] * len(probs)
+        tail_models: list[object | None] = [None] * len(probs)
+        # Rows alike in (R, k) (most of a layer's) have their arrays made together.
+        for r, k in {(int(r), int(k)) for r, k in zip(radius, cores)}:
+            rows = np.flatnonzero((radius == r) & (cores == k))
+            tails = np.concatenate([probs[rows, : r - k], probs[rows, r + k + 1 : 2 * r + 2]], axis=1)
+            outer = np.array([math.fsum(row) for row in tails.tolist()])  # exactly rounded: alike everywhere
+            core = np.concatenate([probs[rows, r - k : r + k + 1], outer[:, None]], axis=1)
+            pairs = (core[:, :, None] * core[:, None, :]).reshape(len(rows), -1)
+            # The profile may have found nothing outside a core: then any tail model will do.
+            tails[outer == 0] = 1.0
+            for i, row in enumerate(rows.tolist()):
+                pair_models[row] = constriction.stream.model.Categorical(pairs[i], perfect=False)
+                if tails.shape[1] > 1:
+                    tail_models[row] = constriction.stream.model.Categorical(tails[i], perfect=False)
         return cls(_column(radius), _column(cores), pair_models, tail_models)
 
     def encode(self, coder: constriction.stream.stack.AnsCoder, symbols: np.ndarray) -> None:
