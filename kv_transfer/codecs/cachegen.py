@@ -35,7 +35,7 @@ from pdserve.kv_transfer.codecs.base import (
     payload_bytes,
     rounded_like,
 )
-from pdserve.kv_transfer.codecs.cachegen_coding import FORMAT, RowModels
+from pdserve.kv_transfer.codecs.cachegen_coding import FORMAT, RowModels, check_probabilities
 from pdserve.kv_transfer.codecs.cachegen_quant import (
     Steps,
     Symbols,
@@ -112,6 +112,11 @@ class CacheGenCodec:
         if tuple(int(v) for v in tables.layout) != expected:
             raise CodecUnavailable(f"cachegen tables are for KV layout {tuple(tables.layout)}, this model has "
                                    f"{expected} (layers, KV heads, head dim)")
+        for probs in (tables.anchor_probs, tables.delta_probs):
+            try:
+                check_probabilities(probs, tables.radius)
+            except ValueError as e:
+                raise CodecUnavailable(str(e)) from None
         self.tables = tables
         # What both sides must hold alike: the tables, and the coding their payloads use.
         self.digest = hashlib.sha256(f"{tables.digest}:{FORMAT}".encode()).hexdigest()[:16]

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import constriction
 import numpy as np
 
-FORMAT = "core-pairs-1"  # how payloads are coded: part of the codec's digest, so peers coding otherwise refuse it
 CORE_MASS = (19, 20)  # 95%: numerator, denominator
 MAX_CORE = 7  # k: core alphabets of up to 16, pairs of up to 256
+# How payloads are coded, with all that decides it: part of the codec's digest, so that a peer coding
+# otherwise (other constants here, or a constriction that may build its models otherwise) refuses it.
+FORMAT = (f"core-pairs-1:{CORE_MASS[0]}/{CORE_MASS[1]}:{MAX_CORE}:"
+          f"constriction-{'.'.join(version('constriction').split('.')[:2])}")
 _MASS_UNIT = 2.0**32  # probabilities as integers, for the choice of k
 _PAIRS = (2 * MAX_CORE + 2) ** 2
 
@@ -122,6 +126,15 @@ class RowModels:
         return symbols
 
 
+def check_probabilities(probs: np.ndarray, radius: np.ndarray) -> None:
+    """ValueError unless each row's probabilities over its symbols 0..2R+1 can make a distribution.
+    probs: [..., 2 R_max + 2]; radius: [...]."""
+    in_alphabet = np.arange(probs.shape[-1]) < 2 * np.asarray(radius)[..., None] + 2
+    used = probs[in_alphabet]
+    if not (np.all(np.isfinite(used)) and np.all(used >= 0) and np.all(np.where(in_alphabet, probs, 0).max(-1) > 0)):
+        raise ValueError("cachegen tables: a channel's symbol probabilities are negative, not finite, or all zero")
+
+
 def _column(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.int32).reshape(-1, 1)
 
@@ -133,10 +146,9 @@ def _core_radii(probs: np.ndarray, radius: np.ndarray) -> np.ndarray:
     rows, width = probs.shape
     radius = np.asarray(radius, dtype=np.int64)
     in_alphabet = np.arange(width)[None, :] < 2 * radius[:, None] + 2
+    check_probabilities(probs, radius)
     probs = np.where(in_alphabet, probs, 0.0)
     totals = np.array([math.fsum(row) for row in probs.tolist()])
-    if not (np.all(probs >= 0) and np.all(np.isfinite(totals)) and np.all(totals > 0)):
-        raise ValueError("cachegen tables: a channel's symbol probabilities are negative, not finite, or all zero")
     mass = np.rint(probs / totals[:, None] * _MASS_UNIT).astype(np.int64)
     cumulative = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(mass, axis=1)], axis=1)
     k = np.arange(MAX_CORE + 1)[None, :]

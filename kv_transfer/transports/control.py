@@ -46,7 +46,7 @@ OK, CORRUPT, FAILED, REFUSED = 0, 1, 2, 3
 _SEQ = struct.Struct("<Q")
 POLL_MS = 100  # how often a loop looks at its stop or closed flag
 SEND_TIMEOUT_S = 30.0
-SEND_RETRY_S = 0.01
+SEND_RETRY_S = 0.01  # how long a send waits for room with the lock held, at most
 SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LANE_STOP_S = 2.0  # how long `stop` waits for the lanes' work under way
@@ -287,24 +287,24 @@ class ControlClient:
     def send(self, kind: bytes, parts: list[bytes | memoryview], tag: Any = None) -> int:
         """Send one message; its `tag` comes back to `on_answer` with the answer (recorded under the
         lock that taking answers needs, so whichever thread takes the answer finds it). While the
-        peer's queue is full, tried again every SEND_RETRY_S for SEND_TIMEOUT_S, without the lock in
-        between: a close from another thread is not held up behind a stalled peer."""
+        peer's queue is full, it waits for room SEND_RETRY_S at a time, up to SEND_TIMEOUT_S, letting
+        go of the lock in between: a close from another thread is not held up behind a stalled peer."""
         deadline = time.monotonic() + SEND_TIMEOUT_S
         while True:
             with self._lock:
                 self._check_open()
-                seq = self._next_seq
-                try:
-                    self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
-                else:
-                    self._next_seq += 1
-                    self.unanswered[seq] = tag
-                    return seq
+                if self._socket.poll(int(SEND_RETRY_S * 1000), zmq.POLLOUT):
+                    seq = self._next_seq
+                    try:  # room for the message's first part is room for all of it (zmq's messages are whole)
+                        self._socket.send_multipart([kind, _SEQ.pack(seq), *parts], flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        pass
+                    else:
+                        self._next_seq += 1
+                        self.unanswered[seq] = tag
+                        return seq
             if time.monotonic() >= deadline:
                 raise TransferError(f"KV receiver took no message for {SEND_TIMEOUT_S:g} s")
-            time.sleep(SEND_RETRY_S)
 
     def wait(self, until: Callable[[], bool], timeout: float) -> None:
         """Take answers until `until()` holds; TransferError on a failure answer, after `timeout`, or

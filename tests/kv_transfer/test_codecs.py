@@ -6,6 +6,8 @@ tables are checked too."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,15 @@ def one_channel_cachegen(step: float, mean: float, dtype: torch.dtype) -> CacheG
                             anchor_step=np.full(shape, step, np.float32), delta_step=np.full(shape, step, np.float32),
                             radius=np.full(shape, radius, np.int32), anchor_probs=flat, delta_probs=flat.copy())
     return CacheGenCodec(tables, KVLayout(1, 1, 1, 16, dtype))
+
+
+def test_cachegen_tables_that_cannot_be_distributions_leave_the_codec_unavailable():
+    """Found when the codec is made (and so left out of what a worker offers), not at its first frame."""
+    made = one_channel_cachegen(0.1, 0.0, torch.float32)
+    probs = made.tables.delta_probs.copy()
+    probs[0, 0, 1, 0] = 0.0  # V's deltas: no symbol has any probability
+    with pytest.raises(CodecUnavailable, match="all zero"):
+        CacheGenCodec(dataclasses.replace(made.tables, delta_probs=probs), made.layout)
 
 
 @pytest.mark.parametrize("case", ["quotient-on-a-half", "escaped-far-from-the-mean", "float16-largest"])
