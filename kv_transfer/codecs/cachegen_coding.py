@@ -9,7 +9,8 @@ plus one *outer* symbol standing for every other, make an alphabet of C = 2k+2; 
 coded two at a time, as one symbol of an alphabet of C^2 whose probabilities are the products (one
 search for two symbols). Each outer symbol's own value follows, coded with the row's distribution
 over the symbols outside the core. By the chain rule this costs no bits against coding each symbol
-on its own, but for the coder's 24-bit rounding of the smallest products.
+on its own, but for the coder's 24-bit rounding of the smallest products and, in a row of odd
+length, one padding symbol.
 
 k is the smallest that holds `CORE_MASS` of the row's profiled mass, at most `MAX_CORE`. Both sides
 must choose alike, or the decoder reads garbage that no checksum catches: the choice is made in
