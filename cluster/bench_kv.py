@@ -335,6 +335,7 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
     exact_cache, _, _, _ = _roundtrip(exact_raw, 0, prefix_kv)
     exact_loss = loss_from(exact_cache)
     exact_tokens = continue_from(_roundtrip(exact_raw, 0, prompt_kv)[0])
+    frame_tokens = min(half, FRAME_TOKENS)  # the windows' frames
     rows: list[CodecRow] = []
     for name in cfg.codecs:
         codec = make_codec(name, model_dir, layout)
@@ -354,7 +355,6 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
                            chunk_decode_mb_per_s=chunk_bytes / chunk_dec_s / 1e6,
                            chunk_decode_bf16_mb_per_s=chunk_bytes / 2 / chunk_dec_s / 1e6)
             rows.append(row)
-            frame_tokens = min(cfg.window_tokens // 2, FRAME_TOKENS)
             log(f"  {name:8s} level {level}: {row.bits_per_element:6.2f} bits/element, perplexity "
                 f"{row.perplexity:.3f} ({row.perplexity_change:+.2%}), agreement {row.token_agreement:.1%}; "
                 f"MB/s of float32 KV (as bf16) in {FRAME_TOKENS}-token chunks: encode "

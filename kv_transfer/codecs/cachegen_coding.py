@@ -127,13 +127,15 @@ class RowModels:
         return symbols
 
 
-def check_probabilities(probs: np.ndarray, radius: np.ndarray) -> None:
-    """ValueError unless each row's probabilities over its symbols 0..2R+1 can make a distribution.
-    probs: [..., 2 R_max + 2]; radius: [...]."""
+def check_probabilities(probs: np.ndarray, radius: np.ndarray) -> np.ndarray:
+    """The rows' probabilities, zero past each row's symbols 0..2R+1; ValueError unless each row's can
+    make a distribution. probs: [..., 2 R_max + 2]; radius: [...]."""
     in_alphabet = np.arange(probs.shape[-1]) < 2 * np.asarray(radius)[..., None] + 2
     used = probs[in_alphabet]
-    if not (np.all(np.isfinite(used)) and np.all(used >= 0) and np.all(np.where(in_alphabet, probs, 0).max(-1) > 0)):
+    probs = np.where(in_alphabet, probs, 0)
+    if not (np.all(np.isfinite(used)) and np.all(used >= 0) and np.all(probs.max(-1) > 0)):
         raise ValueError("cachegen tables: a channel's symbol probabilities are negative, not finite, or all zero")
+    return probs
 
 
 def _column(values: np.ndarray) -> np.ndarray:
@@ -146,9 +148,7 @@ def _core_radii(probs: np.ndarray, radius: np.ndarray) -> np.ndarray:
     rounded sum, then in units of 2^-32, so that every platform chooses alike."""
     rows, width = probs.shape
     radius = np.asarray(radius, dtype=np.int64)
-    in_alphabet = np.arange(width)[None, :] < 2 * radius[:, None] + 2
-    check_probabilities(probs, radius)
-    probs = np.where(in_alphabet, probs, 0.0)
+    probs = check_probabilities(probs, radius)
     totals = np.array([math.fsum(row) for row in probs.tolist()])
     mass = np.rint(probs / totals[:, None] * _MASS_UNIT).astype(np.int64)
     cumulative = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(mass, axis=1)], axis=1)
