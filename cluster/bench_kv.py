@@ -1,17 +1,18 @@
 """`pdserve bench kv`: the KV transports and codecs, each table measured in one run.
 
-Transports: a prompt's KV (of the model's layout, 2K and 16K tokens, random bytes) is sent as
-frames from this process to a receiving half in a child process, whose sink copies every frame into
-one preallocated buffer, as the receiver's write into the reserved blocks does: the transport alone
-(the frames' checksums are made beforehand and not checked; `pdserve bench cluster`'s probes time the
-whole path, checksums, decoding and the write into blocks included). Beside each, the same bytes over
-a plain TCP socket on loopback into the same kind of buffer: the ceiling; and beside gRPC,
-`grpc-bytes`: grpcio streaming the frames as bare bytes messages (no protobuf, no framing), what
-grpcio itself moves from Python with nothing of ours in the way. `nccl` (asked for with
-`--transports`, on a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are
-set up at once and timed in turn, each repeat in a shuffled order, after one warm-up each
-(connections, groups and segments set up): medians of `repeats` runs, and each transport's share of
-the socket is the median of its per-repeat ratios.
+Transports: a prompt's KV (2K and 16K tokens of random bytes, as many per token and layer as the
+model's layout has, or `token_bytes`) is sent as frames from this process to a receiving half in a
+child process, whose sink copies every frame into one preallocated buffer, as the receiver's write
+into the reserved blocks does: the transport alone (the frames' checksums are made beforehand and
+not checked; `pdserve bench cluster`'s probes time the whole path, checksums, decoding and the write
+into blocks included). Beside each, the same bytes over a plain TCP socket on loopback into the same
+kind of buffer: the ceiling; and beside gRPC, `grpc-bytes`: grpcio streaming the frames as bare
+bytes messages of the size our transport cuts them into (no protobuf, no framing), what grpcio
+itself moves from Python with nothing of ours in the way. `nccl` (asked for with `--transports`, on
+a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are set up at once and
+timed in turn, each repeat in a shuffled order, after one warm-up each (connections, groups and
+segments set up): medians of `repeats` runs, and each transport's share of the socket is the median
+of its per-repeat ratios.
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
 frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts
@@ -55,6 +56,7 @@ from pdserve.kv_transfer.interface import Codec, FrameHeader
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
 from pdserve.kv_transfer.transports.grpc_stream import OPTIONS as GRPC_OPTIONS
+from pdserve.kv_transfer.transports.grpc_stream import PIECE_BYTES as GRPC_PIECE_BYTES
 
 
 @dataclass
@@ -63,7 +65,10 @@ class KVBenchConfig:
     transports: tuple[str, ...] = ("shm", "grpc", "gloo")
     prompt_tokens: tuple[int, ...] = (2048, 16384)
     repeats: int = 5
-    codecs: tuple[str, ...] = ("raw", "fp8", "int8", "cachegen")
+    # KV bytes per token and layer of the transports' frames (None: the model's). A frame is FRAME_TOKENS
+    # tokens of one layer, so this sets the frame size: 4096 for an 8B-class layout (8 KV heads x 128, bf16).
+    token_bytes: int | None = None
+    codecs: tuple[str, ...] = ("raw", "fp8", "int8", "cachegen")  # none: no codec table
     windows: int = 16  # held-out windows for perplexity
     window_tokens: int = 1024
     continuations: int = 128
@@ -125,11 +130,10 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
     receiver.stop()
 
 
-def _frames(layout: KVLayout, num_tokens: int) -> list[tuple[FrameHeader, np.ndarray]]:
+def _frames(num_layers: int, per_token: int, num_tokens: int) -> list[tuple[FrameHeader, np.ndarray]]:
     rng = np.random.default_rng(0)
-    per_token = layout.bytes_per_token_layer
     frames = []
-    for layer in range(layout.num_layers):
+    for layer in range(num_layers):
         for start in range(0, num_tokens, FRAME_TOKENS):
             n = min(FRAME_TOKENS, num_tokens - start)
             data = rng.integers(0, 256, n * per_token, dtype=np.uint8)
@@ -178,8 +182,9 @@ class _TransportRun:
             for _, data in self.frames:
                 self._sock.sendall(data)
             self._sock.recv(1)
-        elif self.kind == "grpc-bytes":
-            self._push(bytes(memoryview(data)) for _, data in self.frames)
+        elif self.kind == "grpc-bytes":  # in messages of the size our transport cuts frames into
+            self._push(bytes(memoryview(data)[at : at + GRPC_PIECE_BYTES]) for _, data in self.frames
+                       for at in range(0, data.nbytes, GRPC_PIECE_BYTES))
         else:
             channel = self._sender.open(self._address, f"bench-{self._runs}")
             for (header, _), payload in zip(self.frames, self._payloads):
@@ -209,8 +214,9 @@ def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[di
     rows = []
     order_rng = random.Random(0)
     kinds = ["tcp", *cfg.transports, *(["grpc-bytes"] if "grpc" in cfg.transports else [])]
+    per_token = cfg.token_bytes or layout.bytes_per_token_layer
     for num_tokens in cfg.prompt_tokens:
-        frames = _frames(layout, num_tokens)
+        frames = _frames(layout.num_layers, per_token, num_tokens)
         total = sum(d.nbytes for _, d in frames)
         with ExitStack() as stack:
             runs = {}
@@ -230,6 +236,7 @@ def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[di
             s = statistics.median(seconds[kind])
             share = statistics.median(t / k for t, k in zip(seconds["tcp"], seconds[kind]))
             rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
+                         "frame_bytes": max(d.nbytes for _, d in frames),
                          "seconds": s, "gb_per_s": total / s / 1e9, "tcp_gb_per_s": total / tcp / 1e9,
                          "share_of_tcp": share})
             log(f"  {kind:10s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
@@ -371,11 +378,14 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
 def run(cfg: KVBenchConfig, log=print) -> dict:
     model_dir = resolve_model(cfg.model)
     layout = load_model(model_dir, torch.float32, "cpu", block_size=16).kv_layout  # what the engine caches
-    log(f"transports ({cfg.model}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads x {layout.head_dim}, "
-        f"float32; frames of {FRAME_TOKENS} tokens)")
+    kv = (f"{cfg.token_bytes} bytes of KV per token and layer" if cfg.token_bytes else
+          f"{layout.num_kv_heads} KV heads x {layout.head_dim}, float32")
+    log(f"transports ({cfg.model}: {layout.num_layers} layers, {kv}; frames of {FRAME_TOKENS} tokens)")
     transports = bench_transports(cfg, layout, log)
-    log(f"codecs ({cfg.model}, held-out text)")
-    codecs = bench_codecs(cfg, model_dir, layout, log)
+    codecs = []
+    if cfg.codecs:
+        log(f"codecs ({cfg.model}, held-out text)")
+        codecs = bench_codecs(cfg, model_dir, layout, log)
     result = {
         "date": date.today().isoformat(), "machine": f"{platform.machine()}, {mp.cpu_count()} cores",
         "torch": torch.__version__, "config": {k: str(v) for k, v in asdict(cfg).items()},

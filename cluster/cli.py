@@ -163,7 +163,7 @@ def _bench_kv(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_kv import KVBenchConfig, run
 
     run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
-                      repeats=args.repeats, codecs=tuple(args.codecs), windows=args.windows, out=Path(args.out)))
+                      repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs), windows=args.windows, out=Path(args.out)))
     return 0
 
 
@@ -362,7 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="of shm, grpc, gloo, nccl (nccl needs two GPUs)")
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
     bk.add_argument("--repeats", type=int, default=5)
-    bk.add_argument("--codecs", nargs="+", default=["raw", "fp8", "int8", "cachegen"])
+    bk.add_argument("--token-bytes", type=int, default=None,
+                    help="KV bytes per token and layer of the transports' frames (default: the model's); e.g. "
+                         "4096 for an 8B-class layout (8 KV heads x 128, bf16: frames of 6 MiB)")
+    bk.add_argument("--codecs", nargs="*", default=["raw", "fp8", "int8", "cachegen"],
+                    help="codecs to measure on the model; none: the transport table alone")
     bk.add_argument("--windows", type=int, default=16, help="held-out windows of 1024 tokens for perplexity")
     bk.add_argument("--out", default="bench-results/kv.json")
     bk.set_defaults(func=_bench_kv)

@@ -1,16 +1,17 @@
 """gRPC client streaming: the cross-node default, over TLS (mutual) when the manifest gives certificates.
 
-A channel is one `PushKV` stream fed from a queue: `send` cuts a frame into pieces of at most
-`PIECE_BYTES` and returns once grpcio has taken all but `WINDOW_BYTES` of what was queued (so the
-sender keeps pace with the link, its lease renewed as frames go, and what is left when `finish` ends
-the stream is at most a window, not the whole prompt's KV held in memory behind a slow link); `finish`
-ends the stream and reads the receiver's `KVAck`. Each piece
-becomes a message only when grpcio's request thread takes it to the wire (the payload stays unchanged
-until `finish`, as the channel interface allows); building every message up front in the sending
-thread moved a 16K-token prompt at about half the rate, measured side by side (docs/benchmarks.md).
-The receiving half hands a frame that came in one message to the sink as a view of the message's
-bytes; a larger one is assembled into one buffer first. A sender keeps one HTTP/2 channel per decode
-worker, so streams share its connection.
+A channel is one `PushKV` stream fed from a queue: `send` cuts a frame into messages of at most
+`PIECE_BYTES` (1.5 MiB: grpcio moves a stream of such messages faster than one of larger ones;
+measured in docs/benchmarks.md) and returns once grpcio has taken all but `WINDOW_BYTES` of what was
+queued (so the sender keeps pace with the link, its lease renewed as frames go, and what is left
+when `finish` ends the stream is at most a window, not the whole prompt's KV held in memory behind a
+slow link); `finish` ends the stream and reads the receiver's `KVAck`. Each piece becomes a message
+only when grpcio's request thread takes it to the wire (the payload stays unchanged until `finish`,
+as the channel interface allows); building every message up front in the sending thread moved a
+16K-token prompt at about half the rate, measured side by side (docs/benchmarks.md). The receiving
+half hands a frame that came in one message to the sink as a view of the message's bytes; a larger
+one is assembled first, in a buffer the stream keeps for its next frames. A sender keeps one HTTP/2
+channel per decode worker, so streams share its connection.
 
 The messages are `KVFrame`s of kv_transfer.proto on the wire, but the payload field skips protobuf's
 copies: the sender writes the small fields with protobuf and appends the payload field itself (field
@@ -47,11 +48,16 @@ log = logging.getLogger(__name__)
 
 CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the cluster's token
 
-PIECE_BYTES = 4 << 20
+# A frame's bytes per message. Measured on loopback (docs/benchmarks.md, seventh session): grpcio
+# alone moved messages of 1-1.5 MiB faster than larger ones (3 MiB: 20-25% slower, 6 MiB: 40%), and
+# frames of 6 and 24 MiB (8B- and 7B-class layouts) went 1.17-1.30x faster in pieces of 1.5 MiB than
+# of 4 MiB. A 1.5 MiB frame (1,536 tokens of 1 KiB) is one message, which reaches the sink unassembled.
+PIECE_BYTES = 3 << 19
+MAX_PIECE_BYTES = 4 << 20  # taken from a sender: the pieces of senders before the change above
 WINDOW_BYTES = 64 << 20  # queued on a stream and not yet taken by grpcio, at most (a piece more)
 SEND_TIMEOUT_S = 30.0  # a stream that takes nothing for this long has stalled
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
-_MESSAGE_LIMIT = PIECE_BYTES + (64 << 10)  # a piece and its header fields
+_MESSAGE_LIMIT = max(PIECE_BYTES, MAX_PIECE_BYTES) + (64 << 10)  # a piece and its header fields
 OPTIONS = [
     ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
     ("grpc.max_send_message_length", _MESSAGE_LIMIT),
@@ -273,7 +279,8 @@ class _KVTransferService:
                         context.peer(), self.refused)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "KV stream without this cluster's secret: refused")
         frames = corrupt = 0
-        assembling: tuple[FrameHeader, bytearray] | None = None
+        assembling: FrameHeader | None = None  # the frame whose pieces are being put together in `buffer`
+        buffer = bytearray()  # kept across the stream's frames: the sink's view is valid only during its call
         try:
             for data in request_iterator:
                 try:
@@ -292,14 +299,16 @@ class _KVTransferService:
                     complete = piece
                 else:
                     if message.offset == 0:
-                        assembling = (header, bytearray(header.payload_bytes))
-                    if assembling is None or assembling[0] != header:
+                        assembling = header
+                        if len(buffer) < header.payload_bytes:
+                            buffer = bytearray(header.payload_bytes)
+                    if assembling != header:
                         self.malformed += 1
                         raise TransferError("a frame's messages arrived out of order")
-                    assembling[1][message.offset : end] = piece
+                    buffer[message.offset : end] = piece
                     if end < header.payload_bytes:
                         continue
-                    complete, assembling = memoryview(assembling[1]), None
+                    complete, assembling = memoryview(buffer)[: header.payload_bytes], None
                 try:
                     self.sink(header, complete)
                     frames += 1

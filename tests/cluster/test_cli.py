@@ -36,6 +36,22 @@ def test_a_benchmark_trace_it_cannot_use_is_a_clear_error(tmp_path, capsys, trac
 
 
 @pytest.mark.timeout(300)
+def test_bench_kv_times_the_transports_alone_with_frames_of_a_given_size(tmp_path):
+    """`--codecs` with none: the transport table alone; `--token-bytes`: its frames as a larger model's
+    (a layer's 1,536 tokens of 4 KiB: 6 MiB, four gRPC messages each)."""
+    out = tmp_path / "kv.json"
+    result = pdserve("bench", "kv", "--transports", "grpc", "--tokens", "2048", "--repeats", "1",
+                     "--token-bytes", "4096", "--codecs", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["codecs"] == []
+    rows = {row["transport"]: row for row in report["transports"]}
+    assert set(rows) == {"grpc", "grpc-bytes"}
+    assert all(row["frame_bytes"] == 1536 * 4096 and row["bytes"] == 4 * 2048 * 4096 and row["gb_per_s"] > 0
+               for row in rows.values())
+
+
+@pytest.mark.timeout(300)
 def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
     manifest = tmp_path / "demo.yaml"
     manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"

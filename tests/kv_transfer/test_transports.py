@@ -85,8 +85,9 @@ def pair(request):
 def test_frames_arrive_whole_and_in_order(pair):
     sink = RecordingSink()
     sender, receiver = pair(sink)
-    # Small frames, and frames beyond one gRPC message (4 MiB) and one shared-memory slot (8 MiB).
-    sizes = [1, 1000, 5 << 20, 9 << 20, 70000]
+    # Small frames, and frames beyond one gRPC message (1.5 MiB; 3 MiB after 9 MiB: assembled in part of
+    # the buffer the larger one left) and one shared-memory slot (8 MiB).
+    sizes = [1, 1000, 5 << 20, 9 << 20, 3 << 20, 70000]
     frames = [frame(i, n, seed=i) for i, n in enumerate(sizes)]
     for round_ in range(2):  # a second transfer reuses what the first set up (segment, group, connection)
         channel = sender.open(receiver.address, "t1")
