@@ -55,6 +55,7 @@ from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.interface import Codec, FrameHeader
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
+from pdserve.kv_transfer.transports.grpc_stream import MAX_FRAME_BYTES
 from pdserve.kv_transfer.transports.grpc_stream import OPTIONS as GRPC_OPTIONS
 from pdserve.kv_transfer.transports.grpc_stream import PIECE_BYTES as GRPC_PIECE_BYTES
 
@@ -74,6 +75,11 @@ class KVBenchConfig:
     continuations: int = 128
     continuation_tokens: int = 64
     out: Path = Path("bench-results/kv.json")
+
+    def __post_init__(self) -> None:
+        if self.token_bytes is not None and not 0 < self.token_bytes * FRAME_TOKENS <= MAX_FRAME_BYTES:
+            raise ValueError(f"token bytes must make frames of 1 to {MAX_FRAME_BYTES} bytes ({FRAME_TOKENS} tokens "
+                             f"each): at most {MAX_FRAME_BYTES // FRAME_TOKENS}, got {self.token_bytes}")
 
 
 # --- transports ----------------------------------------------------------------------------------

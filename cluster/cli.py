@@ -163,7 +163,8 @@ def _bench_kv(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench_kv import KVBenchConfig, run
 
     run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
-                      repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs), windows=args.windows, out=Path(args.out)))
+                      repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs),
+                      windows=args.windows, out=Path(args.out)))
     return 0
 
 
