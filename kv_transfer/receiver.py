@@ -5,8 +5,8 @@ says how many: the sender skips them) and agrees on a codec: the first of those 
 side can decode, else raw. It waits a bounded time (`reserve_wait_s`) for free blocks before it gives
 up with `KVMemoryFull`, so a full decode pool slows prefill down instead of failing requests at once.
 A lease starts at the reservation, which the prefill side makes as the prompt pass starts, and
-every frame that arrives (and every `renew`) extends it: it cannot expire under a transfer that makes
-progress.
+every frame that arrives (a damaged or undecodable one too: its sender is alive) and every `renew`
+extends it: it cannot expire under a transfer that makes progress.
 
 Frames arrive from any transport, on its threads, through `receive_frame`: checked (its checksum), decoded
 and written straight into the reserved blocks (one copy), without a round trip through the engine
@@ -177,12 +177,20 @@ class KVReceiver:
             self._receive(header, payload)
 
     def _receive(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
-        self._verify(header, payload)
+        try:
+            self._verify(header, payload)
+        except CorruptFrame:  # the sender is alive all the same: its transfer's lease lasts (its id intact)
+            with self._lock:
+                damaged = self._incoming.get(header.transfer_id)
+            if damaged is not None:
+                damaged.expires_at = time.time() + self.lease_s
+            raise
         try:
             incoming = self._get(header.transfer_id)
         except TransferError:
             self._count("refused_frames")
             raise
+        incoming.expires_at = time.time() + self.lease_s  # a frame that arrives is progress, even one not taken
         try:
             kv = self._decode(incoming, header, payload)
         except CorruptFrame as e:  # intact on the wire, yet it does not decode: dropped as a damaged frame is,
@@ -201,7 +209,6 @@ class KVReceiver:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {header.transfer_id} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
-            incoming.expires_at = time.time() + self.lease_s  # before the write: a long one is progress too
             try:
                 self.kv_cache.write_tokens(header.layer, slots, kv)
             finally:

@@ -644,6 +644,25 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
+def test_corrupt_frames_that_keep_arriving_renew_the_lease_too(sides, hf_reference):
+    """A link that damages every frame for longer than the lease: the transfer stays open (its sender
+    is alive), so the commit names the layers for a resend, and the recompute after it can come,
+    instead of the lease lapsing under it."""
+    prefill, decode, receiver, outputs = sides  # lease_s = 0.2
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=11)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    reserved_at = time.time()
+    for layer in range(decode.kv_layout.num_layers):
+        time.sleep(0.1)
+        with pytest.raises(CorruptFrame):
+            send_layer(receiver, prefill, request_id, layer, corrupt=True)
+        assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
+    assert receiver.commit("t1", handoff) == list(range(decode.kv_layout.num_layers))
+    assert receiver.commit("t1", handoff, recompute=True) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+
+
 def every_layer_delivered(sides, hf_reference, seed: int) -> tuple[list[int], str, object]:
     """A 30-token prompt prefilled, reserved as transfer t1, and every layer of it received: its
     prompt, request id and handoff."""
