@@ -183,14 +183,14 @@ class KVReceiver:
             with self._lock:
                 damaged = self._incoming.get(header.transfer_id)
             if damaged is not None:
-                damaged.expires_at = time.time() + self.lease_s
+                self._extend(damaged)
             raise
         try:
             incoming = self._get(header.transfer_id)
         except TransferError:
             self._count("refused_frames")
             raise
-        incoming.expires_at = time.time() + self.lease_s  # a frame that arrives is progress, even one not taken
+        self._extend(incoming)  # a frame that arrives is progress, even one not taken
         try:
             kv = self._decode(incoming, header, payload)
         except CorruptFrame as e:  # intact on the wire, yet it does not decode: dropped as a damaged frame is,
@@ -246,11 +246,14 @@ class KVReceiver:
     # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:
         """Extend a lease whose transfer is still making progress on the sending side."""
-        incoming = self._get(transfer_id)
-        incoming.expires_at = time.time() + self.lease_s
+        incoming = self._extend(self._get(transfer_id))
         reservation = incoming.reservation
         return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks,
                      incoming.codec.name)
+
+    def _extend(self, incoming: _Incoming) -> _Incoming:
+        incoming.expires_at = time.time() + self.lease_s
+        return incoming
 
     def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
         """Admit the request once every layer is complete; returns the layers still incomplete (empty
