@@ -3,6 +3,7 @@ prefix hit is not sent, a corrupt frame is asked for again, and every failure pa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import replace
@@ -626,40 +627,30 @@ def test_a_commit_waits_for_a_frame_being_written(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
-def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference):
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, corrupt):
+    """Each layer 0.1 s after the one before, past the reservation's 0.2 s lease: every frame that
+    arrives extends the lease, and a renewal the same way. A damaged frame too (a link that damages
+    every frame for longer than the lease: its sender is alive), so the commit then names those layers
+    for a resend, and the recompute after it can come, instead of the lease lapsing under them."""
     prefill, decode, receiver, outputs = sides  # lease_s = 0.2
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
     request_id = prefilled(prefill, prompt)
     handoff, _ = reserve(receiver, prefill, request_id)
     reserved_at = time.time()
-    for layer in range(decode.kv_layout.num_layers):
+    layers = list(range(decode.kv_layout.num_layers))
+    for layer in layers:
         time.sleep(0.1)
-        send_layer(receiver, prefill, request_id, layer)
+        with pytest.raises(CorruptFrame) if corrupt else contextlib.nullcontext():
+            send_layer(receiver, prefill, request_id, layer, corrupt=corrupt)
         # The reservation's own lease ended at reserved_at + 0.2; this layer's runs 0.2 s from now.
         assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
     renewed = receiver.renew("t1")  # a renewal extends it the same way
-    assert renewed.expires_at >= reserved_at + 0.1 * decode.kv_layout.num_layers + 0.2
+    assert renewed.expires_at >= reserved_at + 0.1 * len(layers) + 0.2
     assert receiver.expire_leases(now=renewed.expires_at - 0.01) == []
-    assert receiver.commit("t1", handoff) == []
-    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
-
-
-def test_corrupt_frames_that_keep_arriving_renew_the_lease_too(sides, hf_reference):
-    """A link that damages every frame for longer than the lease: the transfer stays open (its sender
-    is alive), so the commit names the layers for a resend, and the recompute after it can come,
-    instead of the lease lapsing under it."""
-    prefill, decode, receiver, outputs = sides  # lease_s = 0.2
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=11)[0]
-    request_id = prefilled(prefill, prompt)
-    handoff, _ = reserve(receiver, prefill, request_id)
-    reserved_at = time.time()
-    for layer in range(decode.kv_layout.num_layers):
-        time.sleep(0.1)
-        with pytest.raises(CorruptFrame):
-            send_layer(receiver, prefill, request_id, layer, corrupt=True)
-        assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
-    assert receiver.commit("t1", handoff) == list(range(decode.kv_layout.num_layers))
-    assert receiver.commit("t1", handoff, recompute=True) == []
+    if corrupt:
+        assert receiver.commit("t1", handoff) == layers
+    assert receiver.commit("t1", handoff, recompute=corrupt) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
