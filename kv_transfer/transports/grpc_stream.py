@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the cluster's token
 
 # A frame's bytes per message. Measured on loopback (docs/benchmarks.md, seventh session): grpcio
-# alone moved messages of 1-1.5 MiB faster than larger ones (3 MiB: 20-25% slower, 6 MiB: 40%), and
+# alone moved messages of 1-1.5 MiB faster than larger ones (3 MiB: 20-33% slower, 6 MiB: 32-42%), and
 # frames of 6 and 24 MiB (8B- and 7B-class layouts) went 1.17-1.30x faster in pieces of 1.5 MiB than
 # of 4 MiB. A 1.5 MiB frame (1,536 tokens of 1 KiB) is one message, which reaches the sink unassembled.
 PIECE_BYTES = 3 << 19

@@ -38,13 +38,14 @@ def sides(model_dirs):
     loop.stop()
 
 
-def send_layer(receiver, prefill, request_id, layer, first_token=0, transfer_id="t1", corrupt=False):
-    """Send one layer's KV of the held request from `first_token` on as one raw frame."""
+def send_layer(receiver, prefill, request_id, layer, first_token=0, transfer_id="t1", corrupt=False, level=0):
+    """Send one layer's KV of the held request from `first_token` on as one raw frame (`corrupt`: its
+    checksum wrong; `level`: what its header says, raw having only 0)."""
     seq = prefill.requests[request_id]
     slots = prefill.kv_cache.token_slots(seq.block_table, first_token, seq.num_computed_tokens - first_token)
     payload = memoryview(make_codec("raw", None, prefill.kv_layout).encode(
         prefill.kv_cache.read_tokens(layer, slots), layer)).cast("B")
-    header, payload = make_frame(transfer_id, layer, first_token, len(slots), "raw", 0, payload, None)
+    header, payload = make_frame(transfer_id, layer, first_token, len(slots), "raw", level, payload, None)
     receiver.receive_frame(replace(header, crc32=header.crc32 ^ int(corrupt)), payload)
 
 
@@ -627,12 +628,13 @@ def test_a_commit_waits_for_a_frame_being_written(sides, hf_reference):
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
-def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, corrupt):
+@pytest.mark.parametrize("damage", [None, "checksum", "level"])
+def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, damage):
     """Each layer 0.1 s after the one before, past the reservation's 0.2 s lease: every frame that
     arrives extends the lease, and a renewal the same way. A damaged frame too (a link that damages
-    every frame for longer than the lease: its sender is alive), so the commit then names those layers
-    for a resend, and the recompute after it can come, instead of the lease lapsing under them."""
+    every frame for longer than the lease: its sender is alive), or one intact that does not decode,
+    so the commit then names those layers for a resend, and the recompute after it can come, instead
+    of the lease lapsing under them."""
     prefill, decode, receiver, outputs = sides  # lease_s = 0.2
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
     request_id = prefilled(prefill, prompt)
@@ -641,16 +643,16 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, corrupt)
     layers = list(range(decode.kv_layout.num_layers))
     for layer in layers:
         time.sleep(0.1)
-        with pytest.raises(CorruptFrame) if corrupt else contextlib.nullcontext():
-            send_layer(receiver, prefill, request_id, layer, corrupt=corrupt)
+        with pytest.raises(CorruptFrame) if damage else contextlib.nullcontext():
+            send_layer(receiver, prefill, request_id, layer, corrupt=damage == "checksum", level=int(damage == "level"))
         # The reservation's own lease ended at reserved_at + 0.2; this layer's runs 0.2 s from now.
         assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
     renewed = receiver.renew("t1")  # a renewal extends it the same way
     assert renewed.expires_at >= reserved_at + 0.1 * len(layers) + 0.2
     assert receiver.expire_leases(now=renewed.expires_at - 0.01) == []
-    if corrupt:
+    if damage:
         assert receiver.commit("t1", handoff) == layers
-    assert receiver.commit("t1", handoff, recompute=corrupt) == []
+    assert receiver.commit("t1", handoff, recompute=damage is not None) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
 
 
