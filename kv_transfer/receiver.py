@@ -180,9 +180,7 @@ class KVReceiver:
         try:
             self._verify(header, payload)
         except CorruptFrame:  # the sender is alive all the same: its transfer's lease lasts (its id intact)
-            with self._lock:
-                damaged = self._incoming.get(header.transfer_id)
-            if damaged is not None:
+            if (damaged := self._find(header.transfer_id)) is not None:
                 self._extend(damaged)
             raise
         try:
@@ -365,9 +363,12 @@ class KVReceiver:
         with self._lock:
             return len(self._incoming)
 
-    def _get(self, transfer_id: str) -> _Incoming:
+    def _find(self, transfer_id: str) -> _Incoming | None:
         with self._lock:
-            incoming = self._incoming.get(transfer_id)
+            return self._incoming.get(transfer_id)
+
+    def _get(self, transfer_id: str) -> _Incoming:
+        incoming = self._find(transfer_id)
         if incoming is None:
             raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
         return incoming

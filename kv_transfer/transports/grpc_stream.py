@@ -53,11 +53,11 @@ CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the
 # frames of 6 and 24 MiB (8B- and 7B-class layouts) went 1.17-1.30x faster in pieces of 1.5 MiB than
 # of 4 MiB. A 1.5 MiB frame (1,536 tokens of 1 KiB) is one message, which reaches the sink unassembled.
 PIECE_BYTES = 3 << 19
-MAX_PIECE_BYTES = 4 << 20  # the largest piece a receiver takes: what senders sent before the change above
+MAX_PIECE_BYTES = 4 << 20  # the largest piece a receiver takes (>= PIECE_BYTES): what senders sent before
 WINDOW_BYTES = 64 << 20  # queued on a stream and not yet taken by grpcio, at most (a piece more)
 SEND_TIMEOUT_S = 30.0  # a stream that takes nothing for this long has stalled
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
-_MESSAGE_LIMIT = max(PIECE_BYTES, MAX_PIECE_BYTES) + (64 << 10)  # a piece and its header fields
+_MESSAGE_LIMIT = MAX_PIECE_BYTES + (64 << 10)  # a piece and its header fields
 OPTIONS = [
     ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
     ("grpc.max_send_message_length", _MESSAGE_LIMIT),
