@@ -35,10 +35,9 @@ from pdserve.kv_transfer.codecs.base import (
     payload_bytes,
     rounded_like,
 )
-from pdserve.kv_transfer.codecs.cachegen_coding import FORMAT, RowModels, check_probabilities
+from pdserve.kv_transfer.codecs.cachegen_coding import FORMAT, DecodedRows, RowModels, check_probabilities
 from pdserve.kv_transfer.codecs.cachegen_quant import (
     Steps,
-    Symbols,
     channels_first,
     coded_deltas,
     dequantize,
@@ -141,7 +140,7 @@ class CacheGenCodec:
         coded = coded_deltas(n, self.group_size)
         anchor_models, delta_models = self._row_models(layer, level)
         coder = constriction.stream.stack.AnsCoder()
-        # A stack: pushed in the reverse of the order `_decode_symbols` reads (anchors, then deltas).
+        # A stack: pushed in the reverse of the order `_decode_rows` reads (anchors, then deltas).
         if coded:
             delta_models.encode(coder, symbols.deltas[:, :, :coded].reshape(-1, coded))
         anchor_models.encode(coder, symbols.anchors.reshape(-1, symbols.anchors.shape[2]))
@@ -161,29 +160,26 @@ class CacheGenCodec:
         escapes = data[_COUNT.size : words_at].copy().view(np.float32)
         words = data[words_at:].copy().view(np.uint32)
         steps = self.tables.steps(layer, level)
-        symbols = self._decode_symbols(words, escapes, layer, level, num_tokens)
-        if escape_count(symbols, steps) != num_escapes:
-            raise CorruptFrame(f"cachegen payload decodes to {escape_count(symbols, steps)} escapes, "
+        anchors, deltas = self._decode_rows(words, layer, level, num_tokens)
+        if escape_count(anchors, deltas, steps) != num_escapes:
+            raise CorruptFrame(f"cachegen payload decodes to {escape_count(anchors, deltas, steps)} escapes, "
                                f"its header says {num_escapes}")
-        x = dequantize(symbols, self.tables.mean[layer][..., None], steps, self.group_size,
-                       float(torch.finfo(dtype).max))[:, :, :num_tokens]
+        x = dequantize(anchors, deltas, escapes, self.tables.mean[layer][..., None], steps, self.group_size,
+                       num_tokens, float(torch.finfo(dtype).max))
+        # Tokens first, as the engine holds them: a view for float32 (whoever stores it copies it anyway).
         out = torch.from_numpy(x).transpose(1, 2).to(dtype)
-        return out.reshape(2, num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+        return out.view(2, num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
 
-    def _decode_symbols(self, words: np.ndarray, escapes: np.ndarray, layer: int, level: int,
-                        num_tokens: int) -> Symbols:
-        groups = num_groups(num_tokens, self.group_size)
-        coded = coded_deltas(num_tokens, self.group_size)
-        channels = self.layout.num_kv_heads * self.layout.head_dim
+    def _decode_rows(self, words: np.ndarray, layer: int, level: int, num_tokens: int) -> tuple[DecodedRows, DecodedRows]:
+        """(anchors, deltas), each value its quantized value times its step."""
         anchor_models, delta_models = self._row_models(layer, level)
         try:
             coder = constriction.stream.stack.AnsCoder(words)
-            anchors = anchor_models.decode(coder, groups)
-            # Padding deltas hold the zero symbol, R, as `dequantize` expects.
-            deltas = delta_models.decode(coder, coded, padded_length=groups * (self.group_size - 1))
+            anchors = anchor_models.decode(coder, num_groups(num_tokens, self.group_size))
+            deltas = delta_models.decode(coder, coded_deltas(num_tokens, self.group_size))
         except Exception as e:  # constriction raises on words that cannot have come from its encoder
             raise CorruptFrame(f"cachegen payload does not decode: {e}") from None
-        return Symbols(anchors.reshape(2, channels, -1), deltas.reshape(2, channels, -1), escapes)
+        return anchors, deltas
 
     def error_bound(self, kv: torch.Tensor, layer: int, level: int = 0) -> torch.Tensor:
         """The largest |x - decoded| of each element, decoded in kv's dtype: shaped like kv. Half a step,
@@ -205,6 +201,7 @@ class CacheGenCodec:
         if key not in self._models:
             t = self.tables
             radius = t.radius[layer, level].reshape(-1)
-            self._models[key] = tuple(RowModels.from_probs(probs[layer, level].reshape(len(radius), -1), radius)
-                                      for probs in (t.anchor_probs, t.delta_probs))
+            self._models[key] = tuple(
+                RowModels.from_probs(probs[layer, level].reshape(len(radius), -1), radius, step[layer, level])
+                for probs, step in ((t.anchor_probs, t.anchor_step), (t.delta_probs, t.delta_step)))
         return self._models[key]

@@ -12,6 +12,10 @@ over the symbols outside the core. By the chain rule this costs no bits against 
 on its own, but for the coder's 24-bit rounding of the smallest products and, in a row of odd
 length, one padding symbol.
 
+Decoding gives each symbol as its value, (s - R) times the row's step, straight from the pair (one
+lookup of both values), so that no array of symbols is made; only the few outer symbols come as
+symbols, for the caller to place.
+
 k is the smallest that holds `CORE_MASS` of the row's profiled mass, at most `MAX_CORE`. Both sides
 must choose alike, or the decoder reads garbage that no checksum catches: the choice is made in
 integers, which no platform rounds differently.
@@ -33,40 +37,47 @@ MAX_CORE = 7  # k: core alphabets of up to 16, pairs of up to 256
 FORMAT = (f"core-pairs-1:{CORE_MASS[0]}/{CORE_MASS[1]}:{MAX_CORE}:"
           f"constriction-{'.'.join(version('constriction').split('.')[:2])}")
 _MASS_UNIT = 2.0**32  # probabilities as integers, for the choice of k
-_PAIRS = (2 * MAX_CORE + 2) ** 2
 
 
-def _pair_split() -> np.ndarray:
-    """int32 [(MAX_CORE + 1) * _PAIRS]: at k * _PAIRS + pair, the pair's two core indices as int16s in
-    memory order (first, second)."""
-    table = np.zeros((MAX_CORE + 1, _PAIRS, 2), dtype=np.int16)
-    for k in range(MAX_CORE + 1):
-        base = 2 * k + 2
-        pairs = np.arange(base * base)
-        table[k, : base * base] = np.stack([pairs // base, pairs % base], axis=1)
-    return table.reshape(-1).view(np.int32)
+@dataclass(frozen=True)
+class DecodedRows:
+    """Rows as decoded, each symbol s as its quantized value (s - R) x the row's step, but for the few
+    symbols outside the core, which come apart: the caller makes their values (one may be the escape)."""
 
-
-_PAIR_SPLIT = _pair_split()
+    values: np.ndarray  # float32 [rows, length]; 0 where a symbol lies outside the core
+    rows: np.ndarray  # int64: where symbols lie outside the core, in C order over [rows, length]
+    columns: np.ndarray
+    symbols: np.ndarray  # int32: those symbols
 
 
 @dataclass(frozen=True)
 class RowModels:
-    """The models of one kind of row (anchors, or deltas) at one (layer, level): rows K/V-major."""
+    """The models of one kind of row (anchors, or deltas) at one (layer, level): rows K/V-major, with
+    the tables that turn a decoded pair into its two values (per row, its pairs' two float32 values side
+    by side, read as one float64: one lookup for both)."""
 
     radius: np.ndarray  # int32 [rows, 1]: R, the zero symbol; 2R + 1 is the escape
     core: np.ndarray  # int32 [rows, 1]: k
     pair_models: list[object]
     tail_models: list[object | None]  # None where one symbol lies outside the core: it needs no bits
+    pair_start: np.ndarray  # int32 [rows, 1]: where each row's (2k+2)^2 pairs begin in the tables below
+    pair_values: np.ndarray  # float64: each pair's two values (float32s, first then second); outer: 0
+    pair_outer: np.ndarray  # uint8: bit 0 where the pair's first symbol is outer, bit 1 where its second
 
     @classmethod
-    def from_probs(cls, probs: np.ndarray, radius: np.ndarray) -> RowModels:
-        """probs: float32 [rows, 2 R_max + 2], each row's symbols 0..2R+1 first; radius: [rows]."""
+    def from_probs(cls, probs: np.ndarray, radius: np.ndarray, step: np.ndarray | None = None) -> RowModels:
+        """probs: float32 [rows, 2 R_max + 2], each row's symbols 0..2R+1 first; radius: [rows]; step:
+        float32 [rows], what `decode` multiplies values by (1: the quantized values themselves)."""
         probs = probs.astype(np.float64)
         radius = np.asarray(radius, dtype=np.int64)
+        step = np.ones(len(probs), np.float32) if step is None else np.asarray(step, np.float32).reshape(-1)
         cores = _core_radii(probs, radius)
         pair_models: list[object] = [None] * len(probs)
         tail_models: list[object | None] = [None] * len(probs)
+        pair_count = (2 * cores + 2) ** 2
+        pair_start = np.concatenate([[0], np.cumsum(pair_count)[:-1]])
+        pair_values = np.zeros((int(pair_count.sum()), 2), np.float32)
+        pair_outer = np.zeros(int(pair_count.sum()), np.uint8)
         # Rows alike in (R, k) (most of a layer's) have their arrays made together.
         for r, k in {(int(r), int(k)) for r, k in zip(radius, cores)}:
             rows = np.flatnonzero((radius == r) & (cores == k))
@@ -80,7 +91,17 @@ class RowModels:
                 pair_models[row] = constriction.stream.model.Categorical(pairs[i], perfect=False)
                 if tails.shape[1] > 1:
                     tail_models[row] = constriction.stream.model.Categorical(tails[i], perfect=False)
-        return cls(_column(radius), _column(cores), pair_models, tail_models)
+            # Index i of the core is the value i - k; the outer index, 2k + 1, is made by the caller.
+            index = np.arange(2 * k + 2)
+            quantized = np.where(index <= 2 * k, index - k, 0).astype(np.float32)
+            first, second = np.divmod(np.arange((2 * k + 2) ** 2), 2 * k + 2)
+            at = pair_start[rows][:, None] + np.arange((2 * k + 2) ** 2)
+            # float32 products, as `quantize` took them apart: values come back bit for bit.
+            pair_values[at, 0] = quantized[first] * step[rows, None]
+            pair_values[at, 1] = quantized[second] * step[rows, None]
+            pair_outer[at] = (first == 2 * k + 1) | ((second == 2 * k + 1) << 1)
+        return cls(_column(radius), _column(cores), pair_models, tail_models, _column(pair_start),
+                   pair_values.reshape(-1).view(np.float64), pair_outer)
 
     def encode(self, coder: constriction.stream.stack.AnsCoder, symbols: np.ndarray) -> None:
         """Push rows of symbols [rows, n] so that `decode` reads them first, in order."""
@@ -103,28 +124,31 @@ class RowModels:
         for row_pairs, model in zip(pairs[::-1], reversed(self.pair_models)):
             coder.encode_reverse(row_pairs, model)
 
-    def decode(self, coder: constriction.stream.stack.AnsCoder, length: int, padded_length: int = 0) -> np.ndarray:
-        """Rows of `length` symbols, int32 [rows, max(length, padded_length)]: the padding holds the
-        zero symbol, R."""
-        symbols = np.empty((len(self.pair_models), max(length, padded_length)), dtype=np.int32)
-        symbols[:, length:] = self.radius
+    def decode(self, coder: constriction.stream.stack.AnsCoder, length: int) -> DecodedRows:
+        """Rows of `length` symbols, as `encode` pushed them."""
         if not length:
-            return symbols
+            empty = np.zeros(0, np.int64)
+            return DecodedRows(np.zeros((len(self.pair_models), 0), np.float32), empty, empty, empty.astype(np.int32))
         half = -(-length // 2)
-        pairs = np.concatenate([coder.decode(model, half) for model in self.pair_models])
-        # Both indices of each pair at once: one lookup of the pair's two int16 halves.
-        index = _PAIR_SPLIT.take(pairs.reshape(-1, half) + self.core * _PAIRS).view(np.int16)[:, :length]
-        low, width = self.radius - self.core, 2 * self.core + 1
-        np.add(index, low, out=symbols[:, :length])
-        outside = np.flatnonzero(index == width.astype(np.int16))  # few: positions, not a mask
-        rows, columns = np.divmod(outside, length)
+        pairs = np.concatenate([coder.decode(model, half) for model in self.pair_models]).reshape(-1, half)
+        # Whatever the words, a row's pairs index its own part of the tables: garbage, never out of bounds.
+        pairs += self.pair_start
+        values = self.pair_values.take(pairs).view(np.float32)[:, :length]
+        outer_pairs = np.flatnonzero(self.pair_outer.take(pairs) != 0)  # few: positions, not a mask
+        bits = self.pair_outer.take(pairs.ravel()[outer_pairs])
+        # Outer symbols in C order over [rows, 2 * half]: a pair's first before its second.
+        outside = np.repeat(2 * outer_pairs, (bits & 1) + (bits >> 1))
+        outside[np.cumsum((bits & 1) + (bits >> 1)) - 1] += bits >> 1  # a pair's last is its second if bit 1 is set
+        rows, columns = np.divmod(outside, 2 * half)
         counts = np.bincount(rows, minlength=len(self.tail_models)).tolist()
         tails = [coder.decode(model, n) if model is not None else np.zeros(n, dtype=np.int32)
                  for n, model in zip(counts, self.tail_models) if n]
+        symbols = np.zeros(0, np.int32)
         if tails:
             tail = np.concatenate(tails)
-            symbols[rows, columns] = np.where(tail < low[rows, 0], tail, tail + width[rows, 0])
-        return symbols
+            low, width = (self.radius - self.core)[rows, 0], (2 * self.core + 1)[rows, 0]
+            symbols = np.where(tail < low, tail, tail + width).astype(np.int32)
+        return DecodedRows(values, rows, columns, symbols)
 
 
 def check_probabilities(probs: np.ndarray, radius: np.ndarray) -> np.ndarray:

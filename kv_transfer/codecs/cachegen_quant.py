@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.kv_transfer.codecs.cachegen_coding import DecodedRows
+
 
 @dataclass(frozen=True)
 class Steps:
@@ -84,38 +86,65 @@ def quantize(x: np.ndarray, mean: np.ndarray, steps: Steps, num_tokens: int, gro
     )
 
 
-def escape_count(symbols: Symbols, steps: Steps) -> int:
-    return int(np.count_nonzero(symbols.anchors == 2 * steps.anchor_radius + 1)
-               + np.count_nonzero(symbols.deltas == 2 * steps.delta_radius + 1))
+def escape_count(anchors: DecodedRows, deltas: DecodedRows, steps: Steps) -> int:
+    return int(np.count_nonzero(_escaped(anchors, steps.anchor_radius))
+               + np.count_nonzero(_escaped(deltas, steps.delta_radius)))
 
 
-def dequantize(symbols: Symbols, mean: np.ndarray, steps: Steps, group_size: int, limit: float) -> np.ndarray:
-    """float32 [2, channels, whole groups of tokens] from symbols whose escape count was checked, about
-    the channels' `mean`. Padding deltas must hold the zero symbol (R). Values that were coded are
-    clamped to ±`limit` (the largest finite value of the dtype they are decoded into: near its end,
-    a value within half a step may lie past it, which the cast would make infinite)."""
-    two, channels, groups = symbols.anchors.shape
-    escape_a = symbols.anchors == 2 * steps.anchor_radius + 1
-    # Symbols are small integers: float32 holds them, and their differences, exactly.
-    anchor_hat = np.subtract(symbols.anchors, steps.anchor_radius, dtype=np.float32) * steps.anchor_step
+def dequantize(anchors: DecodedRows, deltas: DecodedRows, escapes: np.ndarray, mean: np.ndarray, steps: Steps,
+               group_size: int, num_tokens: int, limit: float) -> np.ndarray:
+    """float32 [2, channels, num_tokens] (a view: rows padded to whole groups) from a frame's decoded rows
+    (anchors [2 x channels, groups], deltas [2 x channels, coded_deltas(...)], each value its quantized
+    value times its step) whose escape count was checked, about the channels' `mean` ([2, channels, 1]).
+    Values that were coded are clamped to ±`limit` (the largest finite value of the dtype they are
+    decoded into: near its end, a value within half a step may lie past it, which the cast would make
+    infinite). Takes over the rows' arrays."""
+    two, channels = mean.shape[:2]
+    mean = mean.reshape(-1)
+    escape_a = _escaped(anchors, steps.anchor_radius)
     num_escaped_anchors = int(np.count_nonzero(escape_a))
-    escaped_anchors = symbols.escapes[:num_escaped_anchors]
+    anchor_hat = _fill_outside(anchors, steps.anchor_radius, steps.anchor_step)
+    escaped_rows, escaped_groups = anchors.rows[escape_a], anchors.columns[escape_a]
     # The deltas after an escaped anchor are against it as the encoder had it: about the mean.
-    anchor_hat[escape_a] = escaped_anchors - np.broadcast_to(mean, anchor_hat.shape)[escape_a]
-    out = np.empty((two, channels, groups, group_size), dtype=np.float32)
-    others = out[..., 1:]
+    anchor_hat[escaped_rows, escaped_groups] = escapes[:num_escaped_anchors] - mean[escaped_rows]
+    delta = _fill_outside(deltas, steps.delta_radius, steps.delta_step)
+    groups = anchor_hat.shape[1]
+    out = np.empty((two * channels, groups, group_size), dtype=np.float32)
+    whole = num_tokens // group_size  # groups that hold all their tokens; a last one may be short
     with np.errstate(over="ignore", invalid="ignore"):  # clamped below
-        out[..., 0] = anchor_hat + mean
-        qd = np.subtract(symbols.deltas, steps.delta_radius, dtype=np.float32).reshape(others.shape)
-        np.multiply(qd, steps.delta_step[..., None], out=others)
-        others += out[..., :1]
+        np.add(anchor_hat, mean[:, None], out=out[..., 0])
+        # One pass of float work: each delta plus its group's anchor, taken as the j-th delta of every
+        # group at a time (order="C": numpy's own order would loop over a group's G - 1 deltas, a short
+        # inner loop that made this pass twice as slow).
+        np.add(delta[:, : whole * (group_size - 1)].reshape(len(delta), whole, group_size - 1).transpose(0, 2, 1),
+               out[None, :, :whole, 0].transpose(1, 0, 2), out=out[:, :whole, 1:].transpose(0, 2, 1), order="C")
+        if groups > whole:
+            last = num_tokens - whole * group_size
+            np.add(delta[:, whole * (group_size - 1) :], out[:, whole, :1], out=out[:, whole, 1:last])
+    out = out.reshape(two * channels, -1)[:, :num_tokens]
     # Past an escaped anchor, or with steps this large, a coded value may pass the limit.
-    reach = (np.abs(mean) + steps.anchor_radius * np.abs(steps.anchor_step)
-             + steps.delta_radius * np.abs(steps.delta_step))
+    reach = (np.abs(mean) + steps.anchor_radius.reshape(-1) * np.abs(steps.anchor_step.reshape(-1))
+             + steps.delta_radius.reshape(-1) * np.abs(steps.delta_step.reshape(-1)))
     if num_escaped_anchors or not reach.max() < limit / 2:
         np.clip(out, -limit, limit, out=out)
-    out[..., 0][escape_a] = escaped_anchors
-    if num_escaped_anchors < len(symbols.escapes):
-        escape_d = (symbols.deltas == 2 * steps.delta_radius + 1).reshape(qd.shape)
-        others[escape_d] = symbols.escapes[num_escaped_anchors:]
-    return out.reshape(two, channels, -1)
+    out[escaped_rows, escaped_groups * group_size] = escapes[:num_escaped_anchors]
+    escape_d = _escaped(deltas, steps.delta_radius)
+    if escape_d.any():
+        group, within = np.divmod(deltas.columns[escape_d], group_size - 1)
+        out[deltas.rows[escape_d], group * group_size + 1 + within] = escapes[num_escaped_anchors:]
+    return out.reshape(two, channels, num_tokens)
+
+
+def _escaped(decoded: DecodedRows, radius: np.ndarray) -> np.ndarray:
+    """Which of the symbols outside the core are the escape."""
+    return decoded.symbols == 2 * radius.reshape(-1)[decoded.rows] + 1
+
+
+def _fill_outside(decoded: DecodedRows, radius: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The rows' values, with those of the symbols outside the core filled in (escapes' too: the caller
+    overwrites them)."""
+    rows = decoded.rows
+    values = decoded.values
+    values[rows, decoded.columns] = (np.subtract(decoded.symbols, radius.reshape(-1)[rows], dtype=np.float32)
+                                     * step.reshape(-1)[rows])
+    return values

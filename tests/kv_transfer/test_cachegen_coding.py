@@ -1,6 +1,6 @@
 """cachegen's entropy coding (`cachegen_coding`): rows of symbols come back exactly whatever their
-length, radius and spread; coding core symbols in pairs costs no more bits than coding each symbol on
-its own; the core holds CORE_MASS of each row's mass."""
+length, radius and spread, as their values times each row's step; coding core symbols in pairs costs
+no more bits than coding each symbol on its own; the core holds CORE_MASS of each row's mass."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import constriction
 import numpy as np
 import pytest
 
-from pdserve.kv_transfer.codecs.cachegen_coding import CORE_MASS, MAX_CORE, RowModels
+from pdserve.kv_transfer.codecs.cachegen_coding import CORE_MASS, MAX_CORE, DecodedRows, RowModels
 
 
 def peaked_probs(rows: int, radius: int, width: float, seed: int) -> np.ndarray:
@@ -27,6 +27,17 @@ def symbols_from(probs: np.ndarray, radii: np.ndarray, length: int, seed: int) -
     return np.array(rows, dtype=np.int32)
 
 
+def symbols_of(decoded: DecodedRows, models: RowModels) -> np.ndarray:
+    """The symbols of rows decoded with a step of 1, where each core symbol's value is s - R exactly."""
+    symbols = decoded.values + models.radius
+    assert np.array_equal(symbols, np.rint(symbols))
+    symbols = symbols.astype(np.int32)
+    outside = symbols[decoded.rows, decoded.columns]
+    assert np.all(outside == models.radius[decoded.rows, 0])  # their values were left at 0
+    symbols[decoded.rows, decoded.columns] = decoded.symbols
+    return symbols
+
+
 def round_trip(first: tuple[RowModels, np.ndarray], second: tuple[RowModels, np.ndarray]) -> np.ndarray:
     """Two kinds of rows in one stream, as cachegen puts anchors and deltas; returns its words."""
     coder = constriction.stream.stack.AnsCoder()
@@ -35,7 +46,7 @@ def round_trip(first: tuple[RowModels, np.ndarray], second: tuple[RowModels, np.
     words = coder.get_compressed()
     reader = constriction.stream.stack.AnsCoder(words)
     for models, symbols in (first, second):
-        assert np.array_equal(models.decode(reader, symbols.shape[1]), symbols)
+        assert np.array_equal(symbols_of(models.decode(reader, symbols.shape[1]), models), symbols)
     assert reader.is_empty()
     return words
 
@@ -58,6 +69,23 @@ def test_rows_far_from_their_profile_come_back_exactly():
     anywhere = rng.integers(0, 64, size=(8, 301), dtype=np.int32)
     anywhere[:, ::7] = 63  # the escape
     round_trip((models, anywhere), (models, np.full((8, 10), 31, dtype=np.int32)))
+
+
+def test_decoded_values_are_the_quantized_values_times_each_rows_step():
+    """Bit for bit the float32 products `quantize` divided by, so that decoding changes no value."""
+    radii = np.full(6, 31, dtype=np.int32)
+    probs = peaked_probs(6, 31, width=2.0, seed=8)
+    step = np.array([0.1, 0.3, 1e-3, 7.0, 0.6361295580863953, 3e-39], dtype=np.float32)
+    symbols = symbols_from(probs, radii, 301, seed=9)
+    coder = constriction.stream.stack.AnsCoder()
+    RowModels.from_probs(probs, radii).encode(coder, symbols)
+    decoded = RowModels.from_probs(probs, radii, step).decode(constriction.stream.stack.AnsCoder(coder.get_compressed()), 301)
+    expected = (symbols - radii[:, None]).astype(np.float32) * step[:, None]
+    inside = np.ones(symbols.shape, dtype=bool)
+    inside[decoded.rows, decoded.columns] = False
+    assert inside.mean() > 0.8 and decoded.values.dtype == np.float32
+    assert np.array_equal(decoded.values[inside].view(np.int32), expected[inside].view(np.int32))
+    assert np.array_equal(decoded.symbols, symbols[~inside])
 
 
 @pytest.mark.parametrize("width", [0.3, 1.5, 6.0])
