@@ -45,7 +45,7 @@ class DecodedRows:
     symbols outside the core, which come apart: the caller makes their values (one may be the escape)."""
 
     values: np.ndarray  # float32 [rows, length]; 0 where a symbol lies outside the core
-    rows: np.ndarray  # int64: where symbols lie outside the core, in C order over [rows, length]
+    rows: np.ndarray  # int64: where symbols lie outside the core, in C order (columns < length)
     columns: np.ndarray
     symbols: np.ndarray  # int32: those symbols
 
@@ -134,8 +134,11 @@ class RowModels:
         # Whatever the words, a row's pairs index its own part of the tables: garbage, never out of bounds.
         pairs += self.pair_start
         values = self.pair_values.take(pairs).view(np.float32)[:, :length]
-        outer_pairs = np.flatnonzero(self.pair_outer.take(pairs) != 0)  # few: positions, not a mask
-        bits = self.pair_outer.take(pairs.ravel()[outer_pairs])
+        outer = self.pair_outer.take(pairs)
+        if length % 2:  # the padding symbol: the encoder's is in the core, damaged words' may not be
+            outer[:, -1] &= 1
+        outer_pairs = np.flatnonzero(outer != 0)  # few: positions, not a mask
+        bits = outer.ravel()[outer_pairs]
         # Outer symbols in C order over [rows, 2 * half]: a pair's first before its second.
         outside = np.repeat(2 * outer_pairs, (bits & 1) + (bits >> 1))
         outside[np.cumsum((bits & 1) + (bits >> 1)) - 1] += bits >> 1  # a pair's last is its second if bit 1 is set

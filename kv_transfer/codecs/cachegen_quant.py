@@ -98,7 +98,7 @@ def dequantize(anchors: DecodedRows, deltas: DecodedRows, escapes: np.ndarray, m
     value times its step) whose escape count was checked, about the channels' `mean` ([2, channels, 1]).
     Values that were coded are clamped to ±`limit` (the largest finite value of the dtype they are
     decoded into: near its end, a value within half a step may lie past it, which the cast would make
-    infinite). Takes over the rows' arrays."""
+    infinite). Writes into `anchors.values` and `deltas.values`: use neither afterwards."""
     two, channels = mean.shape[:2]
     mean = mean.reshape(-1)
     escape_a = _escaped(anchors, steps.anchor_radius)

@@ -210,6 +210,29 @@ def test_damaged_payloads_raise_corrupt_frame(name, tables_dir):
         c.decode(payload, 0, c.num_levels, 40, torch.float32)  # a level the codec does not have
 
 
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_any_damaged_payload_decodes_to_a_frame_of_its_shape_or_raises_corrupt_frame(name, tables_dir):
+    """Flipped bits, random words behind a sound header, a token count off by a little: decoding gives a
+    frame of the asked shape or CorruptFrame (which the receiver counts and has resent), never another
+    error. (cachegen once read an odd row's padding symbol as an outer one and raised IndexError.)"""
+    c = codec(name, tables_dir)
+    rng = np.random.default_rng(12)
+    for num_tokens in (1, 9, 10, 11, 40):
+        payload = np.array(c.encode(synthetic_kv(num_tokens, seed=num_tokens), 0, 0))
+        damaged = [(payload, num_tokens + d) for d in (-1, 1, 2) if num_tokens + d > 0]
+        for _ in range(40):
+            flipped = payload.copy()
+            flipped[rng.integers(len(flipped))] ^= np.uint8(1 << int(rng.integers(8)))
+            random_words = np.concatenate([payload[:4] * 0, rng.integers(0, 256, len(payload) - 4, dtype=np.uint8)])
+            damaged += [(flipped, num_tokens), (random_words, num_tokens)]
+        for data, n in damaged:
+            try:
+                out = c.decode(data, 0, 0, n, torch.float32)
+            except CorruptFrame:
+                continue
+            assert out.shape == (2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+
+
 def test_unusable_codecs_say_why(tables_dir):
     with pytest.raises(CodecUnavailable, match="unknown codec 'zstd'"):
         make_codec("zstd", None, LAYOUT)
