@@ -77,7 +77,7 @@ class RowModels:
         pair_count = (2 * cores + 2) ** 2
         pair_start = np.concatenate([[0], np.cumsum(pair_count)[:-1]])
         pair_values = np.zeros((int(pair_count.sum()), 2), np.float32)
-        pair_outer = np.zeros(int(pair_count.sum()), np.uint8)
+        pair_outer = np.zeros(len(pair_values), np.uint8)
         # Rows alike in (R, k) (most of a layer's) have their arrays made together.
         for r, k in {(int(r), int(k)) for r, k in zip(radius, cores)}:
             rows = np.flatnonzero((radius == r) & (cores == k))
@@ -92,14 +92,14 @@ class RowModels:
                 if tails.shape[1] > 1:
                     tail_models[row] = constriction.stream.model.Categorical(tails[i], perfect=False)
             # Index i of the core is the value i - k; the outer index, 2k + 1, is made by the caller.
-            index = np.arange(2 * k + 2)
-            quantized = np.where(index <= 2 * k, index - k, 0).astype(np.float32)
-            first, second = np.divmod(np.arange((2 * k + 2) ** 2), 2 * k + 2)
-            at = pair_start[rows][:, None] + np.arange((2 * k + 2) ** 2)
+            size = 2 * k + 2
+            quantized = np.where(np.arange(size) < size - 1, np.arange(size) - k, 0).astype(np.float32)
+            first, second = np.divmod(np.arange(size * size), size)
+            at = pair_start[rows][:, None] + np.arange(size * size)
             # float32 products, as `quantize` took them apart: values come back bit for bit.
             pair_values[at, 0] = quantized[first] * step[rows, None]
             pair_values[at, 1] = quantized[second] * step[rows, None]
-            pair_outer[at] = (first == 2 * k + 1) | ((second == 2 * k + 1) << 1)
+            pair_outer[at] = (first == size - 1) | ((second == size - 1) << 1)
         return cls(_column(radius), _column(cores), pair_models, tail_models, _column(pair_start),
                    pair_values.reshape(-1).view(np.float64), pair_outer)
 
@@ -140,8 +140,9 @@ class RowModels:
         outer_pairs = np.flatnonzero(outer != 0)  # few: positions, not a mask
         bits = outer.ravel()[outer_pairs]
         # Outer symbols in C order over [rows, 2 * half]: a pair's first before its second.
-        outside = np.repeat(2 * outer_pairs, (bits & 1) + (bits >> 1))
-        outside[np.cumsum((bits & 1) + (bits >> 1)) - 1] += bits >> 1  # a pair's last is its second if bit 1 is set
+        per_pair = (bits & 1) + (bits >> 1)
+        outside = np.repeat(2 * outer_pairs, per_pair)
+        outside[np.cumsum(per_pair) - 1] += bits >> 1  # a pair's last is its second if bit 1 is set
         rows, columns = np.divmod(outside, 2 * half)
         counts = np.bincount(rows, minlength=len(self.tail_models)).tolist()
         tails = [coder.decode(model, n) if model is not None else np.zeros(n, dtype=np.int32)
