@@ -13,9 +13,10 @@ and written straight into the reserved blocks (one copy), without a round trip t
 loop; no running request reads those blocks. Each transfer's lock orders writes against an abort,
 so a block is never written after it was freed. On CUDA a frame is taken on the receiving
 thread's own stream (`side_streams.beside_the_engine`), not queued behind the engine's steps, and
-its write has landed before the lock is let go. A corrupt frame is counted and dropped; `commit`
-then names the layers still incomplete, the sender sends their frames once more, and if they still do
-not arrive the request is recomputed here from its tokens (`commit(..., recompute=True)`).
+its write has landed before the lock is let go. A corrupt frame, or one that does not decode (its
+codec's own fault included), is counted and dropped; `commit` then names the layers still
+incomplete, the sender sends their frames once more, and if they still do not arrive the request is
+recomputed here from its tokens (`commit(..., recompute=True)`).
 
 An abort may arrive before the reservation it cancels (Ray runs a threaded actor's calls in any
 order); the request's (or the transfer's) tombstone makes that reservation fail.
@@ -229,7 +230,7 @@ class KVReceiver:
 
     def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
         """The KV of a frame whose checksum holds; TransferError for a frame that could not belong to
-        this transfer."""
+        this transfer, CorruptFrame for one that does not decode (for whatever reason)."""
         if not 0 <= header.layer < self.layout.num_layers:
             raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
         if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
@@ -239,7 +240,19 @@ class KVReceiver:
         if header.codec not in (incoming.codec.name, "raw"):
             raise TransferError(f"frame in codec {header.codec!r}, {incoming.codec.name!r} was agreed")
         codec = incoming.codec if header.codec == incoming.codec.name else self.negotiate(["raw"])
-        return codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
+        try:
+            kv = codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
+        except (CorruptFrame, TransferError):
+            raise
+        except Exception as e:  # a fault of the codec's own (a bug): its traceback is logged, and the
+            # frame is dropped as one that does not decode, so the request is recomputed here at worst
+            log.exception("transfer %s: codec %r failed on an intact frame of layer %d", header.transfer_id,
+                          codec.name, header.layer)
+            raise CorruptFrame(f"codec {codec.name!r} failed on it: {type(e).__name__}: {e}") from e
+        expected = (2, header.num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+        if tuple(kv.shape) != expected:
+            raise CorruptFrame(f"codec {codec.name!r} decoded it to shape {tuple(kv.shape)}, not {expected}")
+        return kv
 
     # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:

@@ -163,6 +163,39 @@ def test_a_frame_intact_on_the_wire_that_does_not_decode_is_dropped_as_corrupt(s
     prefill.release(request_id)
 
 
+@pytest.mark.parametrize("fault", ["raises", "wrong shape"])
+def test_a_frame_its_codec_fails_on_is_dropped_as_corrupt_not_left_to_the_transport(sides, hf_reference,
+                                                                                   monkeypatch, fault):
+    """A codec's own bug (an exception that is no CorruptFrame, or KV of the wrong shape) on an intact
+    frame: dropped and counted as a frame that does not decode, the transfer left open, so the layer is
+    sent again (recomputed at worst), instead of the exception ending the transport's stream."""
+    prefill, decode, receiver, outputs = sides
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=57)[0]
+    request_id = prefilled(prefill, prompt)
+    handoff, _ = reserve(receiver, prefill, request_id)
+    raw = receiver.negotiate(["raw"])
+    decode_intact = raw.decode
+
+    def broken(payload, layer, *args):
+        if layer == 0:
+            if fault == "raises":
+                raise IndexError("index 7 is out of bounds for axis 0 with size 7")
+            return decode_intact(payload, layer, *args)[:, 1:]
+        return decode_intact(payload, layer, *args)
+
+    monkeypatch.setattr(raw, "decode", broken)
+    with pytest.raises(CorruptFrame, match="IndexError" if fault == "raises" else "shape"):
+        send_layer(receiver, prefill, request_id, 0)
+    send_layer(receiver, prefill, request_id, 1)
+    assert receiver.counters["corrupt_frames"] == 1 and receiver.num_in_flight == 1
+    assert receiver.commit("t1", handoff) == [0]
+    monkeypatch.setattr(raw, "decode", decode_intact)
+    send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
+    assert receiver.commit("t1", handoff) == []
+    assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)
+    prefill.release(request_id)
+
+
 @pytest.mark.parametrize("damage", [dict(layer=1), dict(start_token=16), dict(level=1), dict(codec="int8"),
                                     dict(transfer_id="t2")], ids=lambda d: next(iter(d)))
 def test_a_frame_whose_header_was_damaged_is_dropped_as_corrupt(sides, hf_reference, damage):
