@@ -45,10 +45,10 @@ from concurrent import futures
 import grpc
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_loader import cache_argument, cache_of, load_model, load_tokenizer
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
@@ -314,7 +314,7 @@ def _coding_seconds(codec: Codec, level: int, kv_layers: list[torch.Tensor]) -> 
 @torch.no_grad()
 def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=print) -> list[CodecRow]:
     torch.set_num_threads(1)  # speeds are per core
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     windowed = cfg.windows * cfg.window_tokens
     # Characters, set by the windows and prompts alone: the prompts (its last tokens) stay those of earlier runs.
@@ -327,20 +327,21 @@ def bench_codecs(cfg: KVBenchConfig, model_dir: Path, layout: KVLayout, log=prin
     chunks = torch.tensor(ids[windowed : windowed + SPEED_CHUNKS * FRAME_TOKENS]).view(SPEED_CHUNKS, FRAME_TOKENS)
     prompts = torch.tensor(ids[len(ids) - cfg.continuations * 256 :]).view(cfg.continuations, 256)
     half = cfg.window_tokens // 2
-    prefix_kv = _cache_kv(model(windows[:, :half], use_cache=True).past_key_values)
-    prompt_kv = _cache_kv(model(prompts[:, :-1], use_cache=True).past_key_values)
-    chunk_kv = _cache_kv(model(chunks, use_cache=True).past_key_values)
+    continue_from_cache = cache_argument(model)
+    prefix_kv = _cache_kv(cache_of(model(windows[:, :half], use_cache=True)))
+    prompt_kv = _cache_kv(cache_of(model(prompts[:, :-1], use_cache=True)))
+    chunk_kv = _cache_kv(cache_of(model(chunks, use_cache=True)))
     raw_bytes = sum(kv.numel() for kv in prefix_kv) * 4
     chunk_bytes = sum(kv.numel() for kv in chunk_kv) * 4
 
     def loss_from(cache: DynamicCache) -> float:
-        logits = model(windows[:, half:], past_key_values=cache).logits[:, :-1]
+        logits = model(windows[:, half:], **{continue_from_cache: cache}).logits[:, :-1]
         return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, half + 1 :].flatten()))
 
     def continue_from(cache: DynamicCache) -> torch.Tensor:
         token, out = prompts[:, -1:], []
         for _ in range(cfg.continuation_tokens):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **{continue_from_cache: cache}).logits[:, -1:].argmax(-1)
             out.append(token)
         return torch.cat(out, dim=1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.cache_utils import Cache
+from transformers.utils import ModelOutput
 from transformers.utils import logging as hf_logging
 
 from pdserve.engine.attention import AttentionProbe, register_paged_attention
@@ -146,6 +149,18 @@ def context_limit(config: PretrainedConfig, requested: int | None) -> int:
     """The context limit served: the requested max_model_len, capped by the model's own."""
     native = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
     return min(requested or native, native)
+
+
+def cache_of(output: ModelOutput) -> Cache:
+    """The KV cache a transformers forward pass returned: `cache` in the transformers that renamed it,
+    `past_key_values` (which warns there) in those before."""
+    cache = output.get("cache")
+    return output["past_key_values"] if cache is None else cache
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which this transformers' forward takes a KV cache to continue from."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -118,7 +118,8 @@ class LevelController:
 
     def _encode(self, kv: torch.Tensor, layer: int, level: int) -> Payload:
         payload = self.codec.encode(kv, layer, level)
-        self.sizes.observe(level, kv.shape[1], payload_nbytes(payload))
+        # A frame larger than raw travels raw (`OutgoingTransfer._encode`): raw's size is what it costs.
+        self.sizes.observe(level, kv.shape[1], min(payload_nbytes(payload), kv.numel() * kv.element_size()))
         return payload
 
 

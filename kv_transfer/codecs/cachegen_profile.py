@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+from pdserve.engine.model_loader import cache_of, context_limit, load_tokenizer
 from pdserve.engine.training import calibration_text
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE, CacheGenTables
 from pdserve.kv_transfer.codecs.cachegen_quant import Steps, channels_first, coded_deltas, quantize
@@ -37,23 +38,35 @@ def layer_factors(num_layers: int) -> np.ndarray:
 @torch.no_grad()
 def collect_kv(model_dir: str | Path, num_tokens: int, window: int,
                progress: bool) -> tuple[list[np.ndarray], tuple[int, int]]:
-    """Per layer: float32 [2, channels, tokens] of the KV the model caches for calibration text,
-    window by window (each window a whole number of groups); and (KV heads, head size) as cached."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    """Per layer: float32 [2, channels, tokens] of the KV the model caches for `num_tokens` tokens of
+    calibration text (whole groups of them), window by window (each a whole number of groups, the last
+    one perhaps shorter); and (KV heads, head size) as cached."""
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    window = min(window, model.config.max_position_embeddings) // GROUP_SIZE * GROUP_SIZE
+    context = context_limit(model.config, None)
+    window = min(window, context) // GROUP_SIZE * GROUP_SIZE
+    if window < GROUP_SIZE:
+        raise ValueError(f"cannot profile cachegen with windows of {window} tokens (the model's context is "
+                         f"{context}): each must hold a group of {GROUP_SIZE}")
     ids = tokenizer(calibration_text(num_tokens * 8), add_special_tokens=False)["input_ids"][:num_tokens]
+    ids = ids[: len(ids) // GROUP_SIZE * GROUP_SIZE]
+    if not ids:
+        raise ValueError(f"cannot profile cachegen on {num_tokens} tokens: it takes a group of {GROUP_SIZE} at least")
     per_layer: list[list[np.ndarray]] = [[] for _ in range(model.config.num_hidden_layers)]
     heads = (0, 0)
-    for start in tqdm(range(0, len(ids) - window + 1, window), desc="kv-profile", disable=not progress):
-        cache = model(torch.tensor([ids[start : start + window]]), use_cache=True).past_key_values
+    for start in tqdm(range(0, len(ids), window), desc="kv-profile", disable=not progress):
+        cache = cache_of(model(torch.tensor([ids[start : start + window]]), use_cache=True))
         for layer, layer_cache in enumerate(cache.layers):
             kv = torch.stack([layer_cache.keys[0], layer_cache.values[0]]).transpose(1, 2)  # [2, T, H, D]
             heads = (kv.shape[2], kv.shape[3])
             # A sliding-window layer keeps only its last window - 1 tokens: its latest whole groups,
             # so no zero padding enters the statistics.
             whole = kv.shape[1] // GROUP_SIZE * GROUP_SIZE
-            per_layer[layer].append(channels_first(kv[:, kv.shape[1] - whole :] if whole else kv, GROUP_SIZE))
+            if whole:
+                per_layer[layer].append(channels_first(kv[:, kv.shape[1] - whole :], GROUP_SIZE))
+    if short := [layer for layer, chunks in enumerate(per_layer) if not chunks]:
+        raise ValueError(f"layers {short} keep the KV of fewer than {GROUP_SIZE} tokens (their sliding window): "
+                         "cachegen cannot profile them")
     return [np.concatenate(chunks, axis=2) for chunks in per_layer], heads
 
 

@@ -262,3 +262,17 @@ def test_profiling_a_sliding_window_model_counts_only_the_tokens_its_layers_keep
     assert min(lengths) < max(lengths) == 300  # sliding and full layers both profiled
     for x in kv:
         assert (np.abs(x).sum(axis=(0, 1)) > 0).all(), "a token of zeros: padding in the statistics"
+
+
+@pytest.mark.parametrize("num_tokens, window, profiled", [(57, 1000, 50), (250, 100, 250)])
+def test_profiling_takes_every_whole_group_asked_for_even_past_the_last_whole_window(model_dirs, num_tokens,
+                                                                                     window, profiled):
+    """Fewer tokens than a window are one shorter window (it raised numpy's "need at least one array"
+    before); what is left after the last whole window is a last, shorter one (dropped before)."""
+    kv, _ = collect_kv(model_dirs["tiny-llama"], num_tokens=num_tokens, window=window, progress=False)
+    assert {x.shape[2] for x in kv} == {profiled}
+
+
+def test_profiling_fewer_tokens_than_a_group_says_so(model_dirs):
+    with pytest.raises(ValueError, match="a group of 10"):
+        collect_kv(model_dirs["tiny-llama"], num_tokens=9, window=1000, progress=False)

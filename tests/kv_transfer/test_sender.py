@@ -89,3 +89,14 @@ def test_a_codec_of_fixed_size_has_a_transfer_estimate_before_its_first_frame(na
 
 def test_a_codec_whose_size_depends_on_the_values_is_measured(cachegen):
     assert LevelController(cachegen, LevelSizes.of(cachegen), 1e3, None).transfer_s(1000) is None
+
+
+def test_a_frame_larger_than_raw_is_measured_at_raw_size_the_size_it_travels_at(cachegen):
+    """KV far outside the tables' range escapes value by value, past raw's size: such a frame goes raw,
+    so the transfer-time estimate (and the recompute decision on it) counts raw's bytes, not CacheGen's."""
+    kv = synthetic_kv(100, seed=7).to(LAYOUT.dtype) * 1e6
+    raw_bytes = kv.numel() * kv.element_size()
+    assert cachegen.encode(kv, 0).nbytes > raw_bytes
+    controller = LevelController(cachegen, LevelSizes({}), 1e3, None)
+    controller.encode(kv, 0, tokens_left=100)
+    assert controller.transfer_s(100) == pytest.approx(raw_bytes / 1e3)
