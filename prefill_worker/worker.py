@@ -733,7 +733,11 @@ class PrefillWorker:
             end, block_ids = job.written[layer]
             job.outgoing.send_through(layer, block_ids, end)
             job.last_layer_at = time.time()
-            self._renew(job)
+            if layer == 0 and end <= job.outgoing.first_token:
+                # Tokens the decode worker holds: no frame leaves, so none extends its lease there.
+                self._renew_lease(job)
+            else:
+                self._renew(job)
         except Exception as e:
             self._finish(job, error=f"KV transfer failed: {_reason(e)}", code=UNAVAILABLE)
         finally:

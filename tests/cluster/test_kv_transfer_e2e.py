@@ -109,6 +109,58 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again(cluster, hf_referenc
     assert_idle(cluster)
 
 
+def forget_prefixes(self) -> None:
+    """Inside the prefill worker: its prefix cache forgets every block no request uses."""
+    self.loop.call(lambda engine: engine.pool.reset_prefix_cache())
+
+
+def slow_chunks_before(self, token: int, chunk_tokens: int, pause_s: float) -> int | None:
+    """Inside the prefill worker: prompts go in chunks of `chunk_tokens`, and each chunk ending at or
+    before `token` takes `pause_s` more; returns the chunk setting before (`restore_chunks`)."""
+    config = self.engine.scheduler.config
+    before, config.prefill_chunk_size = config.prefill_chunk_size, chunk_tokens
+    original = self.engine.runner.layer_hook
+
+    def slow(layer, chunks):
+        if layer == 0 and all(c.seq.num_computed_tokens + c.num_tokens <= token for c in chunks):
+            time.sleep(pause_s)
+        original(layer, chunks)
+
+    self.engine.runner.layer_hook = slow
+    self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
+    return before
+
+
+def restore_chunks(self, before: int | None) -> None:
+    self.test_restore()
+    self.engine.scheduler.config.prefill_chunk_size = before
+
+
+def test_the_decode_lease_lasts_while_the_pass_computes_a_prefix_only_the_decode_worker_holds(cluster,
+                                                                                             hf_reference):
+    """The decode worker holds 64 tokens the prefill worker must compute, in chunks that together take
+    longer than the lease: they send no frame, which is what extends the lease on the decode side, so
+    the prefill worker renews it itself (the lease expired under a progressing transfer before, and the
+    request failed over to a retry)."""
+    vocab = hf_reference[ARCH].vocab_size
+    first = random_prompts(1, vocab, 100, 100, seed=33)[0]
+    generate(cluster, first)  # both workers now cache its 6 full blocks
+    prefill = worker(cluster, "prefill")
+    on_worker(prefill, forget_prefixes)  # now only the decode worker does
+    expired = counters(cluster, "decode").get("leases_expired", 0)
+    lease_s = cluster.manifest.kv_transfer.lease_s
+    before = on_worker(prefill, slow_chunks_before, 64, 16, 0.4 * lease_s)  # 4 chunks: 1.6 leases
+    try:
+        prompt = first[:64] + random_prompts(1, vocab, 40, 40, seed=34)[0]
+        out = generate(cluster, prompt)
+    finally:
+        on_worker(prefill, restore_chunks, before)
+    assert out.token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    assert last_transfer(cluster)["cached_tokens"] == 64
+    assert counters(cluster, "decode").get("leases_expired", 0) == expired
+    assert_idle(cluster)
+
+
 def test_requests_ending_at_their_first_token_leave_their_shm_segment_to_the_next(cluster, hf_reference):
     """A request that ends at its first token needs no handoff, but its frames are already on their
     way: its channel closes once they are answered, so the next transfer reuses the mapped segment
