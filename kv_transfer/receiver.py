@@ -158,6 +158,8 @@ class KVReceiver:
                     raise KVMemoryFull(f"decode worker's KV memory stayed full for {self.reserve_wait_s:g} s: {e}") \
                         from None
                 self._wait_for_room(e.free, min(remaining, RESERVE_RETRY_S), ended)
+            except ValueError:  # the request's own fault (its prompt), as the engine found it: no retry cures it
+                raise
             except Exception as e:
                 raise TransferError(f"decode worker cannot take request {request_id!r}: {e}") from e
 

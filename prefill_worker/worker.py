@@ -331,7 +331,6 @@ class PrefillWorker:
         return self.kv.pick(lease.addresses, same_node=lease.node_id == self.node_id)
 
     def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
-        self._forget_old_addresses(lease)
         name = self._transport_name(lease)
         with self._making:  # lanes open channels side by side: one sending half per transport
             transport = self._transports.get(name)
@@ -343,7 +342,8 @@ class PrefillWorker:
 
     def _forget_old_addresses(self, lease: Lease) -> None:
         """A decode worker that restarted listens on new addresses: what the transports hold for its
-        old ones (idle shm segments, a gRPC connection, a gloo group) is let go."""
+        old ones (idle shm segments, a gRPC connection, a gloo group) is let go. Called with each new
+        lease only: a resend reopening a channel on an older lease must not take its addresses back."""
         with self._lock:
             old = self._peer_addresses.get(lease.worker_id)
             self._peer_addresses[lease.worker_id] = lease.addresses
@@ -635,6 +635,7 @@ class PrefillWorker:
             self.counters["recompute_chosen"] += 1
             return None
         job.transport = self._transport_name(lease)
+        self._forget_old_addresses(lease)
         channel = self._open_channel(lease, job.transfer.transfer_id)
         return OutgoingTransfer(job.transfer.transfer_id, channel, controller, self.engine.kv_cache, first,
                                 num_tokens, self.kv.frame_tokens, before_frame=lambda: self._frame_due(job))

@@ -143,7 +143,7 @@ def test_the_decode_lease_lasts_while_the_pass_computes_a_prefix_only_the_decode
     the prefill worker renews it itself (the lease expired under a progressing transfer before, and the
     request failed over to a retry)."""
     vocab = hf_reference[ARCH].vocab_size
-    first = random_prompts(1, vocab, 100, 100, seed=33)[0]
+    first = random_prompts(1, vocab, 100, 100, seed=241)[0]
     generate(cluster, first)  # both workers now cache its 6 full blocks
     prefill = worker(cluster, "prefill")
     on_worker(prefill, forget_prefixes)  # now only the decode worker does
@@ -151,7 +151,7 @@ def test_the_decode_lease_lasts_while_the_pass_computes_a_prefix_only_the_decode
     lease_s = cluster.manifest.kv_transfer.lease_s
     before = on_worker(prefill, slow_chunks_before, 64, 16, 0.4 * lease_s)  # 4 chunks: 1.6 leases
     try:
-        prompt = first[:64] + random_prompts(1, vocab, 40, 40, seed=34)[0]
+        prompt = first[:64] + random_prompts(1, vocab, 40, 40, seed=242)[0]
         out = generate(cluster, prompt)
     finally:
         on_worker(prefill, restore_chunks, before)

@@ -452,6 +452,17 @@ def fill_pool(receiver, decode) -> list:
     return held
 
 
+def test_a_prompt_the_decode_engine_refuses_is_a_valueerror_the_requests_fault_and_holds_nothing(sides):
+    """The engine's ValueError (a token outside the vocabulary here) travels as such, so the prefill
+    worker reports INVALID_ARGUMENT, which no retry elsewhere would cure, not UNAVAILABLE."""
+    _, decode, receiver, _ = sides
+    prompt = [decode.vocab_size + 5] * 20
+    with pytest.raises(ValueError, match="prompt token ids must be"):
+        receiver.reserve("t1", "r1", prompt, GREEDY, len(prompt))
+    assert receiver.num_in_flight == 0
+    assert_pool_idle(decode)
+
+
 def test_reserve_waits_a_bounded_time_then_says_memory_is_full(sides):
     _, decode, receiver, _ = sides
     receiver.reserve_wait_s = 0.3
