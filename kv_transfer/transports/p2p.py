@@ -175,8 +175,10 @@ class _Group:
             # look, a refused JOIN cost GROUP_TIMEOUT_S.
             _raise_refusal(join, JOIN_REFUSAL_S)
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
+            self.device = device
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
-                _connect(self.pg, device, 0, None)
+                # On a stream of its own: a peer dying before its receive leaves no wait on the engine's stream.
+                _connect(self.pg, device, 0, torch.cuda.Stream(device) if device.type == "cuda" else None)
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
         except BaseException as e:
             refusal = None
@@ -397,6 +399,11 @@ class P2PSender:
                 return
             del self._groups[address]
         notify(address, LEAVE, [group.id.encode()], self.secret)
+        if group.device is not None:  # NCCL's communicator, its GPU memory and proxy thread go now, as the receiver's
+            try:
+                group.pg.abort()
+            except Exception as e:  # it had failed already: the last reference going frees it
+                log.warning("KV %s sender: aborting the group to %s failed: %s", self.backend, address, e)
 
     def forget(self, address: str) -> None:
         with self._lock:
@@ -551,7 +558,8 @@ class P2PReceiver:
     def stop(self) -> None:
         with self._lock:  # first: a JOIN finishing from here on aborts its group instead of keeping it
             self._stopped = True
-        self._server.stop()
+        if not self._server.stop():  # a lane still waits in a group: aborting under it can end the process
+            return  # in C++, so the groups go with the process, as shm's mappings do
         with self._lock:
             groups, self._groups = self._groups, {}
         for group_id, joined in groups.items():

@@ -5,6 +5,7 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -20,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import zmq
 from helpers import wait_until
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
-from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, start_receiver
+from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, shm, start_receiver
 from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
 
 
@@ -602,6 +604,32 @@ def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment(
             time.sleep(0.05)
         assert name not in receiver._maps
     finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_a_segment_whose_release_notice_fails_is_unmapped_here_all_the_same(monkeypatch):
+    """The notice to the receiver needs a socket of its own: when making it fails (out of file
+    descriptors, say), the segment is still unmapped and unlocked here (it stayed held before), and
+    the receiver's sweep takes its side once it maps a new one."""
+    receiver = start_receiver("shm", RecordingSink())
+    sender = make_sender("shm")
+    try:
+        channel = sender.open(receiver.address, "t1")
+        channel.send(*frame(0, 1000, seed=0))
+        channel.finish(10)
+        channel.close()
+        segment = sender._pools[receiver.address][0]
+
+        def no_socket(*args, **kwargs):
+            raise zmq.ZMQError(errno.EMFILE)
+
+        monkeypatch.setattr(shm, "notify", no_socket)
+        with pytest.raises(zmq.ZMQError):
+            sender.forget(receiver.address)
+        assert segment.map.closed and segment.path is None
+    finally:
+        monkeypatch.undo()
         sender.close()
         receiver.stop()
 
