@@ -17,8 +17,11 @@ _streams = threading.local()
 # Every stream the KV transfer makes is of high priority: torch hands streams out in turn from a pool of
 # 32 per device and priority, and NCCL's groups take theirs from the default priority's pool; one
 # shared with them would make a synchronize here wait on a send or receive stuck on a peer. (Past 32
-# streams, ours share.)
+# streams, ours share.) The streams a receiving group waits on for its peer's sends come from a pool
+# of their own (a priority higher still, so GPUs with three priorities or more keep the two apart):
+# a receiving thread's synchronize never waits on another pair's stalled receive.
 HIGH_PRIORITY = -1
+GROUP_PRIORITY = -2
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

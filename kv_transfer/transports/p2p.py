@@ -57,7 +57,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.side_streams import HIGH_PRIORITY
+from pdserve.kv_transfer.side_streams import GROUP_PRIORITY
 from pdserve.kv_transfer.transports.control import (ControlClient, ControlServer, Deferred, deliver, frame_header,
                                                      notify)
 from pdserve.threads import start_guarded
@@ -428,7 +428,8 @@ class _Joined(NamedTuple):
     pg: dist.Backend
     store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
     # NCCL: the group's own, so a stuck receive holds up no other group (from torch's pool of 32 per
-    # device of high priority, handed out in turn: groups may share one, NCCL's groups never do)
+    # device at GROUP_PRIORITY, handed out in turn: past 32 groups share one; receiving threads' side
+    # streams and NCCL's own never do)
     stream: torch.cuda.Stream | None
 
 
@@ -483,7 +484,7 @@ class P2PReceiver:
     def _join(self, group_id: str, store_host: str, port: int) -> None:
         store = dist.TCPStore(store_host, port, world_size=2, is_master=False, timeout=_timeout())
         group = _process_group(self.backend, dist.PrefixStore(group_id, store), 1, self.host)
-        stream = torch.cuda.Stream(self.device, priority=HIGH_PRIORITY) \
+        stream = torch.cuda.Stream(self.device, priority=GROUP_PRIORITY) \
             if self.device is not None and self.device.type == "cuda" else None
         joined = _Joined(group, store, stream)
         if self.device is not None:  # the sender's first send, which sets NCCL's communicator up
