@@ -246,15 +246,27 @@ class KVReceiver:
             kv = codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
         except (CorruptFrame, TransferError):
             raise
-        except Exception as e:  # a fault of the codec's own (a bug): its traceback is logged, and the
-            # frame is dropped as one that does not decode, so the request is recomputed here at worst
-            log.exception("transfer %s: codec %r failed on an intact frame of layer %d", header.transfer_id,
-                          codec.name, header.layer)
+        except Exception as e:  # a fault of the codec's own (a bug): the frame is dropped as one that does
+            # not decode, so the request is recomputed here at worst
+            self._give_up_on(codec, e)
             raise CorruptFrame(f"codec {codec.name!r} failed on it: {type(e).__name__}: {e}") from e
         expected = (2, header.num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
         if tuple(kv.shape) != expected:
+            self._give_up_on(codec, ValueError(f"decoded to shape {tuple(kv.shape)}, not {expected}"))
             raise CorruptFrame(f"codec {codec.name!r} decoded it to shape {tuple(kv.shape)}, not {expected}")
         return kv
+
+    def _give_up_on(self, codec: Codec, error: Exception) -> None:
+        """A codec that failed on an intact frame is agreed to no more (raw, which every transfer
+        falls back to, excepted): later reservations negotiate down to raw, rather than each of its
+        transfers sending its KV twice and recomputing it. Its error is logged, with the traceback, once."""
+        with self._lock:
+            offers = [offer for offer, known in self._codecs.items() if known is codec and codec.name != "raw"]
+            for offer in offers:
+                self._codecs[offer] = None
+        if offers:
+            log.error("codec %r failed on an intact frame, so it is refused from now on (transfers negotiate down "
+                      "to raw): %s: %s", codec.name, type(error).__name__, error, exc_info=error)
 
     # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:

@@ -342,8 +342,14 @@ class ControlClient:
 
 def notify(address: str, kind: bytes, parts: list[bytes], secret: ClusterSecret | None = None) -> None:
     """A last message to a receiving half (release, leave) on a socket of its own; best effort: it is
-    not answered, and it goes nowhere if the peer is gone (the socket lingers LINGER_MS, no longer)."""
-    client = ControlClient(address, secret=secret)
+    not answered, and it goes nowhere if the peer is gone (the socket lingers LINGER_MS, no longer) or
+    no socket can be made (out of descriptors: logged), so what its caller lets go of here goes all
+    the same (the receiver's own sweep, or its peer's leaving, covers its side)."""
+    try:
+        client = ControlClient(address, secret=secret)
+    except zmq.ZMQError as e:
+        log.warning("KV control: no socket for a %r notice to %s: %s", kind, address, e)
+        return
     try:
         client.send(kind, parts)
     except TransferError:

@@ -145,6 +145,13 @@ def _connect(pg: dist.Backend, device: torch.device, rank: int, stream: torch.cu
                             f"{GROUP_TIMEOUT_S + CONNECT_MARGIN_S:g} s: its peer never joined") from None
 
 
+def _abort_quietly(pg: dist.Backend, what: str) -> None:
+    try:
+        pg.abort()
+    except Exception as e:  # it had failed already, or this torch has no abort: the last reference going frees it
+        log.warning("KV p2p: aborting %s failed: %s", what, e)
+
+
 def check_backend(backend: str, device: torch.device | None) -> None:
     """Raise ValueError naming what is missing for `backend` with payloads on `device`."""
     if backend == "gloo":
@@ -177,10 +184,14 @@ class _Group:
             self.pg = _process_group(backend, dist.PrefixStore(self.id, self.store), 0, host)
             self.device = device
             if device is not None:  # NCCL sets its communicator up on the first send: here, not in a transfer
-                # On a stream of its own: a peer dying before its receive leaves no wait on the engine's stream.
-                _connect(self.pg, device, 0, torch.cuda.Stream(device) if device.type == "cuda" else None)
+                # On a stream of the groups' pool: a peer dying before its receive leaves no wait on the
+                # engine's stream, nor on a stream NCCL or a transfer thread is handed later.
+                _connect(self.pg, device, 0,
+                         torch.cuda.Stream(device, priority=GROUP_PRIORITY) if device.type == "cuda" else None)
             join.wait(lambda: not join.unanswered, GROUP_TIMEOUT_S)
         except BaseException as e:
+            if device is not None and hasattr(self, "pg"):  # NCCL's communicator goes now, not with the object
+                _abort_quietly(self.pg, f"the group being formed with {address}")
             refusal = None
             if not join.failures:  # the group did not form: a refusal that came late says why
                 try:
@@ -400,10 +411,7 @@ class P2PSender:
             del self._groups[address]
         notify(address, LEAVE, [group.id.encode()], self.secret)
         if group.device is not None:  # NCCL's communicator, its GPU memory and proxy thread go now, as the receiver's
-            try:
-                group.pg.abort()
-            except Exception as e:  # it had failed already: the last reference going frees it
-                log.warning("KV %s sender: aborting the group to %s failed: %s", self.backend, address, e)
+            _abort_quietly(group.pg, f"the group to {address}")
 
     def forget(self, address: str) -> None:
         with self._lock:
@@ -428,8 +436,8 @@ class _Joined(NamedTuple):
     pg: dist.Backend
     store: dist.TCPStore  # a client of the sender's store: it answers while the sender's side lives
     # NCCL: the group's own, so a stuck receive holds up no other group (from torch's pool of 32 per
-    # device at GROUP_PRIORITY, handed out in turn: past 32 groups share one; receiving threads' side
-    # streams and NCCL's own never do)
+    # device at GROUP_PRIORITY, handed out in turn: past 32 groups share one; NCCL's own streams never
+    # do, nor receiving threads' side streams on GPUs with three stream priorities or more)
     stream: torch.cuda.Stream | None
 
 
@@ -551,10 +559,7 @@ class P2PReceiver:
 
     def _abort(self, group_id: str, joined: _Joined) -> None:
         """End a group this side dropped: NCCL's communicator goes now, not with the last reference."""
-        try:
-            joined.pg.abort()
-        except Exception as e:  # it had failed already, or this torch has no abort: the reference going frees it
-            log.warning("KV %s receiver: aborting group %s failed: %s", self.backend, group_id, e)
+        _abort_quietly(joined.pg, f"{self.backend} group {group_id}")
 
     def stop(self) -> None:
         with self._lock:  # first: a JOIN finishing from here on aborts its group instead of keeping it

@@ -237,10 +237,8 @@ class ShmSender:
 
     def release(self, address: str, segment: _Segment) -> None:
         """Unmap a segment here and tell its receiver to unmap it too."""
-        try:
-            notify(address, RELEASE, [segment.name.encode()], self.secret)
-        finally:  # unmapped here whatever the notice met (a socket not made: out of descriptors)
-            segment.close()
+        notify(address, RELEASE, [segment.name.encode()], self.secret)
+        segment.close()
 
     def forget(self, address: str) -> None:
         with self._lock:

@@ -164,32 +164,38 @@ def test_a_frame_intact_on_the_wire_that_does_not_decode_is_dropped_as_corrupt(s
 
 
 @pytest.mark.parametrize("fault", ["raises", "wrong shape"])
-def test_a_frame_its_codec_fails_on_is_dropped_as_corrupt_not_left_to_the_transport(sides, hf_reference,
-                                                                                   monkeypatch, fault):
+def test_a_frame_its_codec_fails_on_is_dropped_as_corrupt_and_the_codec_refused_from_then_on(
+        sides, hf_reference, monkeypatch, fault):
     """A codec's own bug (an exception that is no CorruptFrame, or KV of the wrong shape) on an intact
     frame: dropped and counted as a frame that does not decode, the transfer left open, so the layer is
-    sent again (recomputed at worst), instead of the exception ending the transport's stream."""
+    sent again (recomputed at worst), instead of the exception ending the transport's stream; and the
+    codec is refused from then on, so later transfers go raw instead of each paying for it again."""
     prefill, decode, receiver, outputs = sides
+    int8 = make_codec("int8", None, prefill.kv_layout)
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=57)[0]
     request_id = prefilled(prefill, prompt)
-    handoff, _ = reserve(receiver, prefill, request_id)
-    raw = receiver.negotiate(["raw"])
-    decode_intact = raw.decode
+    handoff = prefill.export_handoff(request_id)
+    lease = receiver.reserve("t1", request_id, handoff.prompt_token_ids, handoff.params, len(prompt),
+                             codecs=offers({"int8": int8}))
+    assert lease.codec == "int8"
+    agreed = receiver._get("t1").codec
+    decode_intact = agreed.decode
 
     def broken(payload, layer, *args):
-        if layer == 0:
-            if fault == "raises":
-                raise IndexError("index 7 is out of bounds for axis 0 with size 7")
-            return decode_intact(payload, layer, *args)[:, 1:]
-        return decode_intact(payload, layer, *args)
+        if fault == "raises":
+            raise IndexError("index 7 is out of bounds for axis 0 with size 7")
+        return decode_intact(payload, layer, *args)[:, 1:]
 
-    monkeypatch.setattr(raw, "decode", broken)
+    monkeypatch.setattr(agreed, "decode", broken)
+    seq = prefill.requests[request_id]
+    kv = prefill.kv_cache.read_tokens(0, prefill.kv_cache.token_slots(seq.block_table, 0, len(prompt)))
     with pytest.raises(CorruptFrame, match="IndexError" if fault == "raises" else "shape"):
-        send_layer(receiver, prefill, request_id, 0)
-    send_layer(receiver, prefill, request_id, 1)
+        receiver.receive_frame(*make_frame("t1", 0, 0, len(prompt), "int8", 0, int8.encode(kv, 0), None))
     assert receiver.counters["corrupt_frames"] == 1 and receiver.num_in_flight == 1
+    assert receiver.negotiate(offers({"int8": int8})).name == "raw"
+    for layer in range(1, decode.kv_layout.num_layers):
+        send_layer(receiver, prefill, request_id, layer)  # raw frames: every transfer takes them
     assert receiver.commit("t1", handoff) == [0]
-    monkeypatch.setattr(raw, "decode", decode_intact)
     send_layer(receiver, prefill, request_id, 0)  # sent again: now complete
     assert receiver.commit("t1", handoff) == []
     assert wait_finished(outputs).token_ids == hf_reference[ARCH].greedy(prompt, 6)

@@ -25,7 +25,7 @@ import zmq
 from helpers import wait_until
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
-from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, shm, start_receiver
+from pdserve.kv_transfer.transports import TRANSPORT_NAMES, control, make_sender, start_receiver
 from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
 
 
@@ -608,26 +608,28 @@ def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment(
         receiver.stop()
 
 
-def test_a_segment_whose_release_notice_fails_is_unmapped_here_all_the_same(monkeypatch):
+def test_segments_whose_release_notice_cannot_be_sent_are_unmapped_here_all_the_same(monkeypatch):
     """The notice to the receiver needs a socket of its own: when making it fails (out of file
-    descriptors, say), the segment is still unmapped and unlocked here (it stayed held before), and
-    the receiver's sweep takes its side once it maps a new one."""
+    descriptors, say), every idle segment of the address is still unmapped and unlocked here (the
+    first such failure left them all held before), and the receiver's sweep takes its side once it
+    maps a new one."""
     receiver = start_receiver("shm", RecordingSink())
     sender = make_sender("shm")
     try:
-        channel = sender.open(receiver.address, "t1")
-        channel.send(*frame(0, 1000, seed=0))
-        channel.finish(10)
-        channel.close()
-        segment = sender._pools[receiver.address][0]
+        channels = [sender.open(receiver.address, f"t{i}") for i in range(2)]  # open together: two segments
+        for channel in channels:
+            channel.send(*frame(0, 1000, seed=0))
+            channel.finish(10)
+            channel.close()
+        segments = list(sender._pools[receiver.address])
+        assert len(segments) == 2
 
         def no_socket(*args, **kwargs):
             raise zmq.ZMQError(errno.EMFILE)
 
-        monkeypatch.setattr(shm, "notify", no_socket)
-        with pytest.raises(zmq.ZMQError):
-            sender.forget(receiver.address)
-        assert segment.map.closed and segment.path is None
+        monkeypatch.setattr(control, "ControlClient", no_socket)
+        sender.forget(receiver.address)
+        assert all(segment.map.closed and segment.path is None for segment in segments)
     finally:
         monkeypatch.undo()
         sender.close()
