@@ -83,6 +83,7 @@ class KVReceiver:
         self.counters: Counter[str] = Counter()  # under `_counting`: frames arrive on many threads at once
         self._counting = threading.Lock()
         self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
+        self._failed_codecs: set[str] = set()  # names of codecs that failed on an intact frame (`_give_up_on`)
         self._incoming: dict[str, _Incoming] = {}
         self._lock = threading.Lock()
         self.closed: str | None = None  # why no reservation is taken any more (`close`)
@@ -259,14 +260,18 @@ class KVReceiver:
     def _give_up_on(self, codec: Codec, error: Exception) -> None:
         """A codec that failed on an intact frame is agreed to no more (raw, which every transfer
         falls back to, excepted): later reservations negotiate down to raw, rather than each of its
-        transfers sending its KV twice and recomputing it. Its error is logged, with the traceback, once."""
+        transfers sending its KV twice and recomputing it. Its first error is logged with the traceback."""
         with self._lock:
-            offers = [offer for offer, known in self._codecs.items() if known is codec and codec.name != "raw"]
-            for offer in offers:
-                self._codecs[offer] = None
-        if offers:
-            log.error("codec %r failed on an intact frame, so it is refused from now on (transfers negotiate down "
-                      "to raw): %s: %s", codec.name, type(error).__name__, error, exc_info=error)
+            first = codec.name not in self._failed_codecs
+            self._failed_codecs.add(codec.name)
+            if codec.name != "raw":
+                for offer, known in self._codecs.items():
+                    if known is codec:
+                        self._codecs[offer] = None
+        if first:
+            log.error("codec %r failed on an intact frame%s: %s: %s", codec.name,
+                      "" if codec.name == "raw" else ", so it is refused from now on (transfers negotiate down to raw)",
+                      type(error).__name__, error, exc_info=error)
 
     # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:

@@ -342,8 +342,9 @@ class PrefillWorker:
 
     def _forget_old_addresses(self, lease: Lease) -> None:
         """A decode worker that restarted listens on new addresses: what the transports hold for its
-        old ones (idle shm segments, a gRPC connection, a gloo group) is let go. Called with each new
-        lease only: a resend reopening a channel on an older lease must not take its addresses back."""
+        old ones (idle shm segments, a gRPC connection, a gloo group) is let go. Called as a transfer's
+        lease opens its first channel: a resend reopening one on an older lease must not take the
+        addresses back."""
         with self._lock:
             old = self._peer_addresses.get(lease.worker_id)
             self._peer_addresses[lease.worker_id] = lease.addresses
