@@ -161,9 +161,8 @@ class CacheGenCodec:
         words = data[words_at:].copy().view(np.uint32)
         steps = self.tables.steps(layer, level)
         anchors, deltas = self._decode_rows(words, layer, level, num_tokens)
-        if escape_count(anchors, deltas, steps) != num_escapes:
-            raise CorruptFrame(f"cachegen payload decodes to {escape_count(anchors, deltas, steps)} escapes, "
-                               f"its header says {num_escapes}")
+        if (decoded_escapes := escape_count(anchors, deltas, steps)) != num_escapes:
+            raise CorruptFrame(f"cachegen payload decodes to {decoded_escapes} escapes, its header says {num_escapes}")
         x = dequantize(anchors, deltas, escapes, self.tables.mean[layer][..., None], steps, self.group_size,
                        num_tokens, float(torch.finfo(dtype).max))
         # Tokens first, as the engine holds them: a view for float32 (whoever stores it copies it anyway).
