@@ -23,6 +23,12 @@ from pdserve.router.client import GRPC_OPTIONS
 from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService, add_to_server
 
+# Clients may ping every 10 s, with no call open too (gRPC core's default allows one ping in 5 minutes
+# while the server sends nothing, then answers GOAWAY "too_many_pings": clients keeping a stream alive
+# through a failover's silence would lose it). As pdserve.proto states.
+KEEPALIVE_POLICY = [("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                    ("grpc.keepalive_permit_without_calls", 1)]
+
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
 
@@ -92,7 +98,7 @@ class RouterServer:
         frontend = self.service.frontend
         deny = lambda: frontend.metrics.ended("grpc", "UNAUTHENTICATED")  # noqa: E731
         interceptors = [TokenAuth(self.auth_token, deny)] if self.auth_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS + KEEPALIVE_POLICY)
         add_to_server(self.service, server)  # undecodable requests: INVALID_ARGUMENT, not UNKNOWN
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*pdserve/proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xbb\x01\n\x07KVFrame\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\r\n\x05level\x18\x06 \x01(\r\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0f\n\x07payload\x18\n \x01(\x0c\">\n\x05KVAck\x12\x0e\n\x06\x66rames\x18\x01 \x01(\r\x12\x16\n\x0e\x63orrupt_frames\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t2@\n\nKVTransfer\x12\x32\n\x06PushKV\x12\x13.pdserve.v1.KVFrame\x1a\x11.pdserve.v1.KVAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*pdserve/proto/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xbb\x01\n\x07KVFrame\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\r\n\x05level\x18\x06 \x01(\r\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0f\n\x07payload\x18\n \x01(\x0c\">\n\x05KVAck\x12\x0e\n\x06\x66rames\x18\x01 \x01(\r\x12\x16\n\x0e\x63orrupt_frames\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t2@\n\nKVTransfer\x12\x32\n\x06PushKV\x12\x13.pdserve.v1.KVFrame\x1a\x11.pdserve.v1.KVAck(\x01\x42\x36\x42\x0fKvTransferProtoP\x01Z\x14pdserve/v1;pdservev1\xaa\x02\nPdserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'B\017KvTransferProtoP\001Z\024pdserve/v1;pdservev1\252\002\nPdserve.V1'
   _globals['_KVFRAME']._serialized_start=59
   _globals['_KVFRAME']._serialized_end=246
   _globals['_KVACK']._serialized_start=248

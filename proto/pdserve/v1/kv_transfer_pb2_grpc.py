@@ -49,6 +49,8 @@ class KVTransferServicer:
         [start_token, start_token + num_tokens) of one layer's K and V, encoded by one codec at one
         level; it travels in one or more messages of at most 4 MiB of payload each (pdserve's senders
         cut frames into messages of 1.5 MiB, which grpcio moves faster than larger ones).
+        When the cluster has a secret, every call carries it as the metadata `x-pdserve-cluster` (else
+        UNAUTHENTICATED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -70,7 +70,9 @@ class PDServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """What the cluster serves: the model, its limits and its tokens. Answers the same on every call
+        while the cluster runs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
