@@ -159,6 +159,9 @@ def arrivals_for(cfg: ServeBenchConfig, shapes: list[TraceRequest], rate: float)
         return poisson_arrivals(len(shapes), rate, cfg.seed)
     # Replay the trace's gaps, sped up so that its mean rate is `rate`: burstiness is kept.
     span = shapes[-1].arrival_s - shapes[0].arrival_s
+    if len(shapes) > 1 and span <= 0:
+        raise ValueError(f"the trace's {len(shapes)} requests all arrive at once: no rate to scale its gaps to "
+                         f"(leave out --trace-arrivals for Poisson arrivals)")
     trace_rate = (len(shapes) - 1) / span if span > 0 else rate
     return trace_arrivals([s.arrival_s for s in shapes], speedup=rate / trace_rate)
 
@@ -596,14 +599,24 @@ def plot(results: list[ConfigResult], objectives: list[Objective], cdf_rate: flo
 # --- entry point ----------------------------------------------------------------------------------
 def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; write results.json, requests.jsonl and plots to cfg.out_dir; return the results."""
-    from pdserve.engine.model_loader import load_tokenizer
+    from transformers import AutoConfig
+
+    from pdserve.engine.model_loader import context_limit, load_tokenizer
     from pdserve.engine.presets import resolve_model
 
     unknown = set(cfg.configs) - set(CONFIGS)
     if unknown or not cfg.configs:
         raise ValueError(f"configurations must be among {', '.join(CONFIGS)}; got {', '.join(cfg.configs) or 'none'}")
+    if cfg.requests_per_rate < 1 or cfg.calibration_requests < 1:
+        raise ValueError("--requests-per-rate and --calibration-requests must be >= 1")
     model_dir = resolve_model(cfg.model)
+    served = context_limit(AutoConfig.from_pretrained(model_dir), cfg.max_model_len)
+    if served < cfg.max_model_len:  # the workload would hold requests the cluster refuses or cuts short
+        raise ValueError(f"model {cfg.model!r} serves at most {served} tokens: --max-model-len {cfg.max_model_len} "
+                         f"is more")
     requests, shapes, trace_path = build_workload(cfg, load_tokenizer(model_dir))
+    if cfg.trace_arrivals:
+        arrivals_for(cfg, shapes, 1.0)  # a trace with no gaps to replay fails now, not after the clusters start
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "requests.jsonl").write_text("")
     log(f"workload: {len(requests)} requests per rate from {trace_path}; prompts mean "

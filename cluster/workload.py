@@ -1,19 +1,25 @@
 """Benchmark workloads: prompt/output lengths from the shared request traces, scaled to a small model.
 
 Traces (../shared/traces/README.md): Azure LLM inference CSVs (TIMESTAMP, ContextTokens,
-GeneratedTokens) and Mooncake's JSONL (timestamp in ms, input_length, output_length, hash_ids: one id
-per 512-token prompt block, equal ids = equal blocks, so replaying it exercises prefix caching).
+GeneratedTokens; other CSVs whose columns name arrival, prompt and output tokens, BurstGPT's say) and
+Mooncake's JSONL (timestamp in ms, input_length, output_length, hash_ids: one id per prompt block,
+512 tokens in its trace, equal ids = equal blocks, so replaying it exercises prefix caching). Rows
+out of order are sorted by arrival; a row that does not parse is an error naming its file and line.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import itertools
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import TextIO
 
 # The traces live beside the checkout (../shared/traces); PDSERVE_TRACES names another folder.
 TRACE_DIRS = tuple(Path(p) for p in [os.environ.get("PDSERVE_TRACES")] if p) + (
@@ -31,8 +37,9 @@ DEFAULT_TRACE = "azure2023_conv.csv"
 
 def check_azure_trace(name: str) -> None:
     """Raise ValueError unless `name` is an Azure CSV trace, the kind these benchmarks read."""
-    if not name.endswith(".csv"):
-        raise ValueError(f"the trace must be an Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens); got {name!r}")
+    if not name.lower().endswith((".csv", ".csv.gz")):
+        raise ValueError(f"the trace must be a CSV (.csv or .csv.gz) such as Azure's (TIMESTAMP, ContextTokens, "
+                         f"GeneratedTokens); got {name!r}")
 
 
 def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prompt: int, max_output: int,
@@ -55,8 +62,7 @@ def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prom
         lengths = [(rng.lognormvariate(6.9, 0.9), rng.lognormvariate(4.9, 0.9)) for _ in range(n)]
         source = "synthetic log-normal (trace not found)"
     else:
-        with path.open() as f:
-            lengths = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in list(csv.DictReader(f))[:n]]
+        lengths = [(r.prompt_len, r.output_len) for r in load_azure_trace(path, n)]
         source = str(path)
     shapes = [RequestShape(max(4, min(max_prompt, round(prompt * input_scale))),
                            max(2, min(max_output, round(output * output_scale))))
@@ -93,54 +99,135 @@ def find_trace(name: str, trace_dir: Path | None = None) -> Path:
     raise FileNotFoundError(f"trace {name!r} not found in {searched} (PDSERVE_TRACES names another folder)")
 
 
-def _azure_time(stamp: str) -> float:
-    # "2023-11-16 18:15:46.6805900": seven fractional digits, one more than datetime parses.
-    whole, _, frac = stamp.partition(".")
-    return datetime.fromisoformat(whole).timestamp() + (float(f"0.{frac}") if frac else 0.0)
+# Columns by meaning, as spelled (case and spaces aside) by Azure's 2023 and 2024 traces, BurstGPT,
+# Mooncake and common tools.
+_COLUMNS = {
+    "arrival": ("timestamp", "arrival_time", "arrival_s", "time"),
+    "prompt": ("contexttokens", "request tokens", "input_length", "input_tokens", "prompt_tokens", "prompt_len"),
+    "output": ("generatedtokens", "response tokens", "output_length", "output_tokens", "completion_tokens",
+               "generated_tokens", "output_len"),
+}
+
+
+def _seconds(stamp: object, unit_s: float = 1.0) -> float:
+    """A timestamp as seconds: a number (in units of `unit_s`), or a date and time in ISO form (a
+    space or T between them, any fraction digits, an optional zone; none: UTC, not this machine's)."""
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float, str)):
+        raise ValueError(f"timestamp {stamp!r} is neither a number nor a date and time")
+    try:
+        seconds = float(stamp) * unit_s
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(stamp.strip())
+        except ValueError:
+            raise ValueError(f"timestamp {stamp!r} is neither a number nor an ISO date and time") from None
+        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(seconds):
+        raise ValueError(f"timestamp {stamp!r} is not finite")
+    return seconds
+
+
+def _tokens(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise ValueError(f"{what} {value!r} is not a whole number of tokens >= 0")
+    return int(value)
+
+
+def _fields(row: dict) -> dict[str, object]:
+    """The row's arrival, prompt and output values, found under any of their columns' names."""
+    named = {str(k).strip().lower(): v for k, v in row.items() if k is not None}
+    found = {}
+    for meaning, names in _COLUMNS.items():
+        value = next((named[n] for n in names if named.get(n) not in (None, "")), None)
+        if value is None:
+            raise ValueError(f"no {meaning} value (a column named one of {', '.join(names)}; "
+                             f"this row has {', '.join(named) or 'none'})")
+        found[meaning] = value
+    return found
+
+
+def _from_trace_start(requests: list[TraceRequest], path: Path) -> list[TraceRequest]:
+    """Requests in order of arrival, timed from the first (rows out of order are sorted, not replayed
+    hours late or all at once)."""
+    if not requests:
+        raise ValueError(f"trace {path} has no requests")
+    requests = sorted(requests, key=lambda r: r.arrival_s)
+    t0 = requests[0].arrival_s
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in requests]
+
+
+def _open_text(path: Path) -> TextIO:
+    """utf-8 (a byte-order mark skipped), gzip-compressed when the name ends in .gz."""
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return path.open(encoding="utf-8-sig", newline="")
 
 
 def load_azure_trace(path: Path, n: int | None = None) -> list[TraceRequest]:
-    """The first `n` rows (all if None) of an Azure LLM inference trace."""
-    with Path(path).open() as f:
-        rows = list(csv.DictReader(f))[:n]
-    if not rows:
-        raise ValueError(f"trace {path} has no rows")
-    t0 = _azure_time(rows[0]["TIMESTAMP"])
-    return [TraceRequest(_azure_time(r["TIMESTAMP"]) - t0, int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-            for r in rows]
+    """The first `n` rows (all if None) of a CSV trace: Azure's (TIMESTAMP, ContextTokens,
+    GeneratedTokens), or another naming arrival, prompt and output tokens (BurstGPT's Timestamp,
+    Request tokens, Response tokens; see `_COLUMNS`). Timestamps are dates and times, or seconds."""
+    path = Path(path)
+    requests = []
+    with _open_text(path) as f:
+        reader = csv.DictReader(f)
+        for row in itertools.islice(reader, n):
+            try:
+                fields = _fields(row)
+                requests.append(TraceRequest(_seconds(fields["arrival"]), _tokens(fields["prompt"], "prompt length"),
+                                             _tokens(fields["output"], "output length")))
+            except ValueError as e:
+                raise ValueError(f"{path}:{reader.line_num}: {e}") from None
+    return _from_trace_start(requests, path)
 
 
-def load_mooncake_trace(path: Path, n: int | None = None) -> list[TraceRequest]:
-    """The first `n` requests (all if None) of a Mooncake JSONL trace."""
-    out: list[TraceRequest] = []
-    with Path(path).open() as f:
-        for line in f:
-            if n is not None and len(out) >= n:
-                break
-            if line.strip():
-                d = json.loads(line)
-                out.append(TraceRequest(d["timestamp"] / 1000, int(d["input_length"]), int(d["output_length"]),
-                                        tuple(d["hash_ids"])))
-    if not out:
-        raise ValueError(f"trace {path} has no requests")
-    t0 = out[0].arrival_s
-    return [replace(r, arrival_s=r.arrival_s - t0) for r in out]
+def load_mooncake_trace(path: Path, n: int | None = None, block_tokens: int | None = None) -> list[TraceRequest]:
+    """The first `n` requests (all if None) of a JSONL trace in Mooncake's form: timestamp in ms,
+    input_length, output_length, and hash_ids (one id per prompt block; optional). `block_tokens`:
+    the tokens each hash id stands for; by default the most any request's ids cover each (Mooncake's
+    512 on its trace)."""
+    path = Path(path)
+    requests = []
+    with _open_text(path) as f:
+        lines = ((i, line) for i, line in enumerate(f, 1) if line.strip())
+        for number, line in itertools.islice(lines, n):
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+                fields = _fields(row)
+                hash_ids = row.get("hash_ids") or []
+                if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+                    raise ValueError(f"hash_ids {hash_ids!r} is not a list of integers")
+                requests.append(TraceRequest(_seconds(fields["arrival"], 1e-3), _tokens(fields["prompt"], "input_length"),
+                                             _tokens(fields["output"], "output_length"), tuple(hash_ids)))
+            except ValueError as e:  # JSONDecodeError included
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if block_tokens is None:
+        block_tokens = max((-(-r.prompt_len // len(r.hash_ids)) for r in requests if r.hash_ids),
+                           default=MOONCAKE_BLOCK)
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    return _from_trace_start([replace(r, block_tokens=block_tokens) for r in requests], path)
 
 
 def scale_requests(requests: list[TraceRequest], input_scale: float, output_scale: float, max_model_len: int,
                    max_output: int | None = None, min_prompt: int = 4, min_output: int = 2) -> list[TraceRequest]:
     """Scale lengths (and Mooncake's block length) to a small model; clip so prompt + output fits.
 
-    The output is capped at `max_output` first, then the prompt is cut to what the context has left
-    (cutting keeps a prefix, so shared Mooncake prefixes stay shared).
+    The prompt is kept whole where the context allows (cut, it keeps its prefix, so shared Mooncake
+    prefixes stay shared), then the output is capped at `max_output` and at what the context has
+    left: a long answer does not shrink its prompt to nothing.
     """
     if min_prompt + min_output > max_model_len:
         raise ValueError(f"max_model_len {max_model_len} cannot hold {min_prompt} + {min_output} tokens")
+    if max_output is not None and max_output < min_output:
+        raise ValueError(f"max_output {max_output} is below the {min_output} tokens a request generates at least")
     out = []
     for r in requests:
+        prompt = min(max(min_prompt, round(r.prompt_len * input_scale)), max_model_len - min_output)
         output = max(min_output, round(r.output_len * output_scale))
-        output = min(output, max_output or output, max_model_len - min_prompt)
-        prompt = min(max(min_prompt, round(r.prompt_len * input_scale)), max_model_len - output)
+        output = min(output, max_model_len - prompt, *([max_output] if max_output is not None else []))
         out.append(replace(r, prompt_len=prompt, output_len=output,
                            block_tokens=max(1, round(r.block_tokens * input_scale))))
     return out

@@ -37,6 +37,11 @@ class StepCost:
     b: float = 0.0
     c: float = 0.0
 
+    @property
+    def measured(self) -> bool:
+        """Whether a fit stands behind these (before a worker's first profile all are 0: free work)."""
+        return self.a > 0 or self.b > 0 or self.c > 0
+
     def step_s(self, tokens: float, quad: float) -> float:
         return self.a + self.b * tokens + self.c * quad
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.router.admission import Overloaded, PoolAdmission
-from pdserve.router.placement import QueuedPrefill, WorkerRef, healthy_workers
+from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.router.policies import RouteRequest, TransferCost, make_policy
 from pdserve.router.policies.pdserve import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex
@@ -64,6 +64,7 @@ class RoutingStats:
     local_prefills: int = 0
     early_rejections: int = 0
     retries: int = 0  # placements of requests that lost a worker (`place_again`)
+    prefill_pool_down: int = 0  # prompts prefilled on their decode worker as no prefill worker was healthy
     per_worker: Counter = field(default_factory=Counter)
 
 
@@ -149,7 +150,12 @@ class Router:
         if self.settings.local_prefill_tokens is not None:  # the manifest's rule, as it says
             if request.new_tokens(decode) <= self.settings.local_prefill_tokens:
                 return self._book(request, decode=decode, prefill=None)
-        choice = self.prefill_policy.choose(request, open_workers(self.prefill_pool, self.prefill_admission))
+        try:
+            prefill_open = open_workers(self.prefill_pool, self.prefill_admission)
+        except NoHealthyWorker:  # the whole prefill pool is down: the decode worker prefills, as Dynamo's does
+            self.stats.prefill_pool_down += 1
+            return self._book(request, decode=decode, prefill=None)
+        choice = self.prefill_policy.choose(request, prefill_open)
         if self._measured_local(request, decode, choice.estimate_s):
             return self._book(request, decode=decode, prefill=None)
         slo = self.settings.ttft_slo_s
@@ -176,9 +182,10 @@ class Router:
         cost (a local prefill must not stretch the running requests' TPOT), and its TTFT there must
         not exceed the best prefill worker's estimate (a line of local prefills sends prompts away)."""
         s = self.settings
-        if s.local_prefill_tokens is not None or s.prefill_policy != "pdserve" or remote_estimate_s is None:
-            return False
         cost = decode.step_cost
+        if (s.local_prefill_tokens is not None or s.prefill_policy != "pdserve" or remote_estimate_s is None
+                or not cost.measured):
+            return False
         compute = cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
         if compute > min(cost.a, self.transfer.predict(request.num_prompt_tokens)):
             return False
@@ -189,9 +196,9 @@ class Router:
         the manifest's, else with the pdserve policy the measured bound of `_measured_local`."""
         if self.settings.local_prefill_tokens is not None:
             return self.settings.local_prefill_tokens
-        if self.settings.prefill_policy != "pdserve":
-            return 0
         cost, transfer = decode.step_cost, self.transfer
+        if self.settings.prefill_policy != "pdserve" or not cost.measured:
+            return 0
         return cost.max_tokens_within(lambda n: min(cost.a, transfer.predict(n)), self.settings.max_model_len)
 
     def _route_request(self, work: WorkRequest, generated: list[int] = ()) -> RouteRequest:

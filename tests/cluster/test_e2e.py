@@ -142,11 +142,15 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
             plaintext.generate("hello", max_tokens=2)  # the server speaks TLS only
         with Client(cluster.address, timeout=30, token="sesame", root_certificates=roots) as client:
             assert len(client.generate("hello", max_tokens=2, ignore_eos=True).token_ids) == 2
-            decode = next(w for w in cluster.workers if w.pool == "decode")
-            ray.kill(decode.handle)
-            deadline = time.time() + 5
-            while decode.healthy and time.time() < deadline:  # the cluster supervisor notices the death
-                time.sleep(0.05)
+            by_pool = {w.pool: w for w in cluster.workers}
+            for pool in ("prefill", "decode"):
+                ray.kill(by_pool[pool].handle)
+                deadline = time.time() + 5
+                while by_pool[pool].healthy and time.time() < deadline:  # the cluster supervisor notices
+                    time.sleep(0.05)
+                if pool == "prefill":  # with no prefill worker left, the decode worker prefills
+                    reply = client.generate("hello " * 60, max_tokens=2, ignore_eos=True)
+                    assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
             t0 = time.time()
             with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
                 client.generate("hello", max_tokens=2)

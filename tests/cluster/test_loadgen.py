@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -65,10 +66,91 @@ def test_azure_trace_arrivals_and_lengths(tmp_path):
     assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 4.314579, 13.31941])
     assert [(r.prompt_len, r.output_len) for r in reqs] == [(374, 44), (3960, 109), (100, 4000)]
     scaled = scale_requests(reqs, 0.25, 0.25, max_model_len=1024)
-    assert [(r.prompt_len, r.output_len) for r in scaled] == [(94, 11), (990, 27), (24, 1000)]
+    assert [(r.prompt_len, r.output_len) for r in scaled] == [(94, 11), (990, 27), (25, 999)]
     assert all(r.prompt_len + r.output_len <= 1024 for r in scaled)
     capped = scale_requests(reqs, 0.25, 0.25, max_model_len=1024, max_output=64)
     assert [r.output_len for r in capped] == [11, 27, 64]
+
+
+def test_a_long_answer_keeps_its_long_prompt_when_scaled_to_the_context():
+    from pdserve.cluster.workload import TraceRequest
+
+    [scaled] = scale_requests([TraceRequest(0.0, 3000, 4000)], 0.25, 0.25, max_model_len=1024)
+    assert (scaled.prompt_len, scaled.output_len) == (750, 274)
+    with pytest.raises(ValueError, match="max_output 1 is below"):
+        scale_requests([TraceRequest(0.0, 3000, 50)], 0.25, 0.25, max_model_len=1024, max_output=1)
+
+
+AZURE_2023 = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+              "2023-11-16 18:15:50.9951690,3960,109\n2023-11-16 18:16:00.0000000,100,4000\n")
+
+
+@pytest.mark.parametrize("spelling", ["azure 2024", "burstgpt", "gzip", "out of order"])
+def test_csv_traces_spelled_otherwise_load_as_azure_s_does(tmp_path, spelling):
+    """Azure's 2024 timestamps (a zone), BurstGPT's columns (seconds, other names and order, a
+    byte-order mark, a column more), gzip, rows out of order: the same requests as AZURE_2023's."""
+    path = tmp_path / "trace.csv"
+    if spelling == "azure 2024":
+        path.write_text(" TIMESTAMP , ContextTokens,GeneratedTokens\n2023-11-16 20:15:46.68059+02:00,374,44\n"
+                        "2023-11-16T18:15:50.995169Z,3960,109\n2023-11-16 18:16:00,100,4000\n")
+    elif spelling == "burstgpt":
+        path.write_text("\ufeffTimestamp,Model,Response tokens,Request tokens,Log Type\n5.0,ChatGPT,44,374,Conversation log\n"
+                        "9.314579,ChatGPT,109,3960,Conversation log\n18.31941,GPT-4,4000,100,Conversation log\n",
+                        encoding="utf-8")
+    elif spelling == "gzip":
+        path = tmp_path / "trace.csv.gz"
+        path.write_bytes(gzip.compress(AZURE_2023.encode()))
+    else:
+        header, *rows = AZURE_2023.splitlines()
+        path.write_text("\n".join([header, rows[2], rows[0], rows[1]]) + "\n")
+    reqs = load_azure_trace(path)
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 4.314579, 13.31941])
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(374, 44), (3960, 109), (100, 4000)]
+    assert len(load_azure_trace(path, 2)) == 2
+
+
+def test_a_trace_s_times_without_a_zone_are_utc_not_this_machine_s(tmp_path, monkeypatch):
+    path = tmp_path / "dst.csv"  # New York's clocks went from 02:00 to 03:00 that night
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-03-10 01:59:00,10,2\n2024-03-10 03:01:00,10,2\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert [r.arrival_s for r in load_azure_trace(path)] == [0.0, 62 * 60.0]
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,374\n", r"trace.csv:2: no output value .*generatedtokens"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,374,44\n0.5,12.25,3\n",
+     r"trace.csv:3: prompt length '12.25' is not a whole number"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,374,44\n", r"trace.csv:2: timestamp 'yesterday'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "has no requests"),
+])
+def test_a_csv_row_that_does_not_parse_is_an_error_naming_its_line(tmp_path, text, message):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_azure_trace(path)
+
+
+def test_mooncake_style_traces_give_their_block_length_and_may_lack_hash_ids(tmp_path):
+    path = tmp_path / "blocks16.jsonl"
+    rows = [{"timestamp": 20, "input_length": 31, "output_length": 4, "hash_ids": [7, 8]},
+            {"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": [7, 9]},
+            {"timestamp": 10, "input_length": 5, "output_length": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_mooncake_trace(path)
+    assert [(r.arrival_s, r.prompt_len, r.hash_ids) for r in reqs] == \
+        [(0.0, 32, (7, 9)), (0.01, 5, ()), (0.02, 31, (7, 8))]
+    assert {r.block_tokens for r in reqs} == {16}
+    a, _, c = block_prompts(reqs, vocab_size=1000, seed=1)
+    assert a[:16] == c[:16] and a[16:] != c[16:]  # one 16-token block shared, not 512
+    assert load_mooncake_trace(path, block_tokens=8)[0].block_tokens == 8
+    path.write_text('{"timestamp": 0, "input_length": 3, "output_length": 1}\n{"timestamp": "soon"\n')
+    with pytest.raises(ValueError, match=r"blocks16.jsonl:2: "):
+        load_mooncake_trace(path)
 
 
 @pytest.mark.skipif(not any((d / "azure2023_conv.csv").is_file() for d in TRACE_DIRS), reason="traces absent")

@@ -12,7 +12,7 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost, StepCostModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import Overloaded
-from pdserve.router.placement import QueuedPrefill, WorkerRef
+from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.router.policies import POLICY_NAMES, RouteRequest, TransferCost, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
@@ -216,6 +216,27 @@ def test_measured_local_prefill_threshold_is_where_compute_overtakes_transfer():
     router.transfer.observe(512, 0.5)  # transfers got slow: now the decode batch's delay bounds it
     assert router.local_prefill_limit(d) == cost.max_tokens_within(cost.a, 2048) > limit
     assert make_router([p], [d], prefill_policy="least_loaded").local_prefill_limit(d) == 0
+
+
+def test_a_decode_worker_with_no_measured_costs_prefills_nothing_itself():
+    p, d = worker("p"), worker("d", "decode", step_cost=(0.0, 0.0, 0.0))
+    router = make_router([p], [d])
+    router.transfer.observe(16, 0.006)
+    router.transfer.observe(256, 0.030)
+    assert router.local_prefill_limit(d) == 0
+    assert not router.place(work(list(range(8)))).local  # unmeasured is not free
+
+
+def test_with_the_whole_prefill_pool_down_the_decode_worker_prefills():
+    p, d = worker("p"), worker("d", "decode")
+    p.healthy = False
+    router = make_router([p], [d], local_prefill_tokens=0)
+    placement = router.place(work(list(range(500))))
+    assert placement.local and placement.prefill is None and router.stats.prefill_pool_down == 1
+    assert router.place_again(work(list(range(500))), [], avoid=[p]).local
+    d.healthy = False
+    with pytest.raises(NoHealthyWorker, match="decode pool"):
+        router.place(work(list(range(500))))
 
 
 def test_a_measured_threshold_still_sends_prompts_away_from_a_busy_decode_worker():
