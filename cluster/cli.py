@@ -109,11 +109,13 @@ def _up(args: argparse.Namespace) -> int:
     lifetime.setLevel(logging.INFO)
     lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    # While starting, Ctrl-C or a SIGTERM interrupts the start (which stops what it started); once up, stops.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     cluster = Cluster(manifest)
     try:
         address = cluster.start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"ready: pdserve generate --address {address} \"hello\"   (Ctrl-C stops the cluster)", flush=True)
         if cluster.http_address:
             base = f"{'https' if manifest.server.tls_cert else 'http'}://{cluster.http_address}"
@@ -457,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input: say what is wrong, no traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except (TimeoutError, ConnectionError) as e:  # workers that never came up, a Ray cluster not there
+        print(f"pdserve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

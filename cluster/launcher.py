@@ -40,6 +40,8 @@ ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside 
 # worker's reservations, which wait for free blocks (see decode_worker.worker).
 CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2}, DecodeWorker: {HEALTH_GROUP: 2, RESERVE_GROUP: RESERVE_THREADS}}
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
+PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
+READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
 SNAPSHOT_TIMEOUT_S = 10.0
 AUDIT_LEAK_MARGIN_S = 5.0  # past the KV lease, a worker still holding something at idle leaks it
 
@@ -85,10 +87,10 @@ class Cluster:
         self._kv_events = KVEventHub(index, self._request_snapshot, host, secret=self._secret)
         self.log(f"router: token stream on {self._hub.address}, KV events on {self._kv_events.address}")
 
-        prefill_refs, decode_refs = [], []
-        for role, name, spec in m.workers():
-            (prefill_refs if role == "prefill" else decode_refs).append(self._spawn(role, name, spec, source))
-        self.workers = prefill_refs + decode_refs
+        for role, name, spec in m.workers():  # each kept as made: a failed spawn leaves none behind (`stop`)
+            self.workers.append(self._spawn(role, name, spec, source))
+        prefill_refs = [w for w in self.workers if w.pool == "prefill"]
+        decode_refs = [w for w in self.workers if w.pool != "prefill"]
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
         self._wait_ready(ready_timeout_s)
         self.log("profiling prompt passes, one worker at a time ...")
@@ -138,9 +140,7 @@ class Cluster:
         directory by its absolute path, its files shipped through the object store unless the manifest
         declares the path shared. On a single machine there is one copy: nothing is hashed or shipped."""
         m = self.manifest
-        is_dir = Path(m.model).is_dir()
-        if m.model_path_shared and not is_dir:
-            raise ValueError(f"model_path_shared needs a model directory; {m.model!r} is a model name")
+        is_dir = Path(m.model).is_dir()  # model_path_shared: always (`resolve_model` found it)
         spec = str(Path(model_dir).resolve()) if is_dir else m.model
         if local:
             return ModelSource(spec, "")
@@ -216,7 +216,7 @@ class Cluster:
         """Seed the router's transfer cost with a few handoffs of raw KV (reserve to abort)."""
         for tokens in PROBE_TOKENS:
             tokens = min(tokens, self._router.settings.max_model_len - 1)
-            probe = ray.get(prefill.handle.probe_transfer.remote(decode.handle, tokens))
+            probe = ray.get(prefill.handle.probe_transfer.remote(decode.handle, tokens), timeout=PROBE_TIMEOUT_S)
             self._router.transfer.observe(tokens, probe["handoff_s"])
 
     def _request_snapshot(self, worker_name: str) -> None:
@@ -266,10 +266,15 @@ class Cluster:
         pending = {w.handle.ping.remote(): w for w in self.workers}
         deadline = time.time() + timeout_s
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.time()))
+            left = deadline - time.time()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, min(left, READY_PROGRESS_S)))
             if not ready:
                 names = ", ".join(w.name for w in pending.values())
-                raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: {names} (not enough resources?)")
+                if left <= READY_PROGRESS_S:
+                    raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: {names} (not enough resources? "
+                                       f"the cluster has {ray.available_resources()} free)")
+                self.log(f"  waiting for {names} ({left:.0f} s left; the cluster has {ray.available_resources()} free)")
+                continue
             worker = pending.pop(ready[0])
             worker.status = ray.get(ready[0])  # raises the worker's own start-up error
             s = worker.status

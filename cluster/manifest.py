@@ -30,6 +30,18 @@ class PoolSpec(_Strict):
     threads: int = Field(1, ge=1, le=256)  # torch intra-op threads per worker
     max_restarts: int = Field(3, ge=0)  # how often Ray restarts a worker that died or reported a fault
 
+    @field_validator("resources")
+    @classmethod
+    def _ray_can_place(cls, v: dict[str, float]) -> dict[str, float]:
+        # What Ray would refuse only once the cluster runs, without naming the field.
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory"):
+                raise ValueError(f"{name!r} is Ray's own resource: set num_cpus / num_gpus instead")
+            if amount < 0 or (amount > 1 and amount != int(amount)) or round(amount, 4) != amount:
+                raise ValueError(f"{name}: {amount} is not an amount Ray places (>= 0; a fraction of at most "
+                                 f"4 decimals up to 1, a whole number above)")
+        return v
+
 
 class Pools(_Strict):
     prefill: PoolSpec = PoolSpec()
@@ -37,6 +49,7 @@ class Pools(_Strict):
 
 
 PolicyName = Literal["round_robin", "least_loaded", "cache_aware", "kv_cost", "pdserve"]
+CODECS = ("raw", "int8", "fp8", "cachegen")  # kv_transfer.codecs.CODEC_NAMES (a test holds them alike)
 
 
 class CacheAwareSpec(_Strict):
@@ -99,6 +112,14 @@ class KVTLSSpec(_Strict):
     key: Path
     ca: Path
 
+    @field_validator("cert", "key", "ca")
+    @classmethod
+    def _exists(cls, v: Path) -> Path:
+        # Absolute: workers read them from their own working directories (on every node, at this path).
+        if not v.is_file():
+            raise ValueError(f"TLS file {str(v)!r} does not exist")
+        return v.resolve()
+
 
 class KVTransferSpec(_Strict):
     # auto: shared memory between workers on one node, gRPC across nodes; or one of shm, grpc, gloo, nccl
@@ -107,6 +128,17 @@ class KVTransferSpec(_Strict):
     # Offered in this order; each decode worker takes the first it can decode (cachegen needs the model's
     # profiled tables: `pdserve kv-profile`), else raw.
     codec: str | list[str] = "raw"
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codecs(cls, v: str | list[str]) -> str | list[str]:
+        names = [v] if isinstance(v, str) else v
+        if not names:
+            raise ValueError("offer at least one codec (raw: uncompressed)")
+        unknown = [name for name in names if name not in CODECS]
+        if unknown:  # else a decode worker would refuse it and quietly use raw
+            raise ValueError(f"unknown codec {', '.join(map(repr, unknown))}: codecs are {', '.join(CODECS)}")
+        return v
     host: str | None = None  # where KV receivers listen; default: loopback on a local cluster, else the node's address
     tls: KVTLSSpec | None = None  # TLS on the gRPC transport
     frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
@@ -243,6 +275,22 @@ class Manifest(_Strict):
         if self.mode == "disaggregated" and self.kv_transfer.transport == "nccl" and no_gpu:
             raise ValueError(f"kv_transfer.transport nccl moves KV from GPU to GPU: pools {' and '.join(no_gpu)} "
                              "need num_gpus >= 1, a GPU of their own (gloo is the CPU equivalent)")
+        return self
+
+    @model_validator(mode="after")
+    def _model_where_it_is_said_to_be(self) -> "Manifest":
+        # Checked here as a path only: a manifest for a cluster loads on machines without the model.
+        if self.model_path_shared and not Path(self.model).is_absolute():
+            raise ValueError(f"model_path_shared needs the model directory's absolute path, read at that path on "
+                             f"every node; {self.model!r} is not one")
+        return self
+
+    @model_validator(mode="after")
+    def _float16_on_gpus(self) -> "Manifest":
+        cpu_pools = [name for _, name, spec in self.workers() if spec.num_gpus == 0]
+        if self.dtype == "float16" and cpu_pools:
+            raise ValueError(f"dtype float16 runs on GPUs only, and workers {', '.join(cpu_pools)} have num_gpus 0: "
+                             f"use bfloat16 or float32, or give their pools GPUs")
         return self
 
     @model_validator(mode="after")

@@ -158,6 +158,8 @@ def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None
             raise FileNotFoundError(f"the shipped model {name!r} is missing from {shipped}; "
                                     f"`pdserve train-model` makes it again")
         return shipped
+    if "/" in name or name.startswith((".", "~")):
+        raise FileNotFoundError(f"model directory {name!r} does not exist")
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: not a directory, a shipped model ({', '.join(SHIPPED)}) "
                          f"or a preset ({', '.join(PRESETS)})")

@@ -101,6 +101,16 @@ def test_the_wheel_holds_every_module_of_every_part(wheel: Path) -> None:
                                     f"{sorted(expected - in_wheel)}"
 
 
+def test_an_installed_package_finds_its_default_manifest(wheel: Path, tmp_path: Path) -> None:
+    """`pdserve up` and `pdserve demo` without a manifest, from a wheel (a ray-up node, the KubeRay image)."""
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    code = "from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest; load_manifest(); print(DEFAULT_MANIFEST)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == tmp_path / "pdserve" / "deploy" / "local.yaml"
+
+
 def test_import_contracts_hold(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path)
     lint = Path(sys.executable).with_name("lint-imports")  # this interpreter's, not any on PATH

@@ -28,7 +28,7 @@ def test_unknown_preset_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize(("trace", "error"), [("no-such-trace.csv", "trace 'no-such-trace.csv' not found in"),
-                                              ("mooncake_synthetic_trace.jsonl", "must be an Azure CSV")])
+                                              ("mooncake_synthetic_trace.jsonl", "must be a CSV")])
 def test_a_benchmark_trace_it_cannot_use_is_a_clear_error(tmp_path, capsys, trace, error):
     for command in (["bench", "cluster", "--out"], ["bench", "serve", "--out-dir"]):  # refused before any cluster starts
         assert cli.main([*command, str(tmp_path / "out"), "--trace", trace]) == 2
@@ -66,12 +66,37 @@ def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
 
 
 @pytest.mark.timeout(300)
-def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
+def start_up(tmp_path, model_dirs) -> subprocess.Popen:
     manifest = tmp_path / "up.yaml"
     manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0', http_address: '127.0.0.1:0'}}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def assert_no_raylet() -> None:
+    raylets = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split()
+    assert not raylets, f"Ray still running after pdserve up stopped: {raylets}"
+
+
+def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dirs):
+    up = start_up(tmp_path, model_dirs)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            line = up.stdout.readline()
+            if not line or line.startswith("starting "):
+                break
+        assert line.startswith("starting "), "pdserve up never started its workers"
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=120)[0]
+    assert up.returncode == 130 and "pdserve: interrupted" in rest and "ready:" not in rest, rest
+    assert_no_raylet()
+
+
+def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
+    up = start_up(tmp_path, model_dirs)
     try:
         address = None
         deadline = time.time() + 180
@@ -91,5 +116,4 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
         rest = up.communicate(timeout=120)[0]
     assert up.returncode == 0, rest
     assert "shutting down" in rest
-    raylets = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split()
-    assert not raylets, f"Ray still running after pdserve up stopped: {raylets}"
+    assert_no_raylet()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from pdserve.cluster.manifest import DEFAULT_MANIFEST, ManifestError, load_manifest
+from pdserve.cluster.manifest import DEFAULT_MANIFEST, CODECS, ManifestError, load_manifest
+from pdserve.kv_transfer.codecs import CODEC_NAMES
+
+ANY_FILE = str(DEFAULT_MANIFEST)  # a file that exists, where only a path's existence is checked
 
 
 def test_default_manifest_is_valid():
@@ -41,13 +45,32 @@ def test_default_manifest_is_valid():
         ({"server": {"tls_cert": "/nonexistent.pem"}}, "tls_cert and tls_key must be given together"),
         ({"server": {"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}}, "does not exist"),
         ({"pools": {"decode": {"resources": {"decode": "lots"}}}}, "pools.decode.resources.decode"),
-        ({"kv_transfer": {"transport": "gloo", "tls": {"cert": "c.pem", "key": "k.pem", "ca": "ca.pem"}}},
+        ({"kv_transfer": {"transport": "gloo", "tls": {"cert": ANY_FILE, "key": ANY_FILE, "ca": ANY_FILE}}},
          "tls secures the grpc transport only"),
+        ({"kv_transfer": {"tls": {"cert": "/nonexistent.pem", "key": ANY_FILE, "ca": ANY_FILE}}},
+         "kv_transfer.tls.cert: Value error, TLS file '/nonexistent.pem' does not exist"),
+        ({"kv_transfer": {"codec": "zstd"}}, "kv_transfer.codec: Value error, unknown codec 'zstd': codecs are raw, "
+                                             "int8, fp8, cachegen"),
+        ({"kv_transfer": {"codec": ["int8", "fp16", "RAW"]}}, "unknown codec 'fp16', 'RAW'"),
+        ({"kv_transfer": {"codec": []}}, "offer at least one codec"),
+        ({"pools": {"decode": {"resources": {"GPU": 1}}}}, "'GPU' is Ray's own resource: set num_cpus / num_gpus"),
+        ({"pools": {"prefill": {"resources": {"prefill": -1}}}}, "prefill: -1.0 is not an amount Ray places"),
+        ({"pools": {"prefill": {"resources": {"prefill": 1.5}}}}, "prefill: 1.5 is not an amount Ray places"),
+        ({"pools": {"prefill": {"resources": {"prefill": 0.00001}}}}, "is not an amount Ray places"),
+        ({"dtype": "float16"}, "dtype float16 runs on GPUs only, and workers prefill-0, decode-1 have num_gpus 0"),
+        ({"model_path_shared": True}, "model_path_shared needs the model directory's absolute path"),
     ],
 )
 def test_invalid_manifests_name_the_field(data, message):
-    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ManifestError, match=re.escape(message)):
         load_manifest(data)
+
+
+def test_the_manifest_offers_the_codecs_there_are():
+    assert CODECS == CODEC_NAMES
+    m = load_manifest({"kv_transfer": {"codec": ["cachegen", "int8"], "tls": {"cert": ANY_FILE, "key": ANY_FILE,
+                                                                          "ca": ANY_FILE}}})
+    assert m.kv_transfer.codecs == ("cachegen", "int8") and m.kv_transfer.tls.cert.is_absolute()
 
 
 def test_yaml_problems(tmp_path):

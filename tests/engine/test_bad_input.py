@@ -85,6 +85,8 @@ def test_pool_too_small_for_one_sequence(model_dirs):
 def test_unknown_model(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         LLM("no-such-model")
+    with pytest.raises(FileNotFoundError, match="model directory '/models/absent' does not exist"):
+        LLM("/models/absent")  # a path is not taken for a misspelt preset name
     with pytest.raises(ValueError, match="has no config.json"):
         LLMEngine(tmp_path)
 
