@@ -14,12 +14,19 @@ Each layer's own attention arguments are honoured: `sliding_window` (a query at 
 j with i - window < j <= i, transformers' definition; Mistral, Qwen2, Gemma's local layers) narrows
 the mask, built once per step for each window size; `softcap` (Gemma 2) caps the logits. Before a
 model is served, an `AttentionProbe` runs one tiny forward through this same function to check that
-every layer comes here and asks for nothing this function cannot do.
+every layer comes here and asks for nothing this function cannot do (an attention bias of its own in
+`attention_mask`, say: this function builds its masks itself).
+
+The step's batch reaches this function through a context variable (`attending`), not a forward
+argument: some models' decoder layers (StableLM's, Nemotron's) do not pass extra arguments on to
+their attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -111,14 +118,39 @@ class AttentionProbe:
     calls: list[LayerAttention] = field(default_factory=list)
 
     def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kwargs: dict[str, object]) -> tuple[torch.Tensor, None]:
+               attention_mask: torch.Tensor | None, kwargs: dict[str, object]) -> tuple[torch.Tensor, None]:
+        unsupported = [what for name, what in UNSUPPORTED_ARGUMENTS.items() if kwargs.get(name) is not None]
+        if attention_mask is not None and not _only_causal(attention_mask, query.shape[2], key.shape[2]):
+            unsupported.append("an attention mask or bias of its own (attention_mask)")
         self.calls.append(LayerAttention(
             layer=getattr(module, "layer_idx", None), kv_heads=key.shape[1], key_dim=key.shape[-1],
-            value_dim=value.shape[-1], causal=bool(getattr(module, "is_causal", True)),
-            unsupported=[what for name, what in UNSUPPORTED_ARGUMENTS.items() if kwargs.get(name) is not None],
+            value_dim=value.shape[-1], causal=bool(getattr(module, "is_causal", True)), unsupported=unsupported,
         ))
         batch, heads, tokens = query.shape[:3]
         return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
+
+
+def _only_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether a model's mask says no more than causal visibility (boolean, or 0 / a large negative
+    additive), which this function applies itself."""
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(keys - queries)
+    if mask.dtype == torch.bool:
+        return bool((mask == causal).all())
+    visible = mask > torch.finfo(mask.dtype).min / 2
+    return bool((visible == causal).all()) and bool((mask[visible] == 0).all())
+
+
+_BATCH: ContextVar[PagedBatch | AttentionProbe | None] = ContextVar("pdserve_batch", default=None)
+
+
+@contextmanager
+def attending(batch: PagedBatch | AttentionProbe) -> Iterator[None]:
+    """Run the model's forward passes inside this: its attention layers serve `batch`."""
+    token = _BATCH.set(batch)
+    try:
+        yield
+    finally:
+        _BATCH.reset(token)
 
 
 def paged_attention_forward(
@@ -131,17 +163,16 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    pdserve_batch: PagedBatch | AttentionProbe | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    if isinstance(pdserve_batch, AttentionProbe):
-        return pdserve_batch.record(module, query, key, value, kwargs)
-    if pdserve_batch is None:
+    batch = _BATCH.get()
+    if isinstance(batch, AttentionProbe):
+        return batch.record(module, query, key, value, attention_mask, kwargs)
+    if batch is None:
         raise RuntimeError(
             f"attention '{ATTENTION_NAME}' needs the engine's batch metadata; run the model through "
             "engine.ModelRunner, or load it with attn_implementation='sdpa' for plain use"
         )
-    batch = pdserve_batch
     layer = module.layer_idx
     cache = batch.kv_cache
     new_k = key[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.attention import AttentionProbe, register_paged_attention
+from pdserve.engine.attention import AttentionProbe, attending, register_paged_attention
 from pdserve.engine.kv_cache import KVLayout
 
 # Per-layer kinds whose layers attend with plain (optionally windowed) softmax attention.
@@ -67,6 +67,9 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_paged_attention())
     except ValueError as e:  # no causal-LM class, or a class that refuses custom attention functions
         raise ValueError(f"model type {config.model_type!r} cannot be served: {e}") from None
+    except KeyError as e:  # a class that looks its attention up in a table of its own (Falcon, GPT-Neo)
+        raise ValueError(f"model type {config.model_type!r} cannot be served: it does not take attention "
+                         f"functions through transformers' attention interface (it has no {e})") from None
     model.to(device).eval()
     tokenizer = load_tokenizer(path)
     return LoadedModel(
@@ -119,10 +122,14 @@ def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_siz
     probe = AttentionProbe()
     device = next(model.parameters()).device
     ids = torch.arange(1, 4, device=device)[None, :] % config.vocab_size
-    with torch.inference_mode():
-        model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
-              logits_to_keep=1, pdserve_batch=probe)
     name = repr(config.model_type)
+    try:
+        with torch.inference_mode(), attending(probe):
+            model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
+                  logits_to_keep=1)
+    except Exception as e:  # attention code of its own that expects what the paged attention gives no model
+        raise ValueError(f"model type {name} cannot be served: its forward pass fails under the engine's "
+                         f"attention ({type(e).__name__}: {e})") from e
     num_layers = config.num_hidden_layers
     seen = sorted(c.layer for c in probe.calls if c.layer is not None)
     if seen != list(range(num_layers)) or len(probe.calls) != num_layers:

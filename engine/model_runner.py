@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pdserve.engine.attention import DecodeBatch, PagedBatch, PrefillSpan
+from pdserve.engine.attention import DecodeBatch, PagedBatch, PrefillSpan, attending
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.scheduler import ScheduledChunk
 
@@ -66,9 +66,8 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         keep_index = torch.tensor(keep, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
-        logits = self.model(
-            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_index, pdserve_batch=batch
-        ).logits[0]
+        with attending(batch):
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_index).logits[0]
         if dev.type == "cuda":  # this stream only: KV read-outs and NCCL sends on other streams go on
             torch.cuda.current_stream(dev).synchronize()
         self.last_forward_s = time.perf_counter() - t0

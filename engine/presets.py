@@ -99,6 +99,12 @@ PRESETS: dict[str, Preset] = {
     "tiny-olmo2": Preset(
         "olmo2", 1024, 64, 2, 4, 4, 192, 1024, description="~0.3M, OLMo 2, QK-norm, post-norm, for tests",
     ),
+    # Its decoder layers do not pass extra forward arguments on to their attention (Nemotron's neither).
+    "tiny-stablelm": Preset(
+        "stablelm", 1024, 64, 2, 4, 2, 192, 1024,
+        extra={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "qk_layernorm": True, "use_qkv_bias": True},
+        description="~0.3M, StableLM, partial rotary, parallel residual, per-head QK-norm, for tests",
+    ),
     "llama-20m": Preset("llama", 8192, 384, 8, 6, 2, 1024, 2048, description="~19M, Llama, GQA 6:2"),
     "qwen2-20m": Preset(
         "qwen2", 8192, 384, 8, 6, 2, 1024, 2048, tie_word_embeddings=True,

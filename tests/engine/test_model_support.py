@@ -65,6 +65,12 @@ def checkpoint(root: Path, tokenizer, model_type: str, weights: bool, **config) 
      "RoPE scaling 'dynamic'"),
     ("gpt_oss", True, {**SMALL, "head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1},
      r"attention sinks \(s_aux\)"),
+    ("doge", True, SMALL,  # a learnt bias added to the scores through attention_mask
+     r"an attention mask or bias of its own \(attention_mask\)"),
+    ("falcon", True, {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2},
+     "does not take attention functions through transformers' attention interface"),
+    ("mpt", True, {"d_model": 32, "n_heads": 2, "n_layers": 2, "expansion_ratio": 2},  # ALiBi in its own attention
+     "its forward pass fails under the engine's attention"),
     (BypassConfig.model_type, True, SMALL,
      r"layers \[1\] of 2 do not run their attention once each through transformers' attention interface"),
 ])
