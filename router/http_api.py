@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -26,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -38,6 +39,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 
+log = logging.getLogger(__name__)
 API = "http"
 DISCONNECT_CHECK_S = 0.25  # how often a request waiting for its answer looks whether its client left
 T = TypeVar("T")
@@ -52,6 +54,17 @@ STATUS = {
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+# vLLM's and SGLang's extensions that change what is generated, with the value that changes nothing: a
+# request may send that value (clients often do), any other is refused rather than dropped unseen.
+NEUTRAL_EXTENSIONS: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "bad_words": ([],),
+    "allowed_token_ids": (), "prompt_logprobs": (0,), "truncate_prompt_tokens": (), "echo": (False,), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "regex": (),
+    "json_schema": (), "ebnf": (), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "no_stop_trim": (False,), "return_tokens_as_token_ids": (False,),
+}
 
 
 # --- request bodies -------------------------------------------------------------------------------
@@ -64,7 +77,7 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's and SGLang's -1, like 0: no cut
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -80,6 +93,9 @@ class _Body(BaseModel):
     user: str | None = None
 
     def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in NEUTRAL_EXTENSIONS and value is not None and value not in NEUTRAL_EXTENSIONS[name]:
+                raise ValueError(f"{name} is not supported (leave it out)")
         if (self.n or 1) != 1:
             raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
@@ -92,7 +108,7 @@ class _Body(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed))
                  if v is not None}
-        return SamplingParams(max_tokens=self.max_tokens or max_tokens, top_k=self.top_k or 0, stop=self.stop or (),
+        return SamplingParams(max_tokens=max_tokens, top_k=max(0, self.top_k or 0), stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
                               logprobs=logprobs, **given)
 
@@ -128,6 +144,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        # A part of another kind (an image, audio) would be dropped by the chat template unseen.
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": ...}}: this model reads "
+                                 f"text only, got a part of type {part.get('type')!r}")
+        return v
+
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -159,7 +185,7 @@ def create_app(frontend: Frontend, auth_token: str | None = None,
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _bug})
 
 
 class _OpenAIApi:
@@ -197,6 +223,13 @@ class _OpenAIApi:
 
     # --- the request path -----------------------------------------------------------------------
     async def _generate(self, request: Request, body_type: type[_Body], fmt_type: type[_Format]) -> Response:
+        try:
+            return await self._serve(request, body_type, fmt_type)
+        except Exception as e:  # a bug: still answered in OpenAI's format, on a connection kept open
+            log.exception("an HTTP request failed")
+            return error_response(_as_bug(e))
+
+    async def _serve(self, request: Request, body_type: type[_Body], fmt_type: type[_Format]) -> Response:
         accepted = time.time()
         if (denied := self._denied(request)) is not None:
             return denied
@@ -255,6 +288,9 @@ class _OpenAIApi:
                 yield _sse(fmt.envelope([], usage=fmt.usage(active)))
         except RequestFailed as e:
             yield _sse(_error_body(e))
+        except Exception as e:  # a bug: the client still gets an error event and the stream's end
+            log.exception("request %s: the HTTP stream failed", active.request_id)
+            yield _sse(_error_body(_as_bug(e)))
         finally:
             active.finish()
         yield "data: [DONE]\n\n"
@@ -323,7 +359,8 @@ class _CompletionFormat(_Format):
         super().__init__(frontend, body)
         prompt = body.single_prompt()
         self.prompt_ids = frontend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs is not None)
+        self.params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                           logprobs=body.logprobs is not None)
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -358,7 +395,8 @@ class _ChatFormat(_Format):
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
         self.prompt_ids = frontend.tokenize(text)
         left = frontend.model.info.max_model_len - len(self.prompt_ids)  # OpenAI's default: what the context leaves
-        self.params = body.sampling_params(body.max_completion_tokens or max(1, left), logprobs=bool(body.logprobs))
+        self.params = body.sampling_params(body.max_completion_tokens or body.max_tokens or max(1, left),
+                                           logprobs=bool(body.logprobs))
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -458,6 +496,15 @@ def error_response(e: RequestFailed) -> JSONResponse:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
         headers["retry-after-ms"] = str(max(1, round(e.retry_after_s * 1000)))
     return JSONResponse(_error_body(e), status_code=status, headers=headers)
+
+
+def _as_bug(e: Exception) -> RequestFailed:
+    return RequestFailed("UNKNOWN", f"a bug in the router (its log has the traceback): {type(e).__name__}: {e}")
+
+
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    """Another route's exception, still in OpenAI's format (Starlette logs its traceback)."""
+    return error_response(_as_bug(exc))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -185,6 +185,37 @@ def test_errors_carry_openai_status_codes(api, cluster, model):
                                     response_format={"type": "json_object"})
 
 
+def test_vllm_extensions_that_change_the_output_are_refused_unless_neutral(api, model):
+    chat = [{"role": "user", "content": "hi"}]
+    for extra in ({"repetition_penalty": 1.3}, {"min_tokens": 20}, {"guided_json": {"type": "object"}},
+                  {"chat_template": "{{ messages }}"}):
+        with pytest.raises(openai.BadRequestError, match=f"{next(iter(extra))} is not supported"):
+            api.chat.completions.create(model=model, messages=chat, max_tokens=2, extra_body=extra)
+    neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True, "top_k": -1,
+               "chat_template_kwargs": None}
+    reply = api.chat.completions.create(model=model, messages=chat, max_tokens=2, max_completion_tokens=3,
+                                        extra_body={**neutral, "ignore_eos": True})
+    assert reply.usage.completion_tokens == 3  # max_completion_tokens wins, as OpenAI's and vLLM's
+    image = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError, match="got a part of type 'image_url'"):
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": image}], max_tokens=2)
+
+
+def test_a_bug_in_the_router_still_answers_in_openai_s_format(api, model, monkeypatch):
+    from pdserve.router import http_api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unexpected fault")
+
+    monkeypatch.setattr(http_api._CompletionFormat, "whole", broken)
+    monkeypatch.setattr(http_api._CompletionFormat, "chunk", broken)
+    with pytest.raises(openai.InternalServerError, match="a bug in the router.*an unexpected fault") as e:
+        api.with_options(max_retries=0).completions.create(model=model, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 500
+    with pytest.raises(openai.APIError, match="an unexpected fault"):  # an error event, then [DONE]
+        list(api.completions.create(model=model, prompt="hi", max_tokens=2, stream=True))
+
+
 def test_null_means_the_default_and_the_auth_scheme_is_case_insensitive(cluster, model):
     body = {"model": model, "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None,
             "presence_penalty": None, "logprobs": None, "ignore_eos": None, "stop": None}
