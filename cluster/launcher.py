@@ -140,7 +140,8 @@ class Cluster:
         directory by its absolute path, its files shipped through the object store unless the manifest
         declares the path shared. On a single machine there is one copy: nothing is hashed or shipped."""
         m = self.manifest
-        is_dir = Path(m.model).is_dir()  # model_path_shared: always (`resolve_model` found it)
+        # With model_path_shared always a directory: the manifest wants a path, `resolve_model` an existing one.
+        is_dir = Path(m.model).is_dir()
         spec = str(Path(model_dir).resolve()) if is_dir else m.model
         if local:
             return ModelSource(spec, "")

@@ -199,7 +199,8 @@ def load_mooncake_trace(path: Path, n: int | None = None, block_tokens: int | No
                 hash_ids = row.get("hash_ids") or []
                 if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
                     raise ValueError(f"hash_ids {hash_ids!r} is not a list of integers")
-                requests.append(TraceRequest(_seconds(fields["arrival"], 1e-3), _tokens(fields["prompt"], "input_length"),
+                requests.append(TraceRequest(_seconds(fields["arrival"], 1e-3),
+                                             _tokens(fields["prompt"], "input_length"),
                                              _tokens(fields["output"], "output_length"), tuple(hash_ids)))
             except ValueError as e:  # JSONDecodeError included
                 raise ValueError(f"{path}:{number}: {e}") from None

@@ -127,7 +127,7 @@ def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_siz
         with torch.inference_mode(), attending(probe):
             model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
                   logits_to_keep=1)
-    except Exception as e:  # attention code of its own that expects what the paged attention gives no model
+    except Exception as e:  # attention code of the model's own that cannot run on what the paged one passes (MPT)
         raise ValueError(f"model type {name} cannot be served: its forward pass fails under the engine's "
                          f"attention ({type(e).__name__}: {e})") from e
     num_layers = config.num_hidden_layers

@@ -65,10 +65,10 @@ def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
     assert result.stdout.rstrip().endswith("cluster stopped")
 
 
-@pytest.mark.timeout(300)
 def start_up(tmp_path, model_dirs) -> subprocess.Popen:
     manifest = tmp_path / "up.yaml"
-    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\nserver: {{address: '127.0.0.1:0', http_address: '127.0.0.1:0'}}\n"
+    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
+                        "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
     return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -79,6 +79,7 @@ def assert_no_raylet() -> None:
     assert not raylets, f"Ray still running after pdserve up stopped: {raylets}"
 
 
+@pytest.mark.timeout(300)
 def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dirs):
     up = start_up(tmp_path, model_dirs)
     try:
@@ -95,6 +96,7 @@ def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dir
     assert_no_raylet()
 
 
+@pytest.mark.timeout(300)
 def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
     up = start_up(tmp_path, model_dirs)
     try:

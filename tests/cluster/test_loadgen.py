@@ -94,9 +94,9 @@ def test_csv_traces_spelled_otherwise_load_as_azure_s_does(tmp_path, spelling):
         path.write_text(" TIMESTAMP , ContextTokens,GeneratedTokens\n2023-11-16 20:15:46.68059+02:00,374,44\n"
                         "2023-11-16T18:15:50.995169Z,3960,109\n2023-11-16 18:16:00,100,4000\n")
     elif spelling == "burstgpt":
-        path.write_text("\ufeffTimestamp,Model,Response tokens,Request tokens,Log Type\n5.0,ChatGPT,44,374,Conversation log\n"
-                        "9.314579,ChatGPT,109,3960,Conversation log\n18.31941,GPT-4,4000,100,Conversation log\n",
-                        encoding="utf-8")
+        path.write_text("\ufeffTimestamp,Model,Response tokens,Request tokens,Log Type\n"
+                        "5.0,ChatGPT,44,374,Conversation log\n9.314579,ChatGPT,109,3960,Conversation log\n"
+                        "18.31941,GPT-4,4000,100,Conversation log\n", encoding="utf-8")
     elif spelling == "gzip":
         path = tmp_path / "trace.csv.gz"
         path.write_bytes(gzip.compress(AZURE_2023.encode()))
