@@ -109,8 +109,16 @@ def _up(args: argparse.Namespace) -> int:
     lifetime.setLevel(logging.INFO)
     lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
     stop = threading.Event()
-    # While starting, Ctrl-C or a SIGTERM interrupts the start (which stops what it started); once up, stops.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def interrupt_once(*_: object) -> None:
+        # While starting, Ctrl-C or a SIGTERM interrupts the start, which stops what it started; a
+        # second one must not cut that short.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt_once)
     cluster = Cluster(manifest)
     try:
         address = cluster.start()

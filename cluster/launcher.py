@@ -141,7 +141,7 @@ class Cluster:
         declares the path shared. On a single machine there is one copy: nothing is hashed or shipped."""
         m = self.manifest
         # With model_path_shared always a directory: the manifest wants a path, `resolve_model` an existing one.
-        is_dir = Path(m.model).is_dir()
+        is_dir = Path(m.model).expanduser().is_dir()
         spec = str(Path(model_dir).resolve()) if is_dir else m.model
         if local:
             return ModelSource(spec, "")

@@ -6,6 +6,7 @@ embedded default.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -114,11 +115,13 @@ class KVTLSSpec(_Strict):
 
     @field_validator("cert", "key", "ca")
     @classmethod
-    def _exists(cls, v: Path) -> Path:
-        # Absolute: workers read them from their own working directories (on every node, at this path).
-        if not v.is_file():
-            raise ValueError(f"TLS file {str(v)!r} does not exist")
-        return v.resolve()
+    def _absolute(cls, v: Path) -> Path:
+        # Workers read them from their own working directories, on every node at this path. Symlinks
+        # are kept: a Kubernetes secret's links lead to a folder named differently on every pod.
+        return Path(os.path.abspath(v))
+
+    def missing(self) -> list[Path]:
+        return [f for f in (self.cert, self.key, self.ca) if not f.is_file()]
 
 
 class KVTransferSpec(_Strict):
@@ -283,6 +286,14 @@ class Manifest(_Strict):
         if self.model_path_shared and not Path(self.model).is_absolute():
             raise ValueError(f"model_path_shared needs the model directory's absolute path, read at that path on "
                              f"every node; {self.model!r} is not one")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_tls_files_here(self) -> "Manifest":
+        # Checked on a local cluster only: a cluster's head node may not hold the workers' files.
+        tls = self.kv_transfer.tls
+        if self.ray.address == "local" and tls is not None and tls.missing():
+            raise ValueError(f"kv_transfer.tls: {', '.join(map(str, tls.missing()))} does not exist")
         return self
 
     @model_validator(mode="after")

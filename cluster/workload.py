@@ -183,9 +183,9 @@ def load_azure_trace(path: Path, n: int | None = None) -> list[TraceRequest]:
 
 def load_mooncake_trace(path: Path, n: int | None = None, block_tokens: int | None = None) -> list[TraceRequest]:
     """The first `n` requests (all if None) of a JSONL trace in Mooncake's form: timestamp in ms,
-    input_length, output_length, and hash_ids (one id per prompt block; optional). `block_tokens`:
-    the tokens each hash id stands for; by default the most any request's ids cover each (Mooncake's
-    512 on its trace)."""
+    input_length, output_length, and hash_ids (one id per prompt block; optional); an arrival column
+    named otherwise (`_COLUMNS`) is in seconds. `block_tokens`: the tokens each hash id stands for; by
+    default Mooncake's 512 where every request's ids fit it, else the most any request's ids cover each."""
     path = Path(path)
     requests = []
     with _open_text(path) as f:
@@ -199,14 +199,18 @@ def load_mooncake_trace(path: Path, n: int | None = None, block_tokens: int | No
                 hash_ids = row.get("hash_ids") or []
                 if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
                     raise ValueError(f"hash_ids {hash_ids!r} is not a list of integers")
-                requests.append(TraceRequest(_seconds(fields["arrival"], 1e-3),
+                # Mooncake's `timestamp` is in ms; another arrival column in seconds, as its name says
+                unit_s = 1e-3 if row.get("timestamp") not in (None, "") else 1.0
+                requests.append(TraceRequest(_seconds(fields["arrival"], unit_s),
                                              _tokens(fields["prompt"], "input_length"),
                                              _tokens(fields["output"], "output_length"), tuple(hash_ids)))
             except ValueError as e:  # JSONDecodeError included
                 raise ValueError(f"{path}:{number}: {e}") from None
-    if block_tokens is None:
-        block_tokens = max((-(-r.prompt_len // len(r.hash_ids)) for r in requests if r.hash_ids),
-                           default=MOONCAKE_BLOCK)
+    hashed = [r for r in requests if r.hash_ids]
+    if block_tokens is None and all(-(-r.prompt_len // MOONCAKE_BLOCK) == len(r.hash_ids) for r in hashed):
+        block_tokens = MOONCAKE_BLOCK  # Mooncake's, as every request's ids say
+    if block_tokens is None:  # the most tokens any request's ids cover each
+        block_tokens = max(-(-r.prompt_len // len(r.hash_ids)) for r in hashed)
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     return _from_trace_start([replace(r, block_tokens=block_tokens) for r in requests], path)

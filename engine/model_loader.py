@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.attention import AttentionProbe, attending, register_paged_attention
+from pdserve.engine.attention import ATTENTION_NAME, AttentionProbe, attending, register_paged_attention
 from pdserve.engine.kv_cache import KVLayout
 
 # Per-layer kinds whose layers attend with plain (optionally windowed) softmax attention.
@@ -68,6 +68,8 @@ def load_model(
     except ValueError as e:  # no causal-LM class, or a class that refuses custom attention functions
         raise ValueError(f"model type {config.model_type!r} cannot be served: {e}") from None
     except KeyError as e:  # a class that looks its attention up in a table of its own (Falcon, GPT-Neo)
+        if e.args != (ATTENTION_NAME,):
+            raise
         raise ValueError(f"model type {config.model_type!r} cannot be served: it does not take attention "
                          f"functions through transformers' attention interface (it has no {e})") from None
     model.to(device).eval()
@@ -127,6 +129,8 @@ def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_siz
         with torch.inference_mode(), attending(probe):
             model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
                   logits_to_keep=1)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as e:  # attention code of the model's own that cannot run on what the paged one passes (MPT)
         raise ValueError(f"model type {name} cannot be served: its forward pass fails under the engine's "
                          f"attention ({type(e).__name__}: {e})") from e

@@ -154,7 +154,7 @@ def preset_info(model_dir: str | Path) -> dict[str, Any] | None:
 
 def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None) -> Path:
     """A model directory for `spec`: an existing directory, or a preset name (built once, cached)."""
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.is_dir():
         return path
     name = str(spec)

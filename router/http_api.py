@@ -59,7 +59,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 NEUTRAL_EXTENSIONS: dict[str, tuple[object, ...]] = {
     "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "bad_words": ([],),
-    "allowed_token_ids": (), "prompt_logprobs": (0,), "truncate_prompt_tokens": (), "echo": (False,), "guided_json": (),
+    "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (), "echo": (False,), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "regex": (),
     "json_schema": (), "ebnf": (), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "use_beam_search": (False,),
@@ -95,6 +95,8 @@ class _Body(BaseModel):
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in NEUTRAL_EXTENSIONS and value is not None and value not in NEUTRAL_EXTENSIONS[name]:
+                if name == "min_tokens" and self.ignore_eos and not self.stop and not self.stop_token_ids:
+                    continue  # nothing can end the output before max_tokens: a benchmark's usual recipe
                 raise ValueError(f"{name} is not supported (leave it out)")
         if (self.n or 1) != 1:
             raise ValueError(f"n must be 1 (one choice per request), got {self.n}")

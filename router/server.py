@@ -144,10 +144,10 @@ class RouterServer:
         return f"{host}:{sock.getsockname()[1]}"
 
     def serving(self) -> bool:
-        """Whether the cluster takes requests: the token stream is up and every pool has a live worker."""
+        """Whether the cluster takes requests: the token stream is up and a decode (or colocated) worker
+        lives; without a prefill worker, decode workers prefill prompts themselves."""
         frontend = self.service.frontend
-        pools = [frontend.router.prefill_pool, frontend.router.decode_pool]
-        return frontend.hub.error is None and all(any(w.healthy for w in pool) for pool in pools if pool)
+        return frontend.hub.error is None and any(w.healthy for w in frontend.router.decode_pool)
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""

@@ -148,6 +148,9 @@ def test_mooncake_style_traces_give_their_block_length_and_may_lack_hash_ids(tmp
     a, _, c = block_prompts(reqs, vocab_size=1000, seed=1)
     assert a[:16] == c[:16] and a[16:] != c[16:]  # one 16-token block shared, not 512
     assert load_mooncake_trace(path, block_tokens=8)[0].block_tokens == 8
+    path.write_text('{"arrival_time": 2.5, "input_length": 3, "output_length": 1}\n'
+                    '{"arrival_time": 1.0, "input_length": 3, "output_length": 1}\n')
+    assert [r.arrival_s for r in load_mooncake_trace(path)] == [0.0, 1.5]  # seconds, as the name says
     path.write_text('{"timestamp": 0, "input_length": 3, "output_length": 1}\n{"timestamp": "soon"\n')
     with pytest.raises(ValueError, match=r"blocks16.jsonl:2: "):
         load_mooncake_trace(path)
@@ -161,6 +164,7 @@ def test_shared_traces_load_and_fit_the_model():
     assert 2 < (len(conv) - 1) / conv[-1].arrival_s < 12  # the README's ~5.5 req/s
     code = load_azure_trace(find_trace("azure2023_code.csv"), 50)
     assert len(code) == 50
+    assert load_mooncake_trace(find_trace("mooncake_synthetic_trace.jsonl"), 1)[0].block_tokens == 512
     moon = scale_requests(load_mooncake_trace(find_trace("mooncake_synthetic_trace.jsonl"), 300), 1 / 32, 1 / 4,
                           max_model_len=1024)
     assert all(r.prompt_len + r.output_len <= 1024 and r.block_tokens == 16 for r in moon)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_default_manifest_is_valid():
         ({"kv_transfer": {"transport": "gloo", "tls": {"cert": ANY_FILE, "key": ANY_FILE, "ca": ANY_FILE}}},
          "tls secures the grpc transport only"),
         ({"kv_transfer": {"tls": {"cert": "/nonexistent.pem", "key": ANY_FILE, "ca": ANY_FILE}}},
-         "kv_transfer.tls.cert: Value error, TLS file '/nonexistent.pem' does not exist"),
+         "kv_transfer.tls: /nonexistent.pem does not exist"),
         ({"kv_transfer": {"codec": "zstd"}}, "kv_transfer.codec: Value error, unknown codec 'zstd': codecs are raw, "
                                              "int8, fp8, cachegen"),
         ({"kv_transfer": {"codec": ["int8", "fp16", "RAW"]}}, "unknown codec 'fp16', 'RAW'"),
@@ -71,6 +72,10 @@ def test_the_manifest_offers_the_codecs_there_are():
     m = load_manifest({"kv_transfer": {"codec": ["cachegen", "int8"], "tls": {"cert": ANY_FILE, "key": ANY_FILE,
                                                                           "ca": ANY_FILE}}})
     assert m.kv_transfer.codecs == ("cachegen", "int8") and m.kv_transfer.tls.cert.is_absolute()
+    # Joining a cluster, the files are the workers' to have: the head node may not hold them.
+    remote = load_manifest({"ray": {"address": "auto"}, "kv_transfer": {"tls": {"cert": "kv.pem", "key": "/k.pem",
+                                                                               "ca": "/ca.pem"}}})
+    assert remote.kv_transfer.tls.cert == Path.cwd() / "kv.pem"
 
 
 def test_yaml_problems(tmp_path):

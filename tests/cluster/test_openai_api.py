@@ -191,11 +191,12 @@ def test_vllm_extensions_that_change_the_output_are_refused_unless_neutral(api, 
                   {"chat_template": "{{ messages }}"}):
         with pytest.raises(openai.BadRequestError, match=f"{next(iter(extra))} is not supported"):
             api.chat.completions.create(model=model, messages=chat, max_tokens=2, extra_body=extra)
-    neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True, "top_k": -1,
+    neutral = {"repetition_penalty": 1.0, "min_tokens": 3, "skip_special_tokens": True, "top_k": -1,
                "chat_template_kwargs": None}
     reply = api.chat.completions.create(model=model, messages=chat, max_tokens=2, max_completion_tokens=3,
                                         extra_body={**neutral, "ignore_eos": True})
     assert reply.usage.completion_tokens == 3  # max_completion_tokens wins, as OpenAI's and vLLM's
+    # (min_tokens too is neutral here: with ignore_eos and no stop, nothing ends the output early)
     image = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     with pytest.raises(openai.BadRequestError, match="got a part of type 'image_url'"):
         api.chat.completions.create(model=model, messages=[{"role": "user", "content": image}], max_tokens=2)
