@@ -26,10 +26,6 @@ from pdserve.engine.kv_cache import KVLayout
 
 # Per-layer kinds whose layers attend with plain (optionally windowed) softmax attention.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-# RoPE variants whose frequencies depend on the length of the whole batch (transformers takes it from
-# the largest position in the forward pass): over a packed row of many sequences they would differ
-# from a run of each sequence alone.
-LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
 @dataclass
@@ -73,6 +69,7 @@ def load_model(
         raise ValueError(f"model type {config.model_type!r} cannot be served: it does not take attention "
                          f"functions through transformers' attention interface (it has no {e})") from None
     model.to(device).eval()
+    _check_rope_within(model, config, max_len)
     tokenizer = load_tokenizer(path)
     return LoadedModel(
         model=model,
@@ -101,11 +98,6 @@ def _check_config(config: PretrainedConfig) -> None:
     if other:
         raise ValueError(f"model type {name} has layers of type {', '.join(other)}; the engine serves models "
                          f"whose layers are all {' or '.join(sorted(ATTENTION_LAYER_TYPES))}")
-    for rope in _rope_settings(config):
-        kind = rope.get("rope_type", rope.get("type"))
-        if kind in LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"model type {name} uses RoPE scaling {kind!r}, whose frequencies depend on the "
-                             "length of the whole batch; packed batches would change its outputs")
 
 
 def _rope_settings(config: PretrainedConfig) -> list[dict]:
@@ -157,9 +149,37 @@ def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_siz
 
 
 def context_limit(config: PretrainedConfig, requested: int | None) -> int:
-    """The context limit served: the requested max_model_len, capped by the model's own."""
+    """The context limit served: the requested max_model_len, capped by the model's own and, for
+    longrope, by the length its short factors cover.
+
+    Two RoPE kinds take their frequencies from the largest position in the forward pass, so over a
+    packed row of many sequences they would differ from each sequence run alone, past a length:
+    longrope switches to its long factors past original_max_position_embeddings, dynamic NTK rescales
+    past its rotary's cached length (`_check_rope_within`). Within that length they are fixed."""
     native = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
-    return min(requested or native, native)
+    longrope = [int(rope.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", 0) or native)
+                for rope in _rope_settings(config) if _rope_kind(rope) == "longrope"]
+    return min(requested or native, native, *longrope)
+
+
+def _rope_kind(rope: dict) -> str | None:
+    return rope.get("rope_type", rope.get("type"))
+
+
+def _check_rope_within(model: PreTrainedModel, config: PretrainedConfig, max_len: int) -> None:
+    """Refuse a dynamic-NTK rotary whose cached length is below the context served: past it, its
+    frequencies would follow the longest sequence of each batch."""
+    if not any(_rope_kind(rope) == "dynamic" for rope in _rope_settings(config)):
+        return
+    name = repr(config.model_type)
+    cached = [int(m.max_seq_len_cached) for m in model.modules() if hasattr(m, "max_seq_len_cached")]
+    if not cached:
+        raise ValueError(f"model type {name} uses RoPE scaling 'dynamic' in a rotary that does not say the length "
+                         "past which its frequencies follow the longest sequence of a batch")
+    if max_len > min(cached):
+        raise ValueError(f"model type {name} uses RoPE scaling 'dynamic', whose frequencies follow the longest "
+                         f"sequence of a batch past {min(cached)} tokens: serve it with max_model_len <= {min(cached)}")
 
 
 def cache_of(output: ModelOutput) -> Cache:
