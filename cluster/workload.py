@@ -146,6 +146,13 @@ def _fields(row: dict) -> dict[str, object]:
     return found
 
 
+def _trace_request(row: dict, unit_s: float = 1.0, hash_ids: tuple[int, ...] = ()) -> TraceRequest:
+    """One row's request; its arrival as a number in units of `unit_s`, or a date and time."""
+    fields = _fields(row)
+    return TraceRequest(_seconds(fields["arrival"], unit_s), _tokens(fields["prompt"], "prompt length"),
+                        _tokens(fields["output"], "output length"), hash_ids)
+
+
 def _from_trace_start(requests: list[TraceRequest], path: Path) -> list[TraceRequest]:
     """Requests in order of arrival, timed from the first (rows out of order are sorted, not replayed
     hours late or all at once)."""
@@ -173,9 +180,7 @@ def load_azure_trace(path: Path, n: int | None = None) -> list[TraceRequest]:
         reader = csv.DictReader(f)
         for row in itertools.islice(reader, n):
             try:
-                fields = _fields(row)
-                requests.append(TraceRequest(_seconds(fields["arrival"]), _tokens(fields["prompt"], "prompt length"),
-                                             _tokens(fields["output"], "output length")))
+                requests.append(_trace_request(row))
             except ValueError as e:
                 raise ValueError(f"{path}:{reader.line_num}: {e}") from None
     return _from_trace_start(requests, path)
@@ -195,15 +200,12 @@ def load_mooncake_trace(path: Path, n: int | None = None, block_tokens: int | No
                 row = json.loads(line)
                 if not isinstance(row, dict):
                     raise ValueError("not a JSON object")
-                fields = _fields(row)
                 hash_ids = row.get("hash_ids") or []
                 if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
                     raise ValueError(f"hash_ids {hash_ids!r} is not a list of integers")
                 # Mooncake's `timestamp` is in ms; another arrival column in seconds, as its name says
                 unit_s = 1e-3 if row.get("timestamp") not in (None, "") else 1.0
-                requests.append(TraceRequest(_seconds(fields["arrival"], unit_s),
-                                             _tokens(fields["prompt"], "input_length"),
-                                             _tokens(fields["output"], "output_length"), tuple(hash_ids)))
+                requests.append(_trace_request(row, unit_s, tuple(hash_ids)))
             except ValueError as e:  # JSONDecodeError included
                 raise ValueError(f"{path}:{number}: {e}") from None
     hashed = [r for r in requests if r.hash_ids]
