@@ -7,8 +7,9 @@ into the reserved blocks does: the transport alone (the frames' checksums are ma
 not checked; `pdserve bench cluster`'s probes time the whole path, checksums, decoding and the write
 into blocks included). Beside each, the same bytes over a plain TCP socket on loopback into the same
 kind of buffer: the ceiling; and beside gRPC, `grpc-bytes`: grpcio streaming the frames as bare
-bytes messages of the size our transport cuts them into (no protobuf, no framing), what grpcio
-itself moves from Python with nothing of ours in the way. `nccl` (asked for with `--transports`, on
+bytes messages of 1.5 MiB (no protobuf, no framing; the size grpcio moved fastest), what grpcio
+itself moves from Python with nothing of ours in the way: the transport's gRPC before it had its
+own HTTP/2. `nccl` (asked for with `--transports`, on
 a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are set up at once and
 timed in turn, each repeat in a shuffled order, after one warm-up each (connections, groups and
 segments set up): medians of `repeats` runs, and each transport's share of the socket is the median
@@ -56,8 +57,6 @@ from pdserve.kv_transfer.interface import Codec, FrameHeader
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
 from pdserve.kv_transfer.transports.grpc_stream import MAX_FRAME_BYTES
-from pdserve.kv_transfer.transports.grpc_stream import OPTIONS as GRPC_OPTIONS
-from pdserve.kv_transfer.transports.grpc_stream import PIECE_BYTES as GRPC_PIECE_BYTES
 
 
 @dataclass
@@ -83,6 +82,14 @@ class KVBenchConfig:
 
 
 # --- transports ----------------------------------------------------------------------------------
+# grpcio alone, as the transport ran it on grpcio: messages of 1.5 MiB (grpcio moved 1-1.5 MiB messages
+# faster than larger ones: docs/benchmarks.md, seventh session) and large flow-control windows.
+GRPCIO_MESSAGE_BYTES = 3 << 19
+GRPCIO_OPTIONS = [("grpc.max_receive_message_length", 2 * GRPCIO_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", 2 * GRPCIO_MESSAGE_BYTES),
+                  ("grpc.http2.lookahead_bytes", 16 << 20), ("grpc.http2.write_buffer_size", 16 << 20)]
+
+
 def _receiving_process(kind: str, capacity: int, conn) -> None:
     """Child: a receiving half (or a TCP listener) that copies every frame into one buffer."""
     buffer = np.empty(capacity, dtype=np.uint8)
@@ -116,7 +123,7 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
         position[0] += header.payload_bytes
 
     if kind == "grpc-bytes":  # grpcio alone: a stream of bare bytes messages, no framing at all
-        server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPCIO_OPTIONS)
 
         def take(messages, context):
             for message in messages:
@@ -171,7 +178,7 @@ class _TransportRun:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._closers.append(self._sock.close)
         elif kind == "grpc-bytes":
-            channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = grpc.insecure_channel(address, options=GRPCIO_OPTIONS)
             self._push = channel.stream_unary("/bench.Bytes/Push")
             self._closers.append(channel.close)
         else:
@@ -188,9 +195,9 @@ class _TransportRun:
             for _, data in self.frames:
                 self._sock.sendall(data)
             self._sock.recv(1)
-        elif self.kind == "grpc-bytes":  # in messages of the size our transport cuts frames into
-            self._push(bytes(memoryview(data)[at : at + GRPC_PIECE_BYTES]) for _, data in self.frames
-                       for at in range(0, data.nbytes, GRPC_PIECE_BYTES))
+        elif self.kind == "grpc-bytes":
+            self._push(bytes(memoryview(data)[at : at + GRPCIO_MESSAGE_BYTES]) for _, data in self.frames
+                       for at in range(0, data.nbytes, GRPCIO_MESSAGE_BYTES))
         else:
             channel = self._sender.open(self._address, f"bench-{self._runs}")
             for (header, _), payload in zip(self.frames, self._payloads):

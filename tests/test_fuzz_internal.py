@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
 import struct
 import time
 from collections import Counter
 
 import grpc
+import hpack
 import pytest
 import zmq
 from fuzz_strategies import F32, ODD_TEXT, U32, fuzz_settings, messages
+from helpers import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -370,6 +374,88 @@ def test_grpc_kv_stream_ends_on_a_malformed_message_and_says_why(grpc_kv, receiv
     SENT["grpc_kv_frames_taken"] += ack.frames
 
 
+# --- the gRPC KV transport's HTTP/2 ----------------------------------------------------------------------
+@st.composite
+def http2_connections(draw: st.DrawFn, token: str, current: str, layers: int, token_bytes: int) -> list[bytes]:
+    """What a peer writes on one connection after the preface: gRPC calls (HEADERS with the cluster's
+    token, or without it, or for another method; then KVFrame messages cut into DATA frames anywhere),
+    among HTTP/2 frames of every type with flags, stream ids and lengths at and past their limits, and
+    HPACK blocks that do not decode."""
+    from pdserve.kv_transfer.transports import http2
+
+    encoder = hpack.Encoder()  # one per connection, as the receiver has one decoder per connection
+    out: list[bytes] = []
+    stream = 1
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()):  # a call
+            path = draw(st.sampled_from(["/pdserve.v1.KVTransfer/PushKV"] * 4 + ["/x/y"]))
+            metadata = draw(st.sampled_from([[("x-pdserve-cluster", token)]] * 4 + [[], [("x-pdserve-cluster", "no")]]))
+            out.append(http2.frame(http2.FrameType.HEADERS, http2.END_HEADERS, stream, encoder.encode(
+                [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "fuzz"),
+                 ("content-type", "application/grpc"), *metadata])))
+            body = b"".join(b"\0" + len(m).to_bytes(4, "big") + m
+                            for m in draw(kvframe_messages(current, layers, token_bytes)))
+            cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=3)))
+            pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1 and draw(st.integers(0, 3)) > 0
+                out.append(http2.frame(http2.FrameType.DATA, http2.END_STREAM if last else 0, stream, piece))
+            stream += 2 * draw(st.integers(1, 2))
+        else:  # any frame
+            kind = draw(st.sampled_from(list(http2.FrameType)) | st.integers(10, 255))
+            flags = draw(st.sampled_from([0, http2.END_STREAM, http2.END_HEADERS, http2.END_HEADERS | http2.PADDED,
+                                          http2.END_HEADERS | http2.PRIORITY]) | st.integers(0, 255))
+            target = draw(st.sampled_from([stream, max(stream - 2, 1), 0, stream + 1, 2**31 - 1])
+                          | st.integers(0, 2**31 - 1))
+            if kind == http2.FrameType.SETTINGS and draw(st.booleans()):
+                payload = b"".join(struct.pack(">HI", draw(st.integers(0, 8)), draw(U32))
+                                   for _ in range(draw(st.integers(0, 3))))
+            elif kind == http2.FrameType.WINDOW_UPDATE and draw(st.booleans()):
+                payload = struct.pack(">I", draw(U32))
+            else:
+                payload = draw(st.binary(max_size=40))
+            out.append(http2.frame(kind, flags, target, payload))
+    if out and draw(st.integers(0, 4)) == 0:  # a byte flipped anywhere
+        i = draw(st.integers(0, len(out) - 1))
+        at = draw(st.integers(0, len(out[i]) - 1))
+        out[i] = out[i][:at] + bytes([out[i][at] ^ draw(st.integers(1, 255))]) + out[i][at + 1 :]
+    return out
+
+
+@fuzz_settings(400)
+@given(data=st.data())
+def test_grpc_kv_http2_survives_any_frames_and_keeps_serving(grpc_kv, receiving, secret, caplog, data):
+    """Whatever a peer writes ends at worst its own connection (GOAWAY), never in a fault of this
+    side's (logged as an error); the receiving half then closes the connection when the peer does, and
+    goes on taking valid pushes."""
+    from pdserve.kv_transfer.transports import http2
+
+    server, push = grpc_kv
+    receiver, open_transfer, engine = receiving
+    frames = data.draw(http2_connections(secret.token, open_transfer(), *_layout(engine)))
+    host, port = server.address.rsplit(":", 1)
+    others = len(server._connections)  # the push's own connection, once it made one
+    before = sum(receiver.counts().get(k, 0) for k in ("frames", "corrupt_frames", "refused_frames"))
+    with socket.create_connection((host, int(port)), timeout=10) as peer:
+        try:
+            peer.sendall(http2.PREFACE + b"".join(frames))
+            peer.shutdown(socket.SHUT_WR)
+            while peer.recv(1 << 16):  # until the receiver closes its end (within the timeout)
+                pass
+        except ConnectionResetError:  # it closed while this side still wrote
+            pass
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert wait_until(lambda: len(server._connections) <= others, 10)
+    SENT["grpc_kv_http2"] += len(frames)
+    SENT["grpc_kv_http2_reached_the_sink"] += sum(receiver.counts().get(k, 0) for k in
+                                                  ("frames", "corrupt_frames", "refused_frames")) - before
+    layers, token_bytes = _layout(engine)
+    sent = FrameHeader(open_transfer(), layers - 1, 39, 1, "raw", 0, 0, token_bytes)
+    valid = dataclasses.replace(sent, crc32=frame_checksum(sent, bytes(token_bytes)))
+    ack = push([_kvframe(valid, bytes(token_bytes))])  # a member's valid push still goes through
+    assert (ack.frames, ack.error) == (1, ""), ack
+
+
 # --- the pyzmq KV control channels (shared memory and gloo transports) ------------------------------
 SEQ = struct.Struct("<Q")
 # Parts that look like what each kind carries: segment names (shm), group ids and store addresses
@@ -444,12 +530,13 @@ def test_kv_control_channel_answers_or_drops_and_counts_every_message(kv_control
 # --- the totals ---------------------------------------------------------------------------------------
 def test_zz_totals():
     """Runs last in this file: every parser got its share of generated messages."""
-    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "kv_control_shm",
-               "kv_control_gloo"]
+    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "grpc_kv_http2",
+               "kv_control_shm", "kv_control_gloo"]
     counts = {name: SENT[name] for name in parsers}
     print(f"fuzzed internal messages: {counts}, total {sum(counts.values())}; {dict(SENT)}")
     assert all(n >= MIN_PER_PARSER for n in counts.values()), counts
     # Not vacuous: many messages were bad, and many good ones got through.
     assert min(SENT["token_stream_bad"], SENT["token_stream_delivered"], SENT["kv_events_bad"],
-               SENT["receive_frame_taken"], SENT["grpc_kv_frames_taken"]) >= 50, SENT
+               SENT["receive_frame_taken"], SENT["grpc_kv_frames_taken"],
+               SENT["grpc_kv_http2_reached_the_sink"]) >= 50, SENT
     assert sum(counts.values()) >= 10_000, counts

@@ -3,7 +3,8 @@ half (`ReceivingTransport`, in the decode worker), which hands every frame to th
 
   shm   shared memory between processes on one node (the default there): one copy into a slot,
         a view of it on the other side; pyzmq control
-  grpc  gRPC client streaming (the default across nodes), mutual TLS when certificates are given
+  grpc  gRPC client streaming (the default across nodes), mutual TLS when certificates are given; on
+        the package's own HTTP/2 (`http2`), which moves a message with no copy in user space
   gloo  torch.distributed point-to-point of host bytes, a two-rank group per worker pair; pyzmq control
   nccl  the same over NCCL, GPU to GPU: KV read out of a CUDA cache never touches host memory
 
@@ -60,8 +61,8 @@ def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dic
                    secret: ClusterSecret | None = None,
                    on_crash: Callable[[BaseException], None] = lambda error: None) -> ReceivingTransport:
     """Start the receiving half of transport `name`, listening on `host`; with `secret`, it takes
-    frames only from the cluster's members. `on_crash` is told if its control loop dies (shm, gloo
-    and NCCL have one; gRPC's threads are grpcio's, each call failing on its own)."""
+    frames only from the cluster's members. `on_crash` is told if its control loop dies (shm's,
+    gloo's and NCCL's; gRPC's accepting thread: each connection's failure ends only its own calls)."""
     if name == "shm":
         from pdserve.kv_transfer.transports.shm import ShmReceiver
 
@@ -69,7 +70,7 @@ def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dic
     if name == "grpc":
         from pdserve.kv_transfer.transports.grpc_stream import GrpcReceiver
 
-        return GrpcReceiver(sink, host, tls, secret=secret)
+        return GrpcReceiver(sink, host, tls, secret, on_crash)
     if name in ("gloo", "nccl"):
         from pdserve.kv_transfer.transports.p2p import P2PReceiver
 

@@ -1,45 +1,53 @@
-"""gRPC client streaming: the cross-node default, over TLS (mutual) when the manifest gives certificates.
+"""gRPC client streaming (`KVTransfer.PushKV` of kv_transfer.proto): the cross-node default, over
+mutual TLS when the manifest gives certificates.
 
-A channel is one `PushKV` stream fed from a queue: `send` cuts a frame into messages of at most
-`PIECE_BYTES` (1.5 MiB: grpcio moves a stream of such messages faster than one of larger ones;
-measured in docs/benchmarks.md) and returns once grpcio has taken all but `WINDOW_BYTES` of what was
-queued (so the sender keeps pace with the link, its lease renewed as frames go, and what is left
-when `finish` ends the stream is at most a window, not the whole prompt's KV held in memory behind a
-slow link); `finish` ends the stream and reads the receiver's `KVAck`. Each piece becomes a message
-only when grpcio's request thread takes it to the wire (the payload stays unchanged until `finish`,
-as the channel interface allows); building every message up front in the sending thread moved a
-16K-token prompt at about half the rate, measured side by side (docs/benchmarks.md). The receiving
-half hands a frame that came in one message to the sink as a view of the message's bytes; a larger
-one is assembled first, in a buffer the stream keeps for its next frames. A sender keeps one HTTP/2
-channel per decode worker, so streams share its connection.
+Both halves speak gRPC over the package's own HTTP/2 (`http2`). A message goes from the KV buffer to
+the socket in one `sendmsg` with its headers, and comes off the socket into the call's message
+buffer; the sink gets a view of that buffer, so nothing is copied in between. grpcio's Python binding,
+which this transport ran on before, copies each message into and out of its core, one message in
+flight at a time, and moved about a third of a raw socket's bytes/s on loopback (docs/benchmarks.md
+has both side by side). The wire is plain gRPC: grpcio clients push into the receiving half, and
+the sending half pushes into grpcio servers (tests/kv_transfer/test_grpc_wire.py).
 
-The messages are `KVFrame`s of kv_transfer.proto on the wire, but the payload field skips protobuf's
-copies: the sender writes the small fields with protobuf and appends the payload field itself (field
-order is free in protobuf), in one copy from the KV buffer; the receiver cuts the payload field out
-as a view and lets protobuf parse the rest (`_encode`, `_parse`). Any protobuf client interoperates.
+A sender keeps one connection per decode worker; each channel is one PushKV call (an HTTP/2 stream)
+on it. `send` cuts a frame into messages of at most PIECE_BYTES and queues them, to be sent from the
+payload's own memory (it stays unchanged until `finish`, as the channel interface asks). It returns
+once no more than WINDOW_BYTES of the call wait to be written, so the sender keeps pace with the link
+and its lease is renewed as frames go. `finish` ends the stream and reads the receiver's `KVAck`.
 
-With the cluster's secret, every stream carries its token as call metadata (`CLUSTER_METADATA`); a
-receiver that has the secret ends any stream without it UNAUTHENTICATED before reading a message.
-Mutual TLS (the manifest's `kv_transfer.tls`) additionally keeps strangers from connecting at all.
+The messages are `KVFrame`s with the payload field last. The sender writes the small fields with
+protobuf, then the payload field's tag and length itself, then the payload from its own buffer. The
+receiver cuts the payload field out as a view and lets protobuf parse the rest (`_fields`, `_parse`).
+A frame larger than a message is put together in a buffer the call keeps for its next frames.
+
+With the cluster's secret, every call carries its token as call metadata (`CLUSTER_METADATA`, which
+HPACK never indexes). A receiver that has the secret ends any call without it UNAUTHENTICATED before
+it reads a message. Mutual TLS (the manifest's `kv_transfer.tls`) also keeps strangers from
+connecting at all.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import logging
-import queue
+import socket
 import threading
-from collections.abc import Iterator
-from concurrent import futures
+import time
+import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
+import hpack
 from google.protobuf.message import DecodeError
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, FrameSink, Payload, TransferError
+from pdserve.kv_transfer.transports import http2, pipes
 from pdserve.proto.pdserve.v1 import kv_transfer_pb2
+from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -47,29 +55,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLUSTER_METADATA = "x-pdserve-cluster"  # the call metadata key that carries the cluster's token
+_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+PUSH_PATH = f"/{_SERVICE.full_name}/PushKV"
 
-# A frame's bytes per message. Measured on loopback (docs/benchmarks.md, seventh session): grpcio
-# alone moved messages of 1-1.5 MiB faster than larger ones (3 MiB: 20-33% slower, 6 MiB: 32-42%), and
-# frames of 6 and 24 MiB (8B- and 7B-class layouts) went 1.17-1.30x faster in pieces of 1.5 MiB than
-# of 4 MiB. A 1.5 MiB frame (1,536 tokens of 1 KiB) is one message, which reaches the sink unassembled.
-PIECE_BYTES = 3 << 19
-MAX_PIECE_BYTES = 4 << 20  # the largest piece a receiver takes (>= PIECE_BYTES): what senders sent before
-WINDOW_BYTES = 64 << 20  # queued on a stream and not yet taken by grpcio, at most (a piece more)
-SEND_TIMEOUT_S = 30.0  # a stream that takes nothing for this long has stalled
+# A frame's bytes per message: whole messages within 4 MiB, the most other gRPC implementations take
+# by default (grpcio's, grpc-go's, grpc-java's). Nothing is copied per message, so larger messages only
+# cost the receiving call a larger buffer; a frame of up to this size reaches the sink without being
+# put together.
+PIECE_BYTES = (4 << 20) - (4 << 10)
+MAX_PIECE_BYTES = 4 << 20  # the largest piece a receiver takes (>= PIECE_BYTES)
+WINDOW_BYTES = 64 << 20  # a call's messages queued and not yet written, at most (a piece more)
+SEND_TIMEOUT_S = 30.0  # a connection that writes nothing of a call's queue for this long has stalled
+ANSWER_WAIT_S = 1.0  # a call whose stream the receiver closed: how long its answer may take to follow
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 _MESSAGE_LIMIT = MAX_PIECE_BYTES + (64 << 10)  # a piece and its header fields
-OPTIONS = [
-    ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
-    ("grpc.max_send_message_length", _MESSAGE_LIMIT),
-    # Large windows: the default flow control stalls a single fast stream on loopback.
-    ("grpc.http2.lookahead_bytes", 16 << 20),
-    ("grpc.http2.write_buffer_size", 16 << 20),
-    # A peer that vanished without closing (half-open connection) is noticed within ~40 s on both
-    # ends, so no stream pins a server thread for good.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-]
+_ANSWER_LIMIT = 64 << 10  # a KVAck
+MAX_CONNECTIONS = 256  # a receiving half's connections at once (each is two threads)
+CALL_DEADLINE_S = 10.0  # a connection that made no call this receiver takes within this long is closed
+ACCEPT_POLL_S = 0.5  # how often the accepting thread looks at its stop flag and the connections' deadlines
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+# gRPC's mapping of a response's HTTP status that is not 200 (doc/http-grpc-status-mapping.md)
+_HTTP_STATUS = {"400": grpc.StatusCode.INTERNAL, "401": grpc.StatusCode.UNAUTHENTICATED,
+                "403": grpc.StatusCode.PERMISSION_DENIED, "404": grpc.StatusCode.UNIMPLEMENTED,
+                **dict.fromkeys(("429", "502", "503", "504"), grpc.StatusCode.UNAVAILABLE)}
+_RESET_STATUS = {http2.ErrorCode.CANCEL: grpc.StatusCode.CANCELLED,
+                 http2.ErrorCode.REFUSED_STREAM: grpc.StatusCode.UNAVAILABLE,
+                 http2.ErrorCode.ENHANCE_YOUR_CALM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 http2.ErrorCode.INADEQUATE_SECURITY: grpc.StatusCode.PERMISSION_DENIED}
+# Status-Message's percent-encoding keeps space and visible ASCII but "%" (gRPC's PROTOCOL-HTTP2.md)
+_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
 def _is_loopback(host: str) -> bool:
@@ -79,14 +93,17 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _read_tls(tls: dict[str, str]) -> tuple[bytes, bytes, bytes]:
+def _tls_context(tls: dict[str, str], server_side: bool):
     missing = {"cert", "key", "ca"} - set(tls)
     if missing:
         raise ValueError(f"KV TLS needs cert, key and ca (mutual TLS); missing {sorted(missing)}")
-    return tuple(Path(tls[k]).read_bytes() for k in ("cert", "key", "ca"))  # type: ignore[return-value]
+    for key in ("cert", "key", "ca"):
+        if not Path(tls[key]).is_file():
+            raise ValueError(f"KV TLS {key} file {tls[key]!r} does not exist")
+    return pipes.tls_context(tls["cert"], tls["key"], tls["ca"], server_side)
 
 
-_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+# --- messages ----------------------------------------------------------------------------------------
 _PAYLOAD = kv_transfer_pb2.KVFrame.DESCRIPTOR.fields_by_name["payload"].number
 _PAYLOAD_TAG = bytes([_PAYLOAD << 3 | 2])  # a length-delimited field
 
@@ -100,7 +117,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+def _read_varint(data: bytes | memoryview, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = data[at]
@@ -113,22 +130,33 @@ def _read_varint(data: bytes, at: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
-def _encode(fields: kv_transfer_pb2.KVFrame, piece: memoryview) -> bytes:
-    """A KVFrame message: `fields` (no payload) serialized by protobuf, then the payload field."""
-    return b"".join((fields.SerializeToString(), _PAYLOAD_TAG, _varint(piece.nbytes), piece))
+def _fields(header: FrameHeader, offset: int, piece_bytes: int) -> bytes:
+    """A KVFrame message's gRPC prefix and every byte before its payload: the fields serialized by
+    protobuf, then the payload field's tag and length (the payload itself follows from its buffer)."""
+    fields = kv_transfer_pb2.KVFrame(
+        transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
+        num_tokens=header.num_tokens, codec=header.codec, level=header.level, crc32=header.crc32,
+        payload_bytes=header.payload_bytes, offset=offset).SerializeToString()
+    head = b"".join((fields, _PAYLOAD_TAG, _varint(piece_bytes)))
+    return _prefix(len(head) + piece_bytes) + head
 
 
-def _parse(data: bytes) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
+def _prefix(length: int) -> bytes:
+    """gRPC's Length-Prefixed-Message prefix: not compressed, then the length (big-endian)."""
+    return b"\0" + length.to_bytes(4, "big")
+
+
+def _parse(data: bytes | memoryview) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
     """A KVFrame message's payload as a view of `data`, and its other fields parsed by protobuf."""
     view, rest, payload, at = memoryview(data), [], memoryview(b""), 0
-    while at < len(data):
+    while at < len(view):
         start = at
-        tag, at = _read_varint(data, at)
+        tag, at = _read_varint(view, at)
         wire_type = tag & 7
         if wire_type == 0:
-            _, at = _read_varint(data, at)
+            _, at = _read_varint(view, at)
         elif wire_type == 2:
-            length, at = _read_varint(data, at)
+            length, at = _read_varint(view, at)
             if tag >> 3 == _PAYLOAD:
                 payload = view[at : at + length]
             at += length
@@ -136,88 +164,252 @@ def _parse(data: bytes) -> tuple[kv_transfer_pb2.KVFrame, memoryview]:
             at += 8 if wire_type == 1 else 4
         else:
             raise ValueError(f"wire type {wire_type} at byte {start}")
-        if at > len(data):
+        if at > len(view):
             raise ValueError("a field runs past the end of the message")
         if tag >> 3 != _PAYLOAD:
             rest.append(view[start:at])
     return kv_transfer_pb2.KVFrame.FromString(b"".join(rest)), payload
 
 
+class MalformedMessage(TransferError):
+    pass
+
+
+class _MessageReader:
+    """Length-prefixed gRPC messages out of a stream's DATA, each read straight into one buffer
+    (kept for the next: `on_message`'s view is valid only during the call)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._prefix = bytearray(5)
+        self._buffer = bytearray()
+        self._length: int | None = None  # the message being read, once its prefix is in
+        self._filled = 0  # of the prefix, then of the message
+
+    @property
+    def inside_a_message(self) -> bool:
+        return self._length is not None or self._filled > 0
+
+    def read(self, data: http2.DataReader, on_message: Callable[[memoryview], None]) -> None:
+        while True:
+            if self._length is None:
+                if not data.remaining:
+                    return
+                n = min(5 - self._filled, data.remaining)
+                data.read_into(memoryview(self._prefix)[self._filled : self._filled + n])
+                self._filled += n
+                if self._filled < 5:
+                    continue
+                length = int.from_bytes(self._prefix[1:], "big")
+                if self._prefix[0]:
+                    raise MalformedMessage("a compressed message, though no grpc-encoding was agreed")
+                if length > self.limit:
+                    raise MalformedMessage(f"a message of {length} bytes, over the limit of {self.limit}")
+                if len(self._buffer) < length:
+                    self._buffer = bytearray(length)
+                self._length, self._filled = length, 0
+            n = min(self._length - self._filled, data.remaining)
+            if n:
+                data.read_into(memoryview(self._buffer)[self._filled : self._filled + n])
+                self._filled += n
+            if self._filled < self._length:
+                return
+            length, self._length, self._filled = self._length, None, 0
+            on_message(memoryview(self._buffer)[:length])
+
+
+# --- the sending half ------------------------------------------------------------------------------
+class _Answer:
+    """The receiver's answer to one call: status, details and its KVAck's bytes. Filled on the
+    connection's reader thread; `done` once the status is known."""
+
+    def __init__(self) -> None:
+        self.status: grpc.StatusCode | None = None
+        self.details = ""
+        self.ack = b""
+        self.done = threading.Event()
+        self._headers_seen = False
+        self._messages = _MessageReader(_ANSWER_LIMIT)
+
+    def headers(self, headers: list[tuple[str, str]]) -> None:
+        fields = dict(headers)
+        if not self._headers_seen:
+            self._headers_seen = True
+            if fields.get(":status") != "200":
+                http_status = fields.get(":status", "missing")
+                self.end(_HTTP_STATUS.get(http_status, grpc.StatusCode.UNKNOWN), f"HTTP status {http_status}")
+                return
+        if "grpc-status" in fields:  # trailers (or trailers only)
+            value = fields["grpc-status"]
+            code = int(value) if value.isascii() and value.isdigit() else -1
+            self.end(_STATUS.get(code, grpc.StatusCode.UNKNOWN),
+                     urllib.parse.unquote(fields.get("grpc-message", ""), errors="replace"))
+
+    def data(self, data: http2.DataReader) -> None:
+        self._messages.read(data, self._take)
+
+    def _take(self, message: memoryview) -> None:
+        self.ack = bytes(message)
+
+    def end(self, status: grpc.StatusCode, details: str) -> None:
+        if self.status is None:
+            self.status, self.details = status, details
+        self.done.set()
+
+
+class _Link:
+    """A sender's connection to one receiving half, and the calls open on it (its stream handler)."""
+
+    def __init__(self, address: str, tls) -> None:
+        self.address = address
+        self._scheme = "https" if tls is not None else "http"
+        self._answers: dict[int, _Answer] = {}
+        self._lock = threading.Lock()
+        self._retired = False  # replaced (its peer is going away): closed once its last call ends
+        self.connection = http2.Connection(lambda: pipes.connect(address, tls), self, client=True,
+                                           name=f"kv-grpc-to-{address}")
+        self.connection.start()  # once `connection` is set: the callbacks use it
+
+    def call(self, metadata: tuple[tuple[str, str], ...]) -> tuple[int, _Answer]:
+        """A new PushKV call: its stream, and its answer to come (failed already if the link is)."""
+        headers = [(":method", "POST"), (":scheme", self._scheme), (":path", PUSH_PATH), (":authority", self.address),
+                   ("te", "trailers"), ("content-type", "application/grpc"), ("user-agent", "pdserve-kv"),
+                   *(hpack.NeverIndexedHeaderTuple(name, value) for name, value in metadata)]
+        answer = _Answer()
+        with self._lock:  # registered before its answer can arrive
+            try:
+                stream_id = self.connection.open_stream(headers)
+            except http2.ConnectionClosed as e:
+                answer.end(grpc.StatusCode.UNAVAILABLE, str(e))
+                return 0, answer
+            self._answers[stream_id] = answer
+        return stream_id, answer
+
+    def drop(self, stream_id: int) -> None:
+        self._answer(stream_id, done=True)
+
+    def retire(self) -> None:
+        with self._lock:
+            self._retired = True
+        self._close_if_retired()
+
+    def _close_if_retired(self) -> None:
+        with self._lock:
+            done = self._retired and not self._answers
+        if done:
+            self.connection.close("replaced: the receiver went away")
+
+    def _answer(self, stream_id: int, done: bool = False) -> _Answer | None:
+        with self._lock:
+            answer = self._answers.pop(stream_id, None) if done else self._answers.get(stream_id)
+        if done:
+            self._close_if_retired()
+        return answer
+
+    # http2.StreamHandler
+    def on_headers(self, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        if (answer := self._answer(stream_id)) is not None:
+            answer.headers(headers)
+
+    def on_data(self, stream_id: int, data: http2.DataReader) -> None:
+        if (answer := self._answer(stream_id)) is not None:
+            try:
+                answer.data(data)
+            except MalformedMessage as e:
+                self.drop(stream_id)
+                answer.end(grpc.StatusCode.INTERNAL, f"the receiver's answer: {e}")
+                self.connection.reset(stream_id, http2.ErrorCode.PROTOCOL_ERROR)
+
+    def on_end(self, stream_id: int) -> None:
+        if (answer := self._answer(stream_id, done=True)) is not None:
+            answer.end(grpc.StatusCode.INTERNAL, "the receiver ended the call without a gRPC status")
+
+    def on_reset(self, stream_id: int, code: int) -> None:
+        if (answer := self._answer(stream_id, done=True)) is not None:
+            answer.end(_RESET_STATUS.get(code, grpc.StatusCode.INTERNAL),
+                       f"the receiver reset the stream ({http2.ErrorCode.name_of(code)})")
+
+    def on_closed(self, reason: str) -> None:
+        with self._lock:
+            answers, self._answers = list(self._answers.values()), {}
+        for answer in answers:
+            answer.end(grpc.StatusCode.UNAVAILABLE, f"connection to {self.address}: {reason}")
+
+
 class GrpcChannel:
     device = None  # payloads are host bytes
 
-    def __init__(self, push: grpc.StreamUnaryMultiCallable, transfer_id: str,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, link: _Link, transfer_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.transfer_id = transfer_id
         self.bytes_sent = 0
-        self._queue: queue.SimpleQueue[tuple[kv_transfer_pb2.KVFrame, memoryview] | None] = queue.SimpleQueue()
-        self._ended = False
-        self._queued_bytes = 0  # put on the queue and not yet taken by grpcio's request thread
-        self._taken = threading.Condition()
-        self._call = push.future(self._messages(), metadata=metadata)
-        self._call.add_done_callback(lambda _: self._wake())
-
-    def _messages(self) -> Iterator[bytes]:
-        for fields, piece in iter(self._queue.get, None):
-            with self._taken:
-                self._queued_bytes -= piece.nbytes
-                self._taken.notify_all()
-            yield _encode(fields, piece)
-
-    def _wake(self) -> None:
-        with self._taken:
-            self._taken.notify_all()
+        self._link = link
+        self._ended = False  # the stream's end is queued (finish) or it was cancelled (close)
+        self._stream_id, self._answer = link.call(metadata)
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         if self._ended:
             raise TransferError(f"transfer {self.transfer_id}: the stream is closed")
-        if self._call.done():  # the receiver ended it (a refused frame) or it broke: `finish` says why
-            self.finish(0)
-            raise TransferError(f"transfer {self.transfer_id}: the KV stream ended before its last frame")
         view = memoryview(payload).cast("B")
         for offset in range(0, max(view.nbytes, 1), PIECE_BYTES):
-            fields = kv_transfer_pb2.KVFrame(
-                transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
-                num_tokens=header.num_tokens, codec=header.codec, level=header.level, crc32=header.crc32,
-                payload_bytes=header.payload_bytes, offset=offset)
             piece = view[offset : offset + PIECE_BYTES]
             self._wait_for_room()
-            with self._taken:
-                self._queued_bytes += piece.nbytes
-            self._queue.put((fields, piece))
+            try:
+                self._link.connection.send_data(self._stream_id, [_fields(header, offset, piece.nbytes), piece])
+            except http2.ConnectionClosed:
+                self._stream_ended()
         self.bytes_sent += view.nbytes
 
     def _wait_for_room(self) -> None:
-        with self._taken:
-            room = self._taken.wait_for(lambda: self._queued_bytes < WINDOW_BYTES or self._ended or self._call.done(),
-                                        SEND_TIMEOUT_S)
-        if not room:
+        connection = self._link.connection
+        if not connection.wait_for_room(self._stream_id, WINDOW_BYTES, SEND_TIMEOUT_S):
+            # The connection wrote nothing for that long: every call on it is stuck behind the same
+            # socket. Closed, so they all fail now, and the next transfer connects anew.
+            connection.close(f"stalled: wrote nothing for {SEND_TIMEOUT_S:g} s")
             raise TransferError(f"transfer {self.transfer_id}: the KV stream took nothing for {SEND_TIMEOUT_S:g} s")
-        if self._call.done() and not self._ended:  # the receiver ended it (a refused frame): `finish` says why
-            self.finish(0)
-        if self._ended or self._call.done():
-            raise TransferError(f"transfer {self.transfer_id}: the KV stream ended before its last frame")
+        if self._ended:
+            raise TransferError(f"transfer {self.transfer_id}: the stream is closed")
+        if self._answer.done.is_set():
+            self._stream_ended()
+
+    def _stream_ended(self) -> NoReturn:
+        """The receiver answered (a refusal), or the stream or connection went, before the last frame."""
+        self._answer.done.wait(ANSWER_WAIT_S)  # an answer that closed the stream is reported just after
+        if (closed := self._link.connection.closed) is not None:  # reported once its threads are out: say it now
+            self._answer.end(grpc.StatusCode.UNAVAILABLE, f"connection to {self._link.address}: {closed}")
+        self.finish(0)  # raises the answer's error, if it is one
+        raise TransferError(f"transfer {self.transfer_id}: the KV stream ended before its last frame")
 
     def finish(self, timeout: float) -> None:
         self._end_stream()
+        if not self._answer.done.wait(timeout):
+            connection = self._link.connection
+            if connection.silent_for() >= timeout:  # nothing at all came back meanwhile: the link is dead
+                connection.close(f"the receiver sent nothing for {connection.silent_for():.0f} s")
+            raise TransferError(f"KV stream did not finish within {timeout:g} s")
+        answer = self._answer
+        if answer.status is not grpc.StatusCode.OK:
+            raise TransferError(f"KV stream failed: {answer.status.name}: {answer.details}")
         try:
-            ack = self._call.result(timeout=timeout)
-        except grpc.RpcError as e:
-            raise TransferError(f"KV stream failed: {e.code().name}: {e.details()}") from e
-        except (grpc.FutureCancelledError, grpc.FutureTimeoutError) as e:
-            raise TransferError(f"KV stream did not finish: {type(e).__name__}") from e
+            ack = kv_transfer_pb2.KVAck.FromString(answer.ack)
+        except DecodeError as e:
+            raise TransferError(f"KV receiver's answer does not parse: {e}") from None
         if ack.error:
             raise TransferError(f"KV receiver ended the stream: {ack.error}")
 
     def close(self) -> None:
-        self._end_stream()
-        self._call.cancel()  # no-op once the call has finished
+        self._ended = True
+        if not self._answer.done.is_set():  # cancelled: the receiver drops the call
+            self._link.drop(self._stream_id)
+            self._link.connection.reset(self._stream_id, http2.ErrorCode.CANCEL)
+            self._answer.end(grpc.StatusCode.CANCELLED, "closed by the sender")
 
     def _end_stream(self) -> None:
         if not self._ended:
             self._ended = True
-            self._queue.put(None)
-            self._wake()  # a send waiting for room stops
+            try:
+                self._link.connection.send_data(self._stream_id, [], end_stream=True)
+            except http2.ConnectionClosed:
+                pass  # the answer says what ended it
 
 
 class GrpcSender:
@@ -225,122 +417,213 @@ class GrpcSender:
 
     def __init__(self, tls: dict[str, str] | None = None, secret: ClusterSecret | None = None) -> None:
         self._metadata = ((CLUSTER_METADATA, secret.token),) if secret is not None else ()
-        self._credentials = None
-        if tls:
-            cert, key, ca = _read_tls(tls)
-            self._credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                                             certificate_chain=cert)
-        self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
+        self._tls = _tls_context(tls, server_side=False) if tls else None
+        self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
 
     def open(self, address: str, transfer_id: str) -> GrpcChannel:
         with self._lock:
-            if address not in self._channels:
-                channel = (grpc.secure_channel(address, self._credentials, options=OPTIONS) if self._credentials
-                           else grpc.insecure_channel(address, options=OPTIONS))
-                push = channel.stream_unary(f"/{_SERVICE.full_name}/PushKV", request_serializer=None,
-                                            response_deserializer=kv_transfer_pb2.KVAck.FromString)
-                self._channels[address] = (channel, push)
-            return GrpcChannel(self._channels[address][1], transfer_id, self._metadata)
+            link = self._links.get(address)
+            if link is None or not link.connection.accepts_streams:  # made on first use, and anew once gone
+                if link is not None:
+                    link.retire()  # its calls under way go on (a GOAWAY lets them finish)
+                link = self._links[address] = _Link(address, self._tls)
+        return GrpcChannel(link, transfer_id, self._metadata)
 
     def forget(self, address: str) -> None:
         with self._lock:
-            entry = self._channels.pop(address, None)
-        if entry is not None:
-            entry[0].close()
+            link = self._links.pop(address, None)
+        if link is not None:
+            link.connection.close(f"{address} left")
 
     def close(self) -> None:
-        for address in list(self._channels):
+        for address in list(self._links):
             self.forget(address)
 
 
+# --- the receiving half ----------------------------------------------------------------------------
 class _KVTransferService:
+    """What every PushKV call on a receiving half shares: the sink, the token, and the counts of calls refused."""
+
     def __init__(self, sink: FrameSink, token: str | None = None) -> None:
         self.sink = sink
         self._token = token.encode() if token is not None else None
-        self.refused = 0  # streams ended for want of the cluster's token
-        self.malformed = 0  # streams ended by a message that is no KVFrame, or by a frame's inconsistent pieces
+        self.refused = 0  # calls ended for want of the cluster's token
+        self.malformed = 0  # calls ended by a message that is no KVFrame, or by a frame's inconsistent pieces
+        self._counting = threading.Lock()  # connections count on their own reader threads
 
-    def _is_member(self, context: grpc.ServicerContext) -> bool:
-        if self._token is None:
-            return True
-        given = dict(context.invocation_metadata() or ()).get(CLUSTER_METADATA, "")
-        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token)
+    def count(self, what: str) -> int:
+        with self._counting:
+            setattr(self, what, getattr(self, what) + 1)
+            return getattr(self, what)
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        push = grpc.stream_unary_rpc_method_handler(self.push_kv, request_deserializer=None,
-                                                    response_serializer=kv_transfer_pb2.KVAck.SerializeToString)
-        return grpc.method_handlers_generic_handler(_SERVICE.full_name, {"PushKV": push})
+    def refusal(self, headers: dict[str, str]) -> tuple[str, grpc.StatusCode, str] | None:
+        """Why a call with these request headers is not taken: (HTTP status, gRPC status, message)."""
+        if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
+            return "415", grpc.StatusCode.UNKNOWN, "a gRPC call is a POST of application/grpc"
+        if headers.get(":path") != PUSH_PATH:
+            return "200", grpc.StatusCode.UNIMPLEMENTED, f"no method {headers.get(':path')!r} here; {PUSH_PATH} is"
+        if self._token is not None and not hmac.compare_digest(headers.get(CLUSTER_METADATA, "").encode(),
+                                                               self._token):
+            return "200", grpc.StatusCode.UNAUTHENTICATED, "KV stream without this cluster's secret: refused"
+        return None
 
-    def push_kv(self, request_iterator, context) -> kv_transfer_pb2.KVAck:
-        if not self._is_member(context):  # before any message is read: a stranger's bytes are never parsed
-            self.refused += 1
-            log.warning("KV grpc receiver: refused a stream from %s without this cluster's secret (%d so far)",
-                        context.peer(), self.refused)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "KV stream without this cluster's secret: refused")
-        frames = corrupt = 0
-        assembling: FrameHeader | None = None  # the frame whose pieces are being put together in `buffer`
-        buffer = bytearray()  # kept across the stream's frames: the sink's view is valid only during its call
+
+class _PushKV:
+    """One PushKV call on the receiving side: its messages, the frames they make, and what it took."""
+
+    def __init__(self, service: _KVTransferService) -> None:
+        self._service = service
+        self._messages = _MessageReader(_MESSAGE_LIMIT)
+        self.frames = self.corrupt = 0
+        self._assembling: FrameHeader | None = None  # the frame whose pieces are being put together in `_buffer`
+        self._buffer = bytearray()  # kept across the call's frames: the sink's view is valid only during its call
+
+    def read(self, data: http2.DataReader) -> None:
+        """Take a DATA frame's messages; TransferError ends the call (answered with it)."""
         try:
-            for data in request_iterator:
-                try:
-                    message, piece = _parse(data)
-                except (ValueError, IndexError, DecodeError) as e:
-                    self.malformed += 1
-                    raise TransferError(f"malformed KVFrame message: {e}") from None
-                header = FrameHeader(message.transfer_id, message.layer, message.start_token, message.num_tokens,
-                                     message.codec, message.level, message.crc32, message.payload_bytes)
-                end = message.offset + piece.nbytes
-                if header.payload_bytes > MAX_FRAME_BYTES or end > header.payload_bytes:
-                    self.malformed += 1
-                    raise TransferError(f"message bytes [{message.offset}, {end}) of a "
-                                        f"{header.payload_bytes}-byte frame")
-                if message.offset == 0 and end == header.payload_bytes:
-                    complete = piece
-                else:
-                    if message.offset == 0:
-                        assembling = header
-                        if len(buffer) < header.payload_bytes:
-                            buffer = bytearray(header.payload_bytes)
-                    if assembling != header:
-                        self.malformed += 1
-                        raise TransferError("a frame's messages arrived out of order")
-                    buffer[message.offset : end] = piece
-                    if end < header.payload_bytes:
-                        continue
-                    complete, assembling = memoryview(buffer)[: header.payload_bytes], None
-                try:
-                    self.sink(header, complete)
-                    frames += 1
-                except CorruptFrame:
-                    corrupt += 1
+            self._messages.read(data, self._take)
+        except MalformedMessage:
+            self._service.count("malformed")
+            raise
+
+    def end(self) -> None:
+        if self._messages.inside_a_message:
+            self._service.count("malformed")
+            raise MalformedMessage("the stream ended inside a message")
+
+    def _take(self, data: memoryview) -> None:
+        try:
+            message, piece = _parse(data)
+        except (ValueError, IndexError, DecodeError) as e:
+            raise MalformedMessage(f"malformed KVFrame message: {e}") from None
+        header = FrameHeader(message.transfer_id, message.layer, message.start_token, message.num_tokens,
+                             message.codec, message.level, message.crc32, message.payload_bytes)
+        end = message.offset + piece.nbytes
+        if header.payload_bytes > MAX_FRAME_BYTES or end > header.payload_bytes:
+            raise MalformedMessage(f"message bytes [{message.offset}, {end}) of a {header.payload_bytes}-byte frame")
+        if message.offset == 0 and end == header.payload_bytes:
+            complete = piece
+        else:
+            if message.offset == 0:
+                self._assembling = header
+                if len(self._buffer) < header.payload_bytes:
+                    self._buffer = bytearray(header.payload_bytes)
+            if self._assembling != header:
+                raise MalformedMessage("a frame's messages arrived out of order")
+            self._buffer[message.offset : end] = piece
+            if end < header.payload_bytes:
+                return
+            complete, self._assembling = memoryview(self._buffer)[: header.payload_bytes], None
+        try:
+            self._service.sink(header, complete)
+            self.frames += 1
+        except CorruptFrame:
+            self.corrupt += 1
+
+    def ack(self, error: str = "") -> bytes:
+        return kv_transfer_pb2.KVAck(frames=self.frames, corrupt_frames=self.corrupt, error=error).SerializeToString()
+
+
+class _Accepted:
+    """A connection a receiving half accepted, and the calls open on it (its stream handler)."""
+
+    def __init__(self, sock: socket.socket, tls, service: _KVTransferService,
+                 on_closed: Callable[[_Accepted], None]) -> None:
+        self._service = service
+        self._calls: dict[int, _PushKV] = {}  # only the reader thread touches it
+        self._on_closed = on_closed
+        self.peer = pipes.join_address(*sock.getpeername()[:2])
+        self.deadline: float | None = time.monotonic() + CALL_DEADLINE_S  # for its first call taken (None: made)
+        self._refusals = 0
+        self.connection = http2.Connection(lambda: pipes.accepted(sock, tls), self, client=False,
+                                           name=f"kv-grpc-from-{self.peer}")
+        self.connection.start()  # once `connection` is set: the callbacks use it
+
+    def _answer(self, stream_id: int, call: _PushKV, error: str = "") -> None:
+        send = self.connection
+        send.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        ack = call.ack(error)
+        try:
+            send.send_data(stream_id, [_prefix(len(ack)), ack])
+        except http2.ConnectionClosed:
+            return
+        send.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+
+    def _refuse(self, stream_id: int, http_status: str, status: grpc.StatusCode, message: str) -> None:
+        """A trailers-only answer."""
+        headers = [(":status", http_status), ("content-type", "application/grpc")]
+        if http_status == "200":
+            headers += [("grpc-status", str(status.value[0])),
+                        ("grpc-message", urllib.parse.quote(message, safe=_MESSAGE_SAFE))]
+        self.connection.send_headers(stream_id, headers, end_stream=True)
+
+    # http2.StreamHandler
+    def on_headers(self, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        if stream_id in self._calls:
+            return  # a client's trailers: gRPC clients send none, and they would say nothing here
+        refusal = self._service.refusal(dict(headers))
+        if refusal is None:
+            self.deadline = None
+            self._calls[stream_id] = _PushKV(self._service)
+            return
+        if refusal[1] is grpc.StatusCode.UNAUTHENTICATED:
+            refused = self._service.count("refused")
+            self._refusals += 1
+            if self._refusals == 1:  # once per connection: a stranger's flood of calls writes one line
+                log.warning("KV grpc receiver: refused a stream from %s without this cluster's secret (%d so far)",
+                            self.peer, refused)
+        self._refuse(stream_id, *refusal)
+
+    def on_data(self, stream_id: int, data: http2.DataReader) -> None:
+        if (call := self._calls.get(stream_id)) is None:
+            return  # refused or answered: dropped
+        try:
+            call.read(data)
+        except TransferError as e:  # the call ends here, answered with why
+            del self._calls[stream_id]
+            self._answer(stream_id, call, str(e))
+        except (OSError, EOFError):  # the connection's failure, not the call's: it ends them all
+            raise
+        except Exception as e:  # a fault of this side's: logged, the call answered UNKNOWN, the connection kept
+            log.exception("KV grpc receiver: a call from %s failed", self.peer)
+            del self._calls[stream_id]
+            self._refuse(stream_id, "200", grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+
+    def on_end(self, stream_id: int) -> None:
+        if (call := self._calls.pop(stream_id, None)) is None:
+            return
+        try:
+            call.end()
         except TransferError as e:
-            return kv_transfer_pb2.KVAck(frames=frames, corrupt_frames=corrupt, error=str(e))
-        return kv_transfer_pb2.KVAck(frames=frames, corrupt_frames=corrupt)
+            self._answer(stream_id, call, str(e))
+            return
+        self._answer(stream_id, call)
 
+    def on_reset(self, stream_id: int, code: int) -> None:
+        self._calls.pop(stream_id, None)  # cancelled: what it brought is in, its lease expires if no commit comes
 
-# Each transfer's stream holds a server thread from its lease to its commit (the whole prompt pass):
-# a stream beyond them is not read until one ends, and its lease lapses meanwhile. As many as the
-# decode worker's actor takes calls at once (ACTOR_CONCURRENCY), so its transfers are not what runs out.
-STREAM_THREADS = 64
+    def on_closed(self, reason: str) -> None:
+        self._calls.clear()
+        self._on_closed(self)
 
 
 class GrpcReceiver:
     name = "grpc"
 
     def __init__(self, sink: FrameSink, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                 max_workers: int = STREAM_THREADS, secret: ClusterSecret | None = None) -> None:
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=OPTIONS)
+                 secret: ClusterSecret | None = None,
+                 on_crash: Callable[[BaseException], None] = lambda error: None) -> None:
         self.service = _KVTransferService(sink, secret.token if secret is not None else None)
-        self._server.add_generic_rpc_handlers([self.service.handler()])
-        if tls:
-            cert, key, ca = _read_tls(tls)
-            credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-            port = self._server.add_secure_port(f"{host}:0", credentials)
-        else:
-            port = self._server.add_insecure_port(f"{host}:0")
-        self._server.start()
-        self.address = f"{host}:{port}"
+        self._tls = _tls_context(tls, server_side=True) if tls else None
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=128)
+        self._listener.settimeout(ACCEPT_POLL_S)
+        self.address = pipes.join_address(host, self._listener.getsockname()[1])
+        self._connections: set[_Accepted] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._accepting = start_guarded("kv-grpc-accept", self._accept_loop, on_crash)
         log.info("KV grpc receiver listening on %s%s%s", self.address, " (mutual TLS)" if tls else "",
                  " (cluster secret)" if secret is not None else "")
         if not tls and not _is_loopback(host):
@@ -349,5 +632,53 @@ class GrpcReceiver:
                         " and the cluster's token" if secret is not None else "",
                         ", and send KV of its own with the token" if secret is not None else "")
 
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            self._close_late_connections()
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._stopping:
+                    return
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED):
+                    raise
+                log.warning("KV grpc receiver on %s cannot accept a connection now: %s", self.address, e)
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            with self._lock:
+                if self._stopping or len(self._connections) >= MAX_CONNECTIONS:
+                    if not self._stopping:
+                        log.warning("KV grpc receiver on %s: %d connections open, refusing another",
+                                    self.address, MAX_CONNECTIONS)
+                    sock.close()
+                    continue
+                try:
+                    self._connections.add(_Accepted(sock, self._tls, self.service, self._closed))
+                except OSError:  # gone already (no peer name)
+                    sock.close()
+
+    def _close_late_connections(self) -> None:
+        """A connection that made no call this receiver takes within CALL_DEADLINE_S (a stranger, or a
+        peer that connects and says nothing) gives its place up: the connections' cap is not theirs."""
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c in self._connections if c.deadline is not None and c.deadline < now]
+        for accepted in late:
+            accepted.connection.close(f"no call taken within {CALL_DEADLINE_S:g} s of connecting")
+
+    def _closed(self, accepted: _Accepted) -> None:
+        with self._lock:
+            self._connections.discard(accepted)
+
     def stop(self) -> None:
-        self._server.stop(grace=None)
+        self._stopping = True
+        self._accepting.join(ACCEPT_POLL_S * 4)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for accepted in connections:
+            accepted.connection.close("the receiving half stopped")
+        for accepted in connections:
+            accepted.connection.reader.join(ACCEPT_POLL_S * 4)

@@ -1,13 +1,18 @@
-"""Synthetic KV for the codec and sender tests, and CacheGen tables profiled on it."""
+"""Synthetic KV for the codec and sender tests, CacheGen tables profiled on it, and frames and a
+recording sink for the transport tests."""
 
 from __future__ import annotations
 
+import threading
+import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.interface import FrameHeader
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
 from pdserve.kv_transfer.codecs.cachegen_profile import build_tables
 from pdserve.kv_transfer.codecs.cachegen_quant import channels_first
@@ -35,3 +40,25 @@ def synthetic_tables(out: Path, layout: KVLayout = LAYOUT, seed: int = 100) -> P
     out.mkdir(parents=True, exist_ok=True)
     build_tables(calibration, (layout.num_kv_heads, layout.head_dim)).save(out / TABLES_FILE)
     return out
+
+
+class RecordingSink:
+    def __init__(self, verdict: type[Exception] | None = None) -> None:
+        self.frames: list[tuple[FrameHeader, bytes]] = []
+        self.verdict = verdict
+        self.lock = threading.Lock()
+
+    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        data = bytes(payload) if isinstance(payload, memoryview) else payload.cpu().numpy().tobytes()
+        with self.lock:
+            self.frames.append((header, data))
+        if self.verdict is not None:
+            raise self.verdict("the sink says no")
+
+
+def frame(layer: int, nbytes: int, seed: int, device: torch.device | None = None,
+          transfer_id: str = "t1") -> tuple[FrameHeader, Any]:
+    """A frame of random bytes: host bytes, or a uint8 tensor on `device` (the channel's)."""
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    header = FrameHeader(transfer_id, layer, 16 * layer, 16, "raw", 0, zlib.crc32(data), nbytes)
+    return header, data if device is None else torch.from_numpy(data).to(device)

@@ -14,40 +14,17 @@ import sys
 import threading
 import time
 import uuid
-import zlib
-from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import zmq
 from helpers import wait_until
+from kv_helpers import RecordingSink, frame
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, control, make_sender, start_receiver
 from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
-
-
-class RecordingSink:
-    def __init__(self, verdict: type[Exception] | None = None) -> None:
-        self.frames: list[tuple[FrameHeader, bytes]] = []
-        self.verdict = verdict
-        self.lock = threading.Lock()
-
-    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
-        data = bytes(payload) if isinstance(payload, memoryview) else payload.cpu().numpy().tobytes()
-        with self.lock:
-            self.frames.append((header, data))
-        if self.verdict is not None:
-            raise self.verdict("the sink says no")
-
-
-def frame(layer: int, nbytes: int, seed: int, device: torch.device | None = None) -> tuple[FrameHeader, Any]:
-    """A frame of random bytes: host bytes, or a uint8 tensor on `device` (the channel's)."""
-    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    header = FrameHeader("t1", layer, 16 * layer, 16, "raw", 0, zlib.crc32(data), nbytes)
-    return header, data if device is None else torch.from_numpy(data).to(device)
 
 
 # The torch.distributed transport with payloads on a device: (backend, sender's device, receiver's).
@@ -237,7 +214,7 @@ def test_a_grpc_stream_the_receiver_ended_fails_the_next_send():
         channel = sender.open(receiver.address, "t1")
         channel.send(*frame(0, 100, seed=0))
         deadline = time.monotonic() + 10
-        while not channel._call.done():
+        while not channel._answer.done.is_set():
             assert time.monotonic() < deadline, "the receiver never ended the stream"
             time.sleep(0.01)
         with pytest.raises(TransferError, match="the sink says no"):
@@ -286,13 +263,17 @@ def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
 def test_grpc_frames_are_plain_kvframe_messages_both_ways():
     """What the sender writes is a KVFrame any protobuf library parses; what any protobuf library
     writes (fields in any order) the receiver parses, the payload as a view."""
-    from pdserve.kv_transfer.transports.grpc_stream import _encode, _parse
+    from pdserve.kv_transfer.transports.grpc_stream import _fields, _parse
     from pdserve.proto.pdserve.v1.kv_transfer_pb2 import KVFrame
 
     fields = dict(transfer_id="t", layer=3, start_token=96, num_tokens=16, codec="cachegen", level=2, crc32=7,
                   payload_bytes=300, offset=0)
     payload = bytes(range(256)) + bytes(44)
-    ours = _encode(KVFrame(**fields), memoryview(payload))
+    header = FrameHeader(*(fields[k] for k in ("transfer_id", "layer", "start_token", "num_tokens", "codec", "level",
+                                               "crc32", "payload_bytes")))
+    prefixed = _fields(header, 0, len(payload)) + payload  # as it goes on the wire: gRPC's prefix first
+    assert prefixed[0] == 0 and int.from_bytes(prefixed[1:5], "big") == len(prefixed) - 5
+    ours = prefixed[5:]
     assert KVFrame.FromString(ours) == KVFrame(**fields, payload=payload)
     theirs = KVFrame(payload=payload, **fields).SerializeToString()
     for data in (ours, theirs):

@@ -47,8 +47,8 @@ class KVTransferServicer:
     def PushKV(self, request_iterator, context):
         """One stream per channel (one transfer, or one resend round of it). A frame is tokens
         [start_token, start_token + num_tokens) of one layer's K and V, encoded by one codec at one
-        level; it travels in one or more messages of at most 4 MiB of payload each (pdserve's senders
-        cut frames into messages of 1.5 MiB, which grpcio moves faster than larger ones).
+        level; it travels in one or more messages of at most 4 MiB of payload each, in order, `offset`
+        saying where each piece goes. pdserve's senders put the payload field last in each message.
         When the cluster has a secret, every call carries it as the metadata `x-pdserve-cluster` (else
         UNAUTHENTICATED).
         """
