@@ -2,8 +2,8 @@
 mutual TLS when the manifest gives certificates.
 
 Both halves speak gRPC over the package's own HTTP/2 (`http2`). A message goes from the KV buffer to
-the socket in one `sendmsg` with its headers, and comes off the socket into the call's message
-buffer; the sink gets a view of that buffer, so nothing is copied in between. grpcio's Python binding,
+the socket in one `sendmsg` with its headers, and comes off the socket into its frame's buffer; the
+sink gets a view of that buffer, so nothing is copied in between. grpcio's Python binding,
 which this transport ran on before, copies each message into and out of its core, one message in
 flight at a time, and moved about a third of a raw socket's bytes/s on loopback (docs/benchmarks.md
 has both side by side). The wire is plain gRPC: grpcio clients push into the receiving half, and
@@ -16,9 +16,11 @@ once no more than WINDOW_BYTES of the call wait to be written, so the sender kee
 and its lease is renewed as frames go. `finish` ends the stream and reads the receiver's `KVAck`.
 
 The messages are `KVFrame`s with the payload field last. The sender writes the small fields with
-protobuf, then the payload field's tag and length itself, then the payload from its own buffer. The
-receiver cuts the payload field out as a view and lets protobuf parse the rest (`_fields`, `_parse`).
-A frame larger than a message is put together in a buffer the call keeps for its next frames.
+protobuf, then the payload field's tag and length itself, then the payload from its own buffer
+(`_fields`). The receiver reads a message's first bytes, parses its fields, and reads its payload
+straight into the frame's buffer at its offset, so a frame in several messages is put together
+without a copy (`_PushKV`); a message from a sender that puts the payload elsewhere is read whole
+and parsed (`_parse`).
 
 With the cluster's secret, every call carries its token as call metadata (`CLUSTER_METADATA`, which
 HPACK never indexes). A receiver that has the secret ends any call without it UNAUTHENTICATED before
@@ -70,6 +72,8 @@ ANSWER_WAIT_S = 1.0  # a call whose stream the receiver closed: how long its ans
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 _MESSAGE_LIMIT = MAX_PIECE_BYTES + (64 << 10)  # a piece and its header fields
 _ANSWER_LIMIT = 64 << 10  # a KVAck
+HEAD_BYTES = 512  # read of a KVFrame message before its payload (its other fields take about 60-120 bytes)
+SPARE_BUFFERS = 2  # frame buffers a connection keeps for its next calls (no fresh allocation per transfer)
 MAX_CONNECTIONS = 256  # a receiving half's connections at once (each is two threads)
 CALL_DEADLINE_S = 10.0  # a connection that made no call this receiver takes within this long is closed
 ACCEPT_POLL_S = 0.5  # how often the accepting thread looks at its stop flag and the connections' deadlines
@@ -469,54 +473,150 @@ class _KVTransferService:
         return None
 
 
-class _PushKV:
-    """One PushKV call on the receiving side: its messages, the frames they make, and what it took."""
+def _payload_last(head: memoryview, length: int) -> tuple[int, int] | None:
+    """Where a KVFrame message of `length` bytes has its payload, if the payload field is its last
+    and starts within `head` (its first bytes): (where the field's tag is, where its bytes start)."""
+    at = 0
+    try:
+        while at < len(head):
+            tag, after = _read_varint(head, at)
+            wire_type = tag & 7
+            if wire_type == 2:
+                size, start = _read_varint(head, after)
+                if tag >> 3 == _PAYLOAD:
+                    return (at, start) if start + size == length else None
+                at = start + size
+            elif wire_type == 0:
+                at = _read_varint(head, after)[1]
+            elif wire_type in (1, 5):
+                at = after + (8 if wire_type == 1 else 4)
+            else:
+                return None  # not a field: the whole message's parse says so
+    except (IndexError, ValueError):  # a varint cut by the head's end, or too long
+        return None
+    return None
 
-    def __init__(self, service: _KVTransferService) -> None:
+
+class _PushKV:
+    """One PushKV call on the receiving side: its messages read off the wire, the frames they make,
+    and what it took. A message whose payload field comes last (as pdserve's senders write them) has
+    its first HEAD_BYTES read, its fields parsed, and its payload read from the socket straight into
+    its frame's buffer, at its offset: a frame in several pieces is put together without a copy. Any
+    other message is read whole, parsed (`_parse`) and its payload copied there. The frame buffer is
+    taken from the connection's spares and given back when the call ends (`release`)."""
+
+    def __init__(self, service: _KVTransferService, spares: list[bytearray]) -> None:
         self._service = service
-        self._messages = _MessageReader(_MESSAGE_LIMIT)
+        self._spares = spares
         self.frames = self.corrupt = 0
-        self._assembling: FrameHeader | None = None  # the frame whose pieces are being put together in `_buffer`
-        self._buffer = bytearray()  # kept across the call's frames: the sink's view is valid only during its call
+        self._prefix = bytearray(5)
+        self._head = bytearray(HEAD_BYTES)
+        self._whole = bytearray()  # a message whose payload is not last
+        self._frame = bytearray()  # the frame being put together: the sink's view is valid only during its call
+        self._assembling: FrameHeader | None = None
+        self._piece: tuple[FrameHeader, int] | None = None  # the frame and the end of the piece being read
+        self._stage, self._length, self._filled = "prefix", 0, 0
+        self._target = memoryview(self._prefix)  # where the stage's bytes go
 
     def read(self, data: http2.DataReader) -> None:
-        """Take a DATA frame's messages; TransferError ends the call (answered with it)."""
+        """Take a DATA frame's bytes; TransferError ends the call (answered with it)."""
         try:
-            self._messages.read(data, self._take)
+            while data.remaining:
+                n = min(len(self._target) - self._filled, data.remaining)
+                data.read_into(self._target[self._filled : self._filled + n])
+                self._filled += n
+                if self._filled == len(self._target):
+                    self._stage_done()
         except MalformedMessage:
             self._service.count("malformed")
             raise
 
     def end(self) -> None:
-        if self._messages.inside_a_message:
+        if self._stage != "prefix" or self._filled:
             self._service.count("malformed")
             raise MalformedMessage("the stream ended inside a message")
 
-    def _take(self, data: memoryview) -> None:
+    def release(self) -> None:
+        """The call is over: its frame buffer goes back to the connection's spares."""
+        if self._frame and len(self._spares) < SPARE_BUFFERS:
+            self._spares.append(self._frame)
+        self._frame = bytearray()
+
+    def _next(self, stage: str, target: memoryview, filled: int = 0) -> None:
+        self._stage, self._target, self._filled = stage, target, filled
+        if filled == len(target):  # nothing left to read for it (an empty payload, a head that held it all)
+            self._stage_done()
+
+    def _stage_done(self) -> None:
+        if self._stage == "prefix":
+            self._length = int.from_bytes(self._prefix[1:], "big")
+            if self._prefix[0]:
+                raise MalformedMessage("a compressed message, though no grpc-encoding was agreed")
+            if self._length > _MESSAGE_LIMIT:
+                raise MalformedMessage(f"a message of {self._length} bytes, over the limit of {_MESSAGE_LIMIT}")
+            self._next("head", memoryview(self._head)[: min(self._length, HEAD_BYTES)])
+        elif self._stage == "head":
+            self._take_head()
+        elif self._stage == "payload":
+            self._piece_done()
+        else:  # "whole"
+            self._take_whole(memoryview(self._whole)[: self._length])
+
+    def _take_head(self) -> None:
+        head = self._target
+        found = _payload_last(head, self._length)
+        if found is None:  # read it whole, then parse it
+            if len(self._whole) < self._length:
+                self._whole = bytearray(self._length)
+            self._whole[: len(head)] = head
+            if len(head) == self._length:
+                self._take_whole(memoryview(self._whole)[: self._length])
+            else:
+                self._next("whole", memoryview(self._whole)[: self._length], len(head))
+            return
+        fields_end, start = found
         try:
-            message, piece = _parse(data)
+            message = kv_transfer_pb2.KVFrame.FromString(head[:fields_end])
+        except DecodeError as e:
+            raise MalformedMessage(f"malformed KVFrame message: {e}") from None
+        target = self._place(message, self._length - start)
+        target[: len(head) - start] = head[start:]  # the payload's first bytes came with the head
+        self._next("payload", target, len(head) - start)
+
+    def _take_whole(self, data: memoryview) -> None:
+        try:
+            message, payload = _parse(data)
         except (ValueError, IndexError, DecodeError) as e:
             raise MalformedMessage(f"malformed KVFrame message: {e}") from None
+        self._place(message, payload.nbytes)[:] = payload
+        self._piece_done()
+
+    def _place(self, message: kv_transfer_pb2.KVFrame, size: int) -> memoryview:
+        """Where a message's payload of `size` bytes goes in its frame's buffer."""
         header = FrameHeader(message.transfer_id, message.layer, message.start_token, message.num_tokens,
                              message.codec, message.level, message.crc32, message.payload_bytes)
-        end = message.offset + piece.nbytes
+        end = message.offset + size
         if header.payload_bytes > MAX_FRAME_BYTES or end > header.payload_bytes:
             raise MalformedMessage(f"message bytes [{message.offset}, {end}) of a {header.payload_bytes}-byte frame")
-        if message.offset == 0 and end == header.payload_bytes:
-            complete = piece
-        else:
-            if message.offset == 0:
-                self._assembling = header
-                if len(self._buffer) < header.payload_bytes:
-                    self._buffer = bytearray(header.payload_bytes)
-            if self._assembling != header:
-                raise MalformedMessage("a frame's messages arrived out of order")
-            self._buffer[message.offset : end] = piece
-            if end < header.payload_bytes:
-                return
-            complete, self._assembling = memoryview(self._buffer)[: header.payload_bytes], None
+        if message.offset == 0:
+            self._assembling = header
+            if len(self._frame) < header.payload_bytes:
+                self._frame = self._spares.pop() if self._spares else self._frame
+                if len(self._frame) < header.payload_bytes:
+                    self._frame = bytearray(header.payload_bytes)
+        elif self._assembling != header:
+            raise MalformedMessage("a frame's messages arrived out of order")
+        self._piece = (header, end)
+        return memoryview(self._frame)[message.offset : end]
+
+    def _piece_done(self) -> None:
+        header, end = self._piece
+        self._next("prefix", memoryview(self._prefix))
+        if end < header.payload_bytes:
+            return  # more pieces of the frame to come
+        self._assembling = None
         try:
-            self._service.sink(header, complete)
+            self._service.sink(header, memoryview(self._frame)[: header.payload_bytes])
             self.frames += 1
         except CorruptFrame:
             self.corrupt += 1
@@ -531,7 +631,8 @@ class _Accepted:
     def __init__(self, sock: socket.socket, tls, service: _KVTransferService,
                  on_closed: Callable[[_Accepted], None]) -> None:
         self._service = service
-        self._calls: dict[int, _PushKV] = {}  # only the reader thread touches it
+        self._calls: dict[int, _PushKV] = {}  # these two only on the connection's reader thread
+        self._spares: list[bytearray] = []
         self._on_closed = on_closed
         self.peer = pipes.join_address(*sock.getpeername()[:2])
         self.deadline: float | None = time.monotonic() + CALL_DEADLINE_S  # for its first call taken (None: made)
@@ -539,6 +640,12 @@ class _Accepted:
         self.connection = http2.Connection(lambda: pipes.accepted(sock, tls), self, client=False,
                                            name=f"kv-grpc-from-{self.peer}")
         self.connection.start()  # once `connection` is set: the callbacks use it
+
+    def _end_call(self, stream_id: int) -> _PushKV | None:
+        call = self._calls.pop(stream_id, None)
+        if call is not None:
+            call.release()
+        return call
 
     def _answer(self, stream_id: int, call: _PushKV, error: str = "") -> None:
         send = self.connection
@@ -565,7 +672,7 @@ class _Accepted:
         refusal = self._service.refusal(dict(headers))
         if refusal is None:
             self.deadline = None
-            self._calls[stream_id] = _PushKV(self._service)
+            self._calls[stream_id] = _PushKV(self._service, self._spares)
             return
         if refusal[1] is grpc.StatusCode.UNAUTHENTICATED:
             refused = self._service.count("refused")
@@ -581,17 +688,17 @@ class _Accepted:
         try:
             call.read(data)
         except TransferError as e:  # the call ends here, answered with why
-            del self._calls[stream_id]
+            self._end_call(stream_id)
             self._answer(stream_id, call, str(e))
         except (OSError, EOFError):  # the connection's failure, not the call's: it ends them all
             raise
         except Exception as e:  # a fault of this side's: logged, the call answered UNKNOWN, the connection kept
             log.exception("KV grpc receiver: a call from %s failed", self.peer)
-            del self._calls[stream_id]
+            self._end_call(stream_id)
             self._refuse(stream_id, "200", grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
 
     def on_end(self, stream_id: int) -> None:
-        if (call := self._calls.pop(stream_id, None)) is None:
+        if (call := self._end_call(stream_id)) is None:
             return
         try:
             call.end()
@@ -601,10 +708,11 @@ class _Accepted:
         self._answer(stream_id, call)
 
     def on_reset(self, stream_id: int, code: int) -> None:
-        self._calls.pop(stream_id, None)  # cancelled: what it brought is in, its lease expires if no commit comes
+        self._end_call(stream_id)  # cancelled: what it brought is in, its lease expires if no commit comes
 
     def on_closed(self, reason: str) -> None:
         self._calls.clear()
+        self._spares.clear()
         self._on_closed(self)
 
 

@@ -124,20 +124,26 @@ def test_a_grpcio_server_s_status_and_metadata_travel_as_grpc_says():
 
 
 def test_a_grpcio_client_pushes_into_the_receiving_half():
+    """Messages as protobuf writes them (the payload last, read straight into its frame), and with the
+    payload field first (read whole, then parsed), a frame in pieces of either kind."""
     sink = RecordingSink()
     receiver = start_receiver("grpc", sink)
     channel = grpc.insecure_channel(receiver.address)
-    push = channel.stream_unary(PUSH, request_serializer=kv_transfer_pb2.KVFrame.SerializeToString,
-                                response_deserializer=kv_transfer_pb2.KVAck.FromString)
-    frames = [frame(layer, size, seed=layer) for layer, size in enumerate([100, 5 << 20])]
+    push = channel.stream_unary(PUSH, request_serializer=None, response_deserializer=kv_transfer_pb2.KVAck.FromString)
+    frames = [frame(layer, size, seed=layer) for layer, size in enumerate([100, 5 << 20, 7 << 20])]
+
+    def message(h: FrameHeader, data: np.ndarray, at: int, payload_first: bool) -> bytes:
+        fields = kv_transfer_pb2.KVFrame(transfer_id=h.transfer_id, layer=h.layer, start_token=h.start_token,
+                                         num_tokens=h.num_tokens, codec=h.codec, level=h.level, crc32=h.crc32,
+                                         payload_bytes=h.payload_bytes, offset=at)
+        payload = kv_transfer_pb2.KVFrame(payload=data[at : at + (3 << 20)].tobytes()).SerializeToString()
+        return payload + fields.SerializeToString() if payload_first else fields.SerializeToString() + payload
+
     try:
-        messages = [kv_transfer_pb2.KVFrame(transfer_id=h.transfer_id, layer=h.layer, start_token=h.start_token,
-                                            num_tokens=h.num_tokens, codec=h.codec, level=h.level, crc32=h.crc32,
-                                            payload_bytes=h.payload_bytes, offset=at,
-                                            payload=data[at : at + (3 << 20)].tobytes())
+        messages = [message(h, data, at, payload_first=(h.layer + at // (3 << 20)) % 2 == 1)
                     for h, data in frames for at in range(0, data.nbytes, 3 << 20)]
         ack = push(iter(messages), timeout=30)
-        assert (ack.frames, ack.corrupt_frames, ack.error) == (2, 0, "")
+        assert (ack.frames, ack.corrupt_frames, ack.error) == (3, 0, "")
         assert sink.frames == [(h, data.tobytes()) for h, data in frames]
         with pytest.raises(grpc.RpcError) as e:  # a method the receiver does not have
             channel.stream_unary("/pdserve.v1.KVTransfer/PullKV")(iter([b""]), timeout=30)
