@@ -277,11 +277,6 @@ class Connection:
         """Open, and the peer is not going away (GOAWAY): a new stream may start here."""
         return self.closed is None and self._goaway_from_peer is None
 
-    @property
-    def idle(self) -> bool:
-        """No stream open."""
-        return not self._streams
-
     def silent_for(self) -> float:
         """Seconds since the last frame came from the peer."""
         return time.monotonic() - self._last_read
@@ -302,7 +297,7 @@ class Connection:
                 self._changed.wait(left)
 
     def close(self, reason: str) -> None:
-        """Close at once (idempotent): streams still open end with `on_reset`, then `on_closed(reason)`."""
+        """Close at once (idempotent); the reader thread then tells the handler (`on_closed(reason)`)."""
         with self._lock:
             if self.closed is None:
                 self.closed = reason

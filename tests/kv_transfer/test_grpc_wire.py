@@ -69,6 +69,16 @@ class GrpcioReceiver:
         self.server.stop(None)
 
 
+def deliver_one(sender, address: str, transfer_id: str, seed: int = 0) -> tuple[FrameHeader, bytes]:
+    """One transfer of one small frame, finished: what the receiver must have got."""
+    header, data = frame(0, 1000, seed=seed, transfer_id=transfer_id)
+    channel = sender.open(address, transfer_id)
+    channel.send(header, data)
+    channel.finish(timeout=30)
+    channel.close()
+    return header, data.tobytes()
+
+
 @pytest.fixture
 def tls_files(tmp_path):
     trustme = pytest.importorskip("trustme")
@@ -237,12 +247,7 @@ def test_a_connection_broken_mid_stream_fails_its_calls_and_the_next_transfer_co
                 time.sleep(0.01)
             channel.finish(timeout=10)
         channel.close()
-        channel = sender.open(receiver.address, "t2")
-        header, data = frame(0, 1000, seed=1, transfer_id="t2")
-        channel.send(header, data)
-        channel.finish(timeout=10)
-        channel.close()
-        assert sink.frames[-1] == (header, data.tobytes())
+        assert sink.frames[-1] == deliver_one(sender, receiver.address, "t2", seed=1)
     finally:
         sender.close()
         receiver.stop()
@@ -269,12 +274,7 @@ def test_a_stalled_link_fails_the_send_within_the_timeout_and_the_next_transfer_
                 channel.send(*frame(layer % 4, 1 << 20, seed=layer % 4))
         channel.close()
         release.set()
-        channel = sender.open(receiver.address, "t2")
-        header, data = frame(0, 1000, seed=9, transfer_id="t2")
-        channel.send(header, data)
-        channel.finish(timeout=30)
-        channel.close()
-        assert (header, data.tobytes()) in sink.frames  # beside what the old connection had brought
+        assert deliver_one(sender, receiver.address, "t2") in sink.frames  # beside what the old connection brought
     finally:
         release.set()
         sender.close()
@@ -300,12 +300,8 @@ def test_the_connection_refuses_a_peer_that_breaks_http2_and_keeps_serving_other
                 assert bytes([http2.FrameType.GOAWAY]) in answer  # told why before the close
         assert wait_until(lambda: not receiver._connections, 10)
         sender = make_sender("grpc")
-        channel = sender.open(receiver.address, "t1")
-        channel.send(*frame(0, 1000, seed=0))
-        channel.finish(timeout=10)
-        channel.close()
+        assert sink.frames == [deliver_one(sender, receiver.address, "t1")]
         sender.close()
-        assert len(sink.frames) == 1
     finally:
         receiver.stop()
 
@@ -328,10 +324,7 @@ def test_a_call_cancelled_before_its_headers_went_out_leaves_the_connection_soun
     try:
         sender.open(server.address, "t0").close()
         for transfer_id in ("t1", "t2"):
-            channel = sender.open(server.address, transfer_id)
-            channel.send(*frame(0, 1000, seed=0, transfer_id=transfer_id))
-            channel.finish(timeout=10)
-            channel.close()
+            deliver_one(sender, server.address, transfer_id)
         received = [h.transfer_id for h, _ in sink.frames] if peer == "pdserve" else \
             [key[0] for key in server.frames]
         assert received == ["t1", "t2"]
@@ -350,10 +343,7 @@ def test_after_a_grpcio_server_s_goaway_new_transfers_go_on_a_new_connection():
         long_call.send(*frame(0, 1000, seed=0, transfer_id="long"))
         time.sleep(1.5)  # the GOAWAY has come
         for transfer_id in ("t1", "t2"):
-            channel = sender.open(server.address, transfer_id)
-            channel.send(*frame(0, 1000, seed=0, transfer_id=transfer_id))
-            channel.finish(timeout=10)
-            channel.close()
+            deliver_one(sender, server.address, transfer_id)
         long_call.finish(timeout=10)
         long_call.close()
         assert sorted(key[0] for key in server.frames) == ["long", "t1", "t2"]
