@@ -247,7 +247,8 @@ def test_a_connection_broken_mid_stream_fails_its_calls_and_the_next_transfer_co
                 time.sleep(0.01)
             channel.finish(timeout=10)
         channel.close()
-        assert sink.frames[-1] == deliver_one(sender, receiver.address, "t2", seed=1)
+        delivered = deliver_one(sender, receiver.address, "t2", seed=1)
+        assert sink.frames[-1] == delivered
     finally:
         sender.close()
         receiver.stop()
@@ -274,7 +275,8 @@ def test_a_stalled_link_fails_the_send_within_the_timeout_and_the_next_transfer_
                 channel.send(*frame(layer % 4, 1 << 20, seed=layer % 4))
         channel.close()
         release.set()
-        assert deliver_one(sender, receiver.address, "t2") in sink.frames  # beside what the old connection brought
+        delivered = deliver_one(sender, receiver.address, "t2")
+        assert delivered in sink.frames  # beside what the old connection brought
     finally:
         release.set()
         sender.close()
@@ -300,8 +302,9 @@ def test_the_connection_refuses_a_peer_that_breaks_http2_and_keeps_serving_other
                 assert bytes([http2.FrameType.GOAWAY]) in answer  # told why before the close
         assert wait_until(lambda: not receiver._connections, 10)
         sender = make_sender("grpc")
-        assert sink.frames == [deliver_one(sender, receiver.address, "t1")]
+        delivered = deliver_one(sender, receiver.address, "t1")
         sender.close()
+        assert sink.frames == [delivered]
     finally:
         receiver.stop()
 
