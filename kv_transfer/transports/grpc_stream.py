@@ -35,6 +35,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -67,13 +68,16 @@ PUSH_PATH = f"/{_SERVICE.full_name}/PushKV"
 PIECE_BYTES = (4 << 20) - (4 << 10)
 MAX_PIECE_BYTES = 4 << 20  # the largest piece a receiver takes (>= PIECE_BYTES)
 WINDOW_BYTES = 64 << 20  # a call's messages queued and not yet written, at most (a piece more)
-SEND_TIMEOUT_S = 30.0  # a connection that writes nothing of a call's queue for this long has stalled
+SEND_TIMEOUT_S = 30.0  # a connection that writes nothing for this long while a call waits for room has stalled
 ANSWER_WAIT_S = 1.0  # a call whose stream the receiver closed: how long its answer may take to follow
 MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 _MESSAGE_LIMIT = MAX_PIECE_BYTES + (64 << 10)  # a piece and its header fields
 _ANSWER_LIMIT = 64 << 10  # a KVAck
 HEAD_BYTES = 512  # read of a KVFrame message before its payload (its other fields take about 60-120 bytes)
-SPARE_BUFFERS = 2  # frame buffers a connection keeps for its next calls (no fresh allocation per transfer)
+# A connection keeps one frame buffer of a call that ended for its next call (no fresh allocation,
+# page faults included, per transfer), if it is no larger than this: the raw frames of a 7B-class
+# layout without grouped KV heads (1,536 tokens x 16 KiB) still fit; a member's odd huge frame is not kept.
+SPARE_MAX_BYTES = 32 << 20
 MAX_CONNECTIONS = 256  # a receiving half's connections at once (each is two threads)
 CALL_DEADLINE_S = 10.0  # a connection that made no call this receiver takes within this long is closed
 ACCEPT_POLL_S = 0.5  # how often the accepting thread looks at its stop flag and the connections' deadlines
@@ -97,7 +101,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _tls_context(tls: dict[str, str], server_side: bool):
+def _tls_context(tls: dict[str, str], server_side: bool) -> ssl.SSLContext:
     missing = {"cert", "key", "ca"} - set(tls)
     if missing:
         raise ValueError(f"KV TLS needs cert, key and ca (mutual TLS); missing {sorted(missing)}")
@@ -264,7 +268,7 @@ class _Answer:
 class _Link:
     """A sender's connection to one receiving half, and the calls open on it (its stream handler)."""
 
-    def __init__(self, address: str, tls) -> None:
+    def __init__(self, address: str, tls: ssl.SSLContext | None) -> None:
         self.address = address
         self._scheme = "https" if tls is not None else "http"
         self._answers: dict[int, _Answer] = {}
@@ -387,7 +391,9 @@ class GrpcChannel:
         self._end_stream()
         if not self._answer.done.wait(timeout):
             connection = self._link.connection
-            if connection.silent_for() >= timeout:  # nothing at all came back meanwhile: the link is dead
+            # A wait as long as a stall whose whole length brought nothing back: the link is dead (a
+            # busy receiver is silent for a while, so a shorter wait, a drain's, says nothing of it).
+            if timeout >= SEND_TIMEOUT_S and connection.silent_for() >= timeout:
                 connection.close(f"the receiver sent nothing for {connection.silent_for():.0f} s")
             raise TransferError(f"KV stream did not finish within {timeout:g} s")
         answer = self._answer
@@ -402,10 +408,10 @@ class GrpcChannel:
 
     def close(self) -> None:
         self._ended = True
-        if not self._answer.done.is_set():  # cancelled: the receiver drops the call
-            self._link.drop(self._stream_id)
-            self._link.connection.reset(self._stream_id, http2.ErrorCode.CANCEL)
-            self._answer.end(grpc.StatusCode.CANCELLED, "closed by the sender")
+        self._answer.end(grpc.StatusCode.CANCELLED, "closed by the sender")  # unless it was answered
+        # Both are no-ops once the call ended; a stream a peer left half-done is cancelled (the receiver drops it).
+        self._link.drop(self._stream_id)
+        self._link.connection.reset(self._stream_id, http2.ErrorCode.CANCEL)
 
     def _end_stream(self) -> None:
         if not self._ended:
@@ -501,9 +507,9 @@ class _PushKV:
     """One PushKV call on the receiving side: its messages read off the wire, the frames they make,
     and what it took. A message whose payload field comes last (as pdserve's senders write them) has
     its first HEAD_BYTES read, its fields parsed, and its payload read from the socket straight into
-    its frame's buffer, at its offset: a frame in several pieces is put together without a copy. Any
-    other message is read whole, parsed (`_parse`) and its payload copied there. The frame buffer is
-    taken from the connection's spares and given back when the call ends (`release`)."""
+    its frame's buffer, at its offset: a frame in several pieces (in order, each right after the last)
+    is put together without a copy. Any other message is read whole, parsed (`_parse`) and its payload
+    copied there. A call starts with the connection's spare buffer and leaves its own (`release`)."""
 
     def __init__(self, service: _KVTransferService, spares: list[bytearray]) -> None:
         self._service = service
@@ -515,6 +521,7 @@ class _PushKV:
         self._frame = bytearray()  # the frame being put together: the sink's view is valid only during its call
         self._assembling: FrameHeader | None = None
         self._piece: tuple[FrameHeader, int] | None = None  # the frame and the end of the piece being read
+        self._next_offset = 0  # where the frame being put together takes its next piece
         self._stage, self._length, self._filled = "prefix", 0, 0
         self._target = memoryview(self._prefix)  # where the stage's bytes go
 
@@ -537,9 +544,9 @@ class _PushKV:
             raise MalformedMessage("the stream ended inside a message")
 
     def release(self) -> None:
-        """The call is over: its frame buffer goes back to the connection's spares."""
-        if self._frame and len(self._spares) < SPARE_BUFFERS:
-            self._spares.append(self._frame)
+        """The call is over: its frame buffer may serve the connection's next call."""
+        if len(self._spares[0] if self._spares else b"") < len(self._frame) <= SPARE_MAX_BYTES:
+            self._spares[:] = [self._frame]
         self._frame = bytearray()
 
     def _next(self, stage: str, target: memoryview, filled: int = 0) -> None:
@@ -600,13 +607,13 @@ class _PushKV:
             raise MalformedMessage(f"message bytes [{message.offset}, {end}) of a {header.payload_bytes}-byte frame")
         if message.offset == 0:
             self._assembling = header
+            if not self._frame and self._spares:
+                self._frame = self._spares.pop()
             if len(self._frame) < header.payload_bytes:
-                self._frame = self._spares.pop() if self._spares else self._frame
-                if len(self._frame) < header.payload_bytes:
-                    self._frame = bytearray(header.payload_bytes)
-        elif self._assembling != header:
+                self._frame = bytearray(header.payload_bytes)
+        elif self._assembling != header or message.offset != self._next_offset:
             raise MalformedMessage("a frame's messages arrived out of order")
-        self._piece = (header, end)
+        self._piece, self._next_offset = (header, end), end
         return memoryview(self._frame)[message.offset : end]
 
     def _piece_done(self) -> None:
@@ -628,7 +635,7 @@ class _PushKV:
 class _Accepted:
     """A connection a receiving half accepted, and the calls open on it (its stream handler)."""
 
-    def __init__(self, sock: socket.socket, tls, service: _KVTransferService,
+    def __init__(self, sock: socket.socket, tls: ssl.SSLContext | None, service: _KVTransferService,
                  on_closed: Callable[[_Accepted], None]) -> None:
         self._service = service
         self._calls: dict[int, _PushKV] = {}  # these two only on the connection's reader thread

@@ -373,3 +373,47 @@ def test_a_connection_that_makes_no_call_gives_its_place_up(monkeypatch):
         assert wait_until(lambda: not receiver._connections, 5)
     finally:
         receiver.stop()
+
+
+def test_a_short_finish_timing_out_leaves_the_connection_to_the_other_transfers():
+    """A drain's short finish on one transfer says nothing about the link: a receiver busy in its sink
+    sends nothing for a while. The other transfer on the connection goes on."""
+    def slow_sink(header: FrameHeader, payload: memoryview) -> None:
+        if header.transfer_id == "A":
+            time.sleep(1.0)
+
+    receiver = start_receiver("grpc", slow_sink)
+    sender = make_sender("grpc")
+    try:
+        a, b = sender.open(receiver.address, "A"), sender.open(receiver.address, "B")
+        a.send(*frame(0, 1000, seed=0, transfer_id="A"))
+        time.sleep(0.1)
+        b.send(*frame(0, 1000, seed=1, transfer_id="B"))
+        with pytest.raises(TransferError, match="did not finish"):
+            b.finish(0.5)
+        a.finish(10)  # the link was left alone
+        a.close()
+        b.close()
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_a_frame_whose_pieces_leave_a_gap_ends_the_call_as_malformed():
+    """Each piece must start where the last ended: a gap would hand the sink whatever the reused buffer held."""
+    sink = RecordingSink()
+    receiver = start_receiver("grpc", sink)
+    channel = grpc.insecure_channel(receiver.address)
+    push = channel.stream_unary(PUSH, request_serializer=kv_transfer_pb2.KVFrame.SerializeToString,
+                                response_deserializer=kv_transfer_pb2.KVAck.FromString)
+    header, data = frame(0, 12, seed=0)
+    fields = dict(transfer_id=header.transfer_id, layer=header.layer, start_token=header.start_token,
+                  num_tokens=header.num_tokens, codec=header.codec, crc32=header.crc32, payload_bytes=12)
+    try:
+        ack = push(iter([kv_transfer_pb2.KVFrame(**fields, offset=0, payload=data[:4].tobytes()),
+                         kv_transfer_pb2.KVFrame(**fields, offset=8, payload=data[8:].tobytes())]), timeout=30)
+        assert "out of order" in ack.error and ack.frames == 0 and sink.frames == []
+        assert receiver.service.malformed == 1
+    finally:
+        channel.close()
+        receiver.stop()
