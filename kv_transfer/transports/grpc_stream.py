@@ -180,7 +180,7 @@ def _parse(data: bytes | memoryview) -> tuple[kv_transfer_pb2.KVFrame, memoryvie
 
 
 class MalformedMessage(TransferError):
-    pass
+    """A message that is no gRPC message of its kind (a KVFrame, a KVAck): it ends its call."""
 
 
 class _MessageReader:
@@ -655,14 +655,15 @@ class _Accepted:
         return call
 
     def _answer(self, stream_id: int, call: _PushKV, error: str = "") -> None:
-        send = self.connection
-        send.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        """Headers, the call's KVAck (with `error` when this side ended it), and trailers with OK."""
+        connection = self.connection
+        connection.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
         ack = call.ack(error)
         try:
-            send.send_data(stream_id, [_prefix(len(ack)), ack])
-        except http2.ConnectionClosed:
+            connection.send_data(stream_id, [_prefix(len(ack)), ack])
+        except http2.ConnectionClosed:  # the client reset the stream, or the connection went: nobody to tell
             return
-        send.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+        connection.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
 
     def _refuse(self, stream_id: int, http_status: str, status: grpc.StatusCode, message: str) -> None:
         """A trailers-only answer."""
