@@ -183,6 +183,16 @@ class MalformedMessage(TransferError):
     """A message that is no gRPC message of its kind (a KVFrame, a KVAck): it ends its call."""
 
 
+def _message_length(prefix: bytearray, limit: int) -> int:
+    """The length a Length-Prefixed-Message's 5-byte prefix gives, if this side takes such a message."""
+    length = int.from_bytes(prefix[1:], "big")
+    if prefix[0]:
+        raise MalformedMessage("a compressed message, though no grpc-encoding was agreed")
+    if length > limit:
+        raise MalformedMessage(f"a message of {length} bytes, over the limit of {limit}")
+    return length
+
+
 class _MessageReader:
     """Length-prefixed gRPC messages out of a stream's DATA, each read straight into one buffer
     (kept for the next: `on_message`'s view is valid only during the call)."""
@@ -208,11 +218,7 @@ class _MessageReader:
                 self._filled += n
                 if self._filled < 5:
                     continue
-                length = int.from_bytes(self._prefix[1:], "big")
-                if self._prefix[0]:
-                    raise MalformedMessage("a compressed message, though no grpc-encoding was agreed")
-                if length > self.limit:
-                    raise MalformedMessage(f"a message of {length} bytes, over the limit of {self.limit}")
+                length = _message_length(self._prefix, self.limit)
                 if len(self._buffer) < length:
                     self._buffer = bytearray(length)
                 self._length, self._filled = length, 0
@@ -556,11 +562,7 @@ class _PushKV:
 
     def _stage_done(self) -> None:
         if self._stage == "prefix":
-            self._length = int.from_bytes(self._prefix[1:], "big")
-            if self._prefix[0]:
-                raise MalformedMessage("a compressed message, though no grpc-encoding was agreed")
-            if self._length > _MESSAGE_LIMIT:
-                raise MalformedMessage(f"a message of {self._length} bytes, over the limit of {_MESSAGE_LIMIT}")
+            self._length = _message_length(self._prefix, _MESSAGE_LIMIT)
             self._next("head", memoryview(self._head)[: min(self._length, HEAD_BYTES)])
         elif self._stage == "head":
             self._take_head()
@@ -641,7 +643,7 @@ class _Accepted:
         self._calls: dict[int, _PushKV] = {}  # these two only on the connection's reader thread
         self._spares: list[bytearray] = []
         self._on_closed = on_closed
-        self.peer = pipes.join_address(*sock.getpeername()[:2])
+        self.peer = pipes.peer_name(sock)
         self.deadline: float | None = time.monotonic() + CALL_DEADLINE_S  # for its first call taken (None: made)
         self._refusals = 0
         self.connection = http2.Connection(lambda: pipes.accepted(sock, tls), self, client=False,
@@ -770,10 +772,7 @@ class GrpcReceiver:
                                     self.address, MAX_CONNECTIONS)
                     sock.close()
                     continue
-                try:
-                    self._connections.add(_Accepted(sock, self._tls, self.service, self._closed))
-                except OSError:  # gone already (no peer name)
-                    sock.close()
+                self._connections.add(_Accepted(sock, self._tls, self.service, self._closed))
 
     def _close_late_connections(self) -> None:
         """A connection that made no call this receiver takes within CALL_DEADLINE_S (a stranger, or a

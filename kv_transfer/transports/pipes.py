@@ -60,11 +60,13 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-class _SetUpDeadline:
-    """Reads before `settle` end by the set-up's deadline."""
+class _SocketPipe:
+    """What both pipes share: their socket, its peer's name, and the set-up's deadline (reads before
+    `settle` end by it)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self.peer = peer_name(sock)
         self._deadline: float | None = time.monotonic() + CONNECT_TIMEOUT_S
 
     def _bound(self) -> None:
@@ -78,12 +80,17 @@ class _SetUpDeadline:
         self._deadline = None
         self._sock.settimeout(None)
 
+    def shutdown(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more, or closed
+            pass
 
-class PlainPipe(_SetUpDeadline):
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__(sock)
-        self.peer = _peer_name(sock)
+    def close(self) -> None:
+        self._sock.close()
 
+
+class PlainPipe(_SocketPipe):
     def handshake(self) -> None:
         pass
 
@@ -101,18 +108,10 @@ class PlainPipe(_SetUpDeadline):
                 else:
                     views[0], sent = views[0][sent:], 0
 
-    def shutdown(self) -> None:
-        _shutdown(self._sock)
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-class TlsPipe(_SetUpDeadline):
+class TlsPipe(_SocketPipe):
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
                  server_hostname: str | None = None) -> None:
         super().__init__(sock)
-        self.peer = _peer_name(sock)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side, server_hostname)
         self._tls_lock = threading.Lock()  # the SSLObject and its BIOs
@@ -174,13 +173,6 @@ class TlsPipe(_SetUpDeadline):
             if records:
                 self._sock.sendall(records)
 
-    def shutdown(self) -> None:
-        _shutdown(self._sock)
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 def connect(address: str, tls: ssl.SSLContext | None) -> Pipe:
     """A pipe to `address` ("host:port", "[v6]:port"); the TLS handshake is left to `handshake`."""
     host, port = split_address(address)
@@ -206,19 +198,13 @@ def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _peer_name(sock: socket.socket) -> str:
+def peer_name(sock: socket.socket) -> str:
+    """"host:port" of the socket's peer ("?" once it is gone)."""
     try:
         host, port = sock.getpeername()[:2]
     except OSError:
         return "?"
     return join_address(host, port)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # not connected any more, or closed
-        pass
 
 
 def tls_context(cert: str, key: str, ca: str, server_side: bool) -> ssl.SSLContext:
