@@ -57,7 +57,8 @@ from pdserve.router.placement import WorkerRef
 # sent once their pass ends (`layerwise_min_tokens`), and, in "shm, layer by layer", beside the pass.
 DEPLOYMENTS = (("disaggregated/shm", "disaggregated", "shm", {}),
                ("disaggregated/shm, layer by layer", "disaggregated", "shm", {"layerwise_min_tokens": 0}),
-               ("disaggregated/grpc", "disaggregated", "grpc", {}), ("disaggregated/gloo", "disaggregated", "gloo", {}),
+               ("disaggregated/tcp", "disaggregated", "tcp", {}), ("disaggregated/grpc", "disaggregated", "grpc", {}),
+               ("disaggregated/gloo", "disaggregated", "gloo", {}),
                ("colocated", "colocated", "shm", {}))
 BASELINE = "colocated"
 

@@ -5,11 +5,9 @@ model's layout has, or `token_bytes`) is sent as frames from this process to a r
 child process, whose sink copies every frame into one preallocated buffer, as the receiver's write
 into the reserved blocks does: the transport alone (the frames' checksums are made beforehand and
 not checked; `pdserve bench cluster`'s probes time the whole path, checksums, decoding and the write
-into blocks included). Beside each, the same bytes over a plain TCP socket on loopback into the same
-kind of buffer: the ceiling; and beside gRPC, `grpc-bytes`: grpcio streaming the frames as bare
-bytes messages of 1.5 MiB (no protobuf, no framing; the size grpcio moved fastest), what grpcio
-itself moves from Python with nothing of ours in the way: the transport's gRPC before it had its
-own HTTP/2. `nccl` (asked for with `--transports`, on
+into blocks included). Beside each, the same bytes over a plain TCP socket on loopback (`socket`),
+read straight into the same kind of buffer with no copy: the ceiling. `nccl` (asked for with
+`--transports`, on
 a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are set up at once and
 timed in turn, each repeat in a shuffled order, after one warm-up each (connections, groups and
 segments set up): medians of `repeats` runs, and each transport's share of the socket is the median
@@ -41,9 +39,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
-from concurrent import futures
-
-import grpc
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -53,16 +48,15 @@ from pdserve.engine.model_loader import cache_argument, cache_of, load_model, lo
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
-from pdserve.kv_transfer.interface import Codec, FrameHeader
+from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, Codec, FrameHeader
 from pdserve.kv_transfer.sender import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
-from pdserve.kv_transfer.transports.grpc_stream import MAX_FRAME_BYTES
 
 
 @dataclass
 class KVBenchConfig:
     model: str = "pystd-llama"
-    transports: tuple[str, ...] = ("shm", "grpc", "gloo")
+    transports: tuple[str, ...] = ("shm", "tcp", "grpc", "gloo")
     prompt_tokens: tuple[int, ...] = (2048, 16384)
     repeats: int = 5
     # KV bytes per token and layer of the transports' frames (None: the model's). A frame is FRAME_TOKENS
@@ -82,18 +76,10 @@ class KVBenchConfig:
 
 
 # --- transports ----------------------------------------------------------------------------------
-# grpcio alone, as the transport ran it on grpcio: messages of 1.5 MiB (grpcio moved 1-1.5 MiB messages
-# faster than larger ones: docs/benchmarks.md, seventh session) and large flow-control windows.
-GRPCIO_MESSAGE_BYTES = 3 << 19
-GRPCIO_OPTIONS = [("grpc.max_receive_message_length", 2 * GRPCIO_MESSAGE_BYTES),
-                  ("grpc.max_send_message_length", 2 * GRPCIO_MESSAGE_BYTES),
-                  ("grpc.http2.lookahead_bytes", 16 << 20), ("grpc.http2.write_buffer_size", 16 << 20)]
-
-
 def _receiving_process(kind: str, capacity: int, conn) -> None:
     """Child: a receiving half (or a TCP listener) that copies every frame into one buffer."""
     buffer = np.empty(capacity, dtype=np.uint8)
-    if kind == "tcp":
+    if kind == "socket":
         listener = socket.create_server(("127.0.0.1", 0))
         conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
         peer, _ = listener.accept()
@@ -114,30 +100,19 @@ def _receiving_process(kind: str, capacity: int, conn) -> None:
         torch.cuda.set_device(1)
         on_gpu = torch.empty(capacity, dtype=torch.uint8, device="cuda")
 
-    def sink(header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
-        start = position[0] % (capacity - header.payload_bytes + 1)
-        if isinstance(payload, torch.Tensor):
-            on_gpu[start : start + header.payload_bytes].copy_(payload)
-        else:
-            buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
-        position[0] += header.payload_bytes
+    class Sink:
+        def admit_frame(self, header: FrameHeader) -> None:
+            pass
 
-    if kind == "grpc-bytes":  # grpcio alone: a stream of bare bytes messages, no framing at all
-        server = grpc.server(futures.ThreadPoolExecutor(4), options=GRPCIO_OPTIONS)
+        def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+            start = position[0] % (capacity - header.payload_bytes + 1)
+            if isinstance(payload, torch.Tensor):
+                on_gpu[start : start + header.payload_bytes].copy_(payload)
+            else:
+                buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
+            position[0] += header.payload_bytes
 
-        def take(messages, context):
-            for message in messages:
-                sink(FrameHeader("", 0, 0, 0, "", 0, 0, len(message)), memoryview(message))
-            return b""
-
-        handler = grpc.stream_unary_rpc_method_handler(take)
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bytes", {"Push": handler})])
-        conn.send(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        server.start()
-        conn.recv()
-        server.stop(None)
-        return
-    receiver = start_receiver(kind, sink)
+    receiver = start_receiver(kind, Sink())
     conn.send(receiver.address)
     conn.recv()  # told to stop
     receiver.stop()
@@ -155,7 +130,7 @@ def _frames(num_layers: int, per_token: int, num_tokens: int) -> list[tuple[Fram
 
 
 class _TransportRun:
-    """One transport (or the TCP socket, or grpcio alone) set up once, its receiving half in a child
+    """One transport (or the plain TCP socket) set up once, its receiving half in a child
     process: `once()` sends every frame through it and returns the seconds until the last is taken."""
 
     def __init__(self, kind: str, frames: list[tuple[FrameHeader, np.ndarray]]) -> None:
@@ -172,15 +147,11 @@ class _TransportRun:
         if address is None:
             self.close()
             raise RuntimeError(f"KV transport {kind!r} needs two GPUs for this benchmark")
-        if kind == "tcp":
+        if kind == "socket":
             host, port = address.rsplit(":", 1)
             self._sock = socket.create_connection((host, int(port)))
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._closers.append(self._sock.close)
-        elif kind == "grpc-bytes":
-            channel = grpc.insecure_channel(address, options=GRPCIO_OPTIONS)
-            self._push = channel.stream_unary("/bench.Bytes/Push")
-            self._closers.append(channel.close)
         else:
             self._address = address
             self._sender = make_sender(kind, frame_bytes=max(d.nbytes for _, d in frames))  # as the prefill worker
@@ -190,16 +161,13 @@ class _TransportRun:
 
     def once(self) -> float:
         t0 = time.perf_counter()
-        if self.kind == "tcp":
+        if self.kind == "socket":
             self._conn.send(self.total)
             for _, data in self.frames:
                 self._sock.sendall(data)
             self._sock.recv(1)
-        elif self.kind == "grpc-bytes":
-            self._push(bytes(memoryview(data)[at : at + GRPCIO_MESSAGE_BYTES]) for _, data in self.frames
-                       for at in range(0, data.nbytes, GRPCIO_MESSAGE_BYTES))
         else:
-            channel = self._sender.open(self._address, f"bench-{self._runs}")
+            channel = self._sender.open(self._address, "bench")  # the frames' transfer
             for (header, _), payload in zip(self.frames, self._payloads):
                 channel.send(header, payload)
             channel.finish(timeout=120)
@@ -220,13 +188,13 @@ class _TransportRun:
 
 
 def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[dict]:
-    """Per prompt length, every transport and the TCP socket set up at once, then timed in turn: each
+    """Per prompt length, every transport and the plain socket set up at once, then timed in turn: each
     repeat runs each of them once, in a shuffled order, so the machine's drift falls on all alike; a
     transport's share of the socket is the median of its per-repeat ratios. One warm-up each first
     (connections, groups and segments set up)."""
     rows = []
     order_rng = random.Random(0)
-    kinds = ["tcp", *cfg.transports, *(["grpc-bytes"] if "grpc" in cfg.transports else [])]
+    kinds = ["socket", *cfg.transports]
     per_token = cfg.token_bytes or layout.bytes_per_token_layer
     for num_tokens in cfg.prompt_tokens:
         frames = _frames(layout.num_layers, per_token, num_tokens)
@@ -244,16 +212,16 @@ def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[di
                     s = runs[kind].once()
                     if repeat:  # the first is the warm-up
                         seconds[kind].append(s)
-        tcp = statistics.median(seconds["tcp"])
+        socket_s = statistics.median(seconds["socket"])
         for kind in kinds[1:]:
             s = statistics.median(seconds[kind])
-            share = statistics.median(t / k for t, k in zip(seconds["tcp"], seconds[kind]))
+            share = statistics.median(t / k for t, k in zip(seconds["socket"], seconds[kind]))
             rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
                          "frame_bytes": max(d.nbytes for _, d in frames),
-                         "seconds": s, "gb_per_s": total / s / 1e9, "tcp_gb_per_s": total / tcp / 1e9,
-                         "share_of_tcp": share})
+                         "seconds": s, "gb_per_s": total / s / 1e9, "socket_gb_per_s": total / socket_s / 1e9,
+                         "share_of_socket": share})
             log(f"  {kind:10s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
-                f"raw TCP {total / tcp / 1e9:.2f} GB/s (per repeat, {share:.0%} of it)")
+                f"plain socket {total / socket_s / 1e9:.2f} GB/s (per repeat, {share:.0%} of it)")
     return rows
 
 

@@ -366,11 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_bench_engine)
-    bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a raw TCP socket) and codecs (bits per "
+    bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)")
     bk.add_argument("--model", default="pystd-llama")
-    bk.add_argument("--transports", nargs="+", default=["shm", "grpc", "gloo"],
-                    help="of shm, grpc, gloo, nccl (nccl needs two GPUs)")
+    bk.add_argument("--transports", nargs="+", default=["shm", "tcp", "grpc", "gloo"],
+                    help="of shm, tcp, grpc, gloo, nccl (nccl needs two GPUs)")
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
     bk.add_argument("--repeats", type=int, default=5)
     bk.add_argument("--token-bytes", type=int, default=None,

@@ -106,8 +106,8 @@ class RouterSpec(_Strict):
 
 
 class KVTLSSpec(_Strict):
-    """Mutual TLS on the gRPC KV transport: every worker presents `cert` (PEM, signed by `ca`) and
-    accepts only peers whose certificate `ca` signed."""
+    """Mutual TLS on the tcp and gRPC KV transports: every worker presents `cert` (PEM, signed by
+    `ca`) and accepts only peers whose certificate `ca` signed."""
 
     cert: Path
     key: Path
@@ -125,9 +125,9 @@ class KVTLSSpec(_Strict):
 
 
 class KVTransferSpec(_Strict):
-    # auto: shared memory between workers on one node, gRPC across nodes; or one of shm, grpc, gloo, nccl
-    # (GPU pools) for every pair.
-    transport: Literal["auto", "shm", "grpc", "gloo", "nccl"] = "auto"
+    # auto: shared memory between workers on one node, tcp across nodes; or one of shm, tcp, grpc (for
+    # networks that pass only HTTP/2), gloo, nccl (GPU pools) for every pair.
+    transport: Literal["auto", "shm", "tcp", "grpc", "gloo", "nccl"] = "auto"
     # Offered in this order; each decode worker takes the first it can decode (cachegen needs the model's
     # profiled tables: `pdserve kv-profile`), else raw.
     codec: str | list[str] = "raw"
@@ -143,7 +143,7 @@ class KVTransferSpec(_Strict):
             raise ValueError(f"unknown codec {', '.join(map(repr, unknown))}: codecs are {', '.join(CODECS)}")
         return v
     host: str | None = None  # where KV receivers listen; default: loopback on a local cluster, else the node's address
-    tls: KVTLSSpec | None = None  # TLS on the gRPC transport
+    tls: KVTLSSpec | None = None  # mutual TLS on the tcp and grpc transports
     frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
     # Prompt passes of at least this many tokens (computed: the prefill worker's prefix cache aside) stream
     # their KV layer by layer beside the pass; a shorter one's is sent once it ends (streaming slows the
@@ -160,10 +160,10 @@ class KVTransferSpec(_Strict):
         return (self.codec,) if isinstance(self.codec, str) else tuple(self.codec)
 
     @model_validator(mode="after")
-    def _tls_on_grpc(self) -> "KVTransferSpec":
-        if self.tls is not None and self.transport not in ("auto", "grpc"):
-            raise ValueError(f"tls secures the grpc transport only (auto uses it across nodes); transport "
-                             f"{self.transport!r} cannot: remove tls, or choose grpc or auto")
+    def _tls_on_sockets(self) -> "KVTransferSpec":
+        if self.tls is not None and self.transport not in ("auto", "tcp", "grpc"):
+            raise ValueError(f"tls secures the tcp and grpc transports only (auto uses tcp across nodes); transport "
+                             f"{self.transport!r} cannot: remove tls, or choose tcp, grpc or auto")
         return self
 
 

@@ -14,7 +14,6 @@ frames into it. Both raise `TransferError` for anything that ends a transfer.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -26,6 +25,16 @@ Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
 PROBE_PREFIX = "probe-"  # request ids of the launcher's transfer probes, which carry no client request
+MAX_FRAME_BYTES = 1 << 30  # a frame header announcing a larger payload is believed by no transport
+
+
+def shown(text: str | bytes, limit: int = 80) -> str:
+    """Text a peer chose, fit for a log line or an error message: its repr (no newline or control
+    character gets through raw), cut to about `limit` characters."""
+    if isinstance(text, bytes | bytearray | memoryview):
+        text = bytes(text[: limit * 4]).decode("utf-8", errors="replace")
+    cut = text[:limit]
+    return repr(cut) + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 class TransferError(RuntimeError):
@@ -82,7 +91,7 @@ class FrameHeader:
 class Lease:
     transfer_id: str
     num_blocks: int  # blocks the request has on the decode side (cached prefix included)
-    expires_at: float  # wall clock; freed if no commit comes by then (each frame or renewal extends it)
+    lease_s: float  # freed if no frame, renewal or commit comes for this long
     cached_blocks: int = 0  # leading blocks the decode worker already holds: not sent
     codec: str = "raw"  # what the decode side accepted of the codecs offered
     addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its receiving half listens
@@ -91,10 +100,19 @@ class Lease:
     recompute_s: float | None = None  # the decode worker's estimate of recomputing the KV from the tokens
 
 
-# Takes one frame: a view of host bytes, or the received tensor from a transport whose payloads live
-# on a device; valid only during the call. Raises CorruptFrame for a frame that may be sent again,
-# TransferError for one that ends the transfer.
-FrameSink = Callable[[FrameHeader, memoryview | torch.Tensor], None]
+class FrameSink(Protocol):
+    """Where a receiving half hands the frames it takes (the decode worker's `KVReceiver`)."""
+
+    def admit_frame(self, header: FrameHeader) -> None:
+        """Raise TransferError unless a frame with this header may be taken: its transfer is held
+        here, and its payload is no larger than the tokens it names can take. A transport asks before
+        it allocates anything for a payload or reads it, so a frame for a transfer not held here, or
+        one announcing more bytes than its reservation holds, costs it nothing."""
+
+    def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        """Take one frame: a view of host bytes, or the received tensor from a transport whose
+        payloads live on a device; valid only during the call. Raises CorruptFrame for a frame that
+        may be sent again, TransferError for one that ends the transfer."""
 
 
 class LayerChannel(Protocol):

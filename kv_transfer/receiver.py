@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +40,14 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, frame_checksum, parse_offer, usable_codec
-from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError
+from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError, shown
 from pdserve.kv_transfer.side_streams import beside_the_engine, landed
 from pdserve.kv_transfer.state import Transfer, TransferState
 from pdserve.wire import Tombstones
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 1.0  # a reservation waiting for room tries again this often at least (`_wait_for_room`)
+ENDED_KEPT = 4096  # transfers remembered after they end, for their frames still on the way (`admit_frame`)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class _Incoming:
     reservation: ImportReservation
     num_tokens: int
     codec: Codec
-    expires_at: float
+    expires_at: float  # time.monotonic(): a step of the wall clock must not expire every transfer
     first_token: int  # the first token the transfer carries (those before are cached here)
     written: np.ndarray  # [layer, token]: whether that token's KV of that layer has arrived intact
     # Frames are written into the blocks under `lock`, and only while the transfer takes frames: an
@@ -85,6 +86,10 @@ class KVReceiver:
         self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
         self._failed_codecs: set[str] = set()  # names of codecs that failed on an intact frame (`_give_up_on`)
         self._incoming: dict[str, _Incoming] = {}
+        # Transfers that ended lately -> the most payload bytes one of their frames may have: frames
+        # already on their way are still admitted (and refused once taken whole), so that a transport
+        # whose two sides must stay in step (a process group's sends) is not torn down by a cancel.
+        self._ended: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self.closed: str | None = None  # why no reservation is taken any more (`close`)
 
@@ -101,7 +106,7 @@ class KVReceiver:
             transfer.fail(f"reserve failed: {e}")
             raise
         transfer.advance(TransferState.RESERVED)
-        incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.time() + self.lease_s,
+        incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.monotonic() + self.lease_s,
                              reservation.cached_blocks * self.layout.block_size,
                              np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
         with self._lock:
@@ -116,7 +121,7 @@ class KVReceiver:
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
             raise TransferError(f"request {request_id!r} was aborted")
-        return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks, codec.name)
+        return Lease(transfer_id, reservation.num_blocks, self.lease_s, reservation.cached_blocks, codec.name)
 
     def negotiate(self, offered: list[str] | tuple[str, ...]) -> Codec:
         """The first offered codec (`codecs.offers`) this side can decode, holding what the offer's
@@ -176,6 +181,34 @@ class KVReceiver:
             self.loop.wait_progress(min(deadline - time.monotonic(), 0.1))  # a stopped loop: the next try says so
 
     # --- data plane: every transport's FrameSink ------------------------------------------------
+    def admit_frame(self, header: FrameHeader) -> None:
+        """TransferError unless the frame could belong to a transfer held here (`FrameSink`): its layer
+        and tokens within what it carries, its codec the agreed one or raw, and its payload no larger
+        than those tokens' raw KV (a sender sends raw any frame its codec would make larger)."""
+        with self._lock:
+            incoming = self._incoming.get(header.transfer_id)
+            ended_most = self._ended.get(header.transfer_id)
+        if incoming is not None:
+            self._check_frame(incoming, header)
+            most = header.num_tokens * self.layout.bytes_per_token_layer
+        elif ended_most is not None:
+            most = ended_most
+        else:
+            raise TransferError(f"no open transfer {shown(header.transfer_id)} (aborted, expired or never reserved)")
+        if header.payload_bytes > most:
+            raise TransferError(f"frame of {header.payload_bytes} bytes for {header.num_tokens} tokens "
+                                f"(at most {most})")
+
+    def _check_frame(self, incoming: _Incoming, header: FrameHeader) -> None:
+        if not 0 <= header.layer < self.layout.num_layers:
+            raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
+        if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
+                <= incoming.num_tokens:
+            raise TransferError(f"frame tokens [{header.start_token}, {header.start_token + header.num_tokens}) "
+                                f"outside the [{incoming.first_token}, {incoming.num_tokens}) this transfer carries")
+        if header.codec not in (incoming.codec.name, "raw"):
+            raise TransferError(f"frame in codec {shown(header.codec)}, {incoming.codec.name!r} was agreed")
+
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         with beside_the_engine(self.kv_cache.data.device):
             self._receive(header, payload)
@@ -198,8 +231,8 @@ class KVReceiver:
         except CorruptFrame as e:  # intact on the wire, yet it does not decode: dropped as a damaged frame is,
             # so its layer is sent again and then recomputed here, rather than the whole transfer failing
             self._count("corrupt_frames")
-            log.warning("transfer %s: frame of layer %d at token %d dropped: %s", header.transfer_id, header.layer,
-                        header.start_token, e)
+            log.warning("transfer %s: frame of layer %d at token %d dropped: %s", shown(header.transfer_id),
+                        header.layer, header.start_token, e)
             raise
         except TransferError as e:
             self._count("refused_frames")
@@ -209,7 +242,7 @@ class KVReceiver:
         with incoming.lock:
             if not incoming.takes_frames or incoming.transfer.state.is_terminal:
                 self._count("refused_frames")
-                raise TransferError(f"transfer {header.transfer_id} already ended "
+                raise TransferError(f"transfer {shown(header.transfer_id)} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
             try:
                 self.kv_cache.write_tokens(header.layer, slots, kv)
@@ -228,20 +261,13 @@ class KVReceiver:
         if payload.nbytes != header.payload_bytes or frame_checksum(header, payload) != header.crc32:
             self._count("corrupt_frames")
             log.warning("transfer %s: frame of layer %d at token %d dropped: checksum mismatch (its header or "
-                        "its bytes)", header.transfer_id, header.layer, header.start_token)
+                        "its bytes)", shown(header.transfer_id), header.layer, header.start_token)
             raise CorruptFrame(f"checksum mismatch on a frame of layer {header.layer} (its header or its bytes)")
 
     def _decode(self, incoming: _Incoming, header: FrameHeader, payload: memoryview | torch.Tensor) -> torch.Tensor:
         """The KV of a frame whose checksum holds; TransferError for a frame that could not belong to
         this transfer, CorruptFrame for one that does not decode (for whatever reason)."""
-        if not 0 <= header.layer < self.layout.num_layers:
-            raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
-        if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
-                <= incoming.num_tokens:
-            raise TransferError(f"frame tokens [{header.start_token}, {header.start_token + header.num_tokens}) "
-                                f"outside the [{incoming.first_token}, {incoming.num_tokens}) this transfer carries")
-        if header.codec not in (incoming.codec.name, "raw"):
-            raise TransferError(f"frame in codec {header.codec!r}, {incoming.codec.name!r} was agreed")
+        self._check_frame(incoming, header)
         codec = incoming.codec if header.codec == incoming.codec.name else self.negotiate(["raw"])
         try:
             kv = codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
@@ -278,11 +304,11 @@ class KVReceiver:
         """Extend a lease whose transfer is still making progress on the sending side."""
         incoming = self._extend(self._get(transfer_id))
         reservation = incoming.reservation
-        return Lease(transfer_id, reservation.num_blocks, incoming.expires_at, reservation.cached_blocks,
+        return Lease(transfer_id, reservation.num_blocks, self.lease_s, reservation.cached_blocks,
                      incoming.codec.name)
 
     def _extend(self, incoming: _Incoming) -> _Incoming:
-        incoming.expires_at = time.time() + self.lease_s
+        incoming.expires_at = time.monotonic() + self.lease_s
         return incoming
 
     def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
@@ -299,7 +325,7 @@ class KVReceiver:
             if incomplete:
                 return incomplete
         with self._lock:  # taken out first, so lease expiry cannot abort a commit under way
-            owned = self._incoming.pop(transfer_id, None) is incoming
+            owned = self._take_out(transfer_id) is incoming
         if not owned:  # an abort took it out since `_get`: it frees the blocks; a recompute would revive it
             raise TransferError(f"transfer {transfer_id} was aborted while committing")
         with incoming.lock:  # a frame being written ends first; none is written once the engine has the blocks
@@ -337,7 +363,7 @@ class KVReceiver:
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""
         with self._lock:  # the tombstone under the lock `reserve` inserts under, so it sees one or the other
-            incoming = self._incoming.pop(transfer_id, None)
+            incoming = self._take_out(transfer_id)
             if incoming is None:  # perhaps not reserved yet: the reservation will find this tombstone
                 self.aborted.add(transfer_id)
         return incoming is not None and self._end(incoming, reason)
@@ -372,11 +398,11 @@ class KVReceiver:
         return [request_id for t, request_id in open_transfers if self.abort(t, reason)]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         # Checked and taken out at once: a frame, a renewal or a commit landing in between wins instead
         # (an abort by id would leave its tombstone, and a commit under way would fail on it).
         with self._lock:
-            late = [self._incoming.pop(t) for t, inc in list(self._incoming.items()) if inc.expires_at < now]
+            late = [self._take_out(t) for t, inc in list(self._incoming.items()) if inc.expires_at < now]
         expired = [inc.transfer.transfer_id for inc in late if self._end(inc, "lease expired")]
         self._count("leases_expired", len(expired))
         return expired
@@ -395,6 +421,16 @@ class KVReceiver:
         with self._lock:
             return len(self._incoming)
 
+    def _take_out(self, transfer_id: str) -> _Incoming | None:
+        """Take an open transfer out, remembering it among those that ended. Under `_lock`."""
+        incoming = self._incoming.pop(transfer_id, None)
+        if incoming is not None:
+            carried = incoming.num_tokens - incoming.first_token
+            self._ended[transfer_id] = carried * self.layout.bytes_per_token_layer
+            if len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+        return incoming
+
     def _find(self, transfer_id: str) -> _Incoming | None:
         with self._lock:
             return self._incoming.get(transfer_id)
@@ -402,5 +438,5 @@ class KVReceiver:
     def _get(self, transfer_id: str) -> _Incoming:
         incoming = self._find(transfer_id)
         if incoming is None:
-            raise TransferError(f"no open transfer {transfer_id!r} (aborted, expired or never reserved)")
+            raise TransferError(f"no open transfer {shown(transfer_id)} (aborted, expired or never reserved)")
         return incoming

@@ -11,12 +11,12 @@ from pdserve.kv_transfer.sender import FRAME_TOKENS, LAYERWISE_MIN_TOKENS
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
-TRANSPORT_CHOICES = ("auto", "shm", "grpc", "gloo", "nccl")
+TRANSPORT_CHOICES = ("auto", "shm", "tcp", "grpc", "gloo", "nccl")
 
 
 @dataclass(frozen=True)
 class TransferSettings:
-    transport: str = "auto"  # auto: shared memory within a node, gRPC across nodes
+    transport: str = "auto"  # auto: shared memory within a node, tcp across nodes
     codecs: tuple[str, ...] = ("raw",)  # offered in this order; the decode side takes the first it can use
     host: str | None = None  # where receiving halves listen; None: the worker's own node address (`on_node`)
     tls: dict[str, str] = field(default_factory=dict)  # cert, key and ca, all three (mutual TLS)
@@ -41,16 +41,16 @@ class TransferSettings:
     @property
     def receivers(self) -> list[str]:
         """The receiving halves a decode worker starts."""
-        return ["shm", "grpc"] if self.transport == "auto" else [self.transport]
+        return ["shm", "tcp"] if self.transport == "auto" else [self.transport]
 
     def pick(self, addresses: dict[str, str], same_node: bool) -> str:
         """The transport for one transfer, from those the decode worker listens on."""
         wanted = self.transport
         if wanted == "auto":
-            wanted = "shm" if same_node and "shm" in addresses else "grpc"
+            wanted = "shm" if same_node and "shm" in addresses else "tcp"
         elif wanted == "shm" and not same_node:  # its segments would name files on another machine
             raise ValueError("transport 'shm' moves KV between workers on one node, and this pair is on two; "
-                             "use 'auto' (shared memory within a node, gRPC across) or 'grpc'")
+                             "use 'auto' (shared memory within a node, tcp across) or 'tcp'")
         if wanted not in addresses:
             raise ValueError(f"the decode worker does not listen on {wanted!r} (it has {sorted(addresses)})")
         return wanted

@@ -147,17 +147,18 @@ class ClusterSecret:
     decode worker serves its KV control channel and is a client of the router's token stream), so a
     second keypair for clients would add nothing: a pyzmq server (`server`) proves itself with it, and
     admits only clients (`client`) that present the same public key and prove they hold its secret.
-    `token`: sent with every gRPC KV stream, compared in constant time by the receiver.
+    `key`: what the KV transports' peers prove they hold (an HMAC of fresh nonces under it, or of a
+    call's own fields), so that it never crosses the wire, in clear or not.
     """
 
     public_key: bytes
     secret_key: bytes = field(repr=False)
-    token: str = field(repr=False)
+    key: bytes = field(repr=False)
 
     @classmethod
     def generate(cls) -> ClusterSecret:
         public_key, secret_key = zmq.curve_keypair()
-        return cls(public_key, secret_key, secrets.token_urlsafe(32))
+        return cls(public_key, secret_key, secrets.token_bytes(32))
 
     @property
     def zap_domain(self) -> str:

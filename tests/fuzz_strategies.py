@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from pdserve.kv_transfer.transports.grpc_stream import _varint  # protobuf's wire varint
+from google.protobuf.internal.encoder import _VarintBytes as _varint  # protobuf's own wire varint
 
 
 def fuzz_settings(examples: int) -> settings:

@@ -3,8 +3,10 @@
   - pyzmq (token stream, KV events, the shm/gloo KV control channel): CURVE with the cluster's key.
     A rogue peer, without CURVE or with a key of its own, sends well-formed messages; none is
     delivered (the hubs' parsers never see them), and members on the same sockets are served.
-  - gRPC KV streams: the cluster's token as call metadata (UNAUTHENTICATED without it), and mutual
-    TLS with certificates made here by trustme (no client certificate, or one of another CA: refused).
+  - KV over tcp: both sides prove they hold the cluster's key (an HMAC of fresh nonces) before a
+    frame is read; over gRPC, each call carries a proof made for it (UNAUTHENTICATED without one). The
+    key itself never crosses the wire. Mutual TLS with certificates made here by trustme (no client
+    certificate, or one of another CA: refused).
   - No socket-facing code deserializes with pickle or anything else that can run code.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import struct
 import threading
 import time
@@ -29,7 +32,8 @@ from pdserve.kv_events import KVEvent, KVEventBatch, KVEventPublisher
 from pdserve.kv_transfer.interface import FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, start_receiver
 from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
-from pdserve.kv_transfer.transports.grpc_stream import _SERVICE, CLUSTER_METADATA
+from pdserve.kv_transfer.transports.grpc_stream import PROOF_METADATA, TRANSFER_METADATA, _proof
+from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.token_hub import TokenStreamHub
@@ -56,7 +60,8 @@ def secret() -> ClusterSecret:
 
 
 def test_the_secret_stays_out_of_reprs(secret):
-    assert secret.secret_key.decode() not in repr(secret) and secret.token not in repr(secret)
+    assert secret.secret_key.decode() not in repr(secret)
+    assert repr(secret.key) not in repr(secret) and secret.key.hex() not in repr(secret)
 
 
 # --- pyzmq: token stream ------------------------------------------------------------------------
@@ -161,7 +166,10 @@ class RecordingSink:
         self.frames: list[tuple[FrameHeader, bytes]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, header: FrameHeader, payload: memoryview) -> None:
+    def admit_frame(self, header: FrameHeader) -> None:
+        pass
+
+    def receive_frame(self, header: FrameHeader, payload: memoryview) -> None:
         with self.lock:
             self.frames.append((header, bytes(payload)))
 
@@ -189,7 +197,7 @@ def test_every_transport_carries_frames_between_members(name, secret):
         receiver.stop()
 
 
-@pytest.mark.parametrize("name", ["shm", "grpc"])  # gloo's control channel is the shm one (tested above)
+@pytest.mark.parametrize("name", ["shm", "tcp", "grpc"])  # gloo's control channel is the shm one (tested above)
 @pytest.mark.parametrize("stranger", ["no secret", "another cluster's"])
 def test_a_transport_takes_no_frame_from_a_stranger(name, stranger, secret):
     sink = RecordingSink()
@@ -197,15 +205,20 @@ def test_a_transport_takes_no_frame_from_a_stranger(name, stranger, secret):
     sender = make_sender(name, "127.0.0.1", secret=None if stranger == "no secret" else ClusterSecret.generate())
     try:
         header, data = frame()
-        channel = sender.open(receiver.address, "t1")
-        with pytest.raises(TransferError) as e:  # at the send when the refusal comes first, else at the finish
-            channel.send(header, data)
-            channel.finish(timeout=2)
-        channel.close()
+        with pytest.raises(TransferError) as e:  # tcp: at the open (its handshake); else a send or the finish
+            channel = sender.open(receiver.address, "t1")
+            try:
+                channel.send(header, data)
+                channel.finish(timeout=2)
+            finally:
+                channel.close()
         assert sink.frames == []
         if name == "grpc":  # the receiver says why
-            assert "UNAUTHENTICATED" in str(e.value) and "cluster's secret" in str(e.value)
-            assert receiver.service.refused == 1
+            assert "UNAUTHENTICATED" in str(e.value) and "proof" in str(e.value)
+            assert receiver.service.refusals.refused == 1
+        if name == "tcp":
+            assert "did not prove" in str(e.value) or "closed the connection" in str(e.value)
+            assert wait_until(lambda: receiver.refusals.refused == 1)
     finally:
         sender.close()
         receiver.stop()
@@ -229,51 +242,52 @@ def kv_tls(tmp_path) -> Callable[[str], dict[str, str]]:
     return files
 
 
-def test_grpc_kv_with_mutual_tls_and_the_secret(kv_tls, secret):
-    """The receiver needs both: a certificate of the cluster's CA and the cluster's token."""
+@pytest.mark.parametrize("name", ["tcp", "grpc"])
+def test_kv_with_mutual_tls_and_the_secret(kv_tls, secret, name):
+    """The receiver needs both: a certificate of the cluster's CA and a proof of the cluster's key."""
     receiving, member = kv_tls("decode"), kv_tls("prefill")
     stranger = kv_tls("stranger", ca_name="other")
     sink = RecordingSink()
-    receiver = start_receiver("grpc", sink, "127.0.0.1", tls=receiving, secret=secret)
+    receiver = start_receiver(name, sink, "127.0.0.1", tls=receiving, secret=secret)
     header, data = frame()
     cases = {"member": (member, secret), "wrong secret": (member, ClusterSecret.generate()),
              "no secret": (member, None), "other CA": (stranger, secret)}
     try:
         for case, (tls, case_secret) in cases.items():
-            sender = make_sender("grpc", tls=tls, secret=case_secret)
-            try:
-                channel = sender.open(receiver.address, case)
-                if case == "member":
-                    channel.send(header, data)
-                    channel.finish(timeout=10)
-                else:  # refused at the send when the refusal comes first, else at the finish
-                    with pytest.raises(TransferError, match="UNAUTHENTICATED" if "secret" in case else "UNAVAILABLE"):
+            sender = make_sender(name, tls=tls, secret=case_secret)
+            expected = ("UNAUTHENTICATED" if "secret" in case else "UNAVAILABLE") if name == "grpc" else None
+            try:  # refused at the open (tcp's handshake), a send, or the finish
+                with contextlib.nullcontext() if case == "member" else pytest.raises(TransferError, match=expected):
+                    channel = sender.open(receiver.address, "t1")
+                    try:
                         channel.send(header, data)
                         channel.finish(timeout=10)
-                channel.close()
+                    finally:
+                        channel.close()
             finally:
                 sender.close()
         assert sink.frames == [(header, data.tobytes())]  # the member's frame, no other
-        assert receiver.service.refused == 2
+        refusals = receiver.service.refusals if name == "grpc" else receiver.refusals
+        assert wait_until(lambda: refusals.refused == (2 if name == "grpc" else 3))  # tcp counts failed handshakes
     finally:
         receiver.stop()
 
 
 def test_grpc_kv_mutual_tls_requires_a_client_certificate(kv_tls, secret):
     """A client that trusts the server but presents no certificate of its own is refused at the handshake,
-    even with the right token."""
+    even with a valid proof of the cluster's key."""
     receiving = kv_tls("decode")
     sink = RecordingSink()
     receiver = start_receiver("grpc", sink, "127.0.0.1", tls=receiving, secret=secret)
     credentials = grpc.ssl_channel_credentials(root_certificates=Path(receiving["ca"]).read_bytes())
     channel = grpc.secure_channel(receiver.address, credentials)
     try:
-        push = channel.stream_unary(f"/{_SERVICE.full_name}/PushKV", request_serializer=None,
-                                    response_deserializer=None)
+        push = kv_transfer_pb2_grpc.KVTransferStub(channel).PushKV
         with pytest.raises(grpc.RpcError) as e:
-            push(iter([b""]), metadata=((CLUSTER_METADATA, secret.token),), timeout=10)
+            push(iter([kv_transfer_pb2.KVFrame()]), timeout=10,
+                 metadata=((TRANSFER_METADATA, "t1"), (PROOF_METADATA, _proof(secret.key, "t1"))))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert sink.frames == [] and receiver.service.refused == 0  # refused before any call was made
+        assert sink.frames == [] and receiver.service.refusals.refused == 0  # refused before any call was made
     finally:
         channel.close()
         receiver.stop()

@@ -3,14 +3,17 @@ half (`ReceivingTransport`, in the decode worker), which hands every frame to th
 
   shm   shared memory between processes on one node (the default there): one copy into a slot,
         a view of it on the other side; pyzmq control
-  grpc  gRPC client streaming (the default across nodes), mutual TLS when certificates are given; on
-        the package's own HTTP/2 (`http2`), which moves a message with no copy in user space
+  tcp   frames straight over TCP (the default across nodes): one `sendmsg` out of the KV buffer, one
+        `recv_into` on the other side; mutual TLS when certificates are given
+  grpc  gRPC client streaming on grpcio, for networks that pass only HTTP/2 (service meshes, L7
+        proxies); mutual TLS when certificates are given
   gloo  torch.distributed point-to-point of host bytes, a two-rank group per worker pair; pyzmq control
   nccl  the same over NCCL, GPU to GPU: KV read out of a CUDA cache never touches host memory
 
-With the cluster's secret (`pdserve.wire.ClusterSecret`), the pyzmq control channels are CURVE and
-every gRPC stream carries the cluster's token: receivers take nothing from strangers. gloo's and
-NCCL's own sockets cannot be authenticated (see the README's security section).
+With the cluster's secret (`pdserve.wire.ClusterSecret`), the pyzmq control channels are CURVE, a
+tcp connection starts with both sides proving they hold the cluster's key, and every gRPC call
+carries a proof made with it: receivers take nothing from strangers, and the key itself never
+crosses the wire. gloo's and NCCL's own sockets cannot be authenticated (docs/security.md).
 
 Transports move bytes: they know nothing of codecs, blocks or the engine.
 """
@@ -27,7 +30,7 @@ from pdserve.kv_transfer.interface import FrameSink, ReceivingTransport, Sending
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
 
-TRANSPORT_NAMES = ("shm", "grpc", "gloo", "nccl")
+TRANSPORT_NAMES = ("shm", "tcp", "grpc", "gloo", "nccl")
 
 
 def _payload_device(name: str) -> torch.device | None:
@@ -46,6 +49,10 @@ def make_sender(name: str, host: str = "127.0.0.1", tls: dict[str, str] | None =
         from pdserve.kv_transfer.transports.shm import ShmSender
 
         return ShmSender(secret, frame_bytes)
+    if name == "tcp":
+        from pdserve.kv_transfer.transports.tcp import TcpSender
+
+        return TcpSender(tls, secret)
     if name == "grpc":
         from pdserve.kv_transfer.transports.grpc_stream import GrpcSender
 
@@ -62,15 +69,19 @@ def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dic
                    on_crash: Callable[[BaseException], None] = lambda error: None) -> ReceivingTransport:
     """Start the receiving half of transport `name`, listening on `host`; with `secret`, it takes
     frames only from the cluster's members. `on_crash` is told if its control loop dies (shm's,
-    gloo's and NCCL's; gRPC's accepting thread: each connection's failure ends only its own calls)."""
+    gloo's and NCCL's; tcp's accepting thread: each connection's failure ends only that connection)."""
     if name == "shm":
         from pdserve.kv_transfer.transports.shm import ShmReceiver
 
         return ShmReceiver(sink, host, secret, on_crash)
+    if name == "tcp":
+        from pdserve.kv_transfer.transports.tcp import TcpReceiver
+
+        return TcpReceiver(sink, host, tls, secret, on_crash)
     if name == "grpc":
         from pdserve.kv_transfer.transports.grpc_stream import GrpcReceiver
 
-        return GrpcReceiver(sink, host, tls, secret, on_crash)
+        return GrpcReceiver(sink, host, tls, secret)  # grpcio's threads: a call's failure ends only that call
     if name in ("gloo", "nccl"):
         from pdserve.kv_transfer.transports.p2p import P2PReceiver
 

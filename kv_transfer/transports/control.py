@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, FrameSink, TransferError
+from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, CorruptFrame, FrameHeader, FrameSink, TransferError
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:  # only its methods are used: pdserve.wire's own imports stay out of the transports
@@ -51,6 +51,7 @@ SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LANE_STOP_S = 2.0  # how long `stop` waits for the lanes' work under way
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (64 << 10)  # a frame's payload and its header
 
 
 class Refused(TransferError):
@@ -77,7 +78,7 @@ def frame_header(data: memoryview) -> FrameHeader:
 def deliver(sink: FrameSink, header: FrameHeader, payload: Any) -> None:
     """Hand a frame taken whole to the sink; the sink's refusal is answered REFUSED."""
     try:
-        sink(header, payload)
+        sink.receive_frame(header, payload)
     except CorruptFrame:
         raise
     except TransferError as e:
@@ -118,6 +119,9 @@ class ControlServer:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A peer's message is allocated as its header declares: bounded, CURVE or not (shm's inline
+        # frames are the largest).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if secret is not None:
             secret.server(self._socket)
         port = self._socket.bind_to_random_port(f"tcp://{host}")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
+from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.side_streams import GROUP_PRIORITY
 from pdserve.kv_transfer.transports.control import (ControlClient, ControlServer, Deferred, deliver, frame_header,
                                                      notify)
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 1 << 30  # a header asking for more is not believed
 GROUP_TIMEOUT_S = 30.0  # joining a group, and any one send or receive
 WINDOW_BYTES = 64 << 20  # a host channel's frames sent and not yet answered, at most (a frame more)
 CONNECT_MARGIN_S = 5.0  # on top of it, for an NCCL group's first operation (`_connect`)
@@ -145,6 +145,21 @@ def _connect(pg: dist.Backend, device: torch.device, rank: int, stream: torch.cu
                             f"{GROUP_TIMEOUT_S + CONNECT_MARGIN_S:g} s: its peer never joined") from None
 
 
+def _listening_store(host: str) -> dist.TCPStore:
+    """The group's rendezvous store, listening on `host` only (the worker's configured address): a
+    TCPStore binds every interface when it makes its own socket, so it is handed one bound here. Its
+    keys live under the group's id, which only the JOIN (over the CURVE control channel) carries."""
+    listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns the descriptor from here on
+    try:
+        return dist.TCPStore(host, port, world_size=2, is_master=True, wait_for_workers=False, timeout=_timeout(),
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _abort_quietly(pg: dist.Backend, what: str) -> None:
     try:
         pg.abort()
@@ -173,7 +188,7 @@ class _Group:
     def __init__(self, backend: str, address: str, host: str, secret: ClusterSecret | None,
                  device: torch.device | None) -> None:
         self.id = uuid.uuid4().hex
-        self.store = dist.TCPStore(host, 0, world_size=2, is_master=True, wait_for_workers=False, timeout=_timeout())
+        self.store = _listening_store(host)
         join = ControlClient(address, secret=secret)
         try:
             join.send(JOIN, [self.id.encode(), f"{host}:{self.store.port}".encode()])
@@ -484,9 +499,13 @@ class P2PReceiver:
             joined = self._groups.get(group_id)
         if joined is None:
             raise TransferError(f"no p2p group {group_id[:40]!r} (never joined, or torn down)")
-        if header.payload_bytes > MAX_FRAME_BYTES:
+        try:  # before its receive allocates the payload's buffer
+            if header.payload_bytes > MAX_FRAME_BYTES:
+                raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
+            self.sink.admit_frame(header)
+        except TransferError:
             self._server.run_on_lane(group_id, lambda: self._leave(group_id))  # its sends cannot be matched any more
-            raise TransferError(f"frame of {header.payload_bytes} bytes announced (at most {MAX_FRAME_BYTES})")
+            raise
         return Deferred(group_id, lambda: self._receive(group_id, joined, header, tag))
 
     def _join(self, group_id: str, store_host: str, port: int) -> None:

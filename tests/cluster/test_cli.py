@@ -38,15 +38,15 @@ def test_a_benchmark_trace_it_cannot_use_is_a_clear_error(tmp_path, capsys, trac
 @pytest.mark.timeout(300)
 def test_bench_kv_times_the_transports_alone_with_frames_of_a_given_size(tmp_path, capsys):
     """`--codecs` with none: the transport table alone; `--token-bytes`: its frames as a larger model's
-    (a layer's 1,536 tokens of 4 KiB: 6 MiB, four gRPC messages each)."""
+    (a layer's 1,536 tokens of 4 KiB: 6 MiB)."""
     out = tmp_path / "kv.json"
-    result = pdserve("bench", "kv", "--transports", "grpc", "--tokens", "2048", "--repeats", "1",
+    result = pdserve("bench", "kv", "--transports", "tcp", "--tokens", "2048", "--repeats", "1",
                      "--token-bytes", "4096", "--codecs", "--out", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["codecs"] == []
     rows = {row["transport"]: row for row in report["transports"]}
-    assert set(rows) == {"grpc", "grpc-bytes"}
+    assert set(rows) == {"tcp"} and rows["tcp"]["share_of_socket"] > 0
     assert all(row["frame_bytes"] == 1536 * 4096 and row["bytes"] == 4 * 2048 * 4096 for row in rows.values())
     for token_bytes in ("0", str((1 << 30) // 1536 + 1)):  # frames of no bytes, or past what a receiver believes
         assert cli.main(["bench", "kv", "--token-bytes", token_bytes, "--out", str(out)]) == 2

@@ -31,7 +31,7 @@ ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "grpc"), ("disaggregated", "gloo"), ("colocated", "shm")],
+@pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"), ("colocated", "shm")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
     mode, transport = request.param
@@ -177,7 +177,7 @@ def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs,
                 client.generate(p, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts))
             return [warm, *rest]
 
-    with Cluster(manifest(model_dirs[arch], "disaggregated", "grpc", max_num_batched_tokens=64,
+    with Cluster(manifest(model_dirs[arch], "disaggregated", "tcp", max_num_batched_tokens=64,
                           router={"long_prompt_chunk_tokens": 24}), log=lambda _: None) as cluster:
         (prefill,) = [ray.get(w.handle.ping.remote()) for w in cluster.workers if w.pool == "prefill"]
         assert prefill["chunk_tokens"] == max(24, prefill["short_prompt_tokens"])

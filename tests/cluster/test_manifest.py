@@ -31,7 +31,7 @@ def test_default_manifest_is_valid():
         ({"mode": "fast"}, "mode: Input should be 'disaggregated' or 'colocated'"),
         ({"dtype": "int4"}, "dtype: Input should be"),
         ({"block_size": 0}, "block_size: Input should be greater than or equal to 1"),
-        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport: Input should be 'auto', 'shm', 'grpc', 'gloo' or 'nccl'"),
+        ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport: Input should be 'auto', 'shm', 'tcp', 'grpc', 'gloo' or 'nccl'"),
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"decode": {"num_gpus": 1}}}, "pools prefill need num_gpus >= 1"),
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 0.5}}},
          "pools decode need num_gpus >= 1"),
@@ -47,7 +47,7 @@ def test_default_manifest_is_valid():
         ({"server": {"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}}, "does not exist"),
         ({"pools": {"decode": {"resources": {"decode": "lots"}}}}, "pools.decode.resources.decode"),
         ({"kv_transfer": {"transport": "gloo", "tls": {"cert": ANY_FILE, "key": ANY_FILE, "ca": ANY_FILE}}},
-         "tls secures the grpc transport only"),
+         "tls secures the tcp and grpc transports only"),
         ({"kv_transfer": {"tls": {"cert": "/nonexistent.pem", "key": ANY_FILE, "ca": ANY_FILE}}},
          "kv_transfer.tls: /nonexistent.pem does not exist"),
         ({"kv_transfer": {"codec": "zstd"}}, "kv_transfer.codec: Value error, unknown codec 'zstd': codecs are raw, "

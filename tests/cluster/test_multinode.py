@@ -82,7 +82,7 @@ def test_every_actor_lands_on_a_node_of_its_type(cluster):
     assert {w.status["model_digest"] for w in cluster.workers} == {model_digest(cluster.manifest.model)}
 
 
-def test_requests_cross_nodes_over_grpc_with_exact_greedy_outputs(cluster, hf_reference):
+def test_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_reference):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(10, 90))] for _ in range(6)]
     with Client(cluster.address, timeout=120) as client:
@@ -91,13 +91,13 @@ def test_requests_cross_nodes_over_grpc_with_exact_greedy_outputs(cluster, hf_re
             assert r.token_ids == hf_reference[ARCH].greedy(p, 8)
     assert_idle(cluster)
 
-    def sent_over_grpc() -> bool:  # the prefill workers' own figures, as their last health reports carry them
-        return any('transport="grpc"' in w.status.get("metrics", "") for w in cluster.workers if w.pool == "prefill")
+    def sent_over_tcp() -> bool:  # the prefill workers' own figures, as their last health reports carry them
+        return any('transport="tcp"' in w.status.get("metrics", "") for w in cluster.workers if w.pool == "prefill")
 
     deadline = time.monotonic() + 10
-    while not sent_over_grpc() and time.monotonic() < deadline:
+    while not sent_over_tcp() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sent_over_grpc()
+    assert sent_over_tcp()
 
 
 def test_a_model_directory_reaches_a_node_that_lacks_it_through_the_object_store(cluster, model_dirs, tmp_path):

@@ -74,8 +74,8 @@ def ray_nodes(namespaces):
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)  # the two nodes started here
 
 
-def test_kv_crosses_a_veth_between_namespaces_over_grpc_with_exact_outputs(namespaces, ray_nodes, model_dirs,
-                                                                           hf_reference):
+def test_kv_crosses_a_veth_between_namespaces_over_tcp_with_exact_outputs(namespaces, ray_nodes, model_dirs,
+                                                                          hf_reference):
     (a, ip_a), (_, ip_b) = namespaces["a"], namespaces["b"]
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(8, 80))] for _ in range(4)]
@@ -93,6 +93,6 @@ def test_kv_crosses_a_veth_between_namespaces_over_grpc_with_exact_outputs(names
     workers = result["workers"]
     assert {w["pool"]: w["node_ip"] for w in workers.values()} == {"prefill": ip_a, "decode": ip_b}
     decode = next(w for w in workers.values() if w["pool"] == "decode")
-    assert decode["kv_addresses"]["grpc"].startswith(f"{ip_b}:")  # it listens on its own node's address
+    assert decode["kv_addresses"]["tcp"].startswith(f"{ip_b}:")  # it listens on its own node's address
     prefill = next(w for w in workers.values() if w["pool"] == "prefill")
-    assert 'transport="grpc"' in prefill["metrics"] and 'outcome="success"' in prefill["metrics"]
+    assert 'transport="tcp"' in prefill["metrics"] and 'outcome="success"' in prefill["metrics"]

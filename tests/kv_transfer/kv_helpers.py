@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_cache import KVLayout
-from pdserve.kv_transfer.interface import FrameHeader
+from pdserve.kv_transfer.interface import FrameHeader, TransferError
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
 from pdserve.kv_transfer.codecs.cachegen_profile import build_tables
 from pdserve.kv_transfer.codecs.cachegen_quant import channels_first
@@ -43,17 +43,39 @@ def synthetic_tables(out: Path, layout: KVLayout = LAYOUT, seed: int = 100) -> P
 
 
 class RecordingSink:
-    def __init__(self, verdict: type[Exception] | None = None) -> None:
+    """A `FrameSink` that keeps every frame; `verdict`: raised after keeping each; `most_bytes`: the
+    largest payload it admits (as a reservation bounds it)."""
+
+    def __init__(self, verdict: type[Exception] | None = None, most_bytes: int | None = None) -> None:
         self.frames: list[tuple[FrameHeader, bytes]] = []
         self.verdict = verdict
+        self.most_bytes = most_bytes
+        self.admitted = 0
         self.lock = threading.Lock()
 
-    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+    def admit_frame(self, header: FrameHeader) -> None:
+        if self.most_bytes is not None and header.payload_bytes > self.most_bytes:
+            raise TransferError(f"frame of {header.payload_bytes} bytes, at most {self.most_bytes} held")
+        with self.lock:
+            self.admitted += 1
+
+    def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         data = bytes(payload) if isinstance(payload, memoryview) else payload.cpu().numpy().tobytes()
         with self.lock:
             self.frames.append((header, data))
         if self.verdict is not None:
             raise self.verdict("the sink says no")
+
+
+class FunctionSink(RecordingSink):
+    """A `FrameSink` whose frames go to `take` (a test's own verdicts), admitting every one."""
+
+    def __init__(self, take) -> None:
+        super().__init__()
+        self.take = take
+
+    def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+        self.take(header, payload)
 
 
 def frame(layer: int, nbytes: int, seed: int, device: torch.device | None = None,

@@ -261,7 +261,7 @@ def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_r
     request_id = prefilled(prefill, prompt)
     handoff, lease = reserve(receiver, prefill, request_id)
     cpu = torch.device("cpu")
-    receiving = P2PReceiver(receiver.receive_frame, "gloo", device=cpu)
+    receiving = P2PReceiver(receiver, "gloo", device=cpu)
     sending = P2PSender("gloo", device=cpu)
     try:
         channel = sending.open(receiving.address, "t1")
@@ -443,11 +443,24 @@ def test_lease_expiry_frees_the_reservation(sides, hf_reference):
     request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=4)[0])
     reserve(receiver, prefill, request_id)
     assert receiver.loop.call(lambda e: e.num_free_blocks) < decode.pool.num_blocks
-    assert receiver.expire_leases(now=time.time()) == []  # not yet
-    assert receiver.expire_leases(now=time.time() + 1.0) == ["t1"]
+    assert receiver.expire_leases(now=time.monotonic()) == []  # not yet
+    assert receiver.expire_leases(now=time.monotonic() + 1.0) == ["t1"]
     assert receiver.num_in_flight == 0
     assert receiver.loop.call(lambda e: e.num_free_blocks) == decode.pool.num_blocks
     assert not receiver.abort("t1", "again")  # idempotent
+
+
+def test_a_step_of_the_wall_clock_expires_no_lease(sides, hf_reference, monkeypatch):
+    """Leases run on the monotonic clock: the wall clock set an hour ahead (NTP, a VM resumed) must
+    not end every transfer under way."""
+    prefill, decode, receiver, _ = sides
+    request_id = prefilled(prefill, random_prompts(1, hf_reference[ARCH].vocab_size, 50, 50, seed=14)[0])
+    reserve(receiver, prefill, request_id)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 3600)
+    assert receiver.expire_leases() == [] and receiver.num_in_flight == 1
+    monkeypatch.undo()
+    assert receiver.abort("t1", "the test is over")
 
 
 def fill_pool(receiver, decode) -> list:
@@ -689,7 +702,7 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, damage):
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]
     request_id = prefilled(prefill, prompt)
     handoff, _ = reserve(receiver, prefill, request_id)
-    reserved_at = time.time()
+    reserved_at = time.monotonic()
     layers = list(range(decode.kv_layout.num_layers))
     for layer in layers:
         time.sleep(0.1)
@@ -697,9 +710,10 @@ def test_layers_that_keep_arriving_renew_the_lease(sides, hf_reference, damage):
             send_layer(receiver, prefill, request_id, layer, corrupt=damage == "checksum", level=int(damage == "level"))
         # The reservation's own lease ended at reserved_at + 0.2; this layer's runs 0.2 s from now.
         assert receiver.expire_leases(now=reserved_at + 0.1 * (layer + 1) + 0.15) == []
+    renewed_at = time.monotonic()
     renewed = receiver.renew("t1")  # a renewal extends it the same way
-    assert renewed.expires_at >= reserved_at + 0.1 * len(layers) + 0.2
-    assert receiver.expire_leases(now=renewed.expires_at - 0.01) == []
+    assert renewed.lease_s == 0.2
+    assert receiver.expire_leases(now=renewed_at + renewed.lease_s - 0.01) == []
     if damage:
         assert receiver.commit("t1", handoff) == layers
     assert receiver.commit("t1", handoff, recompute=damage is not None) == []
@@ -763,7 +777,7 @@ def test_a_commit_landing_in_the_middle_of_lease_expiry_either_wins_or_loses_who
         wait_until(lambda: "t1" not in receiver._incoming or committed, timeout=5)
 
     receiver._lock = RunOnFirstRelease(receiver._lock, commit_takes_the_transfer)
-    expired = receiver.expire_leases(now=time.time() + 10)
+    expired = receiver.expire_leases(now=time.monotonic() + 10)
     loop_busy.set()
     commit_thread.join(10)
     prefill.release(request_id)

@@ -6,14 +6,15 @@ import pytest
 
 from pdserve.kv_transfer.settings import TransferSettings
 
-LISTENING = {"shm": "ipc:///tmp/kv", "grpc": "10.0.0.2:5000"}
+LISTENING = {"shm": "ipc:///tmp/kv", "tcp": "10.0.0.2:5000"}
 
 
-def test_auto_picks_shared_memory_within_a_node_and_grpc_across() -> None:
+def test_auto_picks_shared_memory_within_a_node_and_tcp_across() -> None:
     auto = TransferSettings()
+    assert auto.receivers == ["shm", "tcp"]
     assert auto.pick(LISTENING, same_node=True) == "shm"
-    assert auto.pick(LISTENING, same_node=False) == "grpc"
-    assert auto.pick({"grpc": LISTENING["grpc"]}, same_node=True) == "grpc"
+    assert auto.pick(LISTENING, same_node=False) == "tcp"
+    assert auto.pick({"tcp": LISTENING["tcp"]}, same_node=True) == "tcp"
 
 
 def test_shared_memory_asked_for_across_nodes_is_refused_saying_why() -> None:

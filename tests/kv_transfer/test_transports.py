@@ -4,6 +4,7 @@ interface says; gRPC with mutual TLS accepts only a client of the same CA."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import zmq
 from helpers import wait_until
-from kv_helpers import RecordingSink, frame
+from kv_helpers import FunctionSink, RecordingSink, frame
 
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, control, make_sender, start_receiver
@@ -130,9 +131,9 @@ def test_a_transfer_the_receiver_refuses_leaves_the_others_to_it_whole(pair):
     def sink(header, payload):
         if header.transfer_id == "aborted":
             raise TransferError("transfer aborted")
-        accepted(header, payload)
+        accepted.receive_frame(header, payload)
 
-    sender, receiver = pair(sink)
+    sender, receiver = pair(FunctionSink(sink))
     going_on, aborted = sender.open(receiver.address, "going-on"), sender.open(receiver.address, "aborted")
     sent = []
     for i in range(6):
@@ -159,9 +160,9 @@ def test_a_gloo_channel_closed_with_frames_unanswered_leaves_the_group_to_the_ot
 
     def slow_sink(header, payload):
         time.sleep(0.1)  # frames queue up on the group's lane
-        sink(header, payload)
+        sink.receive_frame(header, payload)
 
-    receiver = P2PReceiver(slow_sink, "gloo", "127.0.0.1")
+    receiver = P2PReceiver(FunctionSink(slow_sink), "gloo", "127.0.0.1")
     sender = P2PSender("gloo", "127.0.0.1")
     try:
         early, going_on = sender.open(receiver.address, "early"), sender.open(receiver.address, "going-on")
@@ -189,27 +190,32 @@ def test_a_gloo_channel_closed_with_frames_unanswered_leaves_the_group_to_the_ot
         receiver.stop()
 
 
-def test_a_grpc_stream_the_receiver_ended_fails_the_next_send():
-    """The receiver ends a stream at its first frame (refused: the transfer was aborted there). The
-    sender's next send fails, saying why, instead of queueing the rest of the prompt's KV for a stream
-    nobody reads until the commit finds out."""
-    receiver, sender = start_receiver("grpc", RecordingSink(TransferError)), make_sender("grpc")
+@pytest.mark.parametrize("kind", ["tcp", "grpc"])
+def test_a_channel_whose_frame_the_receiver_refused_fails_a_later_send(kind):
+    """The receiver refuses a frame (its transfer was aborted there). A later send fails, saying why,
+    instead of the sender pushing the rest of the prompt's KV for nobody until the commit finds out."""
+    receiver, sender = start_receiver(kind, RecordingSink(TransferError)), make_sender(kind)
     try:
         channel = sender.open(receiver.address, "t1")
         channel.send(*frame(0, 100, seed=0))
-        deadline = time.monotonic() + 10
-        while not channel._answer.done.is_set():
-            assert time.monotonic() < deadline, "the receiver never ended the stream"
-            time.sleep(0.01)
-        with pytest.raises(TransferError, match="the sink says no"):
-            channel.send(*frame(1, 100, seed=1))
+
+        def refused() -> bool:
+            try:
+                channel.send(*frame(1, 100, seed=1))
+            except TransferError as e:
+                assert "the sink says no" in str(e)
+                return True
+            return False
+
+        assert wait_until(refused, timeout=10)
         channel.close()
     finally:
         sender.close()
         receiver.stop()
 
 
-def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
+@pytest.mark.parametrize("kind", ["tcp", "grpc"])
+def test_mutual_tls_takes_only_senders_of_its_ca(tmp_path, kind):
     trustme = pytest.importorskip("trustme")
 
     def files(ca, name: str) -> dict[str, str]:
@@ -222,49 +228,24 @@ def test_grpc_with_mutual_tls_takes_only_clients_of_its_ca(tmp_path):
 
     cluster, stranger = files(trustme.CA(), "cluster"), files(trustme.CA(), "stranger")
     sink = RecordingSink()
-    receiver = start_receiver("grpc", sink, "127.0.0.1", tls=cluster)
-    senders = {name: make_sender("grpc", tls=tls) for name, tls in [("member", cluster), ("stranger", stranger),
-                                                                    ("plain", None)]}
+    receiver = start_receiver(kind, sink, "127.0.0.1", tls=cluster)
+    senders = {name: make_sender(kind, tls=tls) for name, tls in [("member", cluster), ("stranger", stranger),
+                                                                  ("plain", None)]}
     try:
         header, data = frame(0, 4096, seed=1)
         for name, sender in senders.items():
-            channel = sender.open(receiver.address, "t1")
-            if name == "member":
-                channel.send(header, data)
-                channel.finish(timeout=10)
-            else:
-                with pytest.raises(TransferError):  # at a send once the stream has failed, or at the finish
-                    channel.send(header, data)
+            with contextlib.nullcontext() if name == "member" else pytest.raises(TransferError):
+                channel = sender.open(receiver.address, "t1")  # tcp: the handshake fails here
+                try:
+                    channel.send(header, data)  # grpc: at a send once the call has failed, or at the finish
                     channel.finish(timeout=10)
-            channel.close()
+                finally:
+                    channel.close()
         assert sink.frames == [(header, data.tobytes())]  # only the member's frame got in
     finally:
         for sender in senders.values():
             sender.close()
         receiver.stop()
-
-
-def test_grpc_frames_are_plain_kvframe_messages_both_ways():
-    """What the sender writes is a KVFrame any protobuf library parses; what any protobuf library
-    writes (fields in any order) the receiver parses, the payload as a view."""
-    from pdserve.kv_transfer.transports.grpc_stream import _fields, _parse
-    from pdserve.proto.pdserve.v1.kv_transfer_pb2 import KVFrame
-
-    fields = dict(transfer_id="t", layer=3, start_token=96, num_tokens=16, codec="cachegen", level=2, crc32=7,
-                  payload_bytes=300, offset=0)
-    payload = bytes(range(256)) + bytes(44)
-    header = FrameHeader(*(fields[k] for k in ("transfer_id", "layer", "start_token", "num_tokens", "codec", "level",
-                                               "crc32", "payload_bytes")))
-    prefixed = _fields(header, 0, len(payload)) + payload  # as it goes on the wire: gRPC's prefix first
-    assert prefixed[0] == 0 and int.from_bytes(prefixed[1:5], "big") == len(prefixed) - 5
-    ours = prefixed[5:]
-    assert KVFrame.FromString(ours) == KVFrame(**fields, payload=payload)
-    theirs = KVFrame(payload=payload, **fields).SerializeToString()
-    for data in (ours, theirs):
-        parsed, piece = _parse(data)
-        assert parsed == KVFrame(**fields) and bytes(piece) == payload
-    with pytest.raises((ValueError, IndexError)):
-        _parse(ours[:-10] + b"\xff" * 3)  # truncated
 
 
 def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_nothing(tmp_path):
@@ -277,7 +258,7 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
     def slow_sink(header, payload):
         release.wait(10)
 
-    receiver = start_receiver("shm", slow_sink)
+    receiver = start_receiver("shm", FunctionSink(slow_sink))
     sender = make_sender("shm")
     before = set(SHM_DIR.glob("pdserve-kv-*"))
     errors: list[BaseException] = []
@@ -317,9 +298,9 @@ def test_shm_slots_hold_the_frames_the_sender_expects_and_larger_ones_wait_their
 
     def slow_sink(header, payload):
         release.wait(10)
-        sink(header, payload)
+        sink.receive_frame(header, payload)
 
-    receiver = start_receiver("shm", slow_sink)
+    receiver = start_receiver("shm", FunctionSink(slow_sink))
     sender = make_sender("shm", frame_bytes=9 << 20)
     frames = [frame(i, (9 if i == 0 else 10) << 20, seed=i) for i in range(10)]
     try:
@@ -964,9 +945,9 @@ class HeldSink(RecordingSink):
         super().__init__()
         self.open = threading.Event()
 
-    def __call__(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
+    def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         self.open.wait(10)
-        super().__call__(header, payload)
+        super().receive_frame(header, payload)
 
 
 @pytest.mark.parametrize("kind", ["grpc", "gloo"])
