@@ -72,7 +72,7 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
         self.receiver = KVReceiver(self.loop, model_dir, lease_s=kv_settings.lease_s,
                                    reserve_wait_s=kv_settings.reserve_wait_s)
-        self._receivers = [start_receiver(name, self.receiver.receive_frame, kv_settings.host, tls=kv_settings.tls,
+        self._receivers = [start_receiver(name, self.receiver, kv_settings.host, tls=kv_settings.tls,
                                           secret=kv_settings.secret, on_crash=self._receiver_crashed(name))
                            for name in kv_settings.receivers]
         self.kv_addresses = {r.name: r.address for r in self._receivers}

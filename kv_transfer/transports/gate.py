@@ -1,12 +1,12 @@
 """What a receiving half does before it trusts a peer: bounded connections, a deadline, and log
 lines a flood cannot multiply.
 
-A listener holds two budgets apart: connections still proving membership (`PENDING`: at most
-MAX_PENDING in all and MAX_PENDING_PER_HOST from one address, each cut off AUTH_DEADLINE_S after it
-was accepted) and members' connections (`MAX_MEMBERS`). Strangers that open idle sockets fill only
-the first, and not for long: a new connection evicts the oldest pending one when all places are
-taken, so a member's connection still gets its turn to prove itself; after the proof it counts
-against the second. Refusals are logged once per peer per
+A listener holds two budgets apart: connections still proving membership (at most MAX_PENDING in
+all and MAX_PENDING_PER_HOST from one address, each cut off AUTH_DEADLINE_S after it was accepted)
+and members' connections (MAX_MEMBERS). Strangers that open idle sockets fill only the first, and
+not for long: a new connection evicts the oldest pending one of its address, or of all, when their
+places are taken, so a member's connection still gets its turn to prove itself; after the proof it
+counts against the second. Refusals are logged once per peer per
 REFUSAL_LOG_S, with how many came since, and peer text only as `shown` cuts it.
 """
 
@@ -77,13 +77,21 @@ class ConnectionBudget:
         self._members: dict[int, Slot] = {}
         self._lock = threading.Lock()
 
-    def open(self, host: str, close: Callable[[], None]) -> Slot | None:
-        """A place for a connection just accepted from `host`, or None (its host has its share of
-        pending connections). When all pending places are taken, the oldest is evicted."""
+    def open(self, host: str, close: Callable[[], None]) -> Slot:
+        """A place for a connection just accepted from `host`. When its host has its share of pending
+        places, that host's oldest pending connection is evicted, and when all are taken, the oldest
+        of all: a newcomer always gets its turn to prove itself, so idle sockets cannot lock out a
+        member (even one behind the same address), and what they cost stays bounded."""
         with self._lock:
-            if sum(1 for s in self._pending.values() if s.host == host) >= self.max_pending_per_host:
-                return None
-            evicted = self._pending.popitem(last=False)[1] if len(self._pending) >= self.max_pending else None
+            same_host = [s for s in self._pending.values() if s.host == host]
+            if len(same_host) >= self.max_pending_per_host:
+                evicted: Slot | None = same_host[0]
+            elif len(self._pending) >= self.max_pending:
+                evicted = next(iter(self._pending.values()))
+            else:
+                evicted = None
+            if evicted is not None:
+                del self._pending[id(evicted)]
             slot = Slot(host, close)
             self._pending[id(slot)] = slot
         if evicted is not None:

@@ -396,12 +396,7 @@ class TcpReceiver:
                 if self._stopped.is_set():
                     return
                 raise
-            host = str(peer[0])
-            slot = self.budget.open(host, lambda sock=sock: _cut_off(sock))
-            if slot is None:
-                self.refusals.refused_peer(host, "too many connections from it are still setting up")
-                sock.close()
-                continue
+            slot = self.budget.open(str(peer[0]), lambda sock=sock: _cut_off(sock))
             # One thread per connection, for as long as it lives: reads block on the peer (bounded by
             # the deadline until it proves membership, then by MEMBER_IDLE_S), and the budgets bound
             # how many there are.
