@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from collections.abc import Callable, Sequence
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
+from pdserve.kv_transfer.transports import tcp
 
 
 def run_all(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -45,3 +48,31 @@ def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+_CLOSED_BY_PEER = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN)
+
+
+def write_then_read_to_end(sock: socket.socket, data: bytes) -> bytes:
+    """Write `data`, end this side's writing, and read until the peer closes; the peer may close (or
+    reset) the connection at any point of that, which ends the exchange as well."""
+    answers = b""
+    try:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        while chunk := sock.recv(1 << 16):
+            answers += chunk
+    except OSError as e:
+        if e.errno not in _CLOSED_BY_PEER:
+            raise
+    return answers
+
+
+def tcp_member(address: str, key: bytes) -> socket.socket:
+    """A connection to a tcp KV receiver that proved membership as a sender's does, to write anything on after."""
+    sock = socket.create_connection(tcp.split_address(address), timeout=10)
+    nonce_r = tcp._read(sock, len(tcp.MAGIC) + tcp.NONCE_BYTES)[len(tcp.MAGIC):]
+    nonce_s = bytes(range(tcp.NONCE_BYTES))
+    sock.sendall(nonce_s + tcp._proof(key, b"sender", nonce_r, nonce_s))
+    assert tcp._read(sock, 32) == tcp._proof(key, b"receiver", nonce_r, nonce_s)
+    return sock

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import logging
 import socket
 import struct
@@ -25,7 +24,7 @@ import grpc
 import pytest
 import zmq
 from fuzz_strategies import F32, ODD_TEXT, U32, fuzz_settings, messages
-from helpers import wait_until
+from helpers import tcp_member, wait_until, write_then_read_to_end
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -392,46 +391,6 @@ def tcp_kv(receiving, secret):
     yield server
     server.stop()
     assert server.failures == 0  # no connection ended on a fault of the receiver's own
-
-
-_CLOSED_BY_PEER = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN)
-
-
-def write_then_read_to_end(sock: socket.socket, data: bytes) -> bytes:
-    """Write `data`, end this side's writing, and read until the peer closes; the peer may close (or
-    reset) the connection at any point of that, which ends the exchange as well."""
-    answers = b""
-    try:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        while chunk := sock.recv(1 << 16):
-            answers += chunk
-    except OSError as e:
-        if e.errno not in _CLOSED_BY_PEER:
-            raise
-    return answers
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def tcp_member(address: str, key: bytes) -> socket.socket:
-    """A connection that proved membership as a sender's does, to write anything on after."""
-    from pdserve.kv_transfer.transports import tcp
-
-    sock = socket.create_connection(tcp.split_address(address), timeout=10)
-    nonce_r = _recv_exactly(sock, len(tcp.MAGIC) + tcp.NONCE_BYTES)[len(tcp.MAGIC):]
-    nonce_s = bytes(range(tcp.NONCE_BYTES))
-    sock.sendall(nonce_s + tcp._proof(key, b"sender", nonce_r, nonce_s))
-    assert _recv_exactly(sock, 32) == tcp._proof(key, b"receiver", nonce_r, nonce_s)
-    return sock
 
 
 def _tcp_frame(header: FrameHeader, payload: bytes) -> bytes:

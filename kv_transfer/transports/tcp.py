@@ -491,8 +491,8 @@ class _FrameReader:
         try:
             self.sink.admit_frame(header)
         except TransferError as e:
+            self._refuse(e)  # first: the sender stops sending what would only be read and dropped
             self._skip(header.payload_bytes)
-            self._refuse(e)
             return
         if len(self.buffer) < header.payload_bytes or len(self.buffer) > SPARE_MAX_BYTES:
             self.buffer = bytearray(header.payload_bytes)
