@@ -11,6 +11,9 @@ import zmq
 from pdserve.wire import ClusterSecret
 
 POLL_MS = 100  # bounded waits, so a hub's close() is noticed
+# A peer's message is allocated as its header declares: bounded, CURVE or not. The largest real ones
+# (a long request's last token message with its text; a worker's KV snapshot) are far below.
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def bind_pull(host: str, secret: ClusterSecret | None = None) -> tuple[zmq.Socket, str]:
@@ -18,6 +21,7 @@ def bind_pull(host: str, secret: ClusterSecret | None = None) -> tuple[zmq.Socke
     `secret`, only the cluster's members get a message through."""
     socket = zmq.Context.instance().socket(zmq.PULL)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     if secret is not None:
         secret.server(socket)
     port = socket.bind_to_random_port(f"tcp://{host}")
