@@ -1,6 +1,6 @@
 """`pdserve bench cluster`: deployments side by side on the same machine, model and requests.
 
-Every deployment (disaggregated over shm, grpc and gloo; over shm with every prompt's KV streamed
+Every deployment (disaggregated over shm, tcp, grpc and gloo; over shm with every prompt's KV streamed
 layer by layer beside its pass, where the others send a prompt under `layerwise_min_tokens` once its
 pass ends; colocated) runs at once in one Ray instance,
 and the low-load requests go to them in turn, each prompt to every deployment in a shuffled order:
