@@ -126,7 +126,7 @@ class _Lane:
         # channel closed early holds its resources (shm: a segment, up to 64 MiB) until its drain, at most 1 s.
         self.drains = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kv-drain-{name}")
         self.send_busy_s = 0.0  # the sender thread's time reading and pushing KV
-        self.progressed_at = 0.0  # the sender thread last handed a frame to a channel (time.time())
+        self.progressed_at = 0.0  # the sender thread last handed a frame to a channel (time.monotonic())
         self.decode_name = "its decode worker"  # until a lease names it
         # A reservation the decode worker left unanswered past its bound, and since when: until it
         # answers that one, the lane's prompts fail at once (UNAVAILABLE: the router places them on
@@ -175,7 +175,7 @@ class _Job:
     # written: that layer's attention and MLP still run then, a layer's compute of hiding left.
     prompt_done_at: float = 0.0
     delivered_at: float = 0.0  # the receiver answered every frame
-    lease_until: float = 0.0  # this side's lease on the transfer (time.time()); 0 until reserved
+    lease_until: float = 0.0  # this side's lease on the transfer (time.monotonic()); 0 until reserved
     # layer -> (tokens before it whose KV is final, the blocks holding them), as the pass writes them
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     # Streams its KV layer by layer beside the pass (else it is sent once the pass ends); set with the lease.
@@ -648,7 +648,7 @@ class PrefillWorker:
         if job.transfer.state.is_terminal:
             raise TransferError(f"transfer {job.transfer.transfer_id} ended: no more frames")
         self._renew(job)
-        job.lane.progressed_at = time.time()
+        job.lane.progressed_at = time.monotonic()
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
@@ -751,11 +751,11 @@ class PrefillWorker:
             self._renew(job)
 
     def _renew(self, job: _Job) -> None:
-        job.lease_until = time.time() + self.kv.lease_s + PREFILL_LEASE_MARGIN_S
+        job.lease_until = time.monotonic() + self.kv.lease_s + PREFILL_LEASE_MARGIN_S
 
     def _expire_leases(self) -> None:
         while not self._stop.wait(LEASE_CHECK_S):
-            now = time.time()
+            now = time.monotonic()
             with self._lock:
                 leased = [j for j in self._jobs.values() if j.lease_until > 0]
             for job in leased:
@@ -773,7 +773,7 @@ class PrefillWorker:
                 and job.lease_until - now < full * 2 / 3)
 
     def _expire(self, job: _Job) -> None:
-        if not 0 < job.lease_until < time.time():  # renewed since the lease thread listed it
+        if not 0 < job.lease_until < time.monotonic():  # renewed since the lease thread listed it
             return
         if self._finish(job, error=f"lease expired: the transfer to its decode worker made no progress for "
                                    f"{self.kv.lease_s + PREFILL_LEASE_MARGIN_S:.0f} s", code=UNAVAILABLE):

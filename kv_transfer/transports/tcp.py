@@ -70,7 +70,7 @@ IDLE_REUSE_S = 60.0  # an idle connection is reused only this long (the receiver
 MEMBER_IDLE_S = 300.0  # a member's connection that sends nothing for this long is closed
 ACCEPT_POLL_S = 0.25  # how often the accepting thread looks at its stop flag and the handshakes' deadlines
 SCRATCH_BYTES = 256 << 10  # a refused frame's payload is read through this much, and dropped
-SPARE_MAX_BYTES = 64 << 20  # a connection's payload buffer is kept for its next frames up to this size
+SPARE_MAX_BYTES = 32 << 20  # a connection's payload buffer is kept for its next frames up to this size
 # A peer that vanished without closing (a half-open connection) is noticed within about 40 s: by
 # keepalive probes on an idle connection, and by the user timeout (data unacknowledged) on a busy one.
 _KEEPALIVE = {"TCP_KEEPIDLE": 20, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 4, "TCP_USER_TIMEOUT": 40_000}

@@ -374,7 +374,7 @@ def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_refere
         def expire_then_end(*args, **kwargs):
             self.metrics.ended = ended
             for job in list(self._jobs.values()):
-                job.lease_until = time.time() - 1  # lapsed: the lease thread would expire it now
+                job.lease_until = time.monotonic() - 1  # lapsed: the lease thread would expire it now
                 self._expire(job)
             return ended(*args, **kwargs)
 
