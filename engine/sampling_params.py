@@ -103,6 +103,20 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
                          "(max_model_len, which must leave room for at least one generated token)")
 
 
+def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:
+    """Raise ValueError when `text` cannot fit max_model_len whatever it tokenizes to, without tokenizing
+    it (seconds for a long text): no token stands for more than `max_token_chars` characters, so text
+    longer than (max_model_len - 1) x max_token_chars holds too many tokens for check_prompt to pass.
+    `max_token_chars` None: the tokenizer gives no such bound (see model_loader.max_token_chars)."""
+    if max_token_chars is None:
+        return
+    limit = (max_model_len - 1) * max_token_chars
+    if len(text) > limit:
+        raise ValueError(f"prompt has {len(text)} characters, more than the {limit} that can fit the context limit "
+                         f"of {max_model_len} tokens (max_model_len, which must leave room for one generated token; "
+                         f"no token of this model stands for more than {max_token_chars} characters)")
+
+
 @dataclass
 class RequestOutput:
     """What the engine reports for a request after a step (incremental) or at the end (complete)."""

@@ -242,6 +242,7 @@ class _OpenAIApi:
                 frontend.check_model(body.model)
                 body.check_supported()
                 fmt = fmt_type(frontend, body)
+                await fmt.read_prompt()
                 active = frontend.start(API, fmt.prompt_ids, fmt.params, request.headers.get("x-request-id", ""),
                                         accepted)
         except RequestFailed as e:
@@ -339,6 +340,10 @@ class _Format:
                 "total_tokens": prompt + active.output_tokens,
                 "prompt_tokens_details": {"cached_tokens": active.cached_tokens}}
 
+    async def read_prompt(self) -> None:
+        """Set `prompt_ids` and `params` from the body (tokenizing off the event loop)."""
+        raise NotImplementedError
+
     def opening(self) -> dict[str, Any] | None:
         return None
 
@@ -357,12 +362,12 @@ class _CompletionFormat(_Format):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, frontend: Frontend, body: CompletionBody) -> None:
-        super().__init__(frontend, body)
+    async def read_prompt(self) -> None:
+        body = self.body
         prompt = body.single_prompt()
-        self.prompt_ids = frontend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                            logprobs=body.logprobs is not None)
+        self.prompt_ids = await self.frontend.prompt_ids(prompt)
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -385,17 +390,18 @@ class _ChatFormat(_Format):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 
-    def __init__(self, frontend: Frontend, body: ChatBody) -> None:
-        super().__init__(frontend, body)
-        tokenizer = frontend.model.tokenizer
+    async def read_prompt(self) -> None:
+        frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model!r} has no chat template: use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = await frontend.off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                           tokenize=False)
         except Exception as e:  # a template that rejects these messages (a jinja error it raised)
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
-        self.prompt_ids = frontend.tokenize(text)
+        # The rendered text is checked against the context: the template's own text counts, exactly.
+        self.prompt_ids = await frontend.prompt_ids(text)
         left = frontend.model.info.max_model_len - len(self.prompt_ids)  # OpenAI's default: what the context leaves
         self.params = body.sampling_params(body.max_completion_tokens or body.max_tokens or max(1, left),
                                            logprobs=bool(body.logprobs))

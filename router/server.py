@@ -93,6 +93,7 @@ class RouterServer:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self.service.frontend.close()
 
     async def _start(self) -> str:
         frontend = self.service.frontend

@@ -1,0 +1,155 @@
+"""The client APIs against what a hostile or careless client sends, on a real cluster (colocated, one
+worker: the cheapest real setup) through the real clients: text too long for the context is refused
+before it is tokenized, and tokenizing never holds up the event loop that serves every other request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import openai
+import pytest
+from cluster_helpers import manifest
+
+from pdserve.cluster.launcher import Cluster
+from pdserve.engine.presets import make_model
+from pdserve.router.client import Client, InvalidArgument
+from pdserve.router.frontend import Frontend
+
+ARCH = "tiny-llama"
+TOKEN = "limits-token"
+IDS = [17, 291, 45, 8]
+# 15 MiB of text, under both APIs' 16 MiB request limit: it once took the router 20 s to tokenize, on
+# the event loop, before it could say the prompt was too long.
+HUGE_TEXT = "The water was cold. " * (15 * 2**20 // 20)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    model = make_model(ARCH, tmp_path_factory.mktemp("api-limits") / ARCH, seed=0)
+    pools = {"prefill": {"replicas": 0}, "decode": {"num_cpus": 0.5}}
+    c = Cluster(manifest(model, "colocated", server={"auth_token": TOKEN}, pools=pools), log=lambda _: None)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster) -> Iterator[Client]:
+    with Client(cluster.address, timeout=60, token=TOKEN) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def api(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def frontend(cluster) -> Frontend:
+    return cluster._server.service.frontend
+
+
+# --- prompts too long for the context -----------------------------------------------------------------
+def refusal(call: Callable[[], object]) -> str:
+    """The message of the INVALID_ARGUMENT (gRPC) or the 400 in OpenAI's format (HTTP) that `call` gets."""
+    with pytest.raises((InvalidArgument, openai.BadRequestError)) as e:
+        call()
+    if isinstance(e.value, openai.BadRequestError):
+        assert e.value.body["type"] == "invalid_request_error" and e.value.body["code"] == "invalid_argument"
+        return e.value.body["message"]
+    return e.value.message
+
+
+def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(grpc_client, api, frontend):
+    info, chars = frontend.model.info, frontend.model.max_token_chars
+    limit = (info.max_model_len - 1) * chars
+    calls = {
+        "grpc": lambda: grpc_client.generate(HUGE_TEXT, max_tokens=1),
+        "completions": lambda: api.completions.create(model="", prompt=HUGE_TEXT, max_tokens=1),
+        "chat": lambda: api.chat.completions.create(model="", messages=[{"role": "user", "content": HUGE_TEXT}],
+                                                    max_tokens=1),
+    }
+    for api_name, call in calls.items():
+        # The count of characters, not of tokens: the text was never tokenized.
+        message = refusal(call)
+        assert f"characters, more than the {limit} that can fit the context limit of {info.max_model_len} tokens" \
+            in message, (api_name, message)
+        assert len(message) < 300, (api_name, message)
+
+
+def test_the_bound_is_tight_and_refuses_no_text_that_fits(grpc_client, frontend):
+    """No token of this model is longer than " import" (7 characters), and 511 of them, the most a
+    512-token context takes with one token to generate, fit exactly; one character more cannot."""
+    assert (frontend.model.max_token_chars, frontend.model.info.max_model_len) == (7, 512)
+    fits = " import" * 511
+    r = grpc_client.generate(fits, max_tokens=1)
+    assert r.prompt_tokens == 511 and len(r.token_ids) == 1
+    assert "characters" in refusal(lambda: grpc_client.generate(fits + " ", max_tokens=1))
+
+
+class HeldTokenizer:
+    """The router's own tokenizer, holding each call of `method` whose first argument mentions `marker`
+    until `release` is set: a tokenization that takes as long as the test needs."""
+
+    def __init__(self, tokenizer: Any, method: str, marker: str) -> None:
+        self._tokenizer, self._method, self._marker = tokenizer, method, marker
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._tokenizer, name)
+        if name != self._method:
+            return attribute
+
+        def held(first: object, *args: object, **kwargs: object) -> object:
+            if self._marker in str(first):
+                self.holding.set()
+                self.release.wait(60)
+            return attribute(first, *args, **kwargs)
+        return held
+
+
+@contextmanager
+def held_tokenizer(frontend: Frontend, method: str, marker: str) -> Iterator[HeldTokenizer]:
+    model = frontend.model
+    held = HeldTokenizer(model.tokenizer, method, marker)
+    frontend.model = dataclasses.replace(model, tokenizer=held)
+    try:
+        yield held
+    finally:
+        held.release.set()
+        frontend.model = model
+
+
+MARKER = "hold-this-text"
+SLOW_CALLS = {  # (tokenizer method held, the call whose text it holds, a plain call over the same API)
+    "grpc-generate": ("encode", lambda c, a: c.generate(f"{MARKER} and more", max_tokens=2).token_ids,
+                      lambda c, a: c.generate(IDS, max_tokens=2, timeout=20).token_ids),
+    "grpc-tokenize": ("encode", lambda c, a: c.tokenize(f"{MARKER} and more"),
+                      lambda c, a: c.generate(IDS, max_tokens=2, timeout=20).token_ids),
+    "http-completions": ("encode", lambda c, a: a.completions.create(model="", prompt=MARKER, max_tokens=2).usage,
+                         lambda c, a: a.completions.create(model="", prompt=IDS, max_tokens=2, timeout=20).usage),
+    "http-chat": ("apply_chat_template",
+                  lambda c, a: a.chat.completions.create(model="", messages=[{"role": "user", "content": MARKER}],
+                                                         max_tokens=2).usage,
+                  lambda c, a: a.completions.create(model="", prompt=IDS, max_tokens=2, timeout=20).usage),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLOW_CALLS))
+def test_tokenizing_never_holds_up_other_requests(case, grpc_client, api, frontend):
+    """While the router tokenizes (or renders the chat template of) one request, for as long as that
+    takes, a request that needs no tokenizing is served: the tokenizer runs off the event loop."""
+    method, slow_call, plain_call = SLOW_CALLS[case]
+    with held_tokenizer(frontend, method, MARKER) as held, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(slow_call, grpc_client, api)
+        assert held.holding.wait(30), "the slow request never reached the tokenizer"
+        assert plain_call(grpc_client, api)  # served while the slow one is still being tokenized ...
+        assert not slow.done()
+        held.release.set()
+        assert slow.result(timeout=30)  # ... which completes once its tokenizing does
