@@ -1,6 +1,7 @@
 """The client APIs against what a hostile or careless client sends, on a real cluster (colocated, one
 worker: the cheapest real setup) through the real clients: text too long for the context is refused
-before it is tokenized, and tokenizing never holds up the event loop that serves every other request."""
+before it is tokenized, and tokenizing never holds up the event loop that serves every other request;
+sampling parameters are bounded."""
 
 from __future__ import annotations
 
@@ -153,3 +154,27 @@ def test_tokenizing_never_holds_up_other_requests(case, grpc_client, api, fronte
         assert not slow.done()
         held.release.set()
         assert slow.result(timeout=30)  # ... which completes once its tokenizing does
+
+
+# --- sampling parameters ----------------------------------------------------------------------------
+def test_sampling_parameters_past_their_bounds_are_refused(grpc_client, api):
+    """A million stop strings and two million stop token ids once went through, and slowed every engine
+    step of every request batched with them. The refusals name the parameter and its bound, never the
+    client's values."""
+    too_many = {
+        "stop holds 1000000 strings; at most 64 are allowed": {"stop": ["x"] * 1_000_000},
+        "stop_token_ids holds 2000000 ids; at most 1024 are allowed": {"stop_token_ids": [7] * 2_000_000},
+        "stop strings may have at most 1024 characters; the one at index 0 has 100000": {"stop": ["x" * 100_000]},
+    }
+    for expected, params in too_many.items():
+        grpc_message = refusal(lambda: grpc_client.generate(IDS, max_tokens=2, **params))
+        http_message = refusal(lambda: api.completions.create(model="", prompt=IDS, max_tokens=2,
+                                                              stop=params.get("stop"),
+                                                              extra_body={"stop_token_ids": params.get("stop_token_ids")}))
+        for message in (grpc_message, http_message):
+            assert expected in message and len(message) < 200, message
+    at_bounds = {"stop": ["\U0001F600" * 1024] * 64, "stop_token_ids": list(range(10**6, 10**6 + 1024))}
+    assert len(grpc_client.generate(IDS, max_tokens=2, ignore_eos=True, **at_bounds).token_ids) == 2
+    assert api.completions.create(model="", prompt=IDS, max_tokens=2, stop=at_bounds["stop"],
+                                  extra_body={"stop_token_ids": at_bounds["stop_token_ids"],
+                                              "ignore_eos": True}).usage.completion_tokens == 2
