@@ -109,7 +109,8 @@ class Cluster:
         service = RouterService(frontend)
         tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
         self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token,
-                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca)
+                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca,
+                                    max_request_bytes=m.server.max_request_bytes)
         self.address = self._server.start()
         self._supervisor = Supervisor(self.workers, on_change=self._health_changed, after_round=self.audit.observe).start()
         scheme = "https" if tls else "http"

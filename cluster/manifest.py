@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.faults import FaultSettings
+from pdserve.router.client import MAX_MESSAGE_BYTES
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 
@@ -176,6 +177,11 @@ class ServerSpec(_Strict):
     # Mutual TLS: clients must present a certificate that this CA (PEM) signed, on gRPC and HTTPS alike.
     tls_client_ca: Path | None = None
     auth_token: str | None = None  # clients send `authorization: Bearer TOKEN`; compared in constant time
+    # The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) and a
+    # gRPC message (RESOURCE_EXHAUSTED). The SDK's own message limit, so that both APIs take the same
+    # requests; far above a real one: a prompt filling a 128K-token context is about 1 MiB as token ids
+    # and a few MiB as JSON text. Prompt text too long for the context is refused within it, untokenized.
+    max_request_bytes: int = Field(MAX_MESSAGE_BYTES, ge=2**10, lt=2**31)
 
     @field_validator("address", "http_address")
     @classmethod

@@ -113,14 +113,14 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
     """Raise ValueError unless `token_ids` is a prompt the model can continue by at least one token."""
     if not token_ids:
         raise ValueError("prompt is empty: it must have at least one token")
+    total = len(token_ids) + num_output_tokens  # before the ids are read: a client's list may hold millions
+    if total >= max_model_len:
+        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
+                         "(max_model_len, which must leave room for at least one generated token)")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got "
                          f"{', '.join(_short(t) for t in bad[:5])}")
-    total = len(token_ids) + num_output_tokens
-    if total >= max_model_len:
-        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
-                         "(max_model_len, which must leave room for at least one generated token)")
 
 
 def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.client import MAX_MESSAGE_BYTES
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 
@@ -175,10 +176,11 @@ class ChatBody(_Body):
 
 
 # --- the app --------------------------------------------------------------------------------------
-def create_app(frontend: Frontend, auth_token: str | None = None,
-               serving: Callable[[], bool] = lambda: True) -> Starlette:
-    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503)."""
-    api = _OpenAIApi(frontend, auth_token, serving)
+def create_app(frontend: Frontend, auth_token: str | None = None, serving: Callable[[], bool] = lambda: True,
+               max_body_bytes: int = MAX_MESSAGE_BYTES) -> Starlette:
+    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503); a
+    request body past `max_body_bytes` is answered 413 with no more of it read."""
+    api = _OpenAIApi(frontend, auth_token, serving, max_body_bytes)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -191,10 +193,12 @@ def create_app(frontend: Frontend, auth_token: str | None = None,
 
 
 class _OpenAIApi:
-    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool]) -> None:
+    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool],
+                 max_body_bytes: int) -> None:
         self.frontend = frontend
         self.expected_auth = auth_token.encode() if auth_token else None
         self.serving = serving
+        self.max_body_bytes = max_body_bytes
 
     # --- routes ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -238,7 +242,7 @@ class _OpenAIApi:
         frontend = self.frontend
         try:
             with frontend.refusals(API):
-                body = _parse(body_type, await request.body())
+                body = _parse(body_type, await _read_body(request, self.max_body_bytes))
                 frontend.check_model(body.model)
                 body.check_supported()
                 fmt = fmt_type(frontend, body)
@@ -439,6 +443,29 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
+class BodyTooLarge(RequestFailed):
+    """A request body past the server's limit: 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("INVALID_ARGUMENT", f"the request body is larger than {limit} bytes, the most this server "
+                                             "takes (server.max_request_bytes)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, read as it comes up to `limit` bytes; past that BodyTooLarge, with no more of it
+    read (none when its Content-Length says more). Starlette's own limit would answer in plain text,
+    where OpenAI's clients expect their error format."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(limit)
+    return bytes(body)
+
+
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     """`work`'s result, unless the client disconnects first: then `work` is cancelled and ClientGone
     raised. (A streamed answer notices a disconnect by itself: Starlette cancels the stream.)"""
@@ -494,11 +521,12 @@ def _sse(data: dict[str, Any]) -> str:
 
 def _error_body(e: RequestFailed) -> dict[str, Any]:
     status, kind = STATUS.get(e.code, (500, "internal_error"))
-    return {"error": {"message": e.message, "type": kind, "param": None, "code": e.code.lower()}}
+    code = "request_too_large" if isinstance(e, BodyTooLarge) else e.code.lower()
+    return {"error": {"message": e.message, "type": kind, "param": None, "code": code}}
 
 
 def error_response(e: RequestFailed) -> JSONResponse:
-    status, _ = STATUS.get(e.code, (500, "internal_error"))
+    status = 413 if isinstance(e, BodyTooLarge) else STATUS.get(e.code, (500, "internal_error"))[0]
     headers = {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))

@@ -1,23 +1,28 @@
 """The client APIs against what a hostile or careless client sends, on a real cluster (colocated, one
 worker: the cheapest real setup) through the real clients: text too long for the context is refused
 before it is tokenized, and tokenizing never holds up the event loop that serves every other request;
-sampling parameters are bounded."""
+requests past the size limit are answered unread; sampling parameters are bounded."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import http.client
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import grpc
 import openai
 import pytest
 from cluster_helpers import manifest
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.presets import make_model
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
 from pdserve.router.client import Client, InvalidArgument
 from pdserve.router.frontend import Frontend
 
@@ -154,6 +159,58 @@ def test_tokenizing_never_holds_up_other_requests(case, grpc_client, api, fronte
         assert not slow.done()
         held.release.set()
         assert slow.result(timeout=30)  # ... which completes once its tokenizing does
+
+
+# --- request size -------------------------------------------------------------------------------------
+LIMIT = 16 * 2**20  # server.max_request_bytes, by default
+TOO_LARGE = {"error": {"message": f"the request body is larger than {LIMIT} bytes, the most this server takes "
+                                  "(server.max_request_bytes)", "type": "invalid_request_error", "param": None,
+                       "code": "request_too_large"}}
+
+
+def answer_to_a_body_never_finished(cluster: Cluster, framing: str) -> tuple[int, dict]:
+    """POST /v1/completions with a body that is never sent whole: 64 KiB of the 64 MiB its Content-Length
+    declares, or 17 MiB of chunks without the last one. The answer, which must come all the same."""
+    host, port = cluster.http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Authorization", f"Bearer {TOKEN}")
+        connection.putheader("Content-Type", "application/json")
+        if framing == "content-length":
+            connection.putheader("Content-Length", str(64 * 2**20))
+            connection.endheaders(b'{"prompt": "' + b"x" * 2**16)
+        else:
+            connection.putheader("Transfer-Encoding", "chunked")
+            connection.endheaders()
+            chunk = b"x" * 2**20
+            for _ in range(17):
+                connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_requests_past_the_size_limit_are_refused_unread(cluster, grpc_client, api):
+    """A 64 MiB /v1/completions body once got no answer within 60 s. Past the limit a body now gets 413
+    in OpenAI's format before the rest of it is sent: at once when its Content-Length says it is too
+    large, else once the limit's worth has come. gRPC messages are bounded alike."""
+    for framing in ("content-length", "chunked"):
+        assert answer_to_a_body_never_finished(cluster, framing) == (413, TOO_LARGE), framing
+    with pytest.raises(openai.APIStatusError) as e:  # 30 MiB of text, from OpenAI's client
+        api.completions.create(model="", prompt=HUGE_TEXT * 2, max_tokens=1)
+    assert (e.value.status_code, e.value.response.json()) == (413, TOO_LARGE)
+
+    channel = grpc.insecure_channel(cluster.address, options=[("grpc.max_send_message_length", 64 * 2**20)])
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pdserve_pb2_grpc.PDServeStub(channel).Generate(pb.GenerateRequest(text="x" * (LIMIT + 1)), timeout=20,
+                                                                 metadata=[("authorization", f"Bearer {TOKEN}")]))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        channel.close()
+    assert len(grpc_client.generate(IDS, max_tokens=2).token_ids) == 2  # and the server serves on
 
 
 # --- sampling parameters ----------------------------------------------------------------------------
