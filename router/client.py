@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,26 +112,54 @@ class Completion:
                            r.request_id, r.prompt_tokens, r.cached_tokens)
 
 
+@contextmanager
+def _text(name: str) -> Iterator[None]:
+    """Around setting the text field `name`: text that has no UTF-8 form (a lone surrogate), which
+    protobuf cannot send, is InvalidArgument as the server's refusals are, not a UnicodeEncodeError."""
+    try:
+        yield
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is not valid text: the character at index "
+                                                                f"{e.start} ({e.object[e.start]!r}) has no UTF-8 form "
+                                                                f"({e.reason})") from None
+
+
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
              top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int = 16,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
              logprobs: bool = False) -> pdserve_pb2.GenerateRequest:
     """Build a GenerateRequest; unset temperature/top_p/seed keep the server's defaults (1.0, 1.0, none)."""
-    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop=list(stop),
-                                        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
+                                        ignore_eos=ignore_eos, logprobs=logprobs)
+    with _text("stop"):
+        params.stop.extend(stop)
     if temperature is not None:
         params.temperature = temperature
     if top_p is not None:
         params.top_p = top_p
     if seed is not None:
         params.seed = seed
-    req = pdserve_pb2.GenerateRequest(model=model, params=params, request_id=request_id)
+    req = pdserve_pb2.GenerateRequest(params=params)
+    with _text("model"):
+        req.model = model
+    with _text("request_id"):
+        req.request_id = request_id
     if isinstance(prompt, str):
-        req.text = prompt
+        with _text("prompt"):
+            req.text = prompt
     else:
         if any(t < 0 for t in prompt):
             raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be >= 0")
         req.token_ids.ids.extend(prompt)
+    return req
+
+
+def _tokenize_request(text: str, model: str) -> pdserve_pb2.TokenizeRequest:
+    req = pdserve_pb2.TokenizeRequest()
+    with _text("model"):
+        req.model = model
+    with _text("text"):
+        req.text = text
     return req
 
 
@@ -193,7 +222,7 @@ class Client:
         return completion
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
-        return list(self._unary(self._stub.Tokenize, pdserve_pb2.TokenizeRequest(model=model, text=text)).token_ids)
+        return list(self._unary(self._stub.Tokenize, _tokenize_request(text, model)).token_ids)
 
     def model_info(self) -> pdserve_pb2.ModelInfo:
         return self._unary(self._stub.GetModelInfo, pdserve_pb2.GetModelInfoRequest())
@@ -250,8 +279,7 @@ class AsyncClient:
 
     async def tokenize(self, text: str, model: str = "") -> list[int]:
         try:
-            r = await self._stub.Tokenize(pdserve_pb2.TokenizeRequest(model=model, text=text), timeout=self.timeout,
-                                          metadata=self._metadata)
+            r = await self._stub.Tokenize(_tokenize_request(text, model), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
         return list(r.token_ids)

@@ -1,10 +1,12 @@
 """The client APIs against what a hostile or careless client sends, on a real cluster (colocated, one
 worker: the cheapest real setup) through the real clients: text too long for the context is refused
 before it is tokenized, and tokenizing never holds up the event loop that serves every other request;
-requests past the size limit are answered unread; sampling parameters are bounded."""
+requests past the size limit are answered unread; sampling parameters are bounded; the SDK refuses
+text it cannot send as its own InvalidArgument."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import http.client
@@ -23,7 +25,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine.presets import make_model
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
-from pdserve.router.client import Client, InvalidArgument
+from pdserve.router.client import AsyncClient, Client, InvalidArgument
 from pdserve.router.frontend import Frontend
 
 ARCH = "tiny-llama"
@@ -225,9 +227,9 @@ def test_sampling_parameters_past_their_bounds_are_refused(grpc_client, api):
     }
     for expected, params in too_many.items():
         grpc_message = refusal(lambda: grpc_client.generate(IDS, max_tokens=2, **params))
-        http_message = refusal(lambda: api.completions.create(model="", prompt=IDS, max_tokens=2,
-                                                              stop=params.get("stop"),
-                                                              extra_body={"stop_token_ids": params.get("stop_token_ids")}))
+        http_message = refusal(lambda: api.completions.create(
+            model="", prompt=IDS, max_tokens=2, stop=params.get("stop"),
+            extra_body={"stop_token_ids": params.get("stop_token_ids")}))
         for message in (grpc_message, http_message):
             assert expected in message and len(message) < 200, message
     at_bounds = {"stop": ["\U0001F600" * 1024] * 64, "stop_token_ids": list(range(10**6, 10**6 + 1024))}
@@ -235,3 +237,38 @@ def test_sampling_parameters_past_their_bounds_are_refused(grpc_client, api):
     assert api.completions.create(model="", prompt=IDS, max_tokens=2, stop=at_bounds["stop"],
                                   extra_body={"stop_token_ids": at_bounds["stop_token_ids"],
                                               "ignore_eos": True}).usage.completion_tokens == 2
+
+
+# --- the SDK --------------------------------------------------------------------------------------------
+LONE_SURROGATE = "ab\ud800c"  # a str Python holds, but no UTF-8 (which protobuf sends) can
+
+
+def test_text_the_sdk_cannot_send_is_its_invalid_argument(cluster):
+    """A lone surrogate in any text a client method takes is InvalidArgument naming the argument (it
+    was a raw UnicodeEncodeError), and the client goes on serving."""
+    calls = [  # (the argument named, a call passing the text in it)
+        ("prompt", lambda c: c.generate(LONE_SURROGATE)),
+        ("stop", lambda c: c.generate(IDS, stop=["ok", LONE_SURROGATE])),
+        ("model", lambda c: c.generate(IDS, model=LONE_SURROGATE)),
+        ("request_id", lambda c: c.generate(IDS, request_id=LONE_SURROGATE)),
+        ("text", lambda c: c.tokenize(LONE_SURROGATE)), ("model", lambda c: c.tokenize("ok", model=LONE_SURROGATE)),
+    ]
+    expected = r"is not valid text: the character at index 2 \('\\ud800'\) has no UTF-8 form"
+    with Client(cluster.address, timeout=30, token=TOKEN) as client:
+        for name, call in calls:
+            with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {name} {expected}"):
+                call(client)
+        with pytest.raises(InvalidArgument, match=expected):
+            next(client.generate(LONE_SURROGATE, stream=True))
+        assert len(client.generate(IDS, max_tokens=2).token_ids) == 2
+
+    async def over_asyncio() -> None:
+        async with AsyncClient(cluster.address, timeout=30, token=TOKEN) as client:
+            for name, call in calls:
+                with pytest.raises(InvalidArgument, match=f"^INVALID_ARGUMENT: {name} {expected}"):
+                    await call(client)
+            with pytest.raises(InvalidArgument, match=expected):
+                await anext(client.generate_stream(LONE_SURROGATE))
+            assert len((await client.generate(IDS, max_tokens=2)).token_ids) == 2
+
+    asyncio.run(over_asyncio())
