@@ -2,7 +2,8 @@
 worker: the cheapest real setup) through the real clients: text too long for the context is refused
 before it is tokenized, and tokenizing never holds up the event loop that serves every other request;
 requests past the size limit are answered unread; sampling parameters are bounded; the SDK refuses
-text it cannot send as its own InvalidArgument."""
+text it cannot send as its own InvalidArgument, and warns when its token would cross the network in
+clear text."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import dataclasses
 import http.client
 import json
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +27,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine.presets import make_model
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
-from pdserve.router.client import AsyncClient, Client, InvalidArgument
+from pdserve.router.client import AsyncClient, Client, InsecureTokenWarning, InvalidArgument, PDServeError
 from pdserve.router.frontend import Frontend
 
 ARCH = "tiny-llama"
@@ -272,3 +274,54 @@ def test_text_the_sdk_cannot_send_is_its_invalid_argument(cluster):
             assert len((await client.generate(IDS, max_tokens=2)).token_ids) == 2
 
     asyncio.run(over_asyncio())
+
+
+def token_warnings(work: Callable[[], object]) -> list[warnings.WarningMessage]:
+    """The InsecureTokenWarnings `work` gives, every one of them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        work()
+    return [w for w in caught if issubclass(w.category, InsecureTokenWarning)]
+
+
+def make_clients(client_type: type, targets: list[str], **kwargs: object) -> None:
+    """Make a client with the token for each target, and close it."""
+    if client_type is Client:
+        for target in targets:
+            Client(target, token=TOKEN, **kwargs).close()
+        return
+
+    async def make() -> None:
+        for target in targets:
+            await AsyncClient(target, token=TOKEN, **kwargs).close()
+    asyncio.run(make())
+
+
+def test_a_token_in_clear_text_off_this_machine_is_warned_of_once_per_client(cluster):
+    """Without TLS the token crosses the network readable by anyone on the path: a client whose target
+    is not this machine warns once, where it is made. Loopback, Unix sockets and TLS channels do not."""
+    ca = pytest.importorskip("trustme").CA().cert_pem.bytes()
+    remote = ["203.0.113.7:50051", "router.example.org:50051", "dns:///10.1.2.3:50051", "ipv4:127.0.0.1:1,10.0.0.1:2"]
+    port = cluster.address.rsplit(":", 1)[1]
+    local = [cluster.address, f"localhost:{port}", f"[::1]:{port}", f"dns:///127.0.0.1:{port}", "unix:/tmp/pdserve.sock"]
+
+    for client_type in (Client, AsyncClient):
+        warned = token_warnings(lambda: make_clients(client_type, remote))
+        assert len(warned) == len(remote)
+        assert all(target in str(w.message) and "clear text" in str(w.message) for target, w in zip(remote, warned))
+        assert {w.filename for w in warned} == {__file__}  # pointing at the line that made the client
+        assert token_warnings(lambda: make_clients(client_type, local)) == []
+        assert token_warnings(lambda: make_clients(client_type, remote, root_certificates=ca)) == []
+    assert token_warnings(lambda: Client(remote[0]).close()) == []  # no token, nothing to warn of
+
+    def one_client_many_calls() -> None:
+        with Client(remote[0], token=TOKEN, timeout=0.5) as client:
+            for _ in range(3):
+                with pytest.raises(PDServeError):  # nothing listens there
+                    client.model_info()
+    assert len(token_warnings(one_client_many_calls)) == 1
+
+    def real_calls_over_loopback() -> None:
+        with Client(cluster.address, token=TOKEN, timeout=30) as client:
+            assert len(client.generate(IDS, max_tokens=2).token_ids) == 2
+    assert token_warnings(real_calls_over_loopback) == []
