@@ -108,7 +108,7 @@ class Cluster:
         frontend.metrics.registry.register(AuditCollector(self.audit))
         service = RouterService(frontend)
         tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
-        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token,
+        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.token,
                                     http_address=m.server.http_address, client_ca=m.server.tls_client_ca,
                                     max_request_bytes=m.server.max_request_bytes)
         self.address = self._server.start()
