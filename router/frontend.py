@@ -3,12 +3,11 @@
 `Frontend.prompt_ids` turns a prompt into token ids on a few threads of its own, never on the event
 loop that serves every stream (a long text takes the tokenizer seconds), and refuses text too long
 for the context before tokenizing it. `Frontend.start` validates a request (model name, prompt,
-limits), places it (`routing.Router`:
-UNAVAILABLE at once when a pool has no live worker, RESOURCE_EXHAUSTED with a retry-after hint when
-every live one is full or no placement can meet the TTFT objective), dispatches it with a Ray call
-that returns immediately, and hands back its `ActiveRequest`. Iterating `ActiveRequest.responses`
-yields the gRPC API's own `GenerateResponse` messages as token messages arrive from the workers
-(pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
+limits), places it (`routing.Router`: UNAVAILABLE at once when a pool has no live worker,
+RESOURCE_EXHAUSTED with a retry-after hint when every live one is full or no placement can meet the
+TTFT objective), dispatches it with a Ray call that returns immediately, and hands back its
+`ActiveRequest`. Iterating `ActiveRequest.responses` yields the gRPC API's own `GenerateResponse`
+messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
 name, which each API maps to its own errors.
 
 `ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on

@@ -5,7 +5,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat te
 (`router.frontend`: placement, admission control, metrics, lifetime events); responses stream as
 server-sent events when asked. Errors use OpenAI's format and status codes: 400 bad input, 401 bad
 or missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and
-/health are open, as vLLM's are), 404 unknown model or route, 429 with `Retry-After` when the
+/health are open, as vLLM's are), 404 unknown model or route, 413 a body past the size limit (the
+manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when the
 cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a worker
 reports a fault of its own. The status is decided by the request's first response (a worker's refusal
 is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
