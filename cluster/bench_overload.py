@@ -67,9 +67,10 @@ async def _one(client: AsyncClient, index: int, prompt: list[int], max_tokens: i
         return Outcome(index, e.code.name, time.perf_counter() - t0)
 
 
-async def _burst(address: str, prompts: list[list[int]], max_tokens: list[int], cfg: OverloadConfig) -> list[Outcome]:
+async def _burst(address: str, token: str | None, prompts: list[list[int]], max_tokens: list[int],
+                 cfg: OverloadConfig) -> list[Outcome]:
     gap = cfg.burst_s / max(1, len(prompts))
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, token=token) as client:
         return await asyncio.gather(*(_one(client, i, p, n, i * gap, cfg.deadline_s)
                                       for i, (p, n) in enumerate(zip(prompts, max_tokens))))
 
@@ -100,7 +101,7 @@ def run(cfg: OverloadConfig) -> dict:
         print(f"sending {cfg.num_requests} requests over {cfg.burst_s:g} s (deadline {cfg.deadline_s:g} s) ...",
               flush=True)
         t0 = time.perf_counter()
-        outcomes = asyncio.run(_burst(cluster.address, prompts, max_tokens, cfg))
+        outcomes = asyncio.run(_burst(cluster.address, manifest.server.token, prompts, max_tokens, cfg))
         elapsed = time.perf_counter() - t0
         workers_after = {n: s["peak_rss_bytes"] for n, s in cluster.worker_stats().items()}
         t_idle = time.time()
@@ -127,7 +128,7 @@ def run(cfg: OverloadConfig) -> dict:
     result = {
         "benchmark": "overload", "date": date.today().isoformat(), "machine": platform.platform(),
         "cpus": os.cpu_count(), "config": {**asdict(cfg), "out": str(cfg.out)},
-        "manifest": manifest.model_dump(mode="json"), "workload": source,
+        "manifest": manifest.model_dump(mode="json"), "workload": source,  # secrets show as **********
         "offered_rate_rps": cfg.num_requests / cfg.burst_s, "elapsed_s": elapsed,
         "completed_rate_rps": len(ok) / elapsed, "outcomes": dict(counts),
         "past_deadline": sum(o.status == "DEADLINE_EXCEEDED" or o.seconds > cfg.deadline_s for o in outcomes),

@@ -43,7 +43,7 @@ def _demo(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     # Any free ports: the demo must not clash with a running server.
     manifest.server.address, manifest.server.http_address = "127.0.0.1:0", "127.0.0.1:0"
-    with Cluster(manifest) as cluster, Client(cluster.address, timeout=120) as client:
+    with Cluster(manifest) as cluster, Client(cluster.address, timeout=120, token=manifest.server.token) as client:
         print(f"\nstreaming {len(DEMO_PROMPTS)} concurrent requests to {cluster.address} ...\n")
         first = DEMO_PROMPTS[0]
         print(f"[stream] {first!r} -> ", end="", flush=True)
@@ -65,7 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
                                  for r in results) * 1e3
         print(f"\nlatency summary ({manifest.mode}, {len(results)} requests): median TTFT {ttft:.0f} ms, "
               f"median TPOT {tpot:.1f} ms, median e2e {e2e:.0f} ms")
-        _demo_http(cluster.http_address, manifest.model, args.max_tokens, manifest.server.auth_token,
+        _demo_http(cluster.http_address, manifest.model, args.max_tokens, manifest.server.token,
                    manifest.server.tls_cert)
     print("cluster stopped")
     return 0

@@ -18,7 +18,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
-from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer
+from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
@@ -108,8 +108,9 @@ class Cluster:
         frontend.metrics.registry.register(AuditCollector(self.audit))
         service = RouterService(frontend)
         tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
-        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.auth_token,
-                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca)
+        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.token,
+                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca,
+                                    max_request_bytes=m.server.max_request_bytes)
         self.address = self._server.start()
         self._supervisor = Supervisor(self.workers, on_change=self._health_changed, after_round=self.audit.observe).start()
         scheme = "https" if tls else "http"
@@ -295,7 +296,7 @@ class Cluster:
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
             block_size=m.block_size, eos_token_id=first if first is not None else 0, eos_token_ids=eos,
         )
-        return ServedModel(m.model, tokenizer, info)
+        return ServedModel(m.model, tokenizer, info, max_token_chars(tokenizer))
 
     # --- down -----------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdserve.faults import FaultSettings
+from pdserve.router.client import MAX_MESSAGE_BYTES
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 
@@ -175,7 +176,26 @@ class ServerSpec(_Strict):
     tls_key: Path | None = None
     # Mutual TLS: clients must present a certificate that this CA (PEM) signed, on gRPC and HTTPS alike.
     tls_client_ca: Path | None = None
-    auth_token: str | None = None  # clients send `authorization: Bearer TOKEN`; compared in constant time
+    # Clients send `authorization: Bearer TOKEN`; compared in constant time. A SecretStr: what prints or
+    # dumps a manifest (logs, results files) shows ********** (get_secret_value() gives the token).
+    auth_token: SecretStr | None = None
+    # The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) and a
+    # gRPC message (RESOURCE_EXHAUSTED). The SDK's own message limit, so that both APIs take the same
+    # requests; far above a real one: a prompt filling a 128K-token context is about 1 MiB as token ids
+    # and a few MiB as JSON text. Prompt text too long for the context is refused within it, untokenized.
+    max_request_bytes: int = Field(MAX_MESSAGE_BYTES, ge=2**10, lt=2**31)
+
+    @property
+    def token(self) -> str | None:
+        """The auth token itself, for what sends or checks it; never to print or store."""
+        return self.auth_token.get_secret_value() if self.auth_token is not None else None
+
+    @field_validator("auth_token")
+    @classmethod
+    def _a_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value():  # the servers would take every client
+            raise ValueError("is empty, which would let every client in: leave it out to run without a token")
+        return v
 
     @field_validator("address", "http_address")
     @classmethod

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -206,6 +207,59 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+# Parts of a tokenizers pipeline that never shorten the text: what goes in comes out whole in the
+# strings of the tokens, so no token stands for more characters than its string has.
+_TEXT_KEEPING_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "Replace"}  # Replace: only by a string as long
+_TEXT_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of text one token can stand for, or None when the tokenizer gives no bound.
+
+    With it, a text of N characters holds at least N / max_token_chars tokens, so the router refuses a
+    prompt too long for the context before tokenizing it. It holds for BPE tokenizers that keep every
+    character of the text in some token: byte-level ones (GPT-2, Llama 3, Qwen, OLMo, pdserve's own: one
+    string character per byte, every byte in the vocabulary) and SentencePiece-style ones with byte
+    fallback (Llama 2, Mistral, Gemma). A tokenizer that can drop text gives None: one that splits on
+    whitespace and drops it, strips, composes characters (NFC, NFKC), skips characters it lacks, has an
+    unknown token that stands for a run of characters (WordPiece, Unigram, a fused BPE one), or has
+    added tokens that take in the spaces beside them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a pure-Python tokenizer: nothing to read its pipeline from
+        return None
+    spec = json.loads(backend.to_str())
+    model, vocab = spec["model"], backend.get_vocab(with_added_tokens=True)
+    if (model["type"] != "BPE"
+            or not _keeps_text(spec.get("normalizer"), "normalizers", _TEXT_KEEPING_NORMALIZERS)
+            or not _keeps_text(spec.get("pre_tokenizer"), "pretokenizers", _TEXT_KEEPING_PRE_TOKENIZERS)
+            or any(t["lstrip"] or t["rstrip"] for t in spec.get("added_tokens") or ())):
+        return None
+    # A character the vocabulary lacks is skipped, or becomes the unknown token (fused: one for a run).
+    whole_words = not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+    every_byte = whole_words and (
+        (_has_part(spec.get("pre_tokenizer"), "ByteLevel") and set(pre_tokenizers.ByteLevel.alphabet()) <= vocab.keys())
+        or (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))))
+    if not every_byte and (model.get("unk_token") is None or model.get("fuse_unk")):
+        return None
+    return max(len(token) for token in vocab)
+
+
+def _keeps_text(part: dict | None, members: str, keeping: set[str]) -> bool:
+    """Whether a normalizer or pre-tokenizer (in tokenizer.json's form) never shortens the text."""
+    if part is None:
+        return True
+    if part["type"] == "Sequence":
+        return all(_keeps_text(p, members, keeping) for p in part[members])
+    if part["type"] == "Replace":
+        pattern = part["pattern"].get("String")
+        return pattern is not None and len(part["content"]) >= len(pattern)
+    return part["type"] in keeping and part.get("behavior") != "Removed"
+
+
+def _has_part(part: dict | None, kind: str) -> bool:
+    return part is not None and (part["type"] == kind or any(_has_part(p, kind) for p in part.get("pretokenizers", ())))
 
 
 def eos_ids(config: object, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

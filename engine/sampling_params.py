@@ -11,6 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+# What one request may ask of every engine step it runs in: each step looks the sequence's newest token
+# up in its stop_token_ids and searches its output text for each stop string, so a request with a
+# million of them slows every request batched with it. Far above what clients send: OpenAI's API
+# allows 4 stop strings, and so do SGLang's router (sgl-router/src/protocols/validation.rs) and TGI
+# (--max-stop-sequences, default 4); vLLM's and SGLang's engines set no limits. No stop string or stop
+# token list a client writes comes near 1,024 entries or characters.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -61,13 +70,24 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
+        for name in ("ignore_eos", "logprobs"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {_short(getattr(self, name))}")
         # Errors name the first bad entry, not the whole list: a client's list may be huge.
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             "are allowed")
         for i, t in enumerate(self.stop_token_ids):
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(t)} at index {i}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {_short(s)} at index {i}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; the one at "
+                                 f"index {i} has {len(s)}")
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -93,14 +113,28 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
     """Raise ValueError unless `token_ids` is a prompt the model can continue by at least one token."""
     if not token_ids:
         raise ValueError("prompt is empty: it must have at least one token")
+    total = len(token_ids) + num_output_tokens  # before the ids are read: a client's list may hold millions
+    if total >= max_model_len:
+        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
+                         "(max_model_len, which must leave room for at least one generated token)")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got "
                          f"{', '.join(_short(t) for t in bad[:5])}")
-    total = len(token_ids) + num_output_tokens
-    if total >= max_model_len:
-        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
-                         "(max_model_len, which must leave room for at least one generated token)")
+
+
+def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:
+    """Raise ValueError when `text` cannot fit max_model_len whatever it tokenizes to, without tokenizing
+    it (seconds for a long text): no token stands for more than `max_token_chars` characters, so text
+    longer than (max_model_len - 1) x max_token_chars holds too many tokens for check_prompt to pass.
+    `max_token_chars` None: the tokenizer gives no such bound (see model_loader.max_token_chars)."""
+    if max_token_chars is None:
+        return
+    limit = (max_model_len - 1) * max_token_chars
+    if len(text) > limit:
+        raise ValueError(f"prompt has {len(text)} characters, more than the {limit} that can fit the context limit "
+                         f"of {max_model_len} tokens (max_model_len, which must leave room for one generated token; "
+                         f"no token of this model stands for more than {max_token_chars} characters)")
 
 
 @dataclass

@@ -9,9 +9,13 @@
 
 from __future__ import annotations
 
+import ipaddress
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -47,6 +51,11 @@ class ResourceExhausted(PDServeError):
 class DeadlineExceeded(PDServeError): pass  # noqa: E701
 class Cancelled(PDServeError): pass  # noqa: E701
 class Unauthenticated(PDServeError): pass  # noqa: E701
+
+
+class InsecureTokenWarning(UserWarning):
+    """A client's auth token would cross the network in clear text: a channel without TLS to another
+    machine. Anyone on the path can read the token and replay it."""
 
 
 _ERRORS = {
@@ -111,22 +120,41 @@ class Completion:
                            r.request_id, r.prompt_tokens, r.cached_tokens)
 
 
+@contextmanager
+def _text(name: str) -> Iterator[None]:
+    """Around setting the text field `name`: text that has no UTF-8 form (a lone surrogate), which
+    protobuf cannot send, is InvalidArgument as the server's refusals are, not a UnicodeEncodeError."""
+    try:
+        yield
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is not valid text: the character at index "
+                                                                f"{e.start} ({e.object[e.start]!r}) has no UTF-8 form "
+                                                                f"({e.reason})") from None
+
+
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
              top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int = 16,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
              logprobs: bool = False) -> pdserve_pb2.GenerateRequest:
     """Build a GenerateRequest; unset temperature/top_p/seed keep the server's defaults (1.0, 1.0, none)."""
-    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop=list(stop),
-                                        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
+                                        ignore_eos=ignore_eos, logprobs=logprobs)
+    with _text("stop"):
+        params.stop.extend(stop)
     if temperature is not None:
         params.temperature = temperature
     if top_p is not None:
         params.top_p = top_p
     if seed is not None:
         params.seed = seed
-    req = pdserve_pb2.GenerateRequest(model=model, params=params, request_id=request_id)
+    req = pdserve_pb2.GenerateRequest(params=params)
+    with _text("model"):
+        req.model = model
+    with _text("request_id"):
+        req.request_id = request_id
     if isinstance(prompt, str):
-        req.text = prompt
+        with _text("prompt"):
+            req.text = prompt
     else:
         if any(t < 0 for t in prompt):
             raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be >= 0")
@@ -134,27 +162,62 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
     return req
 
 
-def _credentials(token: str | None, root_certificates: bytes | None, client_cert: bytes | None,
+def _tokenize_request(text: str, model: str) -> pdserve_pb2.TokenizeRequest:
+    req = pdserve_pb2.TokenizeRequest()
+    with _text("model"):
+        req.model = model
+    with _text("text"):
+        req.text = text
+    return req
+
+
+def _credentials(target: str, token: str | None, root_certificates: bytes | None, client_cert: bytes | None,
                  client_key: bytes | None) -> tuple[list, grpc.ChannelCredentials | None]:
+    """A client's call metadata and channel credentials (None: no TLS). Called once per client: a token
+    that would cross the network in clear text is warned of once."""
     metadata = [("authorization", f"Bearer {token}")] if token else []
     if (client_cert is None) != (client_key is None):
         raise ValueError("client_cert and client_key must be given together")
     creds = None
     if root_certificates is not None or client_cert is not None:  # TLS; with a client certificate: mutual
         creds = grpc.ssl_channel_credentials(root_certificates, private_key=client_key, certificate_chain=client_cert)
+    elif token and not _on_this_machine(target):
+        warnings.warn(f"the auth token goes to {target} in clear text, readable on the network: this channel has no "
+                      "TLS (give root_certificates)", InsecureTokenWarning, stacklevel=3)
     return metadata, creds
+
+
+def _on_this_machine(target: str) -> bool:
+    """Whether a gRPC target (HOST:PORT, or a dns:, ipv4:, ipv6: or unix: URI) names only loopback
+    addresses or a Unix socket. A name other than localhost counts as remote: it may resolve anywhere."""
+    scheme, _, rest = target.partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return True
+    if scheme in ("dns", "ipv4", "ipv6"):
+        addresses = rest.split("/")[-1].split(",")  # dns://authority/HOST:PORT names the host last
+    else:
+        addresses = [target]
+    return all(_loopback(urlsplit(f"//{address}").hostname or "") for address in addresses)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 # --- sync client ----------------------------------------------------------------------------------
 class Client:
     """Blocking client. `timeout` (seconds) is the default deadline of every call. TLS: `root_certificates`
     (PEM) to verify the server; `client_cert` and `client_key` (PEM) when the server requires mutual TLS;
-    `token` for a server with bearer-token auth."""
+    `token` for a server with bearer-token auth (sent in clear text without TLS: to a target that is not
+    this machine, InsecureTokenWarning)."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
                  root_certificates: bytes | None = None, client_cert: bytes | None = None,
                  client_key: bytes | None = None) -> None:
-        self._metadata, creds = _credentials(token, root_certificates, client_cert, client_key)
+        self._metadata, creds = _credentials(target, token, root_certificates, client_cert, client_key)
         self._channel = (grpc.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
                          else grpc.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
@@ -193,7 +256,7 @@ class Client:
         return completion
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
-        return list(self._unary(self._stub.Tokenize, pdserve_pb2.TokenizeRequest(model=model, text=text)).token_ids)
+        return list(self._unary(self._stub.Tokenize, _tokenize_request(text, model)).token_ids)
 
     def model_info(self) -> pdserve_pb2.ModelInfo:
         return self._unary(self._stub.GetModelInfo, pdserve_pb2.GetModelInfoRequest())
@@ -221,7 +284,7 @@ class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, token: str | None = None,
                  root_certificates: bytes | None = None, client_cert: bytes | None = None,
                  client_key: bytes | None = None) -> None:
-        self._metadata, creds = _credentials(token, root_certificates, client_cert, client_key)
+        self._metadata, creds = _credentials(target, token, root_certificates, client_cert, client_key)
         self._channel = (grpc.aio.secure_channel(target, creds, options=GRPC_OPTIONS) if creds
                          else grpc.aio.insecure_channel(target, options=GRPC_OPTIONS))
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
@@ -250,8 +313,7 @@ class AsyncClient:
 
     async def tokenize(self, text: str, model: str = "") -> list[int]:
         try:
-            r = await self._stub.Tokenize(pdserve_pb2.TokenizeRequest(model=model, text=text), timeout=self.timeout,
-                                          metadata=self._metadata)
+            r = await self._stub.Tokenize(_tokenize_request(text, model), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
         return list(r.token_ids)

@@ -1,11 +1,13 @@
 """What every client API of the router shares: one request's way from validation to its last token.
 
-`Frontend.start` validates a request (model name, prompt, limits), places it (`routing.Router`:
-UNAVAILABLE at once when a pool has no live worker, RESOURCE_EXHAUSTED with a retry-after hint when
-every live one is full or no placement can meet the TTFT objective), dispatches it with a Ray call
-that returns immediately, and hands back its `ActiveRequest`. Iterating `ActiveRequest.responses`
-yields the gRPC API's own `GenerateResponse` messages as token messages arrive from the workers
-(pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
+`Frontend.prompt_ids` turns a prompt into token ids on a few threads of its own, never on the event
+loop that serves every stream (a long text takes the tokenizer seconds), and refuses text too long
+for the context before tokenizing it. `Frontend.start` validates a request (model name, prompt,
+limits), places it (`routing.Router`: UNAVAILABLE at once when a pool has no live worker,
+RESOURCE_EXHAUSTED with a retry-after hint when every live one is full or no placement can meet the
+TTFT objective), dispatches it with a Ray call that returns immediately, and hands back its
+`ActiveRequest`. Iterating `ActiveRequest.responses` yields the gRPC API's own `GenerateResponse`
+messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
 name, which each API maps to its own errors.
 
 `ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on
@@ -18,16 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pdserve.engine.sampling_params import SamplingParams, check_prompt
+from pdserve.engine.sampling_params import SamplingParams, check_prompt, check_prompt_text
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.aborts import AbortBatcher
 from pdserve.router.admission import Overloaded
@@ -55,6 +58,10 @@ RETRY_POLL_S = 0.1  # how often a retry that found no healthy worker looks again
 # A worker's fault or a failed transfer: another worker may well serve the request.
 RETRYABLE = (INTERNAL, UNAVAILABLE)
 NOT_FOUND, CANCELLED, OK = "NOT_FOUND", "CANCELLED", "OK"
+# Threads that tokenize and render chat templates. A prompt's text is bounded by the context (see
+# `prompt_ids`), so each job is short; a few threads keep a slow one from holding up the others.
+TOKENIZER_THREADS = 4
+T = TypeVar("T")
 
 
 class RequestFailed(Exception):
@@ -80,6 +87,8 @@ class ServedModel:
     name: str
     tokenizer: Any
     info: pdserve_pb2.ModelInfo
+    # The most characters one token stands for (model_loader.max_token_chars); None: no such bound.
+    max_token_chars: int | None = None
 
 
 class Frontend:
@@ -91,6 +100,7 @@ class Frontend:
         self.retry = retry
         self.metrics = RouterMetrics(router)
         self.aborts = AbortBatcher()
+        self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "router-tokenizer")
 
     @contextmanager
     def refusals(self, api: str) -> Iterator[None]:
@@ -110,15 +120,32 @@ class Frontend:
             shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"  # a readable error
             raise RequestFailed(NOT_FOUND, f"unknown model {shown}; this server serves {self.model.name!r}")
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.model.tokenizer.encode(text, add_special_tokens=False)
+    async def off_loop(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`work(*args, **kwargs)` on the tokenizer threads: tokenizer work, which would stall every stream
+        on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads,
+                                                                functools.partial(work, *args, **kwargs))
 
-    def start(self, api: str, prompt: str | list[int], params: SamplingParams, client_request_id: str = "",
+    async def tokenize(self, text: str) -> list[int]:
+        """`text`'s token ids, as the Tokenize API gives them (no special tokens added)."""
+        return await self.off_loop(self.model.tokenizer.encode, text, add_special_tokens=False)
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids. Text that cannot fit the context is refused (ValueError) untokenized."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_prompt_text(prompt, self.model.max_token_chars, self.model.info.max_model_len)
+        return await self.tokenize(prompt)
+
+    def close(self) -> None:
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
               accepted: float | None = None) -> ActiveRequest:
-        """Validate, place and dispatch; raises ValueError (bad prompt) or RequestFailed. `accepted`:
-        when the API layer received the request (its parsing counts in the TTFT), else now."""
+        """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (bad prompt) or
+        RequestFailed. `accepted`: when the API layer received the request (its parsing and tokenizing
+        count in the TTFT), else now."""
         accepted = accepted or time.time()
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, self.model.info.vocab_size, self.model.info.max_model_len)
         work = WorkRequest(uuid.uuid4().hex, ids, params)  # unique, whatever the client calls it
         if self.hub.error is not None:

@@ -5,7 +5,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat te
 (`router.frontend`: placement, admission control, metrics, lifetime events); responses stream as
 server-sent events when asked. Errors use OpenAI's format and status codes: 400 bad input, 401 bad
 or missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and
-/health are open, as vLLM's are), 404 unknown model or route, 429 with `Retry-After` when the
+/health are open, as vLLM's are), 404 unknown model or route, 413 a body past the size limit (the
+manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when the
 cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a worker
 reports a fault of its own. The status is decided by the request's first response (a worker's refusal
 is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
@@ -36,6 +37,7 @@ from starlette.routing import Route
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.client import MAX_MESSAGE_BYTES
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 
@@ -175,10 +177,11 @@ class ChatBody(_Body):
 
 
 # --- the app --------------------------------------------------------------------------------------
-def create_app(frontend: Frontend, auth_token: str | None = None,
-               serving: Callable[[], bool] = lambda: True) -> Starlette:
-    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503)."""
-    api = _OpenAIApi(frontend, auth_token, serving)
+def create_app(frontend: Frontend, auth_token: str | None = None, serving: Callable[[], bool] = lambda: True,
+               max_body_bytes: int = MAX_MESSAGE_BYTES) -> Starlette:
+    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503); a
+    request body past `max_body_bytes` is answered 413 with no more of it read."""
+    api = _OpenAIApi(frontend, auth_token, serving, max_body_bytes)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -191,10 +194,12 @@ def create_app(frontend: Frontend, auth_token: str | None = None,
 
 
 class _OpenAIApi:
-    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool]) -> None:
+    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool],
+                 max_body_bytes: int) -> None:
         self.frontend = frontend
         self.expected_auth = auth_token.encode() if auth_token else None
         self.serving = serving
+        self.max_body_bytes = max_body_bytes
 
     # --- routes ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -238,10 +243,11 @@ class _OpenAIApi:
         frontend = self.frontend
         try:
             with frontend.refusals(API):
-                body = _parse(body_type, await request.body())
+                body = _parse(body_type, await _read_body(request, self.max_body_bytes))
                 frontend.check_model(body.model)
                 body.check_supported()
                 fmt = fmt_type(frontend, body)
+                await fmt.read_prompt()
                 active = frontend.start(API, fmt.prompt_ids, fmt.params, request.headers.get("x-request-id", ""),
                                         accepted)
         except RequestFailed as e:
@@ -339,6 +345,10 @@ class _Format:
                 "total_tokens": prompt + active.output_tokens,
                 "prompt_tokens_details": {"cached_tokens": active.cached_tokens}}
 
+    async def read_prompt(self) -> None:
+        """Set `prompt_ids` and `params` from the body (tokenizing off the event loop)."""
+        raise NotImplementedError
+
     def opening(self) -> dict[str, Any] | None:
         return None
 
@@ -357,12 +367,12 @@ class _CompletionFormat(_Format):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, frontend: Frontend, body: CompletionBody) -> None:
-        super().__init__(frontend, body)
+    async def read_prompt(self) -> None:
+        body = self.body
         prompt = body.single_prompt()
-        self.prompt_ids = frontend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                            logprobs=body.logprobs is not None)
+        self.prompt_ids = await self.frontend.prompt_ids(prompt)
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -385,17 +395,18 @@ class _ChatFormat(_Format):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 
-    def __init__(self, frontend: Frontend, body: ChatBody) -> None:
-        super().__init__(frontend, body)
-        tokenizer = frontend.model.tokenizer
+    async def read_prompt(self) -> None:
+        frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model!r} has no chat template: use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = await frontend.off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                           tokenize=False)
         except Exception as e:  # a template that rejects these messages (a jinja error it raised)
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
-        self.prompt_ids = frontend.tokenize(text)
+        # The rendered text is checked against the context: the template's own text counts, exactly.
+        self.prompt_ids = await frontend.prompt_ids(text)
         left = frontend.model.info.max_model_len - len(self.prompt_ids)  # OpenAI's default: what the context leaves
         self.params = body.sampling_params(body.max_completion_tokens or body.max_tokens or max(1, left),
                                            logprobs=bool(body.logprobs))
@@ -431,6 +442,29 @@ class _ChatFormat(_Format):
 # --- helpers --------------------------------------------------------------------------------------
 class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
+
+
+class BodyTooLarge(RequestFailed):
+    """A request body past the server's limit: 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("INVALID_ARGUMENT", f"the request body is larger than {limit} bytes, the most this server "
+                                             "takes (server.max_request_bytes)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, read as it comes up to `limit` bytes; past that BodyTooLarge, with no more of it
+    read (none when its Content-Length says more). Starlette's own limit would answer in plain text,
+    where OpenAI's clients expect their error format."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(limit)
+    return bytes(body)
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
@@ -488,11 +522,12 @@ def _sse(data: dict[str, Any]) -> str:
 
 def _error_body(e: RequestFailed) -> dict[str, Any]:
     status, kind = STATUS.get(e.code, (500, "internal_error"))
-    return {"error": {"message": e.message, "type": kind, "param": None, "code": e.code.lower()}}
+    code = "request_too_large" if isinstance(e, BodyTooLarge) else e.code.lower()
+    return {"error": {"message": e.message, "type": kind, "param": None, "code": code}}
 
 
 def error_response(e: RequestFailed) -> JSONResponse:
-    status, _ = STATUS.get(e.code, (500, "internal_error"))
+    status = 413 if isinstance(e, BodyTooLarge) else STATUS.get(e.code, (500, "internal_error"))[0]
     headers = {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))

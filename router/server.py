@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.client import GRPC_OPTIONS
+from pdserve.router.client import MAX_MESSAGE_BYTES
 from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService, add_to_server
 
@@ -65,7 +65,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 class RouterServer:
     def __init__(self, service: RouterService, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
-                 client_ca: Path | None = None) -> None:
+                 client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES) -> None:
         if client_ca is not None and tls is None:
             raise ValueError("client_ca (mutual TLS) needs tls: client certificates are checked over TLS")
         self.service = service
@@ -74,6 +74,7 @@ class RouterServer:
         self.tls = tls
         self.client_ca = client_ca  # PEM of the CA whose certificates clients must present (gRPC and HTTPS)
         self.auth_token = auth_token
+        self.max_request_bytes = max_request_bytes  # the largest HTTP body and gRPC message taken
         self.address: str | None = None
         self.http_address: str | None = None  # HOST:PORT once started; None without an HTTP API
         self._http: uvicorn.Server | None = None
@@ -93,12 +94,15 @@ class RouterServer:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self.service.frontend.close()
 
     async def _start(self) -> str:
         frontend = self.service.frontend
         deny = lambda: frontend.metrics.ended("grpc", "UNAUTHENTICATED")  # noqa: E731
         interceptors = [TokenAuth(self.auth_token, deny)] if self.auth_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS + KEEPALIVE_POLICY)
+        sizes = [("grpc.max_receive_message_length", self.max_request_bytes),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        server = grpc.aio.server(interceptors=interceptors, options=sizes + KEEPALIVE_POLICY)
         add_to_server(self.service, server)  # undecodable requests: INVALID_ARGUMENT, not UNKNOWN
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -125,7 +129,7 @@ class RouterServer:
         # Bound here, not by uvicorn: a port that is taken is then an OSError naming the address
         # (uvicorn would sys.exit, which ends this thread without a word).
         sock = _listen(host.strip("[]"), int(port), self.requested_http_address)
-        app = create_app(self.service.frontend, self.auth_token, self.serving)
+        app = create_app(self.service.frontend, self.auth_token, self.serving, self.max_request_bytes)
         tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
         if self.client_ca is not None:  # mutual TLS: the handshake fails without a certificate the CA signed
             tls.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)

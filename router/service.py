@@ -45,7 +45,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             self.frontend.check_model(request.model)
         except RequestFailed as e:
             await abort(context, e)
-        return pdserve_pb2.TokenizeResponse(token_ids=self.frontend.tokenize(request.text))
+        return pdserve_pb2.TokenizeResponse(token_ids=await self.frontend.tokenize(request.text))
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -58,8 +58,9 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                 kind = request.WhichOneof("prompt")
                 if kind is None:
                     raise ValueError("prompt is missing: set text or token_ids")
-                prompt = request.text if kind == "text" else list(request.token_ids.ids)
-                active = frontend.start("grpc", prompt, sampling_params(request.params), request.request_id, accepted)
+                params = sampling_params(request.params)
+                ids = await frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids))
+                active = frontend.start("grpc", ids, params, request.request_id, accepted)
         except RequestFailed as e:
             await abort(context, e)
         try:

@@ -16,6 +16,7 @@ from pdserve.router.client import (
     Client,
     Completion,
     DeadlineExceeded,
+    InsecureTokenWarning,
     InvalidArgument,
     NotFound,
     PDServeError,
@@ -27,5 +28,5 @@ from pdserve.router.client import (
 
 __all__ = [
     "Client", "AsyncClient", "Completion", "StreamChunk", "PDServeError", "InvalidArgument", "NotFound",
-    "Unavailable", "ResourceExhausted", "DeadlineExceeded", "Cancelled", "Unauthenticated",
+    "Unavailable", "ResourceExhausted", "DeadlineExceeded", "Cancelled", "Unauthenticated", "InsecureTokenWarning",
 ]

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.presets import make_model
+from pdserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
 
@@ -61,7 +62,9 @@ def problems(request: pb.GenerateRequest, info: pb.ModelInfo, tokenizer) -> list
         found.append("top_p")
     if p.HasField("seed") and p.seed >= 2**63:
         found.append("seed")
-    if any(not s for s in p.stop):
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        found.append("stop_token_ids")
+    if len(p.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in p.stop):
         found.append("stop")
     if kind is not None:
         ids = (tokenizer.encode(request.text, add_special_tokens=False) if kind == "text"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def test_default_manifest_is_valid():
         ({"pools": {"prefill": {"resources": {"prefill": 0.00001}}}}, "is not an amount Ray places"),
         ({"dtype": "float16"}, "dtype float16 runs on GPUs only, and workers prefill-0, decode-1 have num_gpus 0"),
         ({"model_path_shared": True}, "model_path_shared needs the model directory's absolute path"),
+        ({"server": {"auth_token": ""}}, "server.auth_token: Value error, is empty, which would let every client in"),
+        ({"server": {"max_request_bytes": 100}}, "server.max_request_bytes: Input should be greater than or equal to"),
     ],
 )
 def test_invalid_manifests_name_the_field(data, message):
@@ -97,3 +100,10 @@ def test_up_rejects_a_bad_manifest_before_starting_anything(tmp_path):
                             timeout=120)
     assert result.returncode == 2
     assert "pools.decode.replicas" in result.stderr and "preparing model" not in result.stdout
+
+
+def test_the_auth_token_never_shows_where_a_manifest_is_printed_or_stored():
+    m = load_manifest({"server": {"auth_token": "s3cret-token-value"}})
+    assert m.server.token == "s3cret-token-value"  # for what sends or checks it
+    for shown in (repr(m), str(m), m.model_dump_json(), json.dumps(m.model_dump(mode="json"))):
+        assert "s3cret-token-value" not in shown and "**********" in shown

@@ -9,6 +9,7 @@ from conftest import random_prompts
 from helpers import assert_pool_idle
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 ARCH = "tiny-llama"
 
@@ -27,11 +28,23 @@ ARCH = "tiny-llama"
         ({"seed": -5}, "seed must be an integer"),
         ({"stop": [""]}, "stop must be a list of non-empty strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative"),
+        ({"stop_token_ids": [7] * 2_000_000}, "stop_token_ids holds 2000000 ids; at most 1024 are allowed"),
+        ({"stop": ["x"] * 1_000_000}, "stop holds 1000000 strings; at most 64 are allowed"),
+        ({"stop": ["ok", "x" * 10**6]}, "stop strings may have at most 1024 characters; the one at index 1 has "),
+        ({"logprobs": 5}, "logprobs must be true or false, got 5"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         SamplingParams(**kwargs)
+    assert len(str(e.value)) < 200  # a client's huge value is never echoed
+
+
+def test_sampling_params_at_their_bounds_are_taken():
+    params = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                            stop_token_ids=range(MAX_STOP_TOKEN_IDS))
+    assert len(params.stop) == MAX_STOP_STRINGS and len(params.stop_token_ids) == MAX_STOP_TOKEN_IDS
 
 
 def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(model_dirs, hf_reference):
