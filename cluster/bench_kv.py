@@ -49,7 +49,7 @@ from pdserve.engine.presets import resolve_model
 from pdserve.engine.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, Codec, FrameHeader
-from pdserve.kv_transfer.sender import FRAME_TOKENS
+from pdserve.kv_transfer.frames import FRAME_TOKENS
 from pdserve.kv_transfer.transports import make_sender, start_receiver
 
 

@@ -17,30 +17,27 @@ prefix cache to the router (`pdserve.kv_events`).
 
 from __future__ import annotations
 
-import resource
+import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-import dataclasses
-
 import ray
 
-from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.engine.llm_engine import RequestHandoff
-from pdserve.engine.model_store import ModelSource, materialize
+from pdserve.engine.model_store import ModelSource
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.interface import PROBE_PREFIX, Lease, TransferError
+from pdserve.faults import FaultSettings
+from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
-from pdserve.faults import FaultInjector, FaultSettings
-from pdserve.kv_events import KVEventPublisher, KVSnapshot
-from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, TokenSink, WorkRequest
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, WorkRequest
+from pdserve.worker_base import WorkerBase
 
 LEASE_CHECK_S = 0.5
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
@@ -51,49 +48,30 @@ RESERVE_GROUP = "reserve"
 RESERVE_THREADS = 64
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None = None,
                  faults: FaultSettings | None = None) -> None:
-        self.worker_id = worker_id
-        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-        self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
-        model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
-        model_dir = str(model_dir)
-        self.node_ip = ray.util.get_node_ip_address()
-        kv_settings = kv_settings.on_node(self.node_ip)
-        self.engine = LLMEngine(model_dir, EngineConfig(**engine_config))
-        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
-                                          secret=kv_settings.secret) if kv_events else None
-        self.engine.pool.listener = self.kv_events
-        self._profiled = False
-        self.sink = TokenSink(token_sink, kv_settings.secret)
-        self.fault: str | None = None
-        self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
-        self.receiver = KVReceiver(self.loop, model_dir, lease_s=kv_settings.lease_s,
-                                   reserve_wait_s=kv_settings.reserve_wait_s)
-        self._receivers = [start_receiver(name, self.receiver, kv_settings.host, tls=kv_settings.tls,
-                                          secret=kv_settings.secret, on_crash=self._receiver_crashed(name))
-                           for name in kv_settings.receivers]
-        self.kv_addresses = {r.name: r.address for r in self._receivers}
-        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults)
         # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
         # One with prefill_queued and no prefill_end is prefilling here, before its first token.
         self._events: dict[str, dict[str, float]] = {}
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
+        self.start_loop()
+        self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.lease_s,
+                                   reserve_wait_s=self.kv.reserve_wait_s)
+        self._receivers = [start_receiver(name, self.receiver, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
+                                          on_crash=self._receiver_crashed(name))
+                           for name in self.kv.receivers]
+        self.kv_addresses = {r.name: r.address for r in self._receivers}
+        # Ends the leases of transfers that stopped making progress: the one periodic chore here.
         start_guarded("lease-expiry", self._expire_leases,
                       lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
     def ping(self) -> dict:
-        engine = self.engine
-        return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
-                "model_digest": self.model_digest, "kv_addresses": self.kv_addresses, **engine.kv_status(),
-                "requests": len(engine.requests),
-                "transfers": self.receiver.num_in_flight, "kv_transfer": self.receiver.counts(),
-                "alive": self.fault is None and self.loop.running, "fault": self.fault,
-                "step_cost": engine.step_costs.coefficients.as_tuple(),
-                "step_budget": engine.config.max_num_batched_tokens, "profiled": self._profiled}
+        return {**self.common_status(), "kv_addresses": self.kv_addresses, "transfers": self.receiver.num_in_flight,
+                "kv_transfer": self.receiver.counts()}
 
     def profile(self) -> dict:
         """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
@@ -102,13 +80,8 @@ class DecodeWorker:
         self._profiled = profile.complete  # else (a busy engine) the supervisor has it profile again
         return self.ping()
 
-    def kv_snapshot(self) -> KVSnapshot:
-        """Every cached block (hash, parent) and the sequence number of the last event they reflect."""
-        return self.loop.call(lambda e: self.kv_events.snapshot(e.pool.cached_blocks()))
-
     def stats(self) -> dict:
-        return {"steps": list(self.step_log), "loop": vars(self.loop.busy),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {**self.common_stats(), "steps": list(self.step_log)}
 
     # --- KV transfer, receiving side ------------------------------------------------------------
     @ray.method(concurrency_group=RESERVE_GROUP)
@@ -199,10 +172,7 @@ class DecodeWorker:
         self._stop.set()
         for receiver in self._receivers:
             receiver.stop()
-        self.loop.stop()
-        self.sink.close()
-        if self.kv_events is not None:
-            self.kv_events.close()
+        self.close_common()
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -222,15 +192,9 @@ class DecodeWorker:
                            text=out.text if out.finished else None, events=events,
                            cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
 
-    def _on_loop_fatal(self, error: BaseException) -> None:
-        self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
-
     def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:
         # Its senders would wait out every reservation: dead, so the supervisor starts it afresh.
         return lambda error: self._on_fault(f"KV {transport} receiver failed: {type(error).__name__}: {error}")
-
-    def _on_publisher_crash(self, error: BaseException) -> None:
-        self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
 
     # --- faults ---------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:

@@ -47,6 +47,7 @@ from pdserve.wire import Tombstones
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 1.0  # a reservation waiting for room tries again this often at least (`_wait_for_room`)
+FIRST_FRAME = "first_frame"  # the transfer's event: its first frame was written into the blocks
 ENDED_KEPT = 4096  # transfers remembered after they end, for their frames still on the way (`admit_frame`)
 
 
@@ -105,7 +106,7 @@ class KVReceiver:
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
-        transfer.advance(TransferState.RESERVED)
+        transfer.advance(TransferState.TRANSFERRING)
         incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.monotonic() + self.lease_s,
                              reservation.cached_blocks * self.layout.block_size,
                              np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
@@ -250,7 +251,7 @@ class KVReceiver:
                 landed(self.kv_cache.data.device)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
             incoming.transfer.bytes_moved += payload.nbytes
-        incoming.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+            incoming.transfer.events.setdefault(FIRST_FRAME, time.time())
         self._count("frames")
         self._count("bytes", payload.nbytes)
 
@@ -330,6 +331,7 @@ class KVReceiver:
             raise TransferError(f"transfer {transfer_id} was aborted while committing")
         with incoming.lock:  # a frame being written ends first; none is written once the engine has the blocks
             incoming.takes_frames = False
+        incoming.transfer.advance_unless_finished(TransferState.COMMITTING)
 
         def admit(engine: LLMEngine) -> None:
             # On the loop, after any abort queued before: a cancel now finds no open transfer and only
@@ -352,13 +354,13 @@ class KVReceiver:
             incoming.transfer.fail(f"commit failed: {e}")
             self.loop.post(lambda eng: eng.abort_request(handoff.request_id))
             raise TransferError(str(e)) from e
-        incoming.transfer.advance(TransferState.SUCCESS)
+        incoming.transfer.advance(TransferState.DONE)
         return []
 
     def started_at(self, transfer_id: str) -> float:
         """When the transfer's first frame arrived (when it was reserved, if none did: recomputed here)."""
         events = self._get(transfer_id).transfer.events
-        return events.get("transferring", events["reserved"])
+        return events.get(FIRST_FRAME, events[TransferState.TRANSFERRING.value])
 
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""

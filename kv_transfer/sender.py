@@ -1,213 +1,691 @@
-"""Sending side of one transfer: which tokens of which layer leave, cut into frames, at which level.
+"""The sending side of the KV protocol (`KVSender`): for each request, reserve on its decode worker,
+send what the decode worker lacks of its KV as the prompt pass writes it, commit, and end once, on
+every path. Ray-free: the decode worker's control plane comes in as a `DecodePeer` whose calls return
+futures, so everything that waits on a peer (a reservation, a renewal, a commit) is a future the
+sender's loop looks at, and the loop never blocks on one.
 
-The prefill worker calls `send_through(layer, ...)` from its sender thread whenever a layer's KV up
-to some token is final: for each chunk of the prompt pass, as soon as the forward pass has written
-that layer (layer-wise streaming), or, for a pass shorter than `LAYERWISE_MIN_TOKENS`, for every
-layer once the pass is over; the first call also sends what its own prefix cache served. Tokens the
-decode worker already holds (the lease's `cached_blocks`) are never sent. Frames are cut at chunk ends
-and at multiples of `frame_tokens` (CacheGen's context chunks); the receiver tracks which tokens of
-each layer arrived, so a layer sent again may be cut differently. The `LevelController` picks each
-frame's quality level. On CUDA, frames are read out on a side stream (`off_the_compute_stream`), to
-pinned host memory, or, for a channel whose payloads live on the GPU (NCCL) and the raw codec, not
-copied out at all.
+Threads (both started here; their failures fail the worker through `on_crash`):
+  - the loop (`kv-sender`) drives every transfer's state machine (`state.Transfer`): takes leases,
+    decides what to send and when, asks for commits, has what arrived incomplete sent again, renews
+    and expires leases, and ends transfers;
+  - one link per decode worker (`_Link`, `kv-link`), its data path: channels are opened, frames read
+    out of the cache, encoded and sent, and channels finished and closed there, in order, so a decode
+    worker that stalls holds up its own transfers only.
+
+One transfer's way (any failure, in any state, ends it FAILED through `end`):
+
+    BOOTSTRAPPING  the reservation is asked for beside the prompt pass; the layers the pass writes
+         |         meanwhile are recorded
+         | lease granted (refused, or unanswered past the bound: FAILED)
+    TRANSFERRING   a channel is opened on the link, unless recomputing the KV on the decode worker is
+         |         expected to be faster than sending it; layers go as the pass writes them (passes of
+         |         `layerwise_min_tokens` or more) or all at once when it ends; while no frame goes,
+         |         the decode side's lease is renewed
+         | the pass is over and every frame delivered (the channel finished on the link)
+    COMMITTING     commit asked for: no incomplete layer -> DONE; some -> TRANSFERRING, sent once more,
+         |         then committed with recompute (the decode worker rebuilds the KV from the tokens)
+    DONE | FAILED  `on_end` tells the worker: its blocks can go, and the router is told of a failure
+
+Both sides hold a lease. The decode side's lapses when no frame or renewal comes for `lease_s`; this
+side's when the transfer makes no progress (a frame taken by the channel, a renewal or commit
+answered) for `lease_s` + LEASE_MARGIN_S. A transfer whose frames wait behind other transfers on a link
+that is moving is renewed, not expired; one behind a stuck link is not.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-
-import torch
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.kv_transfer.codecs import Codec, frame_checksum, make_codec
-from pdserve.kv_transfer.codecs.base import Unrepresentable, device_bytes, payload_nbytes
-from pdserve.kv_transfer.interface import FrameHeader, LayerChannel, Payload
-from pdserve.kv_transfer.side_streams import off_the_compute_stream
+from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.codecs import Codec, offers
+from pdserve.kv_transfer.frames import FrameCutter, LevelController, LevelSizes, make_frame
+from pdserve.kv_transfer.interface import (PROBE_PREFIX, KVMemoryFull, LayerChannel, Lease, SendingTransport,
+                                          TransferError)
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.settings import TransferSettings
+from pdserve.kv_transfer.state import Transfer, TransferState
+from pdserve.kv_transfer.transports import make_sender
+from pdserve.threads import start_guarded
+from pdserve.wire import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
 
-FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, small enough to stream
-# Prompt passes this long or longer (the tokens the prefill worker computes) stream their KV layer by
-# layer beside the pass; a shorter one's is sent once the pass ends. Sending beside the pass slows it
-# (the sending process's Python and copies share the cores and the GIL), which costs the first token
-# more than a short prompt's transfer, sent after, costs the second (measured: docs/benchmarks.md,
-# "The handoff in serving").
-LAYERWISE_MIN_TOKENS = 1024
+log = logging.getLogger(__name__)
 
-
-@dataclass
-class LevelSizes:
-    """Measured encoded bytes per (token × layer) at each level of one codec, kept per worker.
-
-    A frame's fixed bytes (header, scales, a group's anchor token) weigh more the shorter it is, so a
-    level's figure is taken from the longest frames it was measured on (`measured_on`): a frame more
-    than twice as long measures it anew, and a frame under half as long is not counted. Otherwise a
-    level first met on a short frame would look too large for good, and never be chosen (so never
-    measured) again. Shared by the worker's sending threads (one per decode worker): under a lock."""
-
-    bytes_per_token: dict[int, float]
-    measured_on: dict[int, float] = field(default_factory=dict)  # level -> frame tokens its figure is from
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    @classmethod
-    def of(cls, codec: Codec) -> LevelSizes:
-        """Nothing measured yet, or for a codec whose sizes are fixed, its size, which nothing measures
-        again: the recompute decision has a transfer time from a worker's first transfer on."""
-        if codec.fixed_bytes_per_token is None:
-            return cls({})
-        return cls(dict.fromkeys(range(codec.num_levels), float(codec.fixed_bytes_per_token)),
-                   dict.fromkeys(range(codec.num_levels), math.inf))
-
-    def observe(self, level: int, num_tokens: int, nbytes: int) -> None:
-        seen = nbytes / max(1, num_tokens)
-        with self._lock:
-            if self._outdated(level, num_tokens):
-                self.bytes_per_token[level], self.measured_on[level] = seen, num_tokens
-            elif 2 * num_tokens >= self.measured_on[level]:
-                self.bytes_per_token[level] = 0.8 * self.bytes_per_token[level] + 0.2 * seen
-
-    def outdated(self, level: int, num_tokens: int) -> bool:
-        """Whether a frame of `num_tokens` should measure `level`: unknown, or known from short frames only."""
-        with self._lock:
-            return self._outdated(level, num_tokens)
-
-    def _outdated(self, level: int, num_tokens: int) -> bool:
-        return level not in self.bytes_per_token or num_tokens > 2 * self.measured_on[level]
-
-    def smallest(self) -> float | None:
-        """The smallest figure of any level (the coarsest measured), or None before any."""
-        with self._lock:
-            return min(self.bytes_per_token.values(), default=None)
+COMMIT_TIMEOUT_S = 30.0  # a commit's answer, and the delivery of what a channel holds before it
+DRAIN_S = 0.5  # a channel ended early is closed once its frames in flight are answered, waiting this long
+LEASE_CHECK_S = 0.5  # the loop looks at leases and bounds at least this often
+LEASE_MARGIN_S = 2.0  # this side's lease outlasts the decode side's by this much: the decode side's lapses first
+RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for free blocks
+DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a peer not yet probed (the launcher probes each)
 
 
-class LevelController:
-    """Picks each frame's level: the finest at which everything still to send fits in the time left
-    before the request's TTFT objective at the measured bandwidth (the finest, without an objective).
-    A level's size is measured by encoding a real frame at it when it is needed and `LevelSizes` has
-    no figure for frames this long."""
+class DecodePeer(Protocol):
+    """A decode worker's KV control plane as the sending side calls it. Every call returns at once."""
 
-    def __init__(self, codec: Codec, sizes: LevelSizes, bandwidth_bps: float, deadline: float | None) -> None:
-        if not bandwidth_bps > 0:
-            raise ValueError(f"bandwidth must be positive, not {bandwidth_bps}")
-        self.codec = codec
-        self.sizes = sizes
-        self.bandwidth_bps = bandwidth_bps
-        self.deadline = deadline
+    key: Hashable  # one per decode worker, kept across its restarts
+    name: str  # for messages
 
-    def encode(self, kv: torch.Tensor, layer: int, tokens_left: int) -> tuple[int, Payload]:
-        """(level, payload) for this frame; `tokens_left`: token-layers still to send, this frame's included."""
-        levels = self.codec.num_levels
-        if self.deadline is None or levels == 1:
-            return 0, self._encode(kv, layer, 0)
-        time_left = self.deadline - time.time()
-        payloads: dict[int, Payload] = {}
-        for level in range(levels):
-            if self.sizes.outdated(level, kv.shape[1]):
-                payloads[level] = self._encode(kv, layer, level)
-            size = self.sizes.bytes_per_token[level]
-            if size * tokens_left / self.bandwidth_bps <= time_left or level == levels - 1:
-                return level, payloads[level] if level in payloads else self._encode(kv, layer, level)
-        raise AssertionError("the coarsest level is always chosen")
+    def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                num_kv_tokens: int, codecs: list[str]) -> Future[Lease]: ...
 
-    def transfer_s(self, token_layers: int) -> float | None:
-        """The estimated time to send this many token-layers at the coarsest measured level."""
-        smallest = self.sizes.smallest()
-        return None if smallest is None else smallest * token_layers / self.bandwidth_bps
+    def renew(self, transfer_id: str) -> Future[Lease]: ...
 
-    def _encode(self, kv: torch.Tensor, layer: int, level: int) -> Payload:
-        payload = self.codec.encode(kv, layer, level)
-        # A frame larger than raw travels raw (`OutgoingTransfer._encode`): raw's size is what it costs.
-        self.sizes.observe(level, kv.shape[1], min(payload_nbytes(payload), kv.numel() * kv.element_size()))
-        return payload
+    def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool) -> Future[list[int]]:
+        """The layers still incomplete; empty once the decode worker holds the request."""
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """Free the reservation there (best effort: its lease frees it anyway)."""
 
 
-def make_frame(transfer_id: str, layer: int, start: int, num_tokens: int, codec: str, level: int, payload: Payload,
-               device: torch.device | None) -> tuple[FrameHeader, Payload]:
-    """A frame's header and its payload as it travels: host bytes, or a uint8 tensor on `device` (the
-    channel's); the checksum is taken of exactly that, and of the header's other fields."""
-    travelling = memoryview(payload).cast("B") if device is None else device_bytes(payload, device)
-    header = FrameHeader(transfer_id, layer, start, num_tokens, codec, level, 0, payload_nbytes(travelling))
-    return replace(header, crc32=frame_checksum(header, travelling)), travelling
+@dataclass(frozen=True)
+class TransferOutcome:
+    """How a transfer ended, as the worker is told (`on_end`)."""
+
+    error: str | None = None  # None: committed (the decode worker holds the request)
+    code: str = UNAVAILABLE  # a failure's gRPC status name
+    peer_not_answering: bool = False  # its decode worker left a reservation unanswered past the bound
 
 
-def read_kv(kv_cache: PagedKVCache, layer: int, block_ids: list[int], start: int, n: int,
-            to_host: bool = True) -> torch.Tensor:
-    """K and V of tokens [start, start + n) of one layer: in host memory (from a GPU, through pinned
-    memory), or where the cache is (`to_host=False`). On CUDA, call it `off_the_compute_stream`."""
-    kv = kv_cache.read_tokens(layer, kv_cache.token_slots(block_ids, start, n))
-    if not to_host or kv.device.type == "cpu":
-        return kv
-    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-    host.copy_(kv, non_blocking=True)
-    torch.cuda.current_stream(kv.device).synchronize()
-    return host
+@dataclass(eq=False)
+class OutgoingKV:
+    """One request's transfer, as the sender drives it. The engine thread records layers into it;
+    the loop and the link read them under `lock`."""
+
+    transfer: Transfer
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    new_tokens: int  # the prompt tokens this worker computes (its prefix cache holds the rest)
+    peer: DecodePeer
+    link: _Link
+    reservation: Future[Lease]
+    reserve_deadline: float  # monotonic
+    objective_deadline: float | None  # wall clock: when the request's TTFT objective ends, if it has one
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # layer -> (final up to, block ids)
+    lease: Lease | None = None
+    transport: str = "none"  # the transport its KV goes over, once chosen
+    cutter: FrameCutter | None = None  # once its channel is open
+    recompute: bool = False  # the decode worker rebuilds the KV from the tokens: nothing is sent
+    layerwise: bool = False  # its layers go as the pass writes them
+    sending: bool = False  # layers the pass writes from now on go to the link at once
+    handoff: RequestHandoff | None = None  # once the prompt pass is over
+    delivered: Future | None = None  # every frame handed so far answered (the channel finished)
+    commit: Future[list[int]] | None = None
+    commit_deadline: float = 0.0  # monotonic
+    resent: bool = False
+    renewal: Future[Lease] | None = None
+    pending: int = 0  # work queued on the link for it
+    progress_at: float = field(default_factory=time.monotonic)  # this side's lease runs from here
+    contacted_at: float = field(default_factory=time.monotonic)  # a frame or renewal extended the decode side's
+    times: dict[str, float] = field(default_factory=dict)  # wall clock: first and last frame, pass end, delivery
+    ended: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.transfer.request_id
 
 
-class OutgoingTransfer:
-    def __init__(self, transfer_id: str, channel: LayerChannel, controller: LevelController,
-                 kv_cache: PagedKVCache, first_token: int, num_tokens: int,
-                 frame_tokens: int = FRAME_TOKENS, before_frame: Callable[[], None] = lambda: None) -> None:
-        self.transfer_id = transfer_id
-        # Called before each frame is read: may raise to stop the transfer (its blocks may be another's
-        # by now); that the channel took the frame before is progress.
-        self.before_frame = before_frame
-        self.channel = channel
-        self.controller = controller
+class _Link:
+    """The data path to one decode worker: its thread runs what is submitted, in order."""
+
+    def __init__(self, name: str, wake: Callable[[], None], on_crash: Callable[[BaseException], None]) -> None:
+        self.name = name
+        self._wake = wake
+        self._queue: deque[tuple[OutgoingKV, Callable[[], Any], Future]] = deque()
+        self._ready = threading.Condition()
+        self._stopped = False
+        self.progress_at = time.monotonic()  # it last finished a piece of work
+        self.unanswered: tuple[Future, float] | None = None  # a reservation left unanswered past the bound, since
+        # The decode worker's frames, in order, apart from every other decode worker's: one that stalls
+        # holds up only this thread.
+        self._thread = start_guarded("kv-link", self._run, on_crash)
+
+    def submit(self, kv: OutgoingKV, work: Callable[[], Any], wake: bool = False) -> Future:
+        """Run `work` after what was submitted before; `wake`: the sender's loop looks again once it
+        is done (it waits on it), rather than at its next round."""
+        future: Future = Future()
+        with self._ready:
+            if self._stopped:
+                future.set_exception(TransferError("the KV sender is closed"))
+                return future
+            with kv.lock:
+                kv.pending += 1
+            self._queue.append((kv, work, future))
+            self._ready.notify()
+        if wake:
+            future.add_done_callback(lambda _: self._wake())
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._queue or self._stopped)
+                if not self._queue:
+                    return
+                kv, work, future = self._queue.popleft()
+            try:
+                future.set_result(work())
+            except Exception as e:  # the piece's own failure: whoever waits on it (the loop) handles it
+                future.set_exception(e)
+            finally:
+                with kv.lock:
+                    kv.pending -= 1
+                self.progress_at = time.monotonic()
+
+    def refusal(self) -> str | None:
+        """Why no transfer should start for this decode worker now: it has not answered a reservation
+        made past the bound yet (the link reopens once that one is answered, whatever the answer)."""
+        unanswered = self.unanswered
+        if unanswered is None:
+            return None
+        reservation, since = unanswered
+        if reservation.done():
+            self.unanswered = None
+            return None
+        return f"{self.name} has not answered a KV reservation made {time.monotonic() - since:.0f} s ago"
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopped = True
+            dropped, self._queue = list(self._queue), deque()
+            self._ready.notify()
+        for kv, _, future in dropped:
+            with kv.lock:
+                kv.pending -= 1
+            future.set_exception(TransferError("the KV sender is closed"))
+
+
+class KVSender:
+    """The sending side of a prefill worker's transfers (see the module's docstring)."""
+
+    def __init__(self, settings: TransferSettings, kv_cache: PagedKVCache, codecs: dict[str, Codec],
+                 on_end: Callable[[OutgoingKV, TransferOutcome], None],
+                 on_crash: Callable[[BaseException], None],
+                 node_id: str = "", wrap_channel: Callable[[LayerChannel], LayerChannel] = lambda c: c) -> None:
+        self.settings = settings
         self.kv_cache = kv_cache
-        self.first_token = first_token  # the decode worker holds every token before it
-        self.num_tokens = num_tokens
-        self.frame_tokens = frame_tokens
-        self.num_layers = kv_cache.layout.num_layers
-        self.frames_sent = 0
-        self.bytes_sent = 0  # payload bytes, over every channel the transfer used (a resend opens another)
-        self.levels_used: dict[int, int] = {}  # level -> frames
-        self._token_layers_left = (num_tokens - first_token) * self.num_layers
-        self._sent_until = [first_token] * self.num_layers  # tokens before it are sent, per layer
+        self.codecs = codecs  # by name, in the order they are offered; raw among them
+        self.node_id = node_id
+        self._on_end = on_end
+        self._on_crash = on_crash
+        self._wrap_channel = wrap_channel  # fault injection (the soak's corruption) wraps every channel
+        self._transports: dict[str, SendingTransport] = {}  # name -> sending half, made on first use
+        self._links: dict[Hashable, _Link] = {}
+        self._active: set[OutgoingKV] = set()
+        self._peer_addresses: dict[str, dict[str, str]] = {}  # decode worker -> where its last lease said it listens
+        self._bandwidth: dict[str, float] = {}  # decode worker (node and addresses) -> bytes/s, from probes
+        self._level_sizes = {name: LevelSizes.of(codec) for name, codec in codecs.items()}
+        self.counters: Counter[str] = Counter()  # frames_resent, recomputed, recompute_chosen, leases_expired, ...
+        self.metrics = TransferMetrics()
+        self.transfer_log: deque[dict] = deque(maxlen=1024)  # committed transfers, for benchmarks
+        self._lock = threading.Lock()  # the dictionaries and sets above
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        # Every transfer's decisions, on one thread: nothing here waits on a peer.
+        self._thread = start_guarded("kv-sender", self._run, on_crash)
 
-    def send_through(self, layer: int, block_ids: list[int], end: int) -> None:
-        """Send what is not sent yet of `layer`'s tokens before `end` (their KV is final)."""
-        start = self._sent_until[layer]
-        if end > start:
-            self._send_range(layer, block_ids, start, end, resend=False)
-            self._sent_until[layer] = end
+    # --- the worker's calls ------------------------------------------------------------------------
+    def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, new_tokens: int,
+              peer: DecodePeer, arrived: float) -> OutgoingKV:
+        """Ask `peer` to reserve for the request (beside its prompt pass, which the caller starts).
+        `arrived`: when the request came (wall clock), which its TTFT objective counts from."""
+        transfer = Transfer(uuid.uuid4().hex, request_id)
+        reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params,
+                                   len(prompt_token_ids), offers(self.codecs))
+        slo = self.settings.ttft_slo_s
+        kv = OutgoingKV(transfer, prompt_token_ids, params, new_tokens, peer, self._link(peer), reservation,
+                        time.monotonic() + self.settings.reserve_wait_s + RESERVE_MARGIN_S,
+                        arrived + slo if slo is not None else None)
+        with self._lock:
+            self._active.add(kv)
+        reservation.add_done_callback(lambda _: self._wake.set())
+        return kv
 
-    def resend_layers(self, layers: list[int], block_ids: list[int]) -> None:
-        for layer in layers:
-            self._send_range(layer, block_ids, self.first_token, self._sent_until[layer], resend=True)
+    def layer_written(self, kv: OutgoingKV, layer: int, end: int, block_ids: list[int]) -> None:
+        """On the engine's thread: `layer`'s KV of every token before `end` is final (held in
+        `block_ids` until the transfer ends). Sent at once while the transfer sends layer by layer."""
+        with kv.lock:
+            kv.written[layer] = (end, block_ids)
+            send = kv.sending and not kv.ended
+        if send:
+            self._send_layer(kv, layer)
 
-    def _send_range(self, layer: int, block_ids: list[int], start: int, end: int, resend: bool) -> None:
-        while start < end:
-            stop = min(end, (start // self.frame_tokens + 1) * self.frame_tokens)
-            self._send_frame(layer, block_ids, start, stop - start, resend)
-            start = stop
+    def prompt_done(self, kv: OutgoingKV, handoff: RequestHandoff) -> None:
+        """On the engine's thread: the pass is over (its step sampled the first token)."""
+        with kv.lock:
+            kv.handoff = handoff
+            kv.times["prompt_done"] = time.time()
+        self._wake.set()
 
-    def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
-        self.before_frame()
-        device = self.channel.device
-        with off_the_compute_stream(self.kv_cache.data.device):
-            # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.
-            kv = read_kv(self.kv_cache, layer, block_ids, start, n,
-                         to_host=device is None or self.controller.codec.name != "raw")
-            codec, level, payload = self._encode(kv, layer, max(n, self._token_layers_left))
-            header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
-            self.channel.send(header, payload)
-        self.frames_sent += 1
-        self.bytes_sent += header.payload_bytes
-        self.levels_used[level] = self.levels_used.get(level, 0) + 1
-        if not resend:
-            self._token_layers_left -= n
+    def end(self, kv: OutgoingKV, reason: str) -> bool:
+        """End the transfer, once, from any thread (a cancel, a fault, a job finished at its first
+        token): abort it on the decode worker unless it committed, and let its channel go. Whether it
+        had committed (DONE): the decode worker holds the request then."""
+        self._end(kv, reason)
+        return kv.transfer.state is TransferState.DONE
 
-    def _encode(self, kv: torch.Tensor, layer: int, tokens_left: int) -> tuple[Codec, int, Payload]:
-        """The frame's codec, level and payload: the agreed codec's, or raw (which the receiver takes
-        in any transfer) where that codec cannot represent the KV, or would make it larger (CacheGen
-        pays an escape per value far outside the range its tables were profiled on)."""
+    def _end(self, kv: OutgoingKV, reason: str) -> bool:
+        """`end`; whether this call ended it."""
+        with kv.lock:
+            if kv.ended:
+                return False
+            kv.ended = True
+            cutter = kv.cutter
+        with self._lock:
+            self._active.discard(kv)
+        failed = kv.transfer.fail(reason)  # from here on no frame is read: its blocks may be another's soon
+        if failed:
+            kv.peer.abort(kv.transfer.transfer_id, reason)
+        if cutter is not None:  # frames in flight are answered first, so the channel's resources are reused
+            kv.link.submit(kv, lambda: self._close(cutter.channel, drain=failed))
+        return True
+
+    def refusal(self, peer: DecodePeer) -> str | None:
+        """Why a request bound for `peer` should not start now (it left a reservation unanswered), or None."""
+        with self._lock:
+            link = self._links.get(peer.key)
+        return link.refusal() if link is not None else None
+
+    def reserving(self) -> set[Hashable]:
+        """The decode workers with a reservation still unanswered: the next prompts bound for them
+        wait in the queues, where the feeder starts other decode workers' prompts."""
+        with self._lock:
+            return {kv.peer.key for kv in self._active if kv.transfer.state is TransferState.BOOTSTRAPPING}
+
+    def num_transfers(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def probe(self, peer: DecodePeer, num_tokens: int, data: Callable[[int], Any]) -> dict[str, float]:
+        """Send every layer of `num_tokens` tokens of raw KV (`data(n)`: n tokens' KV of one layer) to
+        `peer`, then abort it: the transport's bandwidth (`seconds`: the frames) and a whole handoff's
+        time (`handoff_s`: reserve to abort). The bandwidth is kept for the level controller of later
+        transfers to that worker. On the calling thread."""
+        transfer_id = uuid.uuid4().hex
+        t_reserve = time.perf_counter()
+        reservation = peer.reserve(transfer_id, f"{PROBE_PREFIX}{transfer_id}", [3] * num_tokens,
+                                   SamplingParams.greedy(max_tokens=1), num_tokens, ["raw"])
         try:
-            level, payload = self.controller.encode(kv, layer, tokens_left)
-            if payload_nbytes(payload) <= kv.numel() * kv.element_size():
-                return self.controller.codec, level, payload
-        except Unrepresentable:
-            pass
-        raw = make_codec("raw", None, self.kv_cache.layout)
-        return raw, 0, raw.encode(kv, layer)
+            lease = reservation.result(timeout=self.settings.reserve_wait_s + RESERVE_MARGIN_S)
+            layout = self.kv_cache.layout
+            raw, first = self.codecs["raw"], lease.cached_blocks * layout.block_size
+            channel = self._open_channel(lease, transfer_id)
+        except BaseException:  # the reservation may stand (granted late, or the channel failed): let it go
+            peer.abort(transfer_id, "probe failed")
+            raise
+        try:
+            t0 = time.perf_counter()
+            for layer in range(layout.num_layers):
+                for start in range(first, num_tokens, self.settings.frame_tokens):
+                    n = min(self.settings.frame_tokens, num_tokens - start)
+                    channel.send(*make_frame(transfer_id, layer, start, n, raw.name, 0, raw.encode(data(n), layer),
+                                             channel.device))
+            channel.finish(COMMIT_TIMEOUT_S)
+            seconds = time.perf_counter() - t0
+        finally:
+            channel.close()
+            peer.abort(transfer_id, "probe finished")
+        if channel.bytes_sent:  # none when the decode worker held every probe block already
+            with self._lock:
+                self._bandwidth[_peer_id(lease)] = channel.bytes_sent / max(seconds, 1e-9)
+        return {"bytes": channel.bytes_sent, "seconds": seconds, "handoff_s": time.perf_counter() - t_reserve}
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        with self._lock:
+            links, active = list(self._links.values()), list(self._active)
+        for kv in active:
+            self.end(kv, "the prefill worker is shutting down")
+        for link in links:
+            link.stop()
+        for transport in self._transports.values():
+            transport.close()
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(LEASE_CHECK_S)
+            self._wake.clear()
+            with self._lock:
+                active = list(self._active)
+            for kv in active:
+                try:
+                    self._poll(kv, time.monotonic())
+                except Exception as e:  # a fault of this side's own: that transfer fails, saying so
+                    log.exception("request %s: the KV sender failed on its transfer", kv.request_id)
+                    self._fail(kv, f"the KV sender failed: {type(e).__name__}: {e}")
+
+    def _poll(self, kv: OutgoingKV, now: float) -> None:
+        state = kv.transfer.state
+        if kv.ended:
+            return
+        if state is TransferState.BOOTSTRAPPING:
+            if kv.reservation.done():
+                self._take_lease(kv, now)
+            elif now > kv.reserve_deadline:
+                self._reservation_unanswered(kv, now)
+            return
+        if state is TransferState.TRANSFERRING:
+            if kv.handoff is not None and kv.delivered is None:
+                self._deliver(kv)
+            if kv.delivered is not None and kv.delivered.done():
+                self._ask_commit(kv, now)
+        elif state is TransferState.COMMITTING:
+            if kv.commit.done():
+                self._committed(kv, now)
+            elif now > kv.commit_deadline:
+                self._fail(kv, f"KV transfer failed: {kv.peer.name} did not answer the commit within "
+                               f"{COMMIT_TIMEOUT_S:g} s")
+            return
+        self._keep_leases(kv, now)
+
+    def _take_lease(self, kv: OutgoingKV, now: float) -> None:
+        try:
+            lease = kv.reservation.result()
+        except Exception as e:
+            self._fail(kv, f"prefill could not start: {_reason(e)}", _code(e))
+            return
+        kv.peer.name = kv.link.name = f"decode worker {lease.worker_id}"
+        codec = self.codecs[lease.codec]  # one of those offered: the decode worker answers with one, or raw
+        with self._lock:
+            bandwidth = self._bandwidth.get(_peer_id(lease), DEFAULT_BANDWIDTH)
+        controller = LevelController(codec, self._level_sizes[codec.name], bandwidth, kv.objective_deadline)
+        layout = self.kv_cache.layout
+        first = lease.cached_blocks * layout.block_size
+        transfer_s = controller.transfer_s((len(kv.prompt_token_ids) - first) * layout.num_layers)
+        recompute = (self.settings.recompute and lease.recompute_s is not None and transfer_s is not None
+                     and transfer_s > lease.recompute_s)
+        if not recompute:
+            try:
+                kv.transport = self.settings.pick(lease.addresses, same_node=lease.node_id == self.node_id)
+            except ValueError as e:  # the pools' settings disagree (a transport one lacks): not the request's
+                self._fail(kv, f"prefill could not start: cannot send to {kv.peer.name}: {e}")
+                return
+            self._forget_old_addresses(lease)
+        else:
+            self.counters["recompute_chosen"] += 1
+        by_objective = controller.deadline is not None and codec.num_levels > 1
+        with kv.lock:
+            if kv.ended:
+                return
+            kv.lease, kv.recompute = lease, recompute
+            kv.layerwise = not recompute and (kv.new_tokens >= self.settings.layerwise_min_tokens or by_objective)
+            kv.transfer.advance(TransferState.TRANSFERRING)
+            kv.progress_at = kv.contacted_at = now
+        if recompute:
+            return
+        kv.link.submit(kv, lambda: self._open(kv, controller, first)).add_done_callback(
+            lambda opened: self._fail_on_error(kv, opened))
+        if kv.layerwise:  # what was written before the lease came goes now; the rest as it is written
+            self._start_sending(kv)
+
+    def _start_sending(self, kv: OutgoingKV) -> None:
+        with kv.lock:
+            kv.sending = True
+            layers = list(kv.written)
+        for layer in layers:
+            self._send_layer(kv, layer)
+
+    def _deliver(self, kv: OutgoingKV) -> None:
+        """The pass is over: every layer not yet handed goes, then the channel is finished."""
+        if kv.recompute:
+            kv.delivered = Future()
+            kv.delivered.set_result(None)
+            return
+        if not kv.layerwise:
+            self._start_sending(kv)
+        kv.delivered = kv.link.submit(kv, lambda: self._finish_channel(kv), wake=True)
+
+    def _ask_commit(self, kv: OutgoingKV, now: float) -> None:
+        try:
+            kv.delivered.result()
+        except Exception as e:
+            self._fail(kv, f"KV transfer failed: {_reason(e)}")
+            return
+        kv.transfer.advance_unless_finished(TransferState.COMMITTING)
+        kv.progress_at = now
+        kv.commit = kv.peer.commit(kv.transfer.transfer_id, kv.handoff, kv.recompute)
+        kv.commit_deadline = now + COMMIT_TIMEOUT_S
+        kv.commit.add_done_callback(lambda _: self._wake.set())
+
+    def _committed(self, kv: OutgoingKV, now: float) -> None:
+        try:
+            incomplete = kv.commit.result()
+        except Exception as e:
+            self._fail(kv, f"KV transfer failed: {_reason(e)}")
+            return
+        kv.progress_at = kv.contacted_at = now
+        if not incomplete:
+            if kv.transfer.advance_unless_finished(TransferState.DONE):  # else a cancel came during the commit
+                self._record(kv)
+                self._finish(kv, TransferOutcome())
+            return
+        if kv.resent:
+            log.warning("request %s: layers %s still incomplete, the decode worker recomputes it", kv.request_id,
+                        incomplete)
+            self.counters["recomputed"] += 1
+            kv.recompute = True
+            kv.commit = kv.peer.commit(kv.transfer.transfer_id, kv.handoff, True)
+            kv.commit_deadline = now + COMMIT_TIMEOUT_S
+            kv.commit.add_done_callback(lambda _: self._wake.set())
+            return
+        log.warning("request %s: layers %s arrived incomplete, sending them again", kv.request_id, incomplete)
+        self.counters["frames_resent"] += 1
+        kv.resent = True
+        kv.transfer.advance_unless_finished(TransferState.TRANSFERRING)
+        kv.link.submit(kv, lambda: self._resend(kv, incomplete)).add_done_callback(
+            lambda resent: self._fail_on_error(kv, resent))
+        kv.delivered = kv.link.submit(kv, lambda: self._finish_channel(kv), wake=True)
+
+    def _keep_leases(self, kv: OutgoingKV, now: float) -> None:
+        """Renew the decode side's lease while no frame of the transfer goes (its frames held for the
+        pass's end, or waiting behind other transfers on a link that moves; the KV recomputed there;
+        every block cached there), and expire this side's when the transfer stopped making progress."""
+        lease_s = self.settings.lease_s
+        if kv.ended:
+            return
+        if kv.renewal is not None and kv.renewal.done():
+            if kv.renewal.exception() is None:  # a lost renewal only matters if the lease then expires
+                kv.progress_at = kv.contacted_at = now
+            kv.renewal = None
+        if now - kv.progress_at > lease_s + LEASE_MARGIN_S:
+            self.counters["leases_expired"] += 1
+            self._fail(kv, f"lease expired: the transfer to {kv.peer.name} made no progress for "
+                           f"{lease_s + LEASE_MARGIN_S:.0f} s")
+            return
+        stuck_link = kv.pending > 0 and now - kv.link.progress_at > lease_s / 3
+        if kv.renewal is None and now - kv.contacted_at > lease_s / 3 and not stuck_link:
+            kv.renewal = kv.peer.renew(kv.transfer.transfer_id)
+
+    def _reservation_unanswered(self, kv: OutgoingKV, now: float) -> None:
+        """The decode worker left the reservation unanswered past the bound: its link takes no new
+        transfer until it answers that one, and this one fails (the router places it elsewhere)."""
+        self.counters["reservations_unanswered"] += 1
+        if kv.link.unanswered is None:
+            kv.link.unanswered = (kv.reservation, now)
+            log.warning("%s did not answer a KV reservation within %.0f s: its prompts go to other decode workers "
+                        "until it does", kv.link.name, self.settings.reserve_wait_s + RESERVE_MARGIN_S)
+        self._finish(kv, TransferOutcome(
+            f"prefill could not start: {kv.link.name} did not answer the KV reservation within "
+            f"{self.settings.reserve_wait_s + RESERVE_MARGIN_S:.0f} s", UNAVAILABLE, peer_not_answering=True))
+
+    def _fail(self, kv: OutgoingKV, error: str, code: str = UNAVAILABLE) -> None:
+        self._finish(kv, TransferOutcome(error, code))
+
+    def _finish(self, kv: OutgoingKV, outcome: TransferOutcome) -> None:
+        """End the transfer (a failure: aborted there, its channel drained) and tell the worker."""
+        if self._end(kv, outcome.error or "committed"):
+            if outcome.error is not None and kv.lease is not None:
+                self.metrics.ended(kv.transport, kv.lease.codec, "failed")
+            self._on_end(kv, outcome)
+
+    def _record(self, kv: OutgoingKV) -> None:
+        sent = kv.cutter.bytes_sent if kv.cutter is not None else 0
+        kv.transfer.bytes_moved = sent
+        events, layout = kv.transfer.events, self.kv_cache.layout
+        self.metrics.ended(kv.transport, kv.lease.codec, "recomputed" if kv.recompute else "success", sent,
+                           events[TransferState.DONE.value] - events[TransferState.TRANSFERRING.value])
+        self.transfer_log.append({
+            "bytes": sent, "first_layer": kv.times.get("first_frame", events[TransferState.TRANSFERRING.value]),
+            "last_layer": kv.times.get("last_frame", 0.0), "prompt_done": kv.times.get("prompt_done", 0.0),
+            "delivered": kv.times.get("delivered", 0.0), "committed": events[TransferState.DONE.value],
+            "tokens": len(kv.prompt_token_ids), "recomputed": kv.recompute, "layerwise": kv.layerwise,
+            "cached_tokens": kv.lease.cached_blocks * layout.block_size, "codec": kv.lease.codec,
+            "levels": dict(kv.cutter.levels_used) if kv.cutter is not None else {}})
+
+    # --- on the links -----------------------------------------------------------------------------
+    def _send_layer(self, kv: OutgoingKV, layer: int) -> None:
+        kv.link.submit(kv, lambda: self._send_written(kv, layer)).add_done_callback(
+            lambda sent: self._fail_on_error(kv, sent))
+
+    def _send_written(self, kv: OutgoingKV, layer: int) -> None:
+        with kv.lock:
+            end, block_ids = kv.written[layer]
+            cutter = kv.cutter
+        if cutter is not None and not kv.transfer.state.is_terminal:
+            cutter.send_through(layer, block_ids, end)
+
+    def _open(self, kv: OutgoingKV, controller: LevelController, first: int) -> None:
+        if kv.transfer.state.is_terminal:
+            return
+        channel = self._open_channel(kv.lease, kv.transfer.transfer_id)
+        cutter = FrameCutter(kv.transfer.transfer_id, channel, controller, self.kv_cache, first,
+                             len(kv.prompt_token_ids), self.settings.frame_tokens,
+                             before_frame=lambda: self._frame_due(kv))
+        with kv.lock:
+            owned = not kv.ended
+            if owned:
+                kv.cutter = cutter
+        if not owned:  # ended while it opened: `end` found no channel to close
+            _close_logged(channel)
+
+    def _frame_due(self, kv: OutgoingKV) -> None:
+        """Before each of the transfer's frames is read: a transfer that ended reads no more of its
+        blocks (the engine may hand them to another request); the channel took the frame before (it
+        holds a bounded window unanswered): progress, which extends both sides' leases."""
+        if kv.transfer.state.is_terminal:
+            raise TransferError(f"transfer {kv.transfer.transfer_id} ended: no more frames")
+        kv.progress_at = kv.contacted_at = time.monotonic()
+        now = time.time()
+        kv.times.setdefault("first_frame", now)
+        kv.times["last_frame"] = now
+
+    def _finish_channel(self, kv: OutgoingKV) -> None:
+        """Wait until every frame handed so far is answered (what is left: the transport's window at most)."""
+        if kv.cutter is not None:
+            kv.cutter.channel.finish(COMMIT_TIMEOUT_S)
+        kv.times.setdefault("delivered", time.time())
+
+    def _resend(self, kv: OutgoingKV, layers: list[int]) -> None:
+        """Send `layers` once more on a fresh channel (a finished one takes no more frames)."""
+        if kv.transfer.state.is_terminal:
+            return
+        old = kv.cutter.channel
+        fresh = self._open_channel(kv.lease, kv.transfer.transfer_id)
+        with kv.lock:
+            owned = not kv.ended
+            if owned:
+                kv.cutter.channel = fresh
+            block_ids = kv.written[max(kv.written)][1]
+        _close_logged(old)
+        if not owned:
+            _close_logged(fresh)
+            return
+        kv.cutter.resend_layers(layers, block_ids)
+
+    def _close(self, channel: LayerChannel, drain: bool) -> None:
+        """Close a channel; one of a transfer that ended early once its frames in flight are answered
+        (a frame the decode side refused is answered too), so its resources are reused."""
+        if drain:
+            try:
+                channel.finish(DRAIN_S)
+            except TransferError:
+                pass  # not drained: `close` releases what it cannot reuse
+            except Exception:  # the transport's own failure: the transfer is over, so it costs only the reuse
+                log.exception("draining a KV channel failed; closing it")
+        _close_logged(channel)
+
+    def _fail_on_error(self, kv: OutgoingKV, done: Future) -> None:
+        error = done.exception()
+        if error is not None and not kv.transfer.state.is_terminal:
+            self._fail(kv, f"KV transfer failed: {_reason(error)}")
+
+    # --- transports -------------------------------------------------------------------------------
+    def _link(self, peer: DecodePeer) -> _Link:
+        with self._lock:
+            if self._stopped.is_set():
+                raise RuntimeError("the KV sender is closed")
+            link = self._links.get(peer.key)
+            if link is None:
+                link = self._links[peer.key] = _Link(peer.name, self._wake.set, self._on_crash)
+            return link
+
+    def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:
+        name = self.settings.pick(lease.addresses, same_node=lease.node_id == self.node_id)
+        with self._lock:  # links open channels side by side: one sending half per transport
+            transport = self._transports.get(name)
+            if transport is None:
+                frame_bytes = self.settings.frame_tokens * self.kv_cache.layout.bytes_per_token_layer
+                transport = self._transports[name] = make_sender(
+                    name, host=self.settings.host, tls=self.settings.tls, secret=self.settings.secret,
+                    frame_bytes=frame_bytes)
+        return self._wrap_channel(transport.open(lease.addresses[name], transfer_id))
+
+    def _forget_old_addresses(self, lease: Lease) -> None:
+        """A decode worker that restarted listens on new addresses: what the transports hold for its
+        old ones (idle shm segments, tcp connections, a gloo group) is let go. Only as a transfer's
+        lease is taken: a resend reopening a channel on an older lease must not take them back."""
+        with self._lock:
+            old = self._peer_addresses.get(lease.worker_id)
+            self._peer_addresses[lease.worker_id] = lease.addresses
+            transports = dict(self._transports)
+        for name, address in (old or {}).items():
+            if address != lease.addresses.get(name) and name in transports:
+                log.info("decode worker %s moved from %s: letting go of that address", lease.worker_id, address)
+                transports[name].forget(address)
+
+
+def _close_logged(channel: LayerChannel) -> None:
+    """Close a channel; a failure (its release message not sent) is logged, never raised: the
+    transfer's blocks must still be freed and its router told, whatever the channel does."""
+    try:
+        channel.close()
+    except Exception:
+        log.exception("closing a KV channel failed")
+
+
+def _peer_id(lease: Lease) -> str:
+    """A decode worker as its leases name it (its node and where it listens)."""
+    return f"{lease.node_id}|{sorted(lease.addresses.items())}"
+
+
+def _code(error: BaseException) -> str:
+    """The status a failed reservation gets: busy (decode memory full) is not broken, and a prompt
+    the decode worker's engine refused is the request's own fault."""
+    if _is(error, KVMemoryFull):
+        return RESOURCE_EXHAUSTED
+    return INVALID_ARGUMENT if _is(error, ValueError) else UNAVAILABLE
+
+
+def _is(error: BaseException, cls: type) -> bool:
+    """Whether `error`, or the error a remote call wrapped in it (Ray's `cause`), is a `cls`."""
+    return isinstance(error, cls) or isinstance(getattr(error, "cause", None), cls)
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost message of an exception, without a remote call's wrapping."""
+    cause = getattr(error, "cause", None) or error.__cause__
+    if isinstance(error, TransferError) or cause is None:
+        text = str(error).strip()
+        return text.splitlines()[-1] if text else type(error).__name__
+    return _reason(cause)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pdserve.kv_transfer.sender import FRAME_TOKENS, LAYERWISE_MIN_TOKENS
+from pdserve.kv_transfer.frames import FRAME_TOKENS, LAYERWISE_MIN_TOKENS
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret

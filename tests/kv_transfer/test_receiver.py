@@ -19,7 +19,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kv_transfer.codecs import make_codec, offers
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
-from pdserve.kv_transfer.sender import LevelController, LevelSizes, OutgoingTransfer, make_frame
+from pdserve.kv_transfer.frames import FrameCutter, LevelController, LevelSizes, make_frame
 from pdserve.kv_transfer.transports.p2p import P2PReceiver, P2PSender
 from pdserve.kv_transfer.state import IllegalTransition, Transfer, TransferState
 
@@ -266,7 +266,7 @@ def test_frames_on_a_device_go_through_the_nccl_path_into_the_blocks(sides, hf_r
     try:
         channel = sending.open(receiving.address, "t1")
         raw = make_codec("raw", None, prefill.kv_layout)
-        outgoing = OutgoingTransfer("t1", channel, LevelController(raw, LevelSizes({}), 1e9, None), prefill.kv_cache,
+        outgoing = FrameCutter("t1", channel, LevelController(raw, LevelSizes({}), 1e9, None), prefill.kv_cache,
                                     0, len(prompt), frame_tokens=32)
         seq = prefill.requests[request_id]
         for layer in range(decode.kv_layout.num_layers):
@@ -324,7 +324,7 @@ def hand_off(prefill: LLMEngine, receiver: KVReceiver, prompt: list[int], transf
     held = lease.cached_blocks * prefill.kv_layout.block_size
     channel = DirectChannel(receiver.receive_frame, device)
     chosen = make_codec(codec, None, prefill.kv_layout)
-    outgoing = OutgoingTransfer(transfer_id, channel, LevelController(chosen, LevelSizes({}), 1e9, None),
+    outgoing = FrameCutter(transfer_id, channel, LevelController(chosen, LevelSizes({}), 1e9, None),
                                 prefill.kv_cache, held, len(prompt), frame_tokens=32)
     for layer in range(prefill.kv_layout.num_layers):
         outgoing.send_through(layer, prefill.requests[request_id].block_table, len(prompt))
@@ -350,7 +350,7 @@ def test_kv_a_scaled_codec_cannot_carry_travels_raw_and_exact(sides, hf_referenc
     prefill.kv_cache.write_tokens(1, slots, poisoned)
     headers = []
     channel = DirectChannel(lambda header, payload: (headers.append(header), receiver.receive_frame(header, payload)))
-    outgoing = OutgoingTransfer("t1", channel, LevelController(make_codec(codec, None, prefill.kv_layout),
+    outgoing = FrameCutter("t1", channel, LevelController(make_codec(codec, None, prefill.kv_layout),
                                                                LevelSizes({}), 1e9, None),
                                 prefill.kv_cache, 0, len(prompt), frame_tokens=32)
     for layer in range(layers):
@@ -803,7 +803,7 @@ class CommitOnFirstRelease:
         self.lock.release()
         if self.armed:
             self.armed = False  # the commit takes the lock too
-            self.committed = self.transfer.advance_unless_finished(TransferState.SUCCESS)
+            self.committed = self.transfer.advance_unless_finished(TransferState.DONE)
 
 
 def test_a_failure_racing_the_commit_wins_or_loses_quietly():
@@ -811,24 +811,26 @@ def test_a_failure_racing_the_commit_wins_or_loses_quietly():
     them wins, and the loser is told so (False), never by an exception halfway through its cleanup
     (the prefill worker's `_finish` would leave the request's blocks held)."""
     t = Transfer("t", "r")
-    t.advance(TransferState.RESERVED)
+    t.advance(TransferState.TRANSFERRING)
+    t.advance(TransferState.COMMITTING)
     t._lock = CommitOnFirstRelease(t)
     assert t.fail("cancelled") and t._lock.committed is False and t.state == TransferState.FAILED
     t = Transfer("t", "r")
-    t.advance(TransferState.RESERVED)
-    t.advance(TransferState.SUCCESS)
-    assert not t.fail("cancelled") and t.state == TransferState.SUCCESS
+    for state in (TransferState.TRANSFERRING, TransferState.COMMITTING, TransferState.DONE):
+        t.advance(state)
+    assert not t.fail("cancelled") and t.state == TransferState.DONE
 
 
 def test_state_machine_rejects_illegal_moves():
     t = Transfer("t", "r")
     with pytest.raises(IllegalTransition):
-        t.advance(TransferState.SUCCESS)
-    t.advance(TransferState.RESERVED)
+        t.advance(TransferState.DONE)
     t.advance(TransferState.TRANSFERRING)
+    with pytest.raises(IllegalTransition):
+        t.advance(TransferState.DONE)  # only through COMMITTING
     assert t.fail("boom") and not t.fail("twice") and t.error == "boom"
     with pytest.raises(IllegalTransition):
-        t.advance(TransferState.SUCCESS)
+        t.advance(TransferState.COMMITTING)
 
 
 def test_a_commit_naming_another_request_is_refused_and_frees_the_reservation(sides, hf_reference):
@@ -865,7 +867,7 @@ def test_a_frame_cachegen_would_make_larger_than_raw_travels_raw(sides, hf_refer
     prefill.kv_cache.write_tokens(1, slots, outlying)
     headers = []
     channel = DirectChannel(lambda header, payload: (headers.append(header), receiver.receive_frame(header, payload)))
-    outgoing = OutgoingTransfer("t1", channel, LevelController(cachegen, LevelSizes({}), 1e9, None),
+    outgoing = FrameCutter("t1", channel, LevelController(cachegen, LevelSizes({}), 1e9, None),
                                 prefill.kv_cache, 0, len(prompt), frame_tokens=32)
     for layer in range(layout.num_layers):
         outgoing.send_through(layer, seq.block_table, len(prompt))

@@ -10,7 +10,7 @@ import torch
 from kv_helpers import LAYOUT, synthetic_kv, synthetic_tables
 
 from pdserve.kv_transfer.codecs import make_codec
-from pdserve.kv_transfer.sender import LevelController, LevelSizes
+from pdserve.kv_transfer.frames import LevelController, LevelSizes
 
 
 @pytest.fixture(scope="module")

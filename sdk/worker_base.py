@@ -1,0 +1,78 @@
+"""What both worker actors share (`WorkerBase`): their model and engine, the engine loop, the token
+sink to the router, the prefix-cache event publisher, injected faults, and the health report's
+common part. Each role adds its own requests, KV side and report on top.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import ray
+
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.model_store import ModelSource, materialize
+from pdserve.faults import FaultInjector, FaultSettings
+from pdserve.kv_events import KVEventPublisher, KVSnapshot
+from pdserve.kv_transfer.settings import TransferSettings
+from pdserve.wire import TokenSink
+
+
+class WorkerBase:
+    def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
+                 kv_settings: TransferSettings, kv_events: str | None, faults: FaultSettings | None) -> None:
+        self.worker_id = worker_id
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
+        model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
+        self.model_dir = str(model_dir)
+        self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        self.kv = kv_settings.on_node(self.node_ip)
+        self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_config))
+        self.kv_events = KVEventPublisher(kv_events, worker_id, on_crash=self._on_publisher_crash,
+                                          secret=self.kv.secret) if kv_events else None
+        self.engine.pool.listener = self.kv_events
+        self.sink = TokenSink(token_sink, self.kv.secret)
+        self.fault: str | None = None  # why the worker is dead (it has failed its requests); None: alive
+        self._profiled = False
+
+    def start_loop(self) -> None:
+        """Start the engine loop, once the role's own state (which its callbacks use) is set up."""
+        self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
+
+    def common_status(self) -> dict[str, Any]:
+        """The health report's part every role has."""
+        engine = self.engine
+        return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
+                "model_digest": self.model_digest, **engine.kv_status(), "requests": len(engine.requests),
+                "alive": self.fault is None and self.loop.running, "fault": self.fault,
+                "step_cost": engine.step_costs.coefficients.as_tuple(),
+                "step_budget": engine.config.max_num_batched_tokens, "profiled": self._profiled}
+
+    def common_stats(self) -> dict[str, Any]:
+        return {"loop": vars(self.loop.busy), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every cached block (hash, parent) and the sequence number of the last event they reflect."""
+        return self.loop.call(lambda e: self.kv_events.snapshot(e.pool.cached_blocks()))
+
+    def close_common(self) -> None:
+        self.loop.stop()
+        self.sink.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    def _on_fault(self, reason: str) -> None:
+        """Fail every request held here with an explicit error; `ping` then reports the worker dead."""
+        raise NotImplementedError
+
+    def _on_loop_fatal(self, error: BaseException) -> None:
+        self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
+
+    def _on_publisher_crash(self, error: BaseException) -> None:
+        self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
