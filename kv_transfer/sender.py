@@ -353,8 +353,10 @@ class KVSender:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        # Often enough to renew a lease a few times over its life, however short the manifest makes it.
+        tick = min(LEASE_CHECK_S, self.settings.lease_s / 6)
         while not self._stopped.is_set():
-            self._wake.wait(LEASE_CHECK_S)
+            self._wake.wait(tick)
             self._wake.clear()
             with self._lock:
                 active = list(self._active)
@@ -495,8 +497,10 @@ class KVSender:
         if kv.ended:
             return
         if kv.renewal is not None and kv.renewal.done():
-            if kv.renewal.exception() is None:  # a lost renewal only matters if the lease then expires
-                kv.progress_at = kv.contacted_at = now
+            if (error := kv.renewal.exception()) is not None:  # the decode side let the transfer go
+                self._fail(kv, f"KV transfer failed: renewing its lease: {_reason(error)}")
+                return
+            kv.progress_at = kv.contacted_at = now
             kv.renewal = None
         if now - kv.progress_at > lease_s + LEASE_MARGIN_S:
             self.counters["leases_expired"] += 1

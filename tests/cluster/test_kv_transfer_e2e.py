@@ -26,7 +26,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
 from pdserve.engine.presets import resolve_model
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
-from pdserve.prefill_worker.worker import RESERVE_MARGIN_S
+from pdserve.kv_transfer.sender import RESERVE_MARGIN_S
 from pdserve.router.client import Client, DeadlineExceeded, PDServeError, Unavailable
 from pdserve.wire import WorkRequest
 
