@@ -8,9 +8,10 @@ Threads (both started here; their failures fail the worker through `on_crash`):
   - the loop (`kv-sender`) drives every transfer's state machine (`state.Transfer`): takes leases,
     decides what to send and when, asks for commits, has what arrived incomplete sent again, renews
     and expires leases, and ends transfers;
-  - one link per decode worker (`_Link`, `kv-link`), its data path: channels are opened, frames read
-    out of the cache, encoded and sent, and channels finished and closed there, in order, so a decode
-    worker that stalls holds up its own transfers only.
+  - one link per decode worker (`_Link`), its data path, apart from every other decode worker's, so
+    one that stalls holds up its own transfers only: on one thread (`kv-link-send`) channels are
+    opened and frames read out of the cache, encoded and sent, in order; on another (`kv-link-end`)
+    channels are finished (their frames' answers waited for) and closed.
 
 One transfer's way (any failure, in any state, ends it FAILED through `end`):
 
@@ -66,6 +67,7 @@ LEASE_CHECK_S = 0.5  # the loop looks at leases and bounds at least this often
 LEASE_MARGIN_S = 2.0  # this side's lease outlasts the decode side's by this much: the decode side's lapses first
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for free blocks
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a peer not yet probed (the launcher probes each)
+COUNTED = ("frames_resent", "recomputed", "recompute_chosen", "leases_expired", "reservations_unanswered")
 
 
 class DecodePeer(Protocol):
@@ -126,6 +128,7 @@ class OutgoingKV:
     pending: int = 0  # work queued on the link for it
     progress_at: float = field(default_factory=time.monotonic)  # this side's lease runs from here
     contacted_at: float = field(default_factory=time.monotonic)  # a frame or renewal extended the decode side's
+    written_at: float = field(default_factory=time.monotonic)  # the pass last wrote a layer of it
     times: dict[str, float] = field(default_factory=dict)  # wall clock: first and last frame, pass end, delivery
     ended: bool = False
 
@@ -134,24 +137,20 @@ class OutgoingKV:
         return self.transfer.request_id
 
 
-class _Link:
-    """The data path to one decode worker: its thread runs what is submitted, in order."""
+class _Serial:
+    """A thread that runs what is submitted to it, in order. `pending` counts, per transfer, what is
+    queued for it; `done` hears of each piece done."""
 
-    def __init__(self, name: str, wake: Callable[[], None], on_crash: Callable[[BaseException], None]) -> None:
-        self.name = name
-        self._wake = wake
+    def __init__(self, name: str, done: Callable[[OutgoingKV], None],
+                 on_crash: Callable[[BaseException], None]) -> None:
+        self._done = done
         self._queue: deque[tuple[OutgoingKV, Callable[[], Any], Future]] = deque()
         self._ready = threading.Condition()
         self._stopped = False
         self.progress_at = time.monotonic()  # it last finished a piece of work
-        self.unanswered: tuple[Future, float] | None = None  # a reservation left unanswered past the bound, since
-        # The decode worker's frames, in order, apart from every other decode worker's: one that stalls
-        # holds up only this thread.
-        self._thread = start_guarded("kv-link", self._run, on_crash)
+        self._thread = start_guarded(name, self._run, on_crash)
 
-    def submit(self, kv: OutgoingKV, work: Callable[[], Any], wake: bool = False) -> Future:
-        """Run `work` after what was submitted before; `wake`: the sender's loop looks again once it
-        is done (it waits on it), rather than at its next round."""
+    def submit(self, kv: OutgoingKV, work: Callable[[], Any]) -> Future:
         future: Future = Future()
         with self._ready:
             if self._stopped:
@@ -161,8 +160,6 @@ class _Link:
                 kv.pending += 1
             self._queue.append((kv, work, future))
             self._ready.notify()
-        if wake:
-            future.add_done_callback(lambda _: self._wake())
         return future
 
     def _run(self) -> None:
@@ -174,12 +171,37 @@ class _Link:
                 kv, work, future = self._queue.popleft()
             try:
                 future.set_result(work())
-            except Exception as e:  # the piece's own failure: whoever waits on it (the loop) handles it
+            except Exception as e:  # the piece's own failure: whoever waits on it handles it
                 future.set_exception(e)
             finally:
                 with kv.lock:
                     kv.pending -= 1
                 self.progress_at = time.monotonic()
+                self._done(kv)
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopped = True
+            dropped, self._queue = list(self._queue), deque()
+            self._ready.notify()
+        for kv, _, future in dropped:
+            with kv.lock:
+                kv.pending -= 1
+            future.set_exception(TransferError("the KV sender is closed"))
+
+
+class _Link:
+    """The data path to one decode worker, apart from every other's: one that stalls holds up only
+    its own. Two threads: `sends` opens channels and sends frames, in order; `ends` waits for a
+    transfer's frames to be answered (before its commit) and closes channels, so a transfer whose
+    frames are all out commits without waiting behind the next transfer's frames."""
+
+    def __init__(self, name: str, done: Callable[[OutgoingKV], None],
+                 on_crash: Callable[[BaseException], None]) -> None:
+        self.name = name
+        self.unanswered: tuple[Future, float] | None = None  # a reservation left unanswered past the bound, since
+        self.sends = _Serial("kv-link-send", done, on_crash)
+        self.ends = _Serial("kv-link-end", done, on_crash)
 
     def refusal(self) -> str | None:
         """Why no transfer should start for this decode worker now: it has not answered a reservation
@@ -194,14 +216,8 @@ class _Link:
         return f"{self.name} has not answered a KV reservation made {time.monotonic() - since:.0f} s ago"
 
     def stop(self) -> None:
-        with self._ready:
-            self._stopped = True
-            dropped, self._queue = list(self._queue), deque()
-            self._ready.notify()
-        for kv, _, future in dropped:
-            with kv.lock:
-                kv.pending -= 1
-            future.set_exception(TransferError("the KV sender is closed"))
+        self.sends.stop()
+        self.ends.stop()
 
 
 class KVSender:
@@ -224,7 +240,7 @@ class KVSender:
         self._peer_addresses: dict[str, dict[str, str]] = {}  # decode worker -> where its last lease said it listens
         self._bandwidth: dict[str, float] = {}  # decode worker (node and addresses) -> bytes/s, from probes
         self._level_sizes = {name: LevelSizes.of(codec) for name, codec in codecs.items()}
-        self.counters: Counter[str] = Counter()  # frames_resent, recomputed, recompute_chosen, leases_expired, ...
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTED, 0))
         self.metrics = TransferMetrics()
         self.transfer_log: deque[dict] = deque(maxlen=1024)  # committed transfers, for benchmarks
         self._lock = threading.Lock()  # the dictionaries and sets above
@@ -255,6 +271,7 @@ class KVSender:
         `block_ids` until the transfer ends). Sent at once while the transfer sends layer by layer."""
         with kv.lock:
             kv.written[layer] = (end, block_ids)
+            kv.written_at = kv.progress_at = time.monotonic()
             send = kv.sending and not kv.ended
         if send:
             self._send_layer(kv, layer)
@@ -286,7 +303,7 @@ class KVSender:
         if failed:
             kv.peer.abort(kv.transfer.transfer_id, reason)
         if cutter is not None:  # frames in flight are answered first, so the channel's resources are reused
-            kv.link.submit(kv, lambda: self._close(cutter.channel, drain=failed))
+            kv.link.ends.submit(kv, lambda: self._close(cutter.channel, drain=failed))
         return True
 
     def refusal(self, peer: DecodePeer) -> str | None:
@@ -369,7 +386,7 @@ class KVSender:
 
     def _poll(self, kv: OutgoingKV, now: float) -> None:
         state = kv.transfer.state
-        if kv.ended:
+        if kv.ended or state.is_terminal:
             return
         if state is TransferState.BOOTSTRAPPING:
             if kv.reservation.done():
@@ -379,7 +396,7 @@ class KVSender:
             return
         if state is TransferState.TRANSFERRING:
             if kv.handoff is not None and kv.delivered is None:
-                self._deliver(kv)
+                self._deliver(kv)  # (again, until its frames are out)
             if kv.delivered is not None and kv.delivered.done():
                 self._ask_commit(kv, now)
         elif state is TransferState.COMMITTING:
@@ -426,7 +443,7 @@ class KVSender:
             kv.progress_at = kv.contacted_at = now
         if recompute:
             return
-        kv.link.submit(kv, lambda: self._open(kv, controller, first)).add_done_callback(
+        kv.link.sends.submit(kv, lambda: self._open(kv, controller, first)).add_done_callback(
             lambda opened: self._fail_on_error(kv, opened))
         if kv.layerwise:  # what was written before the lease came goes now; the rest as it is written
             self._start_sending(kv)
@@ -439,14 +456,16 @@ class KVSender:
             self._send_layer(kv, layer)
 
     def _deliver(self, kv: OutgoingKV) -> None:
-        """The pass is over: every layer not yet handed goes, then the channel is finished."""
+        """The pass is over: every layer not yet handed goes; once they are out (nothing of the
+        transfer's left on its link), the channel is finished, waiting for their answers."""
         if kv.recompute:
             kv.delivered = Future()
             kv.delivered.set_result(None)
             return
-        if not kv.layerwise:
+        if not kv.sending:
             self._start_sending(kv)
-        kv.delivered = kv.link.submit(kv, lambda: self._finish_channel(kv), wake=True)
+        if kv.pending == 0:
+            kv.delivered = kv.link.ends.submit(kv, lambda: self._finish_channel(kv))
 
     def _ask_commit(self, kv: OutgoingKV, now: float) -> None:
         try:
@@ -485,16 +504,17 @@ class KVSender:
         self.counters["frames_resent"] += 1
         kv.resent = True
         kv.transfer.advance_unless_finished(TransferState.TRANSFERRING)
-        kv.link.submit(kv, lambda: self._resend(kv, incomplete)).add_done_callback(
+        kv.delivered = None  # delivered again once the resend is out
+        kv.link.sends.submit(kv, lambda: self._resend(kv, incomplete)).add_done_callback(
             lambda resent: self._fail_on_error(kv, resent))
-        kv.delivered = kv.link.submit(kv, lambda: self._finish_channel(kv), wake=True)
 
     def _keep_leases(self, kv: OutgoingKV, now: float) -> None:
-        """Renew the decode side's lease while no frame of the transfer goes (its frames held for the
-        pass's end, or waiting behind other transfers on a link that moves; the KV recomputed there;
-        every block cached there), and expire this side's when the transfer stopped making progress."""
+        """Renew the decode side's lease while the transfer progresses without a frame going (the pass
+        writing layers whose frames are held for its end, whose KV is recomputed there or cached there;
+        its frames waiting behind other transfers' on a link that moves), and expire this side's when
+        the transfer stopped making progress. A pass that stops (a hung engine) renews nothing."""
         lease_s = self.settings.lease_s
-        if kv.ended:
+        if kv.ended or kv.transfer.state.is_terminal:
             return
         if kv.renewal is not None and kv.renewal.done():
             if (error := kv.renewal.exception()) is not None:  # the decode side let the transfer go
@@ -507,8 +527,9 @@ class KVSender:
             self._fail(kv, f"lease expired: the transfer to {kv.peer.name} made no progress for "
                            f"{lease_s + LEASE_MARGIN_S:.0f} s")
             return
-        stuck_link = kv.pending > 0 and now - kv.link.progress_at > lease_s / 3
-        if kv.renewal is None and now - kv.contacted_at > lease_s / 3 and not stuck_link:
+        recent = lease_s / 3
+        progressing = now - kv.written_at < recent or (kv.pending > 0 and now - kv.link.sends.progress_at < recent)
+        if kv.renewal is None and now - kv.contacted_at > recent and progressing:
             kv.renewal = kv.peer.renew(kv.transfer.transfer_id)
 
     def _reservation_unanswered(self, kv: OutgoingKV, now: float) -> None:
@@ -549,8 +570,14 @@ class KVSender:
 
     # --- on the links -----------------------------------------------------------------------------
     def _send_layer(self, kv: OutgoingKV, layer: int) -> None:
-        kv.link.submit(kv, lambda: self._send_written(kv, layer)).add_done_callback(
+        kv.link.sends.submit(kv, lambda: self._send_written(kv, layer)).add_done_callback(
             lambda sent: self._fail_on_error(kv, sent))
+
+    def _piece_done(self, kv: OutgoingKV) -> None:
+        """A link did a piece of the transfer's work: the loop looks again once all its work is out
+        (delivery), or when it waits on that piece (a finished channel)."""
+        if kv.pending == 0 and kv.handoff is not None:
+            self._wake.set()
 
     def _send_written(self, kv: OutgoingKV, layer: int) -> None:
         with kv.lock:
@@ -631,7 +658,7 @@ class KVSender:
                 raise RuntimeError("the KV sender is closed")
             link = self._links.get(peer.key)
             if link is None:
-                link = self._links[peer.key] = _Link(peer.name, self._wake.set, self._on_crash)
+                link = self._links[peer.key] = _Link(peer.name, self._piece_done, self._on_crash)
             return link
 
     def _open_channel(self, lease: Lease, transfer_id: str) -> LayerChannel:

@@ -47,6 +47,7 @@ from pdserve.kv_transfer.codecs import usable_codec
 from pdserve.kv_transfer.interface import Lease
 from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.settings import TransferSettings
+from pdserve.kv_transfer.state import TransferState
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
 from pdserve.wire import (HANDOFF_COMMITTED, INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, Tombstones,
@@ -377,7 +378,7 @@ class PrefillWorker(WorkerBase):
             job = self._jobs.get(kv.request_id)
         if job is None or job.kv is not kv:
             return
-        if outcome.error is None:
+        if kv.transfer.state is TransferState.DONE:  # committed (a failure landing just after changes nothing)
             self.sink.send(job.request_id, events={HANDOFF_COMMITTED: time.time()})  # this worker may go now
             self._finish(job)
             return

@@ -66,9 +66,9 @@ def on_worker(ref, fn, *args):
 
 
 def prefill_job_states(self) -> list[str]:
-    """Inside a prefill worker: the state of each job it holds."""
+    """Inside a prefill worker: the state of each job it holds: "queued", or its transfer's state."""
     with self._lock:
-        return [job.state for job in self._jobs.values()]
+        return [job.kv.transfer.state.value if job.kv is not None else job.state for job in self._jobs.values()]
 
 
 def attribute_owner(self, path: str) -> tuple[object, str]:

@@ -43,8 +43,8 @@ def cluster(model_dirs):
 
 def set_layerwise_min_tokens(self, tokens: int) -> int:
     """Inside the prefill worker: the passes streamed layer by layer from now on; the setting before."""
-    before = self.kv.layerwise_min_tokens
-    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=tokens)
+    before = self.sender.settings.layerwise_min_tokens
+    self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=tokens)
     return before
 
 
@@ -69,7 +69,7 @@ def generate(cluster, prompt):
 
 
 def last_transfer(cluster) -> dict:
-    return on_worker(worker(cluster, "prefill"), lambda self: self.transfer_log[-1])
+    return on_worker(worker(cluster, "prefill"), lambda self: self.sender.transfer_log[-1])
 
 
 def counters(cluster, pool: str) -> dict:
@@ -166,7 +166,7 @@ def test_requests_ending_at_their_first_token_leave_their_shm_segment_to_the_nex
     way: its channel closes once they are answered, so the next transfer reuses the mapped segment
     instead of making a new one (up to 64 MiB of zeroed pages, costlier than a short prompt's transfer)."""
     def segments_made(self) -> int:
-        return self._transports["shm"].segments_made
+        return self.sender._transports["shm"].segments_made
 
     prefill = worker(cluster, "prefill")
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 60, 60, seed=38)
@@ -213,7 +213,7 @@ def test_transfers_failed_mid_prompt_leave_their_shm_segment_to_the_next(cluster
         self.test_restore = lambda: vars(self.receiver).pop("_decode") and None
 
     def segments_made(self) -> int:
-        return self._transports["shm"].segments_made
+        return self.sender._transports["shm"].segments_made
 
     prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
     prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 200, 200, seed=47)
@@ -238,9 +238,9 @@ def slow_first_layer_with_threshold(self, layerwise_min_tokens: int | None) -> N
     pass) is taken before any layer is written; and prompts of at least `layerwise_min_tokens` stream
     layer by layer. None: both as they were."""
     if layerwise_min_tokens is None:
-        self.kv, self.engine.runner.layer_hook = self.test_kept
+        self.sender.settings, self.engine.runner.layer_hook = self.test_kept
         return
-    self.test_kept = (self.kv, self.engine.runner.layer_hook)
+    self.test_kept = (self.sender.settings, self.engine.runner.layer_hook)
     original = self.engine.runner.layer_hook
 
     def slow(layer, chunks):
@@ -248,7 +248,7 @@ def slow_first_layer_with_threshold(self, layerwise_min_tokens: int | None) -> N
             time.sleep(1.0)
         original(layer, chunks)
 
-    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=layerwise_min_tokens)
+    self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=layerwise_min_tokens)
     self.engine.runner.layer_hook = slow
 
 
@@ -289,22 +289,24 @@ def test_a_corrupt_frame_is_sent_again(cluster, hf_reference, frames):
 
 
 def hold_resend_until_cancelled(self) -> None:
-    """The commit thread's fresh channel for a resend opens only once the job has been cancelled (or
-    after 30 s): the cancel lands between the old channel's close and the new one's open."""
-    original, self.test_reopened = self._open_channel, []
+    """A transfer's second channel (its resend's) opens only once the job has been cancelled (or after
+    30 s): the cancel lands between the old channel's close and the new one's open."""
+    sender = self.sender
+    original, opened, self.test_reopened = sender._open_channel, [], []
 
     def opening(lease, transfer_id):
-        if threading.current_thread().name.startswith("kv-commit"):
-            deadline = time.time() + 30
-            while any(j.transfer.transfer_id == transfer_id for j in list(self._jobs.values()) if j.transfer) \
-                    and time.time() < deadline:
-                time.sleep(0.01)
-            vars(self).pop("_open_channel", None)  # the class's method again
-            self.test_reopened.append(original(lease, transfer_id))
-            return self.test_reopened[-1]
-        return original(lease, transfer_id)
+        if transfer_id not in opened:
+            opened.append(transfer_id)
+            return original(lease, transfer_id)
+        deadline = time.monotonic() + 30
+        while any(j.kv is not None and j.kv.transfer.transfer_id == transfer_id for j in list(self._jobs.values())) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        vars(sender).pop("_open_channel", None)  # the class's method again
+        self.test_reopened.append(original(lease, transfer_id))
+        return self.test_reopened[-1]
 
-    self._open_channel = opening
+    sender._open_channel = opening
 
 
 def test_a_cancel_during_a_resend_closes_the_fresh_channel(cluster, hf_reference):
@@ -317,10 +319,10 @@ def test_a_cancel_during_a_resend_closes_the_fresh_channel(cluster, hf_reference
         with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):  # the router then cancels it
             client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0, timeout=5.0)
     finally:  # the hook removes itself once used; if the resend never came, it must not outlive the test
-        on_worker(prefill, lambda self: vars(self).pop("_open_channel", None) and None)
+        on_worker(prefill, lambda self: vars(self.sender).pop("_open_channel", None) and None)
     assert_idle(cluster)
     assert counters(cluster, "prefill")["frames_resent"] == resent + 1
-    deadline = time.time() + 10  # the commit thread closes it after the job is gone
+    deadline = time.time() + 10  # the link closes it once it finds the job gone
     while (closed := on_worker(prefill, lambda self: [c._closed for c in self.test_reopened])) != [True] \
             and time.time() < deadline:
         time.sleep(0.1)
@@ -342,9 +344,9 @@ def test_a_frame_corrupt_twice_makes_the_decode_worker_recompute(cluster, hf_ref
 def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(cluster, hf_reference):
     def link(self, recompute: bool, bandwidth: dict | None) -> dict:
         """Set the choice and the measured bandwidths (None: one byte/s to every peer); the old ones."""
-        old = self._bandwidth
-        self.kv = dataclasses.replace(self.kv, recompute=recompute)
-        self._bandwidth = dict.fromkeys(old, 1.0) if bandwidth is None else bandwidth
+        old = self.sender._bandwidth
+        self.sender.settings = dataclasses.replace(self.sender.settings, recompute=recompute)
+        self.sender._bandwidth = dict.fromkeys(old, 1.0) if bandwidth is None else bandwidth
         return old
 
     vocab = hf_reference[ARCH].vocab_size
@@ -365,20 +367,22 @@ def test_over_a_slow_link_the_decode_worker_recomputes_instead_of_receiving(clus
 
 
 def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_reference):
-    """The prefill worker's lease thread (or a fault) finishes a job the moment after its commit
+    """The prefill worker's lease check (or a fault) comes the moment after a transfer's commit
     succeeded: the request is the decode worker's by then, so the client gets no error, the router
     redoes nothing, and no lease counts as expired."""
     def expire_after_the_commit(self):
-        ended = self.metrics.ended  # called once the commit has succeeded, before the job is finished
+        sender = self.sender
+        ended = sender.metrics.ended  # called once the commit has succeeded, before the transfer is ended
 
         def expire_then_end(*args, **kwargs):
-            self.metrics.ended = ended
+            sender.metrics.ended = ended
             for job in list(self._jobs.values()):
-                job.lease_until = time.monotonic() - 1  # lapsed: the lease thread would expire it now
-                self._expire(job)
+                if job.kv is not None:
+                    job.kv.progress_at = time.monotonic() - 3600  # lapsed: the lease check would expire it now
+                    sender._keep_leases(job.kv, time.monotonic())
             return ended(*args, **kwargs)
 
-        self.metrics.ended = expire_then_end
+        sender.metrics.ended = expire_then_end
 
     retries, expired = cluster.router.stats.retries, counters(cluster, "prefill")["leases_expired"]
     on_worker(worker(cluster, "prefill"), expire_after_the_commit)
@@ -392,8 +396,8 @@ def test_a_lease_expiring_just_after_the_commit_fails_nothing(cluster, hf_refere
 def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
     def offer_unknown(self):
         """Offer first a codec the decode worker does not know, as a newer prefill worker could."""
-        self.test_codecs = self._codecs
-        self._codecs = {"no-such-codec": self._codecs["raw"], **self._codecs}
+        self.test_codecs = self.sender.codecs
+        self.sender.codecs = {"no-such-codec": self.sender.codecs["raw"], **self.sender.codecs}
 
     prefill = worker(cluster, "prefill")
     on_worker(prefill, offer_unknown)
@@ -402,7 +406,7 @@ def test_an_unknown_codec_is_negotiated_down_to_raw(cluster, hf_reference):
         assert generate(cluster, prompt).token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
         assert last_transfer(cluster)["codec"] == "raw"
     finally:
-        on_worker(prefill, lambda self: setattr(self, "_codecs", self.test_codecs))
+        on_worker(prefill, lambda self: setattr(self.sender, "codecs", self.test_codecs))
     assert_idle(cluster)
 
 
@@ -507,7 +511,7 @@ def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cl
     prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
 
     def pooled(self) -> list[str]:
-        return sorted(self._transports["shm"]._pools)
+        return sorted(self.sender._transports["shm"]._pools)
 
     before, after = random_prompts(2, hf_reference[ARCH].vocab_size, 50, 50, seed=40)
     generate(cluster, before)  # its transfer leaves its segment pooled for the decode worker
@@ -534,7 +538,7 @@ def dispatch(prefill, prompt: list[int], decode, name: str) -> None:
 
 def committed(self) -> int:
     """On a prefill worker: how many transfers it has committed."""
-    return len(self.transfer_log)
+    return len(self.sender.transfer_log)
 
 
 @contextlib.contextmanager
@@ -632,8 +636,8 @@ def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_i
 
         before = on_worker(prefill, committed)
         on_worker(hung, open_gate)  # the reservation is answered (refused: its transfer was aborted)
-        assert wait_until(lambda: on_worker(prefill, lambda self: all(lane.refusal() is None
-                                                                      for lane in self._lanes.values())), 10)
+        assert wait_until(lambda: on_worker(prefill, lambda self: all(self.sender.refusal(peer) is None
+                                                                      for peer in self._peers.values())), 10)
         dispatch(prefill, prompts[5], hung, "after-answer")
         assert wait_until(lambda: on_worker(prefill, committed) > before, 10), "the decode worker got no prompt again"
         assert len(on_worker(prefill, lambda self: self.test_errors)) == 5
@@ -685,7 +689,7 @@ def test_pools_set_up_apart_are_the_clusters_fault_not_the_requests(cluster, hf_
     rests on its timing estimates). It failed as INVALID_ARGUMENT, telling the client its request was
     wrong, and nothing retried it."""
     def want(self, transport: str) -> None:
-        self.kv = dataclasses.replace(self.kv, transport=transport)
+        self.sender.settings = dataclasses.replace(self.sender.settings, transport=transport)
 
     prefill = worker(cluster, "prefill")
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=49)[0]

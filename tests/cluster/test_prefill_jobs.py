@@ -1,7 +1,7 @@
 """The prefill worker's jobs in a running cluster, at the moments where two of its threads meet: shorts
-released together share one step, and each one's lease is taken as it comes; a job cancelled while
-queued leaves the queues, a lease renewed after the lease thread listed it as late is not expired,
-and a request done at its first token is reported once. The moments are made by running code inside
+released together share one step, and each one's lease is taken as it comes, each one's commit waits
+for its own frames only; a job cancelled while queued leaves the queues, and a request done at its
+first token is reported once. The moments are made by running code inside
 the worker (Ray's `__ray_call__`); the worker's own threads do the rest."""
 
 from __future__ import annotations
@@ -169,21 +169,20 @@ def test_a_lease_granted_is_taken_at_once_while_others_before_it_wait(cluster, h
 def hold_frames_and_gate_all_but_the_first_jobs_sends(self) -> int:
     """Short prompts' frames held for their pass's end (the default for them); each pass pauses before
     its first layer, so every lease is taken before the pass ends and the pass's end queues each job's
-    frames in one go, one job after the other; every frame of a job other than the first whose frames
-    reach the sender thread waits at a gate (`open_gate`); and each commit starts half a second late,
-    so every job's frames are queued before any commit looks at the lane. Returns the setting before
+    frames in one go on the link, one job after the other; every frame of a job other than the first
+    whose frames reach the link waits at a gate (`open_gate`). Returns the setting before
     (`restore_frames`)."""
-    before = self.kv.layerwise_min_tokens
-    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=10**6)
+    sender = self.sender
+    before = sender.settings.layerwise_min_tokens
+    sender.settings = dataclasses.replace(sender.settings, layerwise_min_tokens=10**6)
     first: list[object] = []
 
-    def others(job, layer) -> bool:
-        first[:] = first or [job]
-        return job is not first[0]
+    def others(kv, layer) -> bool:
+        first[:] = first or [kv]
+        return kv is not first[0]
 
-    install_gate(self, "_send_layer", others)
-    commit, hook = self._commit, self.engine.runner.layer_hook
-    self._commit = lambda job: time.sleep(0.5) or commit(job)
+    install_gate(self, "sender._send_written", others)
+    hook = self.engine.runner.layer_hook
     self.engine.runner.layer_hook = lambda layer, chunks: (layer == 0 and time.sleep(0.5)) or hook(layer, chunks)
     self.test_hook = hook
     return before
@@ -192,16 +191,14 @@ def hold_frames_and_gate_all_but_the_first_jobs_sends(self) -> int:
 def restore_frames(self, before: int) -> None:
     if hasattr(self, "test_gate"):
         open_gate(self)
-    vars(self).pop("_commit", None)
     self.engine.runner.layer_hook = self.test_hook
-    self.kv = dataclasses.replace(self.kv, layerwise_min_tokens=before)
+    self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=before)
 
 
-def test_a_jobs_commit_waits_for_its_own_frames_not_the_lanes(cluster, hf_reference):
+def test_a_jobs_commit_waits_for_its_own_frames_not_the_links(cluster, hf_reference):
     """Two shorts share a step, and their frames, held for the pass's end, queue one job after the
-    other on their lane's sender thread; the second job's frames are held up. The first job's commit
-    waits for its own frames only, so it completes meanwhile. Before, a commit waited for every frame
-    queued on the lane, the whole batch's."""
+    other on their decode worker's link; the second job's frames are held up. The first job's commit
+    waits for its own frames only, so it completes meanwhile."""
     prefill = worker(cluster, "prefill")
     prompts = random_prompts(2, hf_reference[ARCH].vocab_size, 20, 40, seed=55)
 
@@ -229,31 +226,22 @@ def test_a_jobs_commit_waits_for_its_own_frames_not_the_lanes(cluster, hf_refere
     assert_idle(cluster)
 
 
-def test_a_job_cancelled_in_the_queue_leaves_it_and_a_renewed_lease_is_not_expired(cluster):
+def test_a_job_cancelled_in_the_queue_leaves_it(cluster):
     """A job cancelled while queued is taken out of the queues at once (left there, it counted toward a
-    short batch's room and kept its lane's place until the feeder skipped it). And the lease thread,
-    which lists the late jobs and then expires them one by one, expires none whose lease was renewed
-    in between."""
-    def queue_expire_then_cancel(self, decode) -> tuple[bool, list[str]]:
+    short batch's room and kept its decode worker's place until the feeder skipped it)."""
+    def queue_then_cancel(self, decode) -> list[str]:
         work = WorkRequest("queued-then-cancelled", [5] * 20, SamplingParams.greedy(max_tokens=2))
         self.prefill(work, decode)
-        job = self._jobs[work.request_id]
-        self._renew(job)  # as `_send_layer` does after the lease thread listed the job as late
-        self._expire(job)
-        survived = self._jobs.get(work.request_id) is job
         self.abort([work.request_id])
-        return survived, [j.request_id for j in self.queues.remove(lambda j: True)]
+        return [j.request_id for j in self.queues.remove(lambda j: True)]
 
     prefill = worker(cluster, "prefill")
-    expired = on_worker(prefill, lambda self: self.counters["leases_expired"])
     on_worker(prefill, hold_the_feeder)
     try:
-        survived, left_queued = on_worker(prefill, queue_expire_then_cancel, worker(cluster, "decode").handle)
+        left_queued = on_worker(prefill, queue_then_cancel, worker(cluster, "decode").handle)
     finally:
         on_worker(prefill, release_the_feeder)
-    assert survived, "a lease renewed after the lease thread listed it was expired"
     assert left_queued == [], "the cancelled job stayed in the queues"
-    assert on_worker(prefill, lambda self: self.counters["leases_expired"]) == expired
     assert_idle(cluster)
 
 

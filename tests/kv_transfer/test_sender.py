@@ -325,16 +325,26 @@ def test_a_transfer_that_stops_making_progress_loses_its_lease(sides, monkeypatc
     sides.assert_idle()
 
 
-def test_a_transfer_waiting_for_the_pass_is_kept_alive_by_renewals(sides):
-    """Frames held for the pass's end (a long pass): the decode side's lease is renewed meanwhile."""
+def test_a_pass_that_goes_on_keeps_the_lease_alive_and_one_that_stops_loses_it(sides):
+    """Frames held for the pass's end: while the pass keeps writing layers (a long prompt's chunks),
+    the decode side's lease is renewed; once it stops writing (a hung engine), nothing renews it, the
+    lease lapses there, and the transfer fails here."""
     sender = sides.make(lease_s=0.6, layerwise_min_tokens=10_000)
     sides.receiver.lease_s = 0.6
-    prompt = prompt_of(sides, 40, seed=8)
-    kv, request_id = sides.transfer(prompt, done=False, sender=sender)
-    assert wait_until(lambda: sides.peer.calls.count("renew") >= 3, 10)  # the pass "runs" for more than a lease
-    assert kv.transfer.state is TransferState.TRANSFERRING and sides.receiver.num_in_flight == 1
-    sender.prompt_done(kv, sides.prefill.export_handoff(request_id))
-    assert sides.outcome(kv) == TransferOutcome()
+    kv, request_id = sides.transfer(prompt_of(sides, 40, seed=8), done=False, sender=sender)
+    end, blocks = kv.written[0]
+    writing = threading.Event()
+    writer = threading.Thread(target=lambda: [sender.layer_written(kv, 0, end, blocks)  # chunk after chunk
+                                              for _ in iter(lambda: writing.wait(0.05), True)])
+    writer.start()
+    try:
+        assert wait_until(lambda: sides.peer.calls.count("renew") >= 3, 10)  # the pass runs for more than a lease
+        assert kv.transfer.state is TransferState.TRANSFERRING and sides.receiver.num_in_flight == 1
+    finally:
+        writing.set()
+        writer.join(5)
+    outcome = sides.outcome(kv)  # the pass stopped writing: its lease lapses on both sides
+    assert "lease" in outcome.error or "no open transfer" in outcome.error, outcome
     sides.assert_idle()
 
 
