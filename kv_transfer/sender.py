@@ -61,7 +61,7 @@ from pdserve.wire import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
-COMMIT_TIMEOUT_S = 30.0  # a commit's answer, and the delivery of what a channel holds before it
+COMMIT_TIMEOUT_S = 30.0  # the delivery of what a channel holds, before the commit
 DRAIN_S = 0.5  # a channel ended early is closed once its frames in flight are answered, waiting this long
 LEASE_CHECK_S = 0.5  # the loop looks at leases and bounds at least this often
 LEASE_MARGIN_S = 2.0  # this side's lease outlasts the decode side's by this much: the decode side's lapses first
@@ -122,7 +122,6 @@ class OutgoingKV:
     handoff: RequestHandoff | None = None  # once the prompt pass is over
     delivered: Future | None = None  # every frame handed so far answered (the channel finished)
     commit: Future[list[int]] | None = None
-    commit_deadline: float = 0.0  # monotonic
     resent: bool = False
     renewal: Future[Lease] | None = None
     pending: int = 0  # work queued on the link for it
@@ -399,13 +398,8 @@ class KVSender:
                 self._deliver(kv)  # (again, until its frames are out)
             if kv.delivered is not None and kv.delivered.done():
                 self._ask_commit(kv, now)
-        elif state is TransferState.COMMITTING:
-            if kv.commit.done():
-                self._committed(kv, now)
-            elif now > kv.commit_deadline:
-                self._fail(kv, f"KV transfer failed: {kv.peer.name} did not answer the commit within "
-                               f"{COMMIT_TIMEOUT_S:g} s")
-            return
+        elif state is TransferState.COMMITTING and kv.commit.done():
+            self._committed(kv, now)
         self._keep_leases(kv, now)
 
     def _take_lease(self, kv: OutgoingKV, now: float) -> None:
@@ -476,7 +470,6 @@ class KVSender:
         kv.transfer.advance_unless_finished(TransferState.COMMITTING)
         kv.progress_at = now
         kv.commit = kv.peer.commit(kv.transfer.transfer_id, kv.handoff, kv.recompute)
-        kv.commit_deadline = now + COMMIT_TIMEOUT_S
         kv.commit.add_done_callback(lambda _: self._wake.set())
 
     def _committed(self, kv: OutgoingKV, now: float) -> None:
@@ -497,7 +490,6 @@ class KVSender:
             self.counters["recomputed"] += 1
             kv.recompute = True
             kv.commit = kv.peer.commit(kv.transfer.transfer_id, kv.handoff, True)
-            kv.commit_deadline = now + COMMIT_TIMEOUT_S
             kv.commit.add_done_callback(lambda _: self._wake.set())
             return
         log.warning("request %s: layers %s arrived incomplete, sending them again", kv.request_id, incomplete)
@@ -529,20 +521,27 @@ class KVSender:
             return
         recent = lease_s / 3
         progressing = now - kv.written_at < recent or (kv.pending > 0 and now - kv.link.sends.progress_at < recent)
-        if kv.renewal is None and now - kv.contacted_at > recent and progressing:
+        if kv.renewal is None and now - kv.contacted_at > recent and progressing and \
+                kv.transfer.state is TransferState.TRANSFERRING:  # a commit under way is its own bound
             kv.renewal = kv.peer.renew(kv.transfer.transfer_id)
 
     def _reservation_unanswered(self, kv: OutgoingKV, now: float) -> None:
         """The decode worker left the reservation unanswered past the bound: its link takes no new
-        transfer until it answers that one, and this one fails (the router places it elsewhere)."""
-        self.counters["reservations_unanswered"] += 1
+        transfer until it answers that one, and this one fails (the router places it elsewhere), with
+        every other still waiting for a lease from it."""
+        bound = self.settings.reserve_wait_s + RESERVE_MARGIN_S
         if kv.link.unanswered is None:
+            self.counters["reservations_unanswered"] += 1
             kv.link.unanswered = (kv.reservation, now)
             log.warning("%s did not answer a KV reservation within %.0f s: its prompts go to other decode workers "
-                        "until it does", kv.link.name, self.settings.reserve_wait_s + RESERVE_MARGIN_S)
-        self._finish(kv, TransferOutcome(
-            f"prefill could not start: {kv.link.name} did not answer the KV reservation within "
-            f"{self.settings.reserve_wait_s + RESERVE_MARGIN_S:.0f} s", UNAVAILABLE, peer_not_answering=True))
+                        "until it does", kv.link.name, bound)
+        with self._lock:
+            waiting = [other for other in self._active if other.link is kv.link
+                       and other.transfer.state is TransferState.BOOTSTRAPPING and not other.reservation.done()]
+        outcome = TransferOutcome(f"prefill could not start: {kv.link.name} did not answer the KV reservation within "
+                                  f"{bound:.0f} s", UNAVAILABLE, peer_not_answering=True)
+        for other in {kv, *waiting}:
+            self._finish(other, outcome)
 
     def _fail(self, kv: OutgoingKV, error: str, code: str = UNAVAILABLE) -> None:
         self._finish(kv, TransferOutcome(error, code))
