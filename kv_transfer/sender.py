@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_TIMEOUT_S = 30.0  # the delivery of what a channel holds, before the commit
 DRAIN_S = 0.5  # a channel ended early is closed once its frames in flight are answered, waiting this long
+ENDING_THREADS = 4  # per decode worker: its transfers' channels finished or closed at once, at most
 LEASE_CHECK_S = 0.5  # the loop looks at leases and bounds at least this often
 LEASE_MARGIN_S = 2.0  # this side's lease outlasts the decode side's by this much: the decode side's lapses first
 RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for free blocks
@@ -129,6 +130,7 @@ class OutgoingKV:
     contacted_at: float = field(default_factory=time.monotonic)  # a frame or renewal extended the decode side's
     written_at: float = field(default_factory=time.monotonic)  # the pass last wrote a layer of it
     times: dict[str, float] = field(default_factory=dict)  # wall clock: first and last frame, pass end, delivery
+    finishing: bool = False  # its channel's finish waits for the decode worker's answers
     ended: bool = False
 
     @property
@@ -136,18 +138,19 @@ class OutgoingKV:
         return self.transfer.request_id
 
 
-class _Serial:
-    """A thread that runs what is submitted to it, in order. `pending` counts, per transfer, what is
-    queued for it; `done` hears of each piece done."""
+class _WorkQueue:
+    """Threads that run what is submitted, in the order it came (with one thread, one piece after the
+    other). A transfer's `pending` counts what is queued for it; `done` hears of each piece done."""
 
-    def __init__(self, name: str, done: Callable[[OutgoingKV], None],
-                 on_crash: Callable[[BaseException], None]) -> None:
+    def __init__(self, name: str, done: Callable[[OutgoingKV], None], on_crash: Callable[[BaseException], None],
+                 threads: int = 1) -> None:
         self._done = done
         self._queue: deque[tuple[OutgoingKV, Callable[[], Any], Future]] = deque()
         self._ready = threading.Condition()
         self._stopped = False
-        self.progress_at = time.monotonic()  # it last finished a piece of work
-        self._thread = start_guarded(name, self._run, on_crash)
+        self.progress_at = time.monotonic()  # a piece of work last finished
+        for _ in range(threads):
+            start_guarded(name, self._run, on_crash)
 
     def submit(self, kv: OutgoingKV, work: Callable[[], Any]) -> Future:
         future: Future = Future()
@@ -191,16 +194,19 @@ class _Serial:
 
 class _Link:
     """The data path to one decode worker, apart from every other's: one that stalls holds up only
-    its own. Two threads: `sends` opens channels and sends frames, in order; `ends` waits for a
-    transfer's frames to be answered (before its commit) and closes channels, so a transfer whose
-    frames are all out commits without waiting behind the next transfer's frames."""
+    its own. `sends` (one thread) opens channels and sends frames, in order. `ends` waits for a
+    transfer's frames to be answered before its commit, and closes channels: a transfer whose frames
+    are all out commits without waiting behind the next transfer's frames, and on threads of their
+    own (ENDING_THREADS), since a channel to a decode worker that died can wait its whole timeout
+    for answers (shared memory's and gloo's control channels do not see a peer die) while the others'
+    transfers go on."""
 
     def __init__(self, name: str, done: Callable[[OutgoingKV], None],
                  on_crash: Callable[[BaseException], None]) -> None:
         self.name = name
         self.unanswered: tuple[Future, float] | None = None  # a reservation left unanswered past the bound, since
-        self.sends = _Serial("kv-link-send", done, on_crash)
-        self.ends = _Serial("kv-link-end", done, on_crash)
+        self.sends = _WorkQueue("kv-link-send", done, on_crash)
+        self.ends = _WorkQueue("kv-link-end", done, on_crash, threads=ENDING_THREADS)
 
     def refusal(self) -> str | None:
         """Why no transfer should start for this decode worker now: it has not answered a reservation
@@ -295,13 +301,15 @@ class KVSender:
             if kv.ended:
                 return False
             kv.ended = True
-            cutter = kv.cutter
+            cutter, finishing = kv.cutter, kv.finishing
         with self._lock:
             self._active.discard(kv)
         failed = kv.transfer.fail(reason)  # from here on no frame is read: its blocks may be another's soon
         if failed:
             kv.peer.abort(kv.transfer.transfer_id, reason)
-        if cutter is not None:  # frames in flight are answered first, so the channel's resources are reused
+        if cutter is not None and failed and finishing:  # its delivery waits on the decode worker: cut it short
+            _close_logged(cutter.channel)
+        elif cutter is not None:  # frames in flight are answered first, so the channel's resources are reused
             kv.link.ends.submit(kv, lambda: self._close(cutter.channel, drain=failed))
         return True
 
@@ -376,12 +384,8 @@ class KVSender:
             self._wake.clear()
             with self._lock:
                 active = list(self._active)
-            for kv in active:
-                try:
-                    self._poll(kv, time.monotonic())
-                except Exception as e:  # a fault of this side's own: that transfer fails, saying so
-                    log.exception("request %s: the KV sender failed on its transfer", kv.request_id)
-                    self._fail(kv, f"the KV sender failed: {type(e).__name__}: {e}")
+            for kv in active:  # a fault of this side's own ends the loop: the worker fails, and is restarted
+                self._poll(kv, time.monotonic())
 
     def _poll(self, kv: OutgoingKV, now: float) -> None:
         state = kv.transfer.state
@@ -516,8 +520,11 @@ class KVSender:
             kv.renewal = None
         if now - kv.progress_at > lease_s + LEASE_MARGIN_S:
             self.counters["leases_expired"] += 1
+            waiting = ("its commit's answer" if kv.transfer.state is TransferState.COMMITTING
+                       else f"{kv.pending} pieces of its work on the link" if kv.pending
+                       else "the prompt pass" if kv.handoff is None else "its delivery")
             self._fail(kv, f"lease expired: the transfer to {kv.peer.name} made no progress for "
-                           f"{lease_s + LEASE_MARGIN_S:.0f} s")
+                           f"{lease_s + LEASE_MARGIN_S:.0f} s (waiting for {waiting})")
             return
         recent = lease_s / 3
         progressing = now - kv.written_at < recent or (kv.pending > 0 and now - kv.link.sends.progress_at < recent)
@@ -612,8 +619,15 @@ class KVSender:
 
     def _finish_channel(self, kv: OutgoingKV) -> None:
         """Wait until every frame handed so far is answered (what is left: the transport's window at most)."""
-        if kv.cutter is not None:
-            kv.cutter.channel.finish(COMMIT_TIMEOUT_S)
+        with kv.lock:
+            if kv.cutter is None or kv.ended:
+                return
+            kv.finishing = True
+            channel = kv.cutter.channel
+        try:
+            channel.finish(COMMIT_TIMEOUT_S)
+        finally:
+            kv.finishing = False
         kv.times.setdefault("delivered", time.time())
 
     def _resend(self, kv: OutgoingKV, layers: list[int]) -> None:

@@ -65,12 +65,16 @@ def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
 
 
 def first_worker(cluster: Cluster, pool: str, condition, timeout_s: float = 30.0):
-    """The first worker of `pool` for which `condition(worker instance)` holds, asking each (bounded)."""
+    """The first worker of `pool` for which `condition(worker instance)` holds, asking each (bounded).
+    A worker dying as it is asked (prefill-0 kills itself on a request, by the manifest) is not it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for w in (w for w in cluster.workers if w.pool == pool and w.healthy):
-            if on_worker(w, condition):
-                return w
+            try:
+                if on_worker(w, condition):
+                    return w
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                continue
         time.sleep(0.02)
     pytest.fail(f"no {pool} worker got there within {timeout_s} s")
 
@@ -169,15 +173,15 @@ def gate_handoffs(self, moment: str) -> None:
 
         runner.layer_hook = hook
         restore = partial(setattr, runner, "layer_hook", original_hook)
-    else:
-        original_commit = self._commit
+    else:  # the channel's frames are waited for on the link, just before the commit
+        original_finish = self.sender._finish_channel
 
-        def commit(*args):
+        def finish(*args):
             stop_here()
-            return original_commit(*args)
+            return original_finish(*args)
 
-        self._commit = commit
-        restore = partial(setattr, self, "_commit", original_commit)
+        self.sender._finish_channel = finish
+        restore = partial(setattr, self.sender, "_finish_channel", original_finish)
     self.test_reached, self.test_gate = reached, (gate, restore)
 
 
@@ -221,12 +225,12 @@ def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_
     decode_workers = [w for w in cluster.workers if w.pool == "decode"]
     for w in decode_workers:
         on_worker(w, install_gate, "sink.send")  # their tokens wait: the router hears only of the commit
-    committed = {w.name: on_worker(w, lambda self: len(self.transfer_log))
+    committed = {w.name: on_worker(w, lambda self: len(self.sender.transfer_log))
                  for w in cluster.workers if w.pool == "prefill"}
     retries = cluster.router.stats.retries
     stream = BackgroundStream(cluster, prompt, 8)
     try:
-        serving = first_worker(cluster, "prefill", lambda self, before=committed: len(self.transfer_log) > before.get(
+        serving = first_worker(cluster, "prefill", lambda self, before=committed: len(self.sender.transfer_log) > before.get(
             self.worker_id, 0))
         time.sleep(1.0)  # the notice, sent before the log entry, reaches the router
         os.kill(on_worker(serving, _pid), signal.SIGKILL)

@@ -441,6 +441,53 @@ def test_a_stalled_decode_worker_holds_up_no_transfer_to_another(sides, hf_refer
         loop.stop()
 
 
+def test_a_delivery_waiting_on_a_dead_receiver_holds_up_no_other_transfer_and_ending_it_cuts_it_short(sides,
+                                                                                                        hf_reference):
+    """The first transfer's channel never has its frames answered (its receiving half died with the
+    decode worker's first incarnation): its finish waits on its own thread, while the next transfer
+    to the same decode worker commits; ending the first closes its channel, and its wait ends."""
+    waited: list[float] = []
+    first: list[object] = []
+
+    class NeverAnswered:
+        def __init__(self, channel) -> None:
+            self._channel = channel
+            first[:] = first or [self]
+
+        def finish(self, timeout):
+            if self is not first[0]:
+                return self._channel.finish(timeout)
+            started = time.monotonic()
+            while not self._closed_for_test and time.monotonic() - started < timeout:
+                time.sleep(0.01)
+            waited.append(time.monotonic() - started)
+            raise TransferError("the KV receiver did not answer")
+
+        def close(self):
+            self._closed_for_test = True
+            self._channel.close()
+
+        _closed_for_test = False
+
+        def __getattr__(self, name):
+            return getattr(self._channel, name)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(sides.sender, "_wrap_channel", NeverAnswered)
+    try:
+        stuck, _ = sides.transfer(prompt_of(sides, 40, seed=15))
+        assert wait_until(lambda: stuck.finishing)
+        prompt = prompt_of(sides, 40, seed=16)
+        kv, request_id = sides.transfer(prompt)
+        assert sides.outcome(kv) == TransferOutcome()
+        assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+        sides.sender.end(stuck, "the decode worker died")
+        assert wait_until(lambda: waited) and waited[0] < 5
+        sides.assert_idle()
+    finally:
+        monkeypatch.undo()
+
+
 def test_closing_the_sender_ends_every_transfer_and_leaks_nothing(sides):
     sides.peer.hold("commit")
     kvs = [sides.transfer(prompt_of(sides, 40, seed=20 + i))[0] for i in range(3)]
