@@ -323,7 +323,8 @@ class KVSender:
         """The decode workers with a reservation still unanswered: the next prompts bound for them
         wait in the queues, where the feeder starts other decode workers' prompts."""
         with self._lock:
-            return {kv.peer.key for kv in self._active if kv.transfer.state is TransferState.BOOTSTRAPPING}
+            return {kv.peer.key for kv in self._active
+                    if kv.transfer.state is TransferState.BOOTSTRAPPING and not kv.reservation.done()}
 
     def num_transfers(self) -> int:
         with self._lock:
