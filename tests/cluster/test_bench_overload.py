@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from pdserve.cluster.bench_overload import OverloadConfig, run
+from pdserve.cluster.bench.overload import OverloadConfig, run
 from pdserve.engine.presets import make_model
 
 TOKEN = "overload-s3cret-token"

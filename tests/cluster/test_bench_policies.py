@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.cluster.bench_policies import (
+from pdserve.cluster.bench.policies import (
     CONFIGS,
     TRACES,
     PairResult,
@@ -27,8 +27,8 @@ from pdserve.cluster.bench_policies import (
 )
 from pdserve.cluster.cli import main
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.serve_metrics import Goodput, Objective, RequestRecord
-from pdserve.cluster.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
+from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
+from pdserve.cluster.bench.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
 
 VOCAB = 1000
 # The shared traces sit beside the repository on the development machines; a checkout elsewhere skips.
@@ -163,8 +163,8 @@ def test_figures_of_one_run():
 
 
 def test_prefix_oracle_counts_the_longest_block_prefix_shared_with_an_earlier_request():
-    from pdserve.cluster.bench_policies import prefix_oracle
-    from pdserve.cluster.loadgen import Request
+    from pdserve.cluster.bench.policies import prefix_oracle
+    from pdserve.cluster.bench.loadgen import Request
 
     a = list(range(100, 148))  # three blocks of 16
     reqs = [Request("a", a + [1], 2), Request("b", a[:32] + [7] * 20, 2), Request("c", a + [2, 3], 2),

@@ -32,7 +32,7 @@ there, the load is one that pdserve's policy sustains; a policy that wastes work
 Each (trace, configuration) runs once at that rate (Poisson arrivals), and that run is the first of a
 goodput search (serve_metrics.GoodputSearch, --max-runs runs, never below half the rate).
 
-Objective (per trace, for goodput): bench_serve's loose pair (5 x idle p90 TTFT, 3 x idle TPOT, from
+Objective (per trace, for goodput): the serve benchmark's loose pair (5 x idle p90 TTFT, 3 x idle TPOT, from
 requests one at a time on the first configuration), or --objective. Not the tight pair: its attainment
 wanders between runs on this machine, and five workers on two cores stretch TPOT under any load.
 
@@ -61,10 +61,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster import bench_serve
+from pdserve.cluster.bench import serve as bench_serve
 from pdserve.engine.block_pool import hash_prompt_blocks
-from pdserve.cluster.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
-from pdserve.cluster.serve_metrics import (
+from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
+from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
     Objective,
@@ -74,7 +74,7 @@ from pdserve.cluster.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.workload import (
+from pdserve.cluster.bench.workload import (
     TraceRequest,
     block_prompts,
     find_trace,
@@ -177,13 +177,13 @@ class PolicyBenchConfig:
                        max_runs=1, prefill_replicas=min(self.prefill_replicas, 2), max_model_len=256, max_output=4)
 
     def serve_config(self) -> bench_serve.ServeBenchConfig:
-        """The fields bench_serve's manifest and calibration read."""
+        """The fields the serve benchmark's manifest and calibration read."""
         return bench_serve.ServeBenchConfig(model=self.model, max_model_len=self.max_model_len,
                                             calibration_requests=self.calibration_requests)
 
 
 def manifest_for(config: str, cfg: PolicyBenchConfig) -> dict[str, Any]:
-    """bench_serve's disaggregated manifest with this benchmark's pools and the configuration's router."""
+    """the serve benchmark's disaggregated manifest with this benchmark's pools and the configuration's router."""
     data = bench_serve.manifest_for("disaggregated", cfg.serve_config())
     data["pools"]["prefill"].update(replicas=cfg.prefill_replicas, num_cpus=PREFILL_CPUS, threads=1)
     data["pools"]["decode"].update(replicas=cfg.decode_replicas, num_cpus=DECODE_CPUS, threads=1)
@@ -532,7 +532,7 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
                    "min_rate_factor": MIN_RATE_FACTOR, "rel_tol": cfg.rel_tol, "seed": cfg.seed,
                    "rate": "per trace, common to all configurations: --rate, or load x the throughput of the first "
                            "configuration with the whole run arriving at once",
-                   "objective": "--objective" if cfg.objective else "bench_serve's loose pair: 5 x idle p90 TTFT, "
+                   "objective": "--objective" if cfg.objective else "the serve benchmark's loose pair: 5 x idle p90 TTFT, "
                                                                     "3 x idle TPOT",
                    "hit_rate": "sum of cached_tokens reported to the client / sum of their prompt tokens",
                    "oracle_hit_rate": "prefix_oracle: each request's longest block prefix shared with an earlier "

@@ -36,9 +36,9 @@ from typing import Any
 import ray
 
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.loadgen import poisson_arrivals, trace_arrivals
+from pdserve.cluster.bench.loadgen import poisson_arrivals, trace_arrivals
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes, find_trace,
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes, find_trace,
                                       load_azure_trace, random_token_prompts, scale_requests)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
