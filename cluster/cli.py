@@ -20,7 +20,7 @@ DEMO_PROMPTS = [
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import PRESETS, make_model
+    from pdserve.engine.models.presets import PRESETS, make_model
 
     if args.list or not args.preset:
         for name, preset in PRESETS.items():
@@ -159,8 +159,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _train_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import CHECKPOINTS
-    from pdserve.engine.training import TrainConfig, train
+    from pdserve.engine.models.presets import CHECKPOINTS
+    from pdserve.engine.models.training import TrainConfig, train
     from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
 
     out = args.dir or CHECKPOINTS / "pystd-llama"
@@ -170,7 +170,7 @@ def _train_model(args: argparse.Namespace) -> int:
 
 
 def _kv_profile(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
     from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
 
     print(f"wrote {profile_cachegen(resolve_model(args.model), num_tokens=args.tokens)}")

@@ -49,7 +49,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import Manifest, load_manifest
 from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine.model_loader import load_tokenizer
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.router.client import Client
 from pdserve.router.placement import WorkerRef
 

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.router.client import AsyncClient, PDServeError, ResourceExhausted
 
 

@@ -532,8 +532,8 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
                    "min_rate_factor": MIN_RATE_FACTOR, "rel_tol": cfg.rel_tol, "seed": cfg.seed,
                    "rate": "per trace, common to all configurations: --rate, or load x the throughput of the first "
                            "configuration with the whole run arriving at once",
-                   "objective": "--objective" if cfg.objective else "the serve benchmark's loose pair: 5 x idle p90 TTFT, "
-                                                                    "3 x idle TPOT",
+                   "objective": "--objective" if cfg.objective else "the serve benchmark's loose pair: 5 x idle p90 "
+                                                                    "TTFT, 3 x idle TPOT",
                    "hit_rate": "sum of cached_tokens reported to the client / sum of their prompt tokens",
                    "oracle_hit_rate": "prefix_oracle: each request's longest block prefix shared with an earlier "
                                       "request of the run / prompt tokens, over the requests that reported cached tokens",
@@ -636,7 +636,7 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
     """Run the benchmark; write results.json, requests.jsonl and plots to cfg.out_dir; return the results."""
     from transformers import AutoConfig
 
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
 
     for kind, chosen, known in (("configurations", cfg.configs, CONFIGS), ("traces", cfg.traces, TRACES)):
         unknown = [x for x in chosen if x not in known]

@@ -602,7 +602,7 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     from transformers import AutoConfig
 
     from pdserve.engine.model_loader import context_limit, load_tokenizer
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
 
     unknown = set(cfg.configs) - set(CONFIGS)
     if unknown or not cfg.configs:

@@ -24,7 +24,7 @@ from helpers import wait_until
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
 from pdserve.kv_transfer.sender import RESERVE_MARGIN_S
 from pdserve.router.client import Client, DeadlineExceeded, PDServeError, Unavailable
