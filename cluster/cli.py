@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
-    from pdserve.router.client import Client
+    from pdserve.client import Client
 
     manifest = load_manifest(args.manifest)
     # Any free ports: the demo must not clash with a running server.
@@ -136,7 +136,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.router.client import Client, PDServeError
+    from pdserve.client import Client, PDServeError
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     pem = {name: path.read_bytes() if path else None for name, path in

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdserve.faults import FaultSettings
-from pdserve.router.client import MAX_MESSAGE_BYTES
+from pdserve.client import MAX_MESSAGE_BYTES
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 

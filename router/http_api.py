@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.client import MAX_MESSAGE_BYTES
+from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 

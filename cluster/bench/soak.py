@@ -42,7 +42,7 @@ from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, TraceRe
                                       load_azure_trace, random_token_prompts, scale_requests)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.client import AsyncClient, Client, PDServeError
+from pdserve.client import AsyncClient, Client, PDServeError
 from pdserve.router.placement import WorkerRef
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm

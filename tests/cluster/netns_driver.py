@@ -11,7 +11,7 @@ import sys
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.router.client import Client
+from pdserve.client import Client
 
 
 def main() -> None:

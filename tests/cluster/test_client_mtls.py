@@ -13,7 +13,7 @@ import pytest
 from cluster_helpers import manifest, pdserve
 
 from pdserve.cluster.launcher import Cluster
-from pdserve.router.client import Client, Unauthenticated, Unavailable
+from pdserve.client import Client, Unauthenticated, Unavailable
 
 ARCH = "tiny-llama"
 TOKEN = "sesame"

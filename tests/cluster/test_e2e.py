@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.router.client import (
+from pdserve.client import (
     AsyncClient,
     Client,
     DeadlineExceeded,

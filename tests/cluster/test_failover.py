@@ -19,7 +19,7 @@ from conftest import random_prompts
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import HEALTH_GROUP, RestartBackoff, Supervisor
-from pdserve.router.client import Client
+from pdserve.client import Client
 from pdserve.router.frontend import DEAD_WORKER_CHECK_S
 from pdserve.router.placement import WorkerRef
 

@@ -21,7 +21,7 @@ from helpers import wait_until
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
-from pdserve.router.client import AsyncClient, Client
+from pdserve.client import AsyncClient, Client
 from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value

@@ -15,7 +15,7 @@ from cluster_helpers import assert_idle, manifest
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import PING_INTERVAL_S, PING_TIMEOUT_S
 from pdserve.engine.block_pool import hash_prompt_blocks
-from pdserve.router.client import AsyncClient, Client, ResourceExhausted
+from pdserve.client import AsyncClient, Client, ResourceExhausted
 
 ARCH = "tiny-llama"
 BS = 16
