@@ -25,7 +25,7 @@ from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.kv_event_hub import KVEventHub
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
 from pdserve.router.server import RouterServer

@@ -32,7 +32,7 @@ from typing import Any
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.router.admission import Overloaded, PoolAdmission
-from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.router.policies import RouteRequest, TransferCost, make_policy
 from pdserve.router.policies.pdserve import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex

@@ -51,7 +51,7 @@ from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_tr
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.models.presets import resolve_model
 from pdserve.client import Client
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 # (name, mode, transport, kv_transfer settings beyond those): the low-load prompts (at most 512 tokens) are
 # sent once their pass ends (`layerwise_min_tokens`), and, in "shm, layer by layer", beside the pass.

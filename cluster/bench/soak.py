@@ -43,7 +43,7 @@ from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, TraceRe
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PDServeError
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)

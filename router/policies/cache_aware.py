@@ -6,7 +6,7 @@ cache from its own decisions; here the prefix index knows it.)"""
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
 
 

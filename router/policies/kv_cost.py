@@ -7,7 +7,7 @@ router's own count of the blocks placed there; the cheapest worker wins, ties ro
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
 
 

@@ -3,7 +3,7 @@ request's first token, a decode worker's at its last); ties go round-robin, so a
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
 
 

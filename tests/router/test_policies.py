@@ -12,7 +12,7 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost, StepCostModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import Overloaded
-from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.router.policies import POLICY_NAMES, RouteRequest, TransferCost, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
