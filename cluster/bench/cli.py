@@ -230,8 +230,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "--policies: the first 2 configurations on the first trace, 8 requests, 1 run)")
     pol = bs.add_argument_group("placement policies (pdserve bench serve --policies; cluster/bench/policies.py)")
     pol.add_argument("--policies", nargs="*", default=None, metavar="CONFIG",
-                     help="run the policy benchmark instead, on these configurations (none named: all of pdserve, "
-                          "round_robin, least_loaded, cache_aware, kv_cost, pdserve-fcfs, pdserve-always-disaggregate)")
+                     help="run the policy benchmark instead, on these configurations (none named: all of "
+                          "estimated_ttft, round_robin, least_loaded, cache_aware, kv_cost, estimated_ttft-fcfs, "
+                          "estimated_ttft-always-disaggregate)")
     pol.add_argument("--traces", nargs="+", default=None,
                      help="any of mooncake, azure-conv, azure-code (default: all three)")
     pol.add_argument("--requests", type=int, default=64, help="requests in each run")

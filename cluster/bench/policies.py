@@ -3,14 +3,16 @@
 Where a request is placed decides its TTFT: a worker that holds its prefix skips most of the prompt
 pass, a short queue starts it sooner, a short prompt need not wait behind long ones. This benchmark runs
 every policy on the same cluster shape and the same workloads, one configuration at a time, and
-checks pdserve's own policy against the simpler ones and against itself with one part switched off:
+checks the design's own policy (estimated_ttft) against the simpler ones and against itself with one part
+switched off:
 
-  pdserve                      the pdserve policy for both pools (length-aware prefill queues, prefix-
-                               and load-aware placement, conditional disaggregation)
-  round_robin, least_loaded,   the same for both pools
+  estimated_ttft                      the estimated_ttft policy for both pools (length-aware prefill queues,
+                                      prefix- and load-aware placement, conditional disaggregation)
+  round_robin, least_loaded,          the same for both pools
   cache_aware, kv_cost
-  pdserve-fcfs                 pdserve with one FCFS prefill queue (router.length_aware false)
-  pdserve-always-disaggregate  pdserve that never prefills on a decode worker (router.local_prefill_tokens 0)
+  estimated_ttft-fcfs                 estimated_ttft with one FCFS prefill queue (router.length_aware false)
+  estimated_ttft-always-disaggregate  estimated_ttft that never prefills on a decode worker
+                                      (router.local_prefill_tokens 0)
 
 Cluster: disaggregated, 4 prefill + 1 decode worker (deploy/local.yaml otherwise), 1 thread each,
 fractional Ray CPUs so that all of them fit the machine's cores (they share them, as they would share
@@ -27,8 +29,8 @@ token contents (a seed per trace and run), so no run finds another run's blocks 
 same run of two configurations gets the same tokens.
 
 Rate: one per trace, common to all configurations: --rate, or `load` x the throughput the first
-configuration (pdserve when selected) reaches when the whole run's requests arrive at once. Measured
-there, the load is one that pdserve's policy sustains; a policy that wastes work queues past it.
+configuration (estimated_ttft when selected) reaches when the whole run's requests arrive at once.
+Measured there, the load is one that the estimated_ttft policy sustains; a policy that wastes work queues past it.
 Each (trace, configuration) runs once at that rate (Poisson arrivals), and that run is the first of a
 goodput search (serve_metrics.GoodputSearch, --max-runs runs, never below half the rate).
 
@@ -41,8 +43,8 @@ reported to the client / prompt tokens), the oracle's hit rate over the same req
 each request's longest prefix shared with any earlier request of the run, which no placement can beat),
 the best prefix any worker held at placement time (the router's exact index), the router's predicted
 hit rate, TTFT
-p50/p90, TTFT p90 of short prompts (<= the LAPS threshold that the pdserve configuration reports, one
-cut for every configuration of a trace), TPOT p50, local prefills, early rejections, requests per
+p50/p90, TTFT p90 of short prompts (<= the LAPS threshold that the estimated_ttft configuration reports,
+one cut for every configuration of a trace), TPOT p50, local prefills, early rejections, requests per
 worker; and goodput. The targets are checked side by side (TARGETS).
 """
 
@@ -92,21 +94,22 @@ class PolicyConfig:
     router: dict[str, Any]  # manifest `router` fields
 
 
-CONFIGS: dict[str, PolicyConfig] = {  # pdserve first: it calibrates, and its LAPS threshold cuts "short"
-    "pdserve": PolicyConfig("pdserve policy, both pools", {"policy": "pdserve"}),
+CONFIGS: dict[str, PolicyConfig] = {  # estimated_ttft first: it calibrates, and its LAPS threshold cuts "short"
+    "estimated_ttft": PolicyConfig("estimated_ttft policy, both pools", {"policy": "estimated_ttft"}),
     "round_robin": PolicyConfig("round robin, both pools", {"policy": "round_robin"}),
     "least_loaded": PolicyConfig("least loaded, both pools", {"policy": "least_loaded"}),
     "cache_aware": PolicyConfig("longest cached prefix, both pools", {"policy": "cache_aware"}),
     "kv_cost": PolicyConfig("KV cost, both pools", {"policy": "kv_cost"}),
-    "pdserve-fcfs": PolicyConfig("pdserve with one FCFS prefill queue", {"policy": "pdserve", "length_aware": False}),
-    "pdserve-always-disaggregate": PolicyConfig("pdserve, never prefilling on a decode worker",
-                                                {"policy": "pdserve", "local_prefill_tokens": 0}),
+    "estimated_ttft-fcfs": PolicyConfig("estimated_ttft with one FCFS prefill queue",
+                                        {"policy": "estimated_ttft", "length_aware": False}),
+    "estimated_ttft-always-disaggregate": PolicyConfig("estimated_ttft, never prefilling on a decode worker",
+                                                       {"policy": "estimated_ttft", "local_prefill_tokens": 0}),
     # On request: LAPS against one FCFS queue with no local prefill in either, so that every short
     # prompt goes through the prefill queues.
-    "pdserve-fcfs-always-disaggregate": PolicyConfig("pdserve with one FCFS prefill queue, never prefilling on a "
-                                                     "decode worker",
-                                                     {"policy": "pdserve", "length_aware": False,
-                                                      "local_prefill_tokens": 0}),
+    "estimated_ttft-fcfs-always-disaggregate": PolicyConfig("estimated_ttft with one FCFS prefill queue, never "
+                                                            "prefilling on a decode worker",
+                                                            {"policy": "estimated_ttft", "length_aware": False,
+                                                             "local_prefill_tokens": 0}),
 }
 DEFAULT_CONFIGS = tuple(CONFIGS)[:-1]
 PREFILL_CPUS, DECODE_CPUS = 0.25, 0.5  # Ray CPUs per worker: 4 x 0.25 + 0.5 fit 2 cores
@@ -132,10 +135,10 @@ TRACES: dict[str, TraceSpec] = {
 }
 
 # The targets (issue 8), checked by check_targets.
-ROUND_ROBIN_SPEEDUP = 2.0  # TTFT p90 on the prefix-sharing trace: round_robin / pdserve
-SHORT_GAIN = 0.3  # short-request TTFT p90 on the mixed traces: 1 - pdserve / pdserve-fcfs
-NOISE_ALLOWANCE = 0.05  # "never worse" than always-disaggregate: pdserve / it <= 1 + this
-HIT_VS_ORACLE = 0.9  # pdserve's hit rate / the oracle's
+ROUND_ROBIN_SPEEDUP = 2.0  # TTFT p90 on the prefix-sharing trace: round_robin / estimated_ttft
+SHORT_GAIN = 0.3  # short-request TTFT p90 on the mixed traces: 1 - estimated_ttft / estimated_ttft-fcfs
+NOISE_ALLOWANCE = 0.05  # "never worse" than always-disaggregate: estimated_ttft / it <= 1 + this
+HIT_VS_ORACLE = 0.9  # estimated_ttft's hit rate / the oracle's
 MIN_RATE_FACTOR = 0.5  # the goodput search goes no lower than this x the common rate
 
 ROUTER_COUNTERS = ("requests_routed", "prompt_tokens", "predicted_cached_tokens", "oracle_cached_tokens",
@@ -349,10 +352,10 @@ def figures(records: list[RequestRecord], router: dict[str, Any], short_cut: int
 def short_cut(settings: dict[str, dict[str, Any]], prompt_lens: list[int]) -> tuple[int, str]:
     """The prompt length that counts as short for every configuration of a trace, and where it came from.
 
-    The LAPS threshold the pdserve configuration reported, else another configuration's, else the
+    The LAPS threshold the estimated_ttft configuration reported, else another configuration's, else the
     workload's median prompt.
     """
-    for name in sorted(settings, key=lambda n: n != "pdserve"):
+    for name in sorted(settings, key=lambda n: n != "estimated_ttft"):
         value = settings[name].get("short_prompt_tokens")
         if value:
             return int(value), f"short_prompt_tokens of {name}"
@@ -474,17 +477,18 @@ def check_targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str,
 
         spec = TRACES[trace]
         if spec.prefix_groups:
-            add("vs_round_robin", "TTFT p90: round_robin / pdserve", trace,
-                _ratio(get("round_robin", "ttft_p90_s"), get("pdserve", "ttft_p90_s")),
+            add("vs_round_robin", "TTFT p90: round_robin / estimated_ttft", trace,
+                _ratio(get("round_robin", "ttft_p90_s"), get("estimated_ttft", "ttft_p90_s")),
                 ROUND_ROBIN_SPEEDUP, lambda m: m >= ROUND_ROBIN_SPEEDUP)
-            add("hit_vs_oracle", "hit rate / oracle hit rate, pdserve", trace, get("pdserve", "hit_vs_oracle"),
-                HIT_VS_ORACLE, lambda m: m >= HIT_VS_ORACLE)
+            add("hit_vs_oracle", "hit rate / oracle hit rate, estimated_ttft", trace,
+                get("estimated_ttft", "hit_vs_oracle"), HIT_VS_ORACLE, lambda m: m >= HIT_VS_ORACLE)
         if spec.mixed_lengths:
-            ratio = _ratio(get("pdserve", "short_ttft_p90_s"), get("pdserve-fcfs", "short_ttft_p90_s"))
-            add("short_vs_fcfs", "short-request TTFT p90: 1 - pdserve / pdserve-fcfs", trace,
+            ratio = _ratio(get("estimated_ttft", "short_ttft_p90_s"),
+                           get("estimated_ttft-fcfs", "short_ttft_p90_s"))
+            add("short_vs_fcfs", "short-request TTFT p90: 1 - estimated_ttft / estimated_ttft-fcfs", trace,
                 None if ratio is None else 1 - ratio, SHORT_GAIN, lambda m: m >= SHORT_GAIN)
-        add("vs_always_disaggregate", "TTFT p90: pdserve / pdserve-always-disaggregate", trace,
-            _ratio(get("pdserve", "ttft_p90_s"), get("pdserve-always-disaggregate", "ttft_p90_s")),
+        add("vs_always_disaggregate", "TTFT p90: estimated_ttft / estimated_ttft-always-disaggregate", trace,
+            _ratio(get("estimated_ttft", "ttft_p90_s"), get("estimated_ttft-always-disaggregate", "ttft_p90_s")),
             1 + NOISE_ALLOWANCE, lambda m: m <= 1 + NOISE_ALLOWANCE)
     return out
 
@@ -644,7 +648,7 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
             raise ValueError(f"{kind} must be among {', '.join(known)}; got {', '.join(chosen) or 'none'}")
     if cfg.requests < 1 or not cfg.load > 0:
         raise ValueError(f"--requests must be >= 1 and --load > 0; got {cfg.requests}, {cfg.load}")
-    # pdserve first when chosen: the first configuration calibrates the rates and objectives.
+    # estimated_ttft first when chosen: the first configuration calibrates the rates and objectives.
     cfg = replace(cfg, configs=tuple(c for c in CONFIGS if c in cfg.configs), traces=tuple(dict.fromkeys(cfg.traces)))
     model_dir = resolve_model(cfg.model)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size

@@ -24,7 +24,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    m = manifest(model_dirs[ARCH], router={"policy": "pdserve", "local_prefill_tokens": 24},
+    m = manifest(model_dirs[ARCH], router={"policy": "estimated_ttft", "local_prefill_tokens": 24},
                  pools={"prefill": {"replicas": 2, "num_cpus": 0.25}, "decode": {"num_cpus": 0.25}})
     c = Cluster(m, log=lambda _: None)
     c.start()
