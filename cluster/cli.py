@@ -1,4 +1,5 @@
-"""The `pdserve` command line: the runtime's commands here; the benchmarks' (`bench ...`, `soak`) in `cluster/bench/cli.py`."""
+"""The `pdserve` command line. The runtime's commands are here; the benchmarks' (`bench ...`, `soak`) come
+from `cluster/bench/cli.py`."""
 
 from __future__ import annotations
 

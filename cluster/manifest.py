@@ -13,8 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from pdserve.faults import FaultSettings
 from pdserve.client import MAX_MESSAGE_BYTES
+from pdserve.faults import FaultSettings
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 

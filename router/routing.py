@@ -32,10 +32,10 @@ from typing import Any
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.router.admission import Overloaded, PoolAdmission
-from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.router.policies import RouteRequest, TransferCost, make_policy
 from pdserve.router.policies.estimated_ttft import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.wire import WorkRequest
 
 

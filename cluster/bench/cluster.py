@@ -45,12 +45,12 @@ from pathlib import Path
 
 import ray
 
+from pdserve.client import Client
+from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import Manifest, load_manifest
-from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.models.presets import resolve_model
-from pdserve.client import Client
 from pdserve.router.workers import WorkerRef
 
 # (name, mode, transport, kv_transfer settings beyond those): the low-load prompts (at most 512 tokens) are

@@ -64,7 +64,6 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.bench import serve as bench_serve
-from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
@@ -85,6 +84,7 @@ from pdserve.cluster.bench.workload import (
     prefix_group_sample,
     scale_requests,
 )
+from pdserve.engine.block_pool import hash_prompt_blocks
 
 
 # --- configurations -------------------------------------------------------------------------------

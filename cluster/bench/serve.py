@@ -68,8 +68,8 @@ from pdserve.cluster.bench.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace, load_azure_trace,
-                                      scale_requests)
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace,
+                                            load_azure_trace, scale_requests)
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
 CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP

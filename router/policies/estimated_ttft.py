@@ -25,8 +25,8 @@ from collections import deque
 import numpy as np
 
 from pdserve.engine.cost_model import fit_nonnegative
-from pdserve.router.workers import QueuedPrefill, WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import QueuedPrefill, WorkerRef
 
 
 class TransferCost:

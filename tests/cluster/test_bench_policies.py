@@ -25,10 +25,10 @@ from pdserve.cluster.bench.policies import (
     short_cut,
     tables,
 )
-from pdserve.cluster.cli import main
-from pdserve.cluster.manifest import load_manifest
 from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
 from pdserve.cluster.bench.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
+from pdserve.cluster.cli import main
+from pdserve.cluster.manifest import load_manifest
 
 VOCAB = 1000
 # The shared traces sit beside the repository on the development machines; a checkout elsewhere skips.

@@ -38,8 +38,8 @@ def test_default_manifest_is_valid():
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 0.5}}},
          "pools decode need num_gpus >= 1"),
         ({"router": {"policy": "random"}}, "router.policy"),
-        ({"router": {"policy": "pdserve"}}, "router.policy: Value error, 'pdserve' is this policy's old name: it is now "
-                                            "called 'estimated_ttft'"),
+        ({"router": {"policy": "pdserve"}}, "router.policy: Value error, 'pdserve' is this policy's old name: it is "
+                                            "now called 'estimated_ttft'"),
         ({"router": {"decode_policy": "pdserve"}}, "router.decode_policy: Value error, 'pdserve' is this policy's old "
                                                    "name: it is now called 'estimated_ttft'"),
         ({"kv_transfer": {"lease_s": float("nan")}}, "kv_transfer.lease_s: Input should be a finite number"),

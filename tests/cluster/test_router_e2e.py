@@ -12,10 +12,10 @@ import pytest
 import ray
 from cluster_helpers import assert_idle, manifest
 
+from pdserve.client import AsyncClient, Client, ResourceExhausted
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import PING_INTERVAL_S, PING_TIMEOUT_S
 from pdserve.engine.block_pool import hash_prompt_blocks
-from pdserve.client import AsyncClient, Client, ResourceExhausted
 
 ARCH = "tiny-llama"
 BS = 16

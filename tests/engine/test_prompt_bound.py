@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 from pdserve.engine.model_loader import load_tokenizer, max_token_chars
 from pdserve.engine.models.presets import resolve_model
-from pdserve.engine.sampling_params import check_prompt_text
 from pdserve.engine.models.tokenizer import build_tokenizer
+from pdserve.engine.sampling_params import check_prompt_text
 
 
 def wrapped(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:

@@ -12,10 +12,10 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost, StepCostModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import Overloaded
-from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.router.policies import POLICY_NAMES, RouteRequest, TransferCost, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.wire import WorkRequest
 
 BS = 16
