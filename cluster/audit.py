@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 SETTLE_S = 1.0  # idle this long before auditing: cancels and aborts are asynchronous

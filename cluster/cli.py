@@ -1,4 +1,5 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line. The runtime's commands are here; the benchmarks' (`bench ...`, `soak`) come
+from `cluster/bench/cli.py`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdserve.cluster.workload import DEFAULT_TRACE
+from pdserve.cluster.bench.cli import add_commands as add_bench_commands
 
 # The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
@@ -20,7 +21,7 @@ DEMO_PROMPTS = [
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import PRESETS, make_model
+    from pdserve.engine.models.presets import PRESETS, make_model
 
     if args.list or not args.preset:
         for name, preset in PRESETS.items():
@@ -38,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
-    from pdserve.router.client import Client
+    from pdserve.client import Client
 
     manifest = load_manifest(args.manifest)
     # Any free ports: the demo must not clash with a running server.
@@ -136,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.router.client import Client, PDServeError
+    from pdserve.client import Client, PDServeError
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     pem = {name: path.read_bytes() if path else None for name, path in
@@ -158,29 +159,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_engine import EngineBenchConfig, run
-
-    cfg = EngineBenchConfig(
-        model=args.model, num_prompts=args.num_prompts, repeats=args.repeats, threads=args.threads,
-        hf_batch_sizes=tuple(args.hf_batch_sizes), out=Path(args.out),
-    )
-    run(cfg)
-    return 0
-
-
-def _bench_kv(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_kv import KVBenchConfig, run
-
-    run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
-                      repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs),
-                      windows=args.windows, out=Path(args.out)))
-    return 0
-
-
 def _train_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import CHECKPOINTS
-    from pdserve.engine.training import TrainConfig, train
+    from pdserve.engine.models.presets import CHECKPOINTS
+    from pdserve.engine.models.training import TrainConfig, train
     from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
 
     out = args.dir or CHECKPOINTS / "pystd-llama"
@@ -190,107 +171,10 @@ def _train_model(args: argparse.Namespace) -> int:
 
 
 def _kv_profile(args: argparse.Namespace) -> int:
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
     from pdserve.kv_transfer.codecs.cachegen_profile import profile_cachegen
 
     print(f"wrote {profile_cachegen(resolve_model(args.model), num_tokens=args.tokens)}")
-    return 0
-
-
-def _bench_cluster(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_cluster import ClusterBenchConfig, run
-
-    run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, rounds=args.rounds,
-                           num_long=args.long_prompts, trace=args.trace, gpus_per_worker=args.gpus_per_worker,
-                           out=Path(args.out)))
-    return 0
-
-
-def _bench_overload(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_overload import OverloadConfig, run
-
-    result = run(OverloadConfig(manifest=args.manifest, num_requests=args.num_requests, burst_s=args.burst_s,
-                                deadline_s=args.deadline_s, max_tokens=args.max_tokens, out=Path(args.out)))
-    failed = set(result["outcomes"]) - {"ok", "RESOURCE_EXHAUSTED"}
-    return 1 if failed or result["past_deadline"] or result["reference_mismatches"] or not result[
-        "pools_free_afterwards"] else 0
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from pdserve.cluster.soak import SoakConfig, run_soak
-
-    report = run_soak(SoakConfig(minutes=args.minutes, model=args.model, rate=args.rate, max_tokens=args.max_tokens,
-                                 storm=args.storm, kv_corrupt_percent=args.kv_corrupt_percent, seed=args.seed,
-                                 out=Path(args.out)))
-    t, r = report["tokens"], report["recovery_s"]
-    print(f"requests {report['requests']}: {report['codes']}; retries {report['retries']}; faults {report['faults']}")
-    for k in report["kills"]:
-        detect = f"{k['detect_s']:.2f} s" if k["detect_s"] is not None else "-"
-        print(f"killed {k['worker']}: {k['affected']} of {k['in_flight']} requests in flight retried, detected after "
-              f"{detect}, next token after {k['recovery_s']:.2f} s (longest wait of any: {k['longest_wait_s']:.2f} s)")
-    print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
-          f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
-    st = report["storm"]
-    print(f"storm: {st['placed']} streams ({st['opened']} streaming) cancelled, pools free after {st['freed_s']:.2f} s; throughput "
-          f"{st['tokens_per_s_before']:.0f} -> {st['tokens_per_s_after']:.0f} -> {st['tokens_per_s_settled']:.0f} "
-          f"tokens/s (before, right after, settled)")
-    print(f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")
-    print(f"{'PASS' if report['ok'] else 'FAIL'}; report in {args.out}")
-    return 0 if report["ok"] else 1
-
-
-# `bench serve` options that belong to one of its two benchmarks (--policies picks the second).
-SERVE_ONLY = ("configs", "requests_per_rate", "start_rate", "min_rate", "trace", "trace_arrivals", "input_scale",
-              "output_scale", "tight", "loose", "cdf_rate", "baseline_threads")
-POLICIES_ONLY = ("traces", "requests", "rate", "load", "prefill_replicas", "decode_replicas", "objective")
-
-
-def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    """The options among `names` whose value is not their default, as the user spelt them."""
-    defaults = vars(build_parser().parse_args(["bench", "serve"]))
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != defaults[n]]
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_serve import DEFAULT_CONFIGS, ServeBenchConfig, run
-
-    if args.policies is not None:
-        return _bench_policies(args)
-    if misplaced := _given(args, POLICIES_ONLY):
-        raise ValueError(f"{', '.join(misplaced)}: only with --policies")
-    cfg = ServeBenchConfig(
-        model=args.model, configs=tuple(args.configs or DEFAULT_CONFIGS), requests_per_rate=args.requests_per_rate,
-        start_rate=args.start_rate, min_rate=args.min_rate, max_rate=args.max_rate, rel_tol=args.rel_tol,
-        max_runs=ServeBenchConfig.max_runs if args.max_runs is None else args.max_runs, seed=args.seed,
-        trace=args.trace, trace_arrivals=args.trace_arrivals,
-        input_scale=args.input_scale, output_scale=args.output_scale, max_output=args.max_output,
-        max_model_len=args.max_model_len, calibration_requests=args.calibration_requests,
-        tight=tuple(args.tight) if args.tight else None, loose=tuple(args.loose) if args.loose else None,
-        cdf_rate=args.cdf_rate, timeout_s=args.timeout, baseline_threads=args.baseline_threads,
-        out_dir=Path(args.out_dir or ServeBenchConfig.out_dir), progress=not args.no_progress,
-    )
-    run(cfg.quick() if args.quick else cfg)
-    return 0
-
-
-def _bench_policies(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench_policies import CONFIGS, TRACES, PolicyBenchConfig, parse_rates, run
-    from pdserve.cluster.bench_policies import DEFAULT_CONFIGS as POLICY_DEFAULT_CONFIGS
-
-    if misplaced := _given(args, SERVE_ONLY):
-        raise ValueError(f"{', '.join(misplaced)}: not with --policies")
-    traces = tuple(args.traces or TRACES)
-    cfg = PolicyBenchConfig(
-        model=args.model, configs=tuple(args.policies or POLICY_DEFAULT_CONFIGS), traces=traces, requests=args.requests,
-        rates=parse_rates(args.rate or [], traces), load=args.load,
-        max_runs=PolicyBenchConfig.max_runs if args.max_runs is None else args.max_runs, rel_tol=args.rel_tol,
-        max_rate=args.max_rate, objective=tuple(args.objective) if args.objective else None,
-        calibration_requests=args.calibration_requests, prefill_replicas=args.prefill_replicas,
-        decode_replicas=args.decode_replicas, max_model_len=args.max_model_len, max_output=args.max_output,
-        seed=args.seed, timeout_s=args.timeout, out_dir=Path(args.out_dir or PolicyBenchConfig.out_dir),
-        progress=not args.no_progress,
-    )
-    run(cfg.quick() if args.quick else cfg)
     return 0
 
 
@@ -345,118 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--client-key", type=Path, default=None, help="PEM private key of --client-cert")
     gen.set_defaults(func=_generate)
 
-    sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
-                                     "storm of cancels; checks that no request or token was lost (docs/reliability.md)")
-    sk.add_argument("--minutes", type=float, default=5.0)
-    sk.add_argument("--model", default="llama-20m")
-    sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
-    sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
-    sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
-    sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
-    sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--out", default="bench-results/soak.json")
-    sk.set_defaults(func=_soak)
-    bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    be = bench_sub.add_parser("engine", help="engine vs transformers generate; decode-step split")
-    be.add_argument("--model", default="llama-20m")
-    be.add_argument("--num-prompts", type=int, default=64)
-    be.add_argument("--repeats", type=int, default=3)
-    be.add_argument("--threads", type=int, default=0, help="torch threads for both systems (0: default)")
-    be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
-    be.add_argument("--out", default="bench-results/engine.json")
-    be.set_defaults(func=_bench_engine)
-    bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
-                                         "element, perplexity change, greedy agreement, speed)")
-    bk.add_argument("--model", default="pystd-llama")
-    bk.add_argument("--transports", nargs="+", default=["shm", "tcp", "grpc", "gloo"],
-                    help="of shm, tcp, grpc, gloo, nccl (nccl needs two GPUs)")
-    bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
-    bk.add_argument("--repeats", type=int, default=5)
-    bk.add_argument("--token-bytes", type=int, default=None,
-                    help="KV bytes per token and layer of the transports' frames (default: the model's); e.g. "
-                         "4096 for an 8B-class layout (8 KV heads x 128, bf16: frames of 6 MiB)")
-    bk.add_argument("--codecs", nargs="*", default=["raw", "fp8", "int8", "cachegen"],
-                    help="codecs to measure on the model; none: the transport table alone")
-    bk.add_argument("--windows", type=int, default=16, help="held-out windows of 1024 tokens for perplexity")
-    bk.add_argument("--out", default="bench-results/kv.json")
-    bk.set_defaults(func=_bench_kv)
-    bc = bench_sub.add_parser("cluster", help="disaggregated (shm, grpc, gloo) vs colocated: TTFT breakdown, "
-                                              "streaming overhead, KV bytes/s")
-    bc.add_argument("--model", default="llama-20m")
-    bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
-    bc.add_argument("--rounds", type=int, default=3, help="requests per prompt length (fresh tokens each round)")
-    bc.add_argument("--long-prompts", type=int, default=8, help="2K-token prompts, each to every deployment")
-    bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
-                    "whose prompt lengths the low-load requests take")
-    bc.add_argument("--gpus-per-worker", type=float, default=0.0,
-                    help="GPUs for each worker (engines on CUDA); all 5 deployments' 10 workers run at once, "
-                         "so 0.1 puts them all on one GPU")
-    bc.add_argument("--out", default="bench-results/cluster.json")
-    bc.set_defaults(func=_bench_cluster)
-    bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "
-                                               "RESOURCE_EXHAUSTED; memory and pools checked")
-    bo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
-    bo.add_argument("--num-requests", type=int, default=1000)
-    bo.add_argument("--burst-s", type=float, default=2.0, help="the requests are spread over this many seconds")
-    bo.add_argument("--deadline-s", type=float, default=120.0)
-    bo.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
-    bo.add_argument("--out", default="bench-results/overload.json")
-    bo.set_defaults(func=_bench_overload)
-    bs = bench_sub.add_parser("serve", help="open-loop serving benchmark: SLO attainment and goodput of "
-                                            "pdserve configurations and transformers serve; with --policies, "
-                                            "the router's placement policies on three traces")
-    bs.add_argument("--configs", nargs="+", default=None, help="any of disaggregated, colocated-chunked, "
-                    "colocated, transformers-serve, disaggregated-1p2d, disaggregated-http (the disaggregated deployment over its "
-                    "OpenAI HTTP API) (default: the first four)")
-    bs.add_argument("--model", default="llama-20m")
-    bs.add_argument("--requests-per-rate", type=int, default=64, help="requests in each rate's run")
-    bs.add_argument("--start-rate", type=float, default=None,
-                    help="first rate of the search, req/s (default: 1 / idle e2e latency)")
-    bs.add_argument("--min-rate", type=float, default=0.05)
-    bs.add_argument("--max-rate", type=float, default=64.0)
-    bs.add_argument("--rel-tol", type=float, default=0.1, help="bisection stops at this relative bracket")
-    bs.add_argument("--max-runs", type=int, default=None, help="runs per configuration, over all objective pairs "
-                    "(default 10); with --policies, per trace and configuration, the common-rate run included "
-                    "(default 3)")
-    bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace in ../shared/traces")
-    bs.add_argument("--trace-arrivals", action="store_true",
-                    help="replay the trace's timestamps (scaled to each rate) instead of Poisson arrivals")
-    bs.add_argument("--input-scale", type=float, default=0.25, help="prompt length factor")
-    bs.add_argument("--output-scale", type=float, default=0.25, help="output length factor")
-    bs.add_argument("--max-output", type=int, default=None, help="cap on output tokens")
-    bs.add_argument("--max-model-len", type=int, default=1024)
-    bs.add_argument("--calibration-requests", type=int, default=8, help="idle requests that set the objectives")
-    bs.add_argument("--tight", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
-                    help="tight objective pair (default: 2 x idle p90 TTFT, 1.5 x idle TPOT)")
-    bs.add_argument("--loose", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
-                    help="loose objective pair (default: 5 x idle p90 TTFT, 3 x idle TPOT)")
-    bs.add_argument("--cdf-rate", type=float, default=None,
-                    help="rate of the latency CDFs (default: the highest rate every configuration ran)")
-    bs.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")
-    bs.add_argument("--baseline-threads", type=int, default=2, help="torch threads of transformers serve")
-    bs.add_argument("--out-dir", default=None, help="default: bench-results/serve, with --policies "
-                    "bench-results/policies")
-    bs.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bs.add_argument("--quick", action="store_true", help="a tiny smoke run (6 requests a rate, 2 runs each; with "
-                    "--policies: the first 2 configurations on the first trace, 8 requests, 1 run)")
-    pol = bs.add_argument_group("placement policies (pdserve bench serve --policies; cluster/bench_policies.py)")
-    pol.add_argument("--policies", nargs="*", default=None, metavar="CONFIG",
-                     help="run the policy benchmark instead, on these configurations (none named: all of pdserve, "
-                          "round_robin, least_loaded, cache_aware, kv_cost, pdserve-fcfs, pdserve-always-disaggregate)")
-    pol.add_argument("--traces", nargs="+", default=None,
-                     help="any of mooncake, azure-conv, azure-code (default: all three)")
-    pol.add_argument("--requests", type=int, default=64, help="requests in each run")
-    pol.add_argument("--rate", nargs="+", default=None, metavar="[TRACE=]REQ_S",
-                     help="the common rate of every trace, or of one (default: --load x the first configuration's "
-                          "throughput with a run's requests arriving at once)")
-    pol.add_argument("--load", type=float, default=0.7, help="the calibrated rate's fraction of that throughput")
-    pol.add_argument("--prefill-replicas", type=int, default=4)
-    pol.add_argument("--decode-replicas", type=int, default=1)
-    pol.add_argument("--objective", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
-                     help="goodput objective for every trace (default: 5 x idle p90 TTFT, 3 x idle TPOT, per trace)")
-    bs.set_defaults(func=_bench_serve)
+    add_bench_commands(sub)
     return parser
 
 

@@ -20,12 +20,12 @@ from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.kv_event_hub import KVEventHub
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
 from pdserve.router.server import RouterServer

@@ -13,8 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.faults import FaultSettings
-from pdserve.router.client import MAX_MESSAGE_BYTES
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
 
@@ -50,7 +50,9 @@ class Pools(_Strict):
     decode: PoolSpec = PoolSpec()
 
 
-PolicyName = Literal["round_robin", "least_loaded", "cache_aware", "kv_cost", "pdserve"]
+PolicyName = Literal["round_robin", "least_loaded", "cache_aware", "kv_cost", "estimated_ttft"]
+# Policy names that were renamed: a manifest that still says one is refused with the new name.
+RENAMED_POLICIES = {"pdserve": "estimated_ttft"}
 CODECS = ("raw", "int8", "fp8", "cachegen")  # kv_transfer.codecs.CODEC_NAMES (a test holds them alike)
 
 
@@ -65,7 +67,7 @@ class CacheAwareSpec(_Strict):
 
 class RouterSpec(_Strict):
     # Placement (router/policies): `policy` for both pools, unless a pool's own is set.
-    policy: PolicyName = "pdserve"
+    policy: PolicyName = "estimated_ttft"
     prefill_policy: PolicyName | None = None
     decode_policy: PolicyName | None = None
     cache_aware: CacheAwareSpec = CacheAwareSpec()
@@ -73,18 +75,18 @@ class RouterSpec(_Strict):
     # exact: the workers' KV events feed the global prefix index; approximate: the router's own decisions.
     prefix_index: Literal["exact", "approximate"] = "exact"
     # Early rejection: RESOURCE_EXHAUSTED at once when the best TTFT estimate exceeds
-    # reject_factor x ttft_slo_s (needs an estimating policy: pdserve). None: never.
+    # reject_factor x ttft_slo_s (needs an estimating policy: estimated_ttft). None: never.
     ttft_slo_s: float | None = Field(None, gt=0)
     reject_factor: float = Field(2.0, gt=0)
     # Length-aware prefill (LAPS): short prompts in their own queue, batched within a short window;
-    # long ones chunked. None: on with the pdserve prefill policy. The threshold and the window are
+    # long ones chunked. None: on with the estimated_ttft prefill policy. The threshold and the window are
     # measured on the worker at start-up unless set; the chunk is half the step budget unless set.
     length_aware: bool | None = None
     short_prompt_tokens: int | None = Field(None, ge=1)
     short_batch_window_ms: float | None = Field(None, ge=0)
     long_prompt_chunk_tokens: int | None = Field(None, ge=1)
     # Conditional disaggregation: a prompt whose uncached part is at most this prefills on its decode
-    # worker. None: measured with the pdserve prefill policy (prefill compute vs transfer), else off; 0: off.
+    # worker. None: measured with the estimated_ttft prefill policy (prefill compute vs transfer), else off; 0: off.
     local_prefill_tokens: int | None = Field(None, ge=0)
     # Admission control: per worker, at most this many requests waiting for or in their prompt pass
     # (prefill workers) / placed and not finished (decode and colocated workers). Past it, a request
@@ -97,13 +99,20 @@ class RouterSpec(_Strict):
     max_retries: int = Field(3, ge=0)
     retry_wait_s: float = Field(30.0, ge=0)
 
+    @field_validator("policy", "prefill_policy", "decode_policy", mode="before")
+    @classmethod
+    def _renamed(cls, v: object) -> object:
+        if isinstance(v, str) and v in RENAMED_POLICIES:
+            raise ValueError(f"{v!r} is this policy's old name: it is now called {RENAMED_POLICIES[v]!r}")
+        return v
+
     @property
     def pool_policies(self) -> tuple[str, str]:
         return self.prefill_policy or self.policy, self.decode_policy or self.policy
 
     @property
     def laps(self) -> bool:
-        return self.length_aware if self.length_aware is not None else self.pool_policies[0] == "pdserve"
+        return self.length_aware if self.length_aware is not None else self.pool_policies[0] == "estimated_ttft"
 
 
 class KVTLSSpec(_Strict):

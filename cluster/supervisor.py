@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import ray
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.5

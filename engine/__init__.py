@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVBlocks
     from pdserve.engine.llm import LLM
     from pdserve.engine.llm_engine import LLMEngine, RequestHandoff
-    from pdserve.engine.presets import PRESETS, make_model, resolve_model
+    from pdserve.engine.models.presets import PRESETS, make_model, resolve_model
     from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 
 _EXPORTS = {
     "LLM": "llm", "LLMEngine": "llm_engine", "RequestHandoff": "llm_engine", "EngineConfig": "config",
     "SamplingParams": "sampling_params", "RequestOutput": "sampling_params", "KVBlocks": "kv_cache",
-    "PRESETS": "presets", "make_model": "presets", "resolve_model": "presets",
+    "PRESETS": "models.presets", "make_model": "models.presets", "resolve_model": "models.presets",
 }
 __all__ = list(_EXPORTS)
 

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 
 

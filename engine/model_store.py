@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.presets import MARKER, default_cache_dir, resolve_model
+from pdserve.engine.models.presets import MARKER, default_cache_dir, resolve_model
 
 CHUNK = 1 << 20
 

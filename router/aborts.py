@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 BATCH_S = 0.01  # how long an abort waits for others to the same worker: nothing next to freeing KV
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 30.0
 

@@ -35,9 +35,9 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.aborts import AbortBatcher
 from pdserve.router.admission import Overloaded
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import NoHealthyWorker
 from pdserve.router.routing import Placement, Router
 from pdserve.router.token_hub import TokenStreamHub
+from pdserve.router.workers import NoHealthyWorker
 from pdserve.wire import (
     INTERNAL,
     INVALID_ARGUMENT,

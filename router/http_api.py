@@ -35,9 +35,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.client import MAX_MESSAGE_BYTES
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.metrics import CONTENT_TYPE
 

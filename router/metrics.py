@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 if TYPE_CHECKING:
     from pdserve.router.routing import Placement, Router

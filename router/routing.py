@@ -7,7 +7,7 @@ many leading blocks each worker caches, then:
    phases and the prefill policy chooses it);
 2. conditional disaggregation: when the part of the prompt that decode worker does not cache is
    short enough, the request prefills there and skips the transfer. The threshold (`local_prefill_tokens`)
-   is the manifest's, or, with the pdserve policy, measured: the longest prompt whose compute in a
+   is the manifest's, or, with the estimated_ttft policy, measured: the longest prompt whose compute in a
    decode step costs no more than its KV transfer takes (the decode worker's fitted step cost
    against the transfer times the router has seen) and delays the decode batch by no more than the
    step's own fixed cost (a local prefill must not stretch the running requests' TPOT), judged per
@@ -32,22 +32,22 @@ from typing import Any
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.router.admission import Overloaded, PoolAdmission
-from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.router.policies import RouteRequest, TransferCost, make_policy
-from pdserve.router.policies.pdserve import is_short
+from pdserve.router.policies.estimated_ttft import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
 from pdserve.wire import WorkRequest
 
 
 @dataclass
 class RoutingSettings:
-    prefill_policy: str = "pdserve"
-    decode_policy: str = "pdserve"
+    prefill_policy: str = "estimated_ttft"
+    decode_policy: str = "estimated_ttft"
     policy_options: dict[str, Any] = field(default_factory=dict)  # cache_aware's and kv_cost's knobs
     prefix_index: str = "exact"  # exact: from the workers' KV events; approximate: from decisions
     ttft_slo_s: float | None = None  # early rejection is off without an objective
     reject_factor: float = 2.0
-    local_prefill_tokens: int | None = None  # None: measured with the pdserve policy, else 0 (off)
+    local_prefill_tokens: int | None = None  # None: measured with the estimated_ttft policy, else 0 (off)
     max_queued_prefills: int = 64
     max_active_decodes: int = 128
     max_model_len: int = 2048
@@ -177,13 +177,13 @@ class Router:
         return queued + running + cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
 
     def _measured_local(self, request: RouteRequest, decode: WorkerRef, remote_estimate_s: float | None) -> bool:
-        """With the pdserve policy and no manifest threshold: whether this prompt prefills on `decode`.
+        """With the estimated_ttft policy and no manifest threshold: whether this prompt prefills on `decode`.
         Its compute there must cost no more than its transfer takes and than one decode step's fixed
         cost (a local prefill must not stretch the running requests' TPOT), and its TTFT there must
         not exceed the best prefill worker's estimate (a line of local prefills sends prompts away)."""
         s = self.settings
         cost = decode.step_cost
-        if (s.local_prefill_tokens is not None or s.prefill_policy != "pdserve" or remote_estimate_s is None
+        if (s.local_prefill_tokens is not None or s.prefill_policy != "estimated_ttft" or remote_estimate_s is None
                 or not cost.measured):
             return False
         compute = cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
@@ -193,11 +193,11 @@ class Router:
 
     def local_prefill_limit(self, decode: WorkerRef) -> int:
         """The longest uncached prompt that may prefill on `decode` (for a prompt with no cached prefix):
-        the manifest's, else with the pdserve policy the measured bound of `_measured_local`."""
+        the manifest's, else with the estimated_ttft policy the measured bound of `_measured_local`."""
         if self.settings.local_prefill_tokens is not None:
             return self.settings.local_prefill_tokens
         cost, transfer = decode.step_cost, self.transfer
-        if self.settings.prefill_policy != "pdserve" or not cost.measured:
+        if self.settings.prefill_policy != "estimated_ttft" or not cost.measured:
             return 0
         return cost.max_tokens_within(lambda n: min(cost.a, transfer.predict(n)), self.settings.max_model_len)
 

@@ -18,8 +18,8 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.client import MAX_MESSAGE_BYTES
 from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService, add_to_server
 

@@ -10,7 +10,7 @@ for the offline engine, `pdserve.cluster` for the cluster and the `pdserve` comm
 `server` extra.
 """
 
-from pdserve.router.client import (
+from pdserve.client import (
     AsyncClient,
     Cancelled,
     Client,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.engine.presets import PRESETS, make_model
+from pdserve.engine.models.presets import PRESETS, make_model
 
 # Every family the engine is tested on: Llama, Qwen2 (with and without a window), Qwen3, Mistral
 # (window shorter than the prompts), Gemma 2 and 3 (local/global layers; soft-capping), Phi-3, OLMo 2.

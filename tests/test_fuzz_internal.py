@@ -233,7 +233,7 @@ def test_frame_header_unpack_raises_only_corrupt_frame(message, header):
 def receiving(tmp_path_factory):
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
     from pdserve.engine.engine_loop import EngineLoop
-    from pdserve.engine.presets import make_model
+    from pdserve.engine.models.presets import make_model
     from pdserve.kv_transfer.receiver import KVReceiver
 
     model = make_model("tiny-llama", tmp_path_factory.mktemp("fuzz-model") / "tiny-llama", seed=0)

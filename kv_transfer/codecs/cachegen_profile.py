@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine.model_loader import cache_of, context_limit, load_tokenizer
-from pdserve.engine.training import calibration_text
+from pdserve.engine.models.training import calibration_text
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE, CacheGenTables
 from pdserve.kv_transfer.codecs.cachegen_quant import Steps, channels_first, coded_deltas, quantize
 

@@ -10,13 +10,13 @@ from typing import Any
 
 from pdserve.router.policies.base import Choice, PlacementPolicy, RouteRequest
 from pdserve.router.policies.cache_aware import CacheAware
+from pdserve.router.policies.estimated_ttft import EstimatedTTFTDecode, EstimatedTTFTPrefill, TransferCost
 from pdserve.router.policies.kv_cost import KVCost
 from pdserve.router.policies.least_loaded import LeastLoaded
-from pdserve.router.policies.pdserve import PdserveDecode, PdservePrefill, TransferCost
 from pdserve.router.policies.round_robin import RoundRobin
 
 __all__ = ["POLICY_NAMES", "Choice", "PlacementPolicy", "RouteRequest", "TransferCost", "make_policy"]
-POLICY_NAMES = ("round_robin", "least_loaded", "cache_aware", "kv_cost", "pdserve")
+POLICY_NAMES = ("round_robin", "least_loaded", "cache_aware", "kv_cost", "estimated_ttft")
 
 
 def make_policy(name: str, pool: str, transfer: TransferCost, options: dict[str, Any] | None = None) -> PlacementPolicy:
@@ -29,7 +29,7 @@ def make_policy(name: str, pool: str, transfer: TransferCost, options: dict[str,
         "cache_aware": lambda: CacheAware(**{k: options[k] for k in ("balance_abs", "balance_rel", "match_threshold")
                                              if k in options}),
         "kv_cost": lambda: KVCost(**{k: options[k] for k in ("overlap_weight",) if k in options}),
-        "pdserve": (lambda: PdservePrefill(transfer)) if pool == "prefill" else PdserveDecode,
+        "estimated_ttft": (lambda: EstimatedTTFTPrefill(transfer)) if pool == "prefill" else EstimatedTTFTDecode,
     }
     if name not in makers:
         raise ValueError(f"unknown placement policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

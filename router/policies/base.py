@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 
 @dataclass

@@ -6,8 +6,8 @@ cache from its own decisions; here the prefix index knows it.)"""
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import WorkerRef
 
 
 class CacheAware:

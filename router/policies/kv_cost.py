@@ -7,8 +7,8 @@ router's own count of the blocks placed there; the cheapest worker wins, ties ro
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import WorkerRef
 
 
 class KVCost:

@@ -3,8 +3,8 @@ request's first token, a decode worker's at its last); ties go round-robin, so a
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import WorkerRef
 
 
 class LeastLoaded:

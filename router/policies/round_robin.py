@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.router.placement import WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import WorkerRef
 
 
 class RoundRobin:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import sys
 
+from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.router.client import Client
 
 
 def main() -> None:

@@ -23,11 +23,11 @@ import openai
 import pytest
 from cluster_helpers import manifest
 
+from pdserve.client import AsyncClient, Client, InsecureTokenWarning, InvalidArgument, PDServeError
 from pdserve.cluster.launcher import Cluster
-from pdserve.engine.presets import make_model
+from pdserve.engine.models.presets import make_model
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
-from pdserve.router.client import AsyncClient, Client, InsecureTokenWarning, InvalidArgument, PDServeError
 from pdserve.router.frontend import Frontend
 
 ARCH = "tiny-llama"

@@ -8,8 +8,8 @@ import json
 
 import yaml
 
-from pdserve.cluster.bench_overload import OverloadConfig, run
-from pdserve.engine.presets import make_model
+from pdserve.cluster.bench.overload import OverloadConfig, run
+from pdserve.engine.models.presets import make_model
 
 TOKEN = "overload-s3cret-token"
 

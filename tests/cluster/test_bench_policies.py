@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.cluster.bench_policies import (
+from pdserve.cluster.bench.policies import (
     CONFIGS,
     TRACES,
     PairResult,
@@ -25,10 +25,10 @@ from pdserve.cluster.bench_policies import (
     short_cut,
     tables,
 )
+from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
+from pdserve.cluster.bench.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
 from pdserve.cluster.cli import main
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.serve_metrics import Goodput, Objective, RequestRecord
-from pdserve.cluster.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
 
 VOCAB = 1000
 # The shared traces sit beside the repository on the development machines; a checkout elsewhere skips.
@@ -65,19 +65,19 @@ def test_every_configuration_is_the_same_cluster_with_its_own_router():
         assert 4 * pools["prefill"]["num_cpus"] + pools["decode"]["num_cpus"] <= 2  # fits the 2 cores
         assert {k: m["router"][k] for k in CONFIGS[c].router} == CONFIGS[c].router
     assert manifests["round_robin"]["router"]["policy"] == "round_robin"
-    assert manifests["pdserve-fcfs"]["router"] == {**manifests["pdserve"]["router"], "length_aware": False}
-    assert manifests["pdserve-always-disaggregate"]["router"] == {**manifests["pdserve"]["router"],
-                                                                  "local_prefill_tokens": 0}
-    assert list(CONFIGS)[0] == "pdserve"  # it calibrates and sets the short cut
+    base = manifests["estimated_ttft"]["router"]
+    assert manifests["estimated_ttft-fcfs"]["router"] == {**base, "length_aware": False}
+    assert manifests["estimated_ttft-always-disaggregate"]["router"] == {**base, "local_prefill_tokens": 0}
+    assert list(CONFIGS)[0] == "estimated_ttft"  # it calibrates and sets the short cut
     routers = {c: load_manifest(m).router for c, m in manifests.items()}  # valid manifests
-    assert routers["pdserve"].laps and not routers["pdserve-fcfs"].laps
-    assert routers["pdserve-always-disaggregate"].local_prefill_tokens == 0
+    assert routers["estimated_ttft"].laps and not routers["estimated_ttft-fcfs"].laps
+    assert routers["estimated_ttft-always-disaggregate"].local_prefill_tokens == 0
 
 
 @needs_traces
 def test_quick_is_two_configurations_on_one_trace():
     q = PolicyBenchConfig().quick()
-    assert q.configs == ("pdserve", "round_robin") and q.traces == ("mooncake",)
+    assert q.configs == ("estimated_ttft", "round_robin") and q.traces == ("mooncake",)
     assert q.max_runs == 1 and q.requests <= 8 and q.prefill_replicas == 2
     shapes = load_workload(q.traces[0], q, VOCAB).shapes
     assert all(s.prompt_len + s.output_len <= 256 and s.output_len <= 4 for s in shapes)  # short requests
@@ -163,8 +163,8 @@ def test_figures_of_one_run():
 
 
 def test_prefix_oracle_counts_the_longest_block_prefix_shared_with_an_earlier_request():
-    from pdserve.cluster.bench_policies import prefix_oracle
-    from pdserve.cluster.loadgen import Request
+    from pdserve.cluster.bench.policies import prefix_oracle
+    from pdserve.cluster.bench.loadgen import Request
 
     a = list(range(100, 148))  # three blocks of 16
     reqs = [Request("a", a + [1], 2), Request("b", a[:32] + [7] * 20, 2), Request("c", a + [2, 3], 2),
@@ -174,23 +174,23 @@ def test_prefix_oracle_counts_the_longest_block_prefix_shared_with_an_earlier_re
     assert prefix_oracle(reqs, 16) == {"a": 0, "b": 32, "c": 48, "d": 0}
 
 
-def test_short_cut_comes_from_pdserve_first():
-    assert short_cut({"round_robin": {"short_prompt_tokens": 64}, "pdserve": {"short_prompt_tokens": 128}},
-                     [10, 20, 30]) == (128, "short_prompt_tokens of pdserve")
+def test_short_cut_comes_from_estimated_ttft_first():
+    assert short_cut({"round_robin": {"short_prompt_tokens": 64}, "estimated_ttft": {"short_prompt_tokens": 128}},
+                     [10, 20, 30]) == (128, "short_prompt_tokens of estimated_ttft")
     assert short_cut({"round_robin": {"short_prompt_tokens": 64}}, [10, 20, 30])[0] == 64
     assert short_cut({"round_robin": {"short_prompt_tokens": None}}, [10, 20, 30])[0] == 20
 
 
 def test_targets_side_by_side():
     table = {
-        "mooncake": {"pdserve": {"ttft_p90_s": 0.1, "hit_vs_oracle": 0.95},
+        "mooncake": {"estimated_ttft": {"ttft_p90_s": 0.1, "hit_vs_oracle": 0.95},
                      "round_robin": {"ttft_p90_s": 0.3},
-                     "pdserve-always-disaggregate": {"ttft_p90_s": 0.09}},
-        "azure-conv": {"pdserve": {"ttft_p90_s": 0.2, "short_ttft_p90_s": 0.05},
-                       "pdserve-fcfs": {"short_ttft_p90_s": 0.1},
-                       "pdserve-always-disaggregate": {"ttft_p90_s": 0.2}},
-        "azure-code": {"pdserve": {"ttft_p90_s": 0.2, "short_ttft_p90_s": 0.09},
-                       "pdserve-fcfs": {"short_ttft_p90_s": 0.1}},
+                     "estimated_ttft-always-disaggregate": {"ttft_p90_s": 0.09}},
+        "azure-conv": {"estimated_ttft": {"ttft_p90_s": 0.2, "short_ttft_p90_s": 0.05},
+                       "estimated_ttft-fcfs": {"short_ttft_p90_s": 0.1},
+                       "estimated_ttft-always-disaggregate": {"ttft_p90_s": 0.2}},
+        "azure-code": {"estimated_ttft": {"ttft_p90_s": 0.2, "short_ttft_p90_s": 0.09},
+                       "estimated_ttft-fcfs": {"short_ttft_p90_s": 0.1}},
     }
     got = {(t["trace"], t["id"]): (t["measured"], t["pass"]) for t in check_targets(table)}
     assert got.pop(("mooncake", "vs_round_robin")) == (pytest.approx(3.0), True)
@@ -204,7 +204,7 @@ def test_targets_side_by_side():
 
 @needs_traces
 def test_results_and_plots_from_constructed_runs(tmp_path):
-    cfg = PolicyBenchConfig(configs=("pdserve", "round_robin"), traces=("mooncake", "azure-conv"), requests=6,
+    cfg = PolicyBenchConfig(configs=("estimated_ttft", "round_robin"), traces=("mooncake", "azure-conv"), requests=6,
                             out_dir=tmp_path)
     workloads = {t: load_workload(t, cfg, VOCAB) for t in cfg.traces}
     results = {}
@@ -219,13 +219,13 @@ def test_results_and_plots_from_constructed_runs(tmp_path):
                                      prefix_oracle={f"r{j}": s.prompt_len // 2 for j, s in enumerate(w.shapes)})
             r.goodput = Goodput(w.objective, 2.0, None, 1.0, converged=False, note="run budget (1) spent")
     results["azure-conv", "round_robin"] = PairResult("azure-conv", "round_robin", error="RuntimeError: down")
-    settings = {"pdserve": {"short_prompt_tokens": 100}, "round_robin": {"short_prompt_tokens": None}}
+    settings = {"estimated_ttft": {"short_prompt_tokens": 100}, "round_robin": {"short_prompt_tokens": None}}
     cuts, table = tables(workloads, results, settings)
     out = json.loads(json.dumps(assemble(cfg, tmp_path, workloads, results, settings,
                                          {"round_robin": "RuntimeError: down"}, cuts, table)))
     mooncake = out["traces"]["mooncake"]
     assert mooncake["short_prompt_tokens"]["cut"] == 100 and mooncake["rate"] == 2.0
-    assert mooncake["configs"]["pdserve"]["at_rate"]["hit_vs_oracle"] == pytest.approx(1.0, abs=0.01)
+    assert mooncake["configs"]["estimated_ttft"]["at_rate"]["hit_vs_oracle"] == pytest.approx(1.0, abs=0.01)
     assert mooncake["configs"]["round_robin"]["goodput"]["rate"] == 2.0
     assert out["traces"]["azure-conv"]["configs"]["round_robin"] == {"error": "RuntimeError: down", "at_rate": None,
                                                                     "goodput": None, "runs": []}

@@ -12,8 +12,8 @@ import ssl
 import pytest
 from cluster_helpers import manifest, pdserve
 
+from pdserve.client import Client, Unauthenticated, Unavailable
 from pdserve.cluster.launcher import Cluster
-from pdserve.router.client import Client, Unauthenticated, Unavailable
 
 ARCH = "tiny-llama"
 TOKEN = "sesame"

@@ -15,9 +15,7 @@ from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.manifest import load_manifest
-from pdserve.router.client import (
+from pdserve.client import (
     AsyncClient,
     Client,
     DeadlineExceeded,
@@ -26,6 +24,8 @@ from pdserve.router.client import (
     Unauthenticated,
     Unavailable,
 )
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
 
 ARCH = "tiny-llama"
 NEW_TOKENS = 10

@@ -17,11 +17,11 @@ import ray
 from cluster_helpers import install_gate, manifest, on_worker, open_gate
 from conftest import random_prompts
 
+from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import HEALTH_GROUP, RestartBackoff, Supervisor
-from pdserve.router.client import Client
 from pdserve.router.frontend import DEAD_WORKER_CHECK_S
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 ARCH = "tiny-llama"
 STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream

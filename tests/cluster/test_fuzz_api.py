@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.model_loader import load_tokenizer
-from pdserve.engine.presets import make_model
+from pdserve.engine.models.presets import make_model
 from pdserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc

@@ -22,12 +22,12 @@ from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open
 from conftest import random_prompts
 from helpers import wait_until
 
+from pdserve.client import Client, DeadlineExceeded, PDServeError, Unavailable
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
 from pdserve.kv_transfer.sender import RESERVE_MARGIN_S
-from pdserve.router.client import Client, DeadlineExceeded, PDServeError, Unavailable
 from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value

@@ -18,8 +18,8 @@ from cluster_helpers import (assert_idle, attribute_owner, install_gate, manifes
 from conftest import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.client import AsyncClient, Client, DeadlineExceeded, PDServeError, ResourceExhausted
 from pdserve.cluster.launcher import Cluster
-from pdserve.router.client import AsyncClient, Client, DeadlineExceeded, PDServeError, ResourceExhausted
 
 ARCH = "tiny-llama"
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value

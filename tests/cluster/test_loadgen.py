@@ -16,10 +16,10 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from pdserve.cluster.bench_serve import METRICS_SETTLE_S, metrics_check, roundtrip_prompt, scrape_metrics
+from pdserve.cluster.bench.serve import METRICS_SETTLE_S, metrics_check, roundtrip_prompt, scrape_metrics
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.loadgen import (
+from pdserve.cluster.bench.loadgen import (
     GrpcClient,
     OpenAIClient,
     Request,
@@ -29,8 +29,8 @@ from pdserve.cluster.loadgen import (
     trace_arrivals,
     write_jsonl,
 )
-from pdserve.cluster.serve_baselines import TransformersServe
-from pdserve.cluster.workload import (
+from pdserve.cluster.bench.serve_baselines import TransformersServe
+from pdserve.cluster.bench.workload import (
     TRACE_DIRS,
     block_prompts,
     find_trace,
@@ -73,7 +73,7 @@ def test_azure_trace_arrivals_and_lengths(tmp_path):
 
 
 def test_a_long_answer_keeps_its_long_prompt_when_scaled_to_the_context():
-    from pdserve.cluster.workload import TraceRequest
+    from pdserve.cluster.bench.workload import TraceRequest
 
     [scaled] = scale_requests([TraceRequest(0.0, 3000, 4000)], 0.25, 0.25, max_model_len=1024)
     assert (scaled.prompt_len, scaled.output_len) == (750, 274)

@@ -19,6 +19,7 @@ ANY_FILE = str(DEFAULT_MANIFEST)  # a file that exists, where only a path's exis
 def test_default_manifest_is_valid():
     m = load_manifest()
     assert m.mode == "disaggregated" and m.kv_transfer.transport == "auto" and m.ray.address == "local"
+    assert m.router.pool_policies == ("estimated_ttft", "estimated_ttft") and m.router.laps
     assert load_manifest(DEFAULT_MANIFEST) == m
 
 
@@ -37,6 +38,10 @@ def test_default_manifest_is_valid():
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 0.5}}},
          "pools decode need num_gpus >= 1"),
         ({"router": {"policy": "random"}}, "router.policy"),
+        ({"router": {"policy": "pdserve"}}, "router.policy: Value error, 'pdserve' is this policy's old name: it is "
+                                            "now called 'estimated_ttft'"),
+        ({"router": {"decode_policy": "pdserve"}}, "router.decode_policy: Value error, 'pdserve' is this policy's old "
+                                                   "name: it is now called 'estimated_ttft'"),
         ({"kv_transfer": {"lease_s": float("nan")}}, "kv_transfer.lease_s: Input should be a finite number"),
         ({"kv_transfer": {"reserve_wait_s": float("inf")}}, "kv_transfer.reserve_wait_s: Input should be a finite"),
         ({"pools": {"decode": {"num_cpus": float("inf")}}}, "pools.decode.num_cpus: Input should be a finite"),

@@ -16,9 +16,9 @@ import pytest
 import ray
 from cluster_helpers import assert_idle, manifest
 
+from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.model_store import ModelSource, materialize, model_digest, read_model_files
-from pdserve.router.client import Client
 
 ARCH = "tiny-llama"
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "fake-multinode.yaml"

@@ -18,9 +18,9 @@ import pytest
 from cluster_helpers import assert_idle, manifest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.model_loader import load_tokenizer
-from pdserve.router.client import Client
 
 ARCH = "tiny-llama"
 TOKEN = "s3cret-token"

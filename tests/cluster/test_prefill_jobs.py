@@ -19,9 +19,9 @@ from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open
 from conftest import random_prompts
 from helpers import wait_until
 
+from pdserve.client import AsyncClient, Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
-from pdserve.router.client import AsyncClient, Client
 from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value

@@ -12,10 +12,10 @@ import pytest
 import ray
 from cluster_helpers import assert_idle, manifest
 
+from pdserve.client import AsyncClient, Client, ResourceExhausted
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import PING_INTERVAL_S, PING_TIMEOUT_S
 from pdserve.engine.block_pool import hash_prompt_blocks
-from pdserve.router.client import AsyncClient, Client, ResourceExhausted
 
 ARCH = "tiny-llama"
 BS = 16
@@ -24,7 +24,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    m = manifest(model_dirs[ARCH], router={"policy": "pdserve", "local_prefill_tokens": 24},
+    m = manifest(model_dirs[ARCH], router={"policy": "estimated_ttft", "local_prefill_tokens": 24},
                  pools={"prefill": {"replicas": 2, "num_cpus": 0.25}, "decode": {"num_cpus": 0.25}})
     c = Cluster(m, log=lambda _: None)
     c.start()

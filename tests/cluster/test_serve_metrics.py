@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.cluster.serve_metrics import (
+from pdserve.cluster.bench.serve_metrics import (
     GoodputSearch,
     Objective,
     RequestRecord,

@@ -3,7 +3,7 @@ killed (SIGKILL), KV frames corrupted and a storm of cancels; nothing lost, ever
 
 from __future__ import annotations
 
-from pdserve.cluster.soak import SoakConfig, run_soak
+from pdserve.cluster.bench.soak import SoakConfig, run_soak
 
 
 def test_a_short_soak_loses_no_request_and_no_token(tmp_path):

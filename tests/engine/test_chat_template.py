@@ -8,8 +8,8 @@ import json
 import pytest
 
 from pdserve.engine.model_loader import load_tokenizer
-from pdserve.engine.presets import BUILD_VERSION, MARKER, resolve_model
-from pdserve.engine.tokenizer_builder import CHAT_TEMPLATE
+from pdserve.engine.models.presets import BUILD_VERSION, MARKER, resolve_model
+from pdserve.engine.models.tokenizer import CHAT_TEMPLATE
 
 CONVERSATION = [
     {"role": "system", "content": "You write Python."},

@@ -13,7 +13,7 @@ from conftest import HFReference, random_prompts
 from helpers import run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.tokenizer_builder import build_tokenizer
+from pdserve.engine.models.tokenizer import build_tokenizer
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
          "intermediate_size": 64}

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdserve.engine import PRESETS, EngineConfig, LLMEngine, SamplingParams, make_model, resolve_model
 from pdserve.engine.model_loader import eos_ids, load_tokenizer
-from pdserve.engine.presets import preset_info
+from pdserve.engine.models.presets import preset_info
 
 
 def digest(path):

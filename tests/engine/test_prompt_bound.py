@@ -13,9 +13,9 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.engine.model_loader import load_tokenizer, max_token_chars
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.models.presets import resolve_model
+from pdserve.engine.models.tokenizer import build_tokenizer
 from pdserve.engine.sampling_params import check_prompt_text
-from pdserve.engine.tokenizer_builder import build_tokenizer
 
 
 def wrapped(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:

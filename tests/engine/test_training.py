@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.presets import resolve_model
-from pdserve.engine.training import RECIPE_FILE, TrainConfig, corpus_files, heldout_loss, heldout_text, train
+from pdserve.engine.models.presets import resolve_model
+from pdserve.engine.models.training import RECIPE_FILE, TrainConfig, corpus_files, heldout_loss, heldout_text, train
 
 TINY = TrainConfig(steps=3, vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                    intermediate_size=64, seq_len=32, batch_size=2, warmup_steps=1, eval_tokens=128,

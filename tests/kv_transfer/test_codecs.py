@@ -245,7 +245,7 @@ def test_unusable_codecs_say_why(tables_dir):
 
 def test_the_shipped_model_has_cachegen_tables():
     from pdserve.engine.model_loader import load_model
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
 
     model_dir = resolve_model("pystd-llama")
     layout = load_model(model_dir, torch.float32, "cpu", block_size=16).kv_layout

@@ -12,10 +12,10 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost, StepCostModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import Overloaded
-from pdserve.router.placement import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.router.policies import POLICY_NAMES, RouteRequest, TransferCost, make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Router, RoutingSettings
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef
 from pdserve.wire import WorkRequest
 
 BS = 16
@@ -75,19 +75,19 @@ def test_kv_cost_weighs_blocks_to_prefill_against_blocks_held():
     assert choose("kv_cost", "prefill", req, [a, b], overlap_weight=0.5) == "a"  # a 5, b 6.5
 
 
-def test_pdserve_prefill_takes_the_cached_prefix_unless_its_queue_costs_more():
+def test_estimated_ttft_prefill_takes_the_cached_prefix_unless_its_queue_costs_more():
     a, b = worker("a"), worker("b")
     req = request(512, {"b": 24})  # b caches 384 of 512 tokens
-    assert choose("pdserve", "prefill", req, [a, b]) == "b"
+    assert choose("estimated_ttft", "prefill", req, [a, b]) == "b"
     b.queued = {f"q{i}": QueuedPrefill(900, 0, False) for i in range(3)}  # ~1 s of prompts ahead on b
-    assert choose("pdserve", "prefill", req, [a, b]) == "a"
+    assert choose("estimated_ttft", "prefill", req, [a, b]) == "a"
 
 
-def test_pdserve_estimate_is_queue_plus_own_pass_plus_transfer():
+def test_estimated_ttft_estimate_is_queue_plus_own_pass_plus_transfer():
     transfer = TransferCost()
     transfer.observe(16, 0.003)
     transfer.observe(256, 0.013)
-    policy = make_policy("pdserve", "prefill", transfer)
+    policy = make_policy("estimated_ttft", "prefill", transfer)
     w = worker("a")
     w.queued = {"q": QueuedPrefill(100, 0, False)}
     cost = StepCost(*COST)
@@ -96,7 +96,7 @@ def test_pdserve_estimate_is_queue_plus_own_pass_plus_transfer():
 
 
 def test_a_short_prompt_waits_only_for_shorts_and_one_long_chunk():
-    policy = make_policy("pdserve", "prefill", TransferCost())
+    policy = make_policy("estimated_ttft", "prefill", TransferCost())
     w = worker("a", short=64)
     w.queued = {f"long{i}": QueuedPrefill(1000, 0, False) for i in range(4)}
     short, long_ = request(32), request(600)
@@ -105,16 +105,16 @@ def test_a_short_prompt_waits_only_for_shorts_and_one_long_chunk():
     assert policy.queue_s(long_, w) == pytest.approx(cost.work_s(4000, 4 * 1000 * 1000, 2048))
 
 
-def test_pdserve_decode_needs_room_then_the_smallest_batch():
+def test_estimated_ttft_decode_needs_room_then_the_smallest_batch():
     full = worker("full", "decode", outstanding=0, free=2)
     busy = worker("busy", "decode", outstanding=5)
     light = worker("light", "decode", outstanding=1)
-    assert choose("pdserve", "decode", request(160), [full, busy, light]) == "light"
+    assert choose("estimated_ttft", "decode", request(160), [full, busy, light]) == "light"
 
 
-def test_pdserve_decode_breaks_ties_by_free_blocks_between_two_random_workers():
+def test_estimated_ttft_decode_breaks_ties_by_free_blocks_between_two_random_workers():
     workers = [worker(f"d{i}", "decode", free=100 * (i + 1)) for i in range(4)]
-    policy = make_policy("pdserve", "decode", TransferCost())
+    policy = make_policy("estimated_ttft", "decode", TransferCost())
     picks = Counter(policy.choose(request(16), workers).worker.name for _ in range(200))
     assert "d0" not in picks  # never the emptiest-but-one... the least free never wins a pair
     assert picks["d3"] > picks["d2"] > picks["d1"] > 0  # the most free wins every pair it is in

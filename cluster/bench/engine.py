@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.cluster.workload import RequestShape, azure_trace_shapes, random_token_prompts
+from pdserve.cluster.bench.workload import RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
 

@@ -44,7 +44,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.tokenizer_builder import train_tokenizer
+from pdserve.engine.models.tokenizer import train_tokenizer
 
 Split = Literal["train", "heldout"]
 HELDOUT_PERCENT = 3

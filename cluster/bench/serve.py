@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from pdserve.cluster.loadgen import (
+from pdserve.cluster.bench.loadgen import (
     GrpcClient,
     OpenAIClient,
     Request,
@@ -57,7 +57,7 @@ from pdserve.cluster.loadgen import (
     trace_arrivals,
     write_jsonl,
 )
-from pdserve.cluster.serve_metrics import (
+from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
     Objective,
@@ -68,8 +68,8 @@ from pdserve.cluster.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace, load_azure_trace,
-                                      scale_requests)
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace,
+                                            load_azure_trace, scale_requests)
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
 CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP
@@ -212,7 +212,7 @@ def serving(name: str, cfg: ServeBenchConfig, model_dir: Path, log: Callable[[st
     from pdserve.cluster.manifest import load_manifest
 
     if name == "transformers-serve":
-        from pdserve.cluster.serve_baselines import TransformersServe
+        from pdserve.cluster.bench.serve_baselines import TransformersServe
 
         # One pdserve engine's KV memory and step budget (the default manifest's), so that neither a
         # bigger cache nor a bigger batch decides the comparison.
@@ -602,7 +602,7 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     from transformers import AutoConfig
 
     from pdserve.engine.model_loader import context_limit, load_tokenizer
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
 
     unknown = set(cfg.configs) - set(CONFIGS)
     if unknown or not cfg.configs:

@@ -45,11 +45,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.model_loader import cache_argument, cache_of, load_model, load_tokenizer
-from pdserve.engine.presets import resolve_model
-from pdserve.engine.training import heldout_text
+from pdserve.engine.models.presets import resolve_model
+from pdserve.engine.models.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
-from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, Codec, FrameHeader
 from pdserve.kv_transfer.frames import FRAME_TOKENS
+from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, Codec, FrameHeader
 from pdserve.kv_transfer.transports import make_sender, start_receiver
 
 

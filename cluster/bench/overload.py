@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pdserve.client import AsyncClient, PDServeError, ResourceExhausted
+from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import azure_trace_shapes, random_token_prompts
-from pdserve.engine.presets import resolve_model
-from pdserve.router.client import AsyncClient, PDServeError, ResourceExhausted
+from pdserve.engine.models.presets import resolve_model
 
 
 @dataclass

@@ -4,8 +4,8 @@ trained model.
 `make_model("llama-20m", dir)` writes a normal Hugging Face checkpoint directory (config.json,
 model.safetensors, tokenizer files) that any transformers code can load. Same preset and seed, same
 bytes. `resolve_model` turns a directory, a preset name or a shipped model's name into such a
-directory. `pystd-llama`, the default, is trained (not random): `engine/training.py` made it from the
-Python standard library's source and it ships in `engine/checkpoints/` (`pdserve train-model`
+directory. `pystd-llama`, the default, is trained (not random): `engine/models/training.py` made it from the
+Python standard library's source and it ships in `engine/models/checkpoints/` (`pdserve train-model`
 reproduces it).
 """
 
@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
+from pdserve.engine.models.tokenizer import build_tokenizer
 
 BUILD_VERSION = 3  # bump when the build recipe changes, so cached models are rebuilt
 MARKER = "pdserve_preset.json"
@@ -114,7 +114,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-SHIPPED = {"pystd-llama": "~5M, Llama, GQA 4:2, trained on the Python standard library (engine/training.py)"}
+SHIPPED = {"pystd-llama": "~5M, Llama, GQA 4:2, trained on the Python standard library (engine/models/training.py)"}
 DEFAULT_PRESET = "pystd-llama"
 
 

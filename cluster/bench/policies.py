@@ -3,14 +3,16 @@
 Where a request is placed decides its TTFT: a worker that holds its prefix skips most of the prompt
 pass, a short queue starts it sooner, a short prompt need not wait behind long ones. This benchmark runs
 every policy on the same cluster shape and the same workloads, one configuration at a time, and
-checks pdserve's own policy against the simpler ones and against itself with one part switched off:
+checks the design's own policy (estimated_ttft) against the simpler ones and against itself with one part
+switched off:
 
-  pdserve                      the pdserve policy for both pools (length-aware prefill queues, prefix-
-                               and load-aware placement, conditional disaggregation)
-  round_robin, least_loaded,   the same for both pools
+  estimated_ttft                      the estimated_ttft policy for both pools (length-aware prefill queues,
+                                      prefix- and load-aware placement, conditional disaggregation)
+  round_robin, least_loaded,          the same for both pools
   cache_aware, kv_cost
-  pdserve-fcfs                 pdserve with one FCFS prefill queue (router.length_aware false)
-  pdserve-always-disaggregate  pdserve that never prefills on a decode worker (router.local_prefill_tokens 0)
+  estimated_ttft-fcfs                 estimated_ttft with one FCFS prefill queue (router.length_aware false)
+  estimated_ttft-always-disaggregate  estimated_ttft that never prefills on a decode worker
+                                      (router.local_prefill_tokens 0)
 
 Cluster: disaggregated, 4 prefill + 1 decode worker (deploy/local.yaml otherwise), 1 thread each,
 fractional Ray CPUs so that all of them fit the machine's cores (they share them, as they would share
@@ -27,12 +29,12 @@ token contents (a seed per trace and run), so no run finds another run's blocks 
 same run of two configurations gets the same tokens.
 
 Rate: one per trace, common to all configurations: --rate, or `load` x the throughput the first
-configuration (pdserve when selected) reaches when the whole run's requests arrive at once. Measured
-there, the load is one that pdserve's policy sustains; a policy that wastes work queues past it.
+configuration (estimated_ttft when selected) reaches when the whole run's requests arrive at once.
+Measured there, the load is one that the estimated_ttft policy sustains; a policy that wastes work queues past it.
 Each (trace, configuration) runs once at that rate (Poisson arrivals), and that run is the first of a
 goodput search (serve_metrics.GoodputSearch, --max-runs runs, never below half the rate).
 
-Objective (per trace, for goodput): bench_serve's loose pair (5 x idle p90 TTFT, 3 x idle TPOT, from
+Objective (per trace, for goodput): the serve benchmark's loose pair (5 x idle p90 TTFT, 3 x idle TPOT, from
 requests one at a time on the first configuration), or --objective. Not the tight pair: its attainment
 wanders between runs on this machine, and five workers on two cores stretch TPOT under any load.
 
@@ -41,8 +43,8 @@ reported to the client / prompt tokens), the oracle's hit rate over the same req
 each request's longest prefix shared with any earlier request of the run, which no placement can beat),
 the best prefix any worker held at placement time (the router's exact index), the router's predicted
 hit rate, TTFT
-p50/p90, TTFT p90 of short prompts (<= the LAPS threshold that the pdserve configuration reports, one
-cut for every configuration of a trace), TPOT p50, local prefills, early rejections, requests per
+p50/p90, TTFT p90 of short prompts (<= the LAPS threshold that the estimated_ttft configuration reports,
+one cut for every configuration of a trace), TPOT p50, local prefills, early rejections, requests per
 worker; and goodput. The targets are checked side by side (TARGETS).
 """
 
@@ -61,10 +63,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster import bench_serve
-from pdserve.engine.block_pool import hash_prompt_blocks
-from pdserve.cluster.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
-from pdserve.cluster.serve_metrics import (
+from pdserve.cluster.bench import serve as bench_serve
+from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
+from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
     Objective,
@@ -74,7 +75,7 @@ from pdserve.cluster.serve_metrics import (
     summarize,
     summarize_runs,
 )
-from pdserve.cluster.workload import (
+from pdserve.cluster.bench.workload import (
     TraceRequest,
     block_prompts,
     find_trace,
@@ -83,6 +84,7 @@ from pdserve.cluster.workload import (
     prefix_group_sample,
     scale_requests,
 )
+from pdserve.engine.block_pool import hash_prompt_blocks
 
 
 # --- configurations -------------------------------------------------------------------------------
@@ -92,21 +94,22 @@ class PolicyConfig:
     router: dict[str, Any]  # manifest `router` fields
 
 
-CONFIGS: dict[str, PolicyConfig] = {  # pdserve first: it calibrates, and its LAPS threshold cuts "short"
-    "pdserve": PolicyConfig("pdserve policy, both pools", {"policy": "pdserve"}),
+CONFIGS: dict[str, PolicyConfig] = {  # estimated_ttft first: it calibrates, and its LAPS threshold cuts "short"
+    "estimated_ttft": PolicyConfig("estimated_ttft policy, both pools", {"policy": "estimated_ttft"}),
     "round_robin": PolicyConfig("round robin, both pools", {"policy": "round_robin"}),
     "least_loaded": PolicyConfig("least loaded, both pools", {"policy": "least_loaded"}),
     "cache_aware": PolicyConfig("longest cached prefix, both pools", {"policy": "cache_aware"}),
     "kv_cost": PolicyConfig("KV cost, both pools", {"policy": "kv_cost"}),
-    "pdserve-fcfs": PolicyConfig("pdserve with one FCFS prefill queue", {"policy": "pdserve", "length_aware": False}),
-    "pdserve-always-disaggregate": PolicyConfig("pdserve, never prefilling on a decode worker",
-                                                {"policy": "pdserve", "local_prefill_tokens": 0}),
+    "estimated_ttft-fcfs": PolicyConfig("estimated_ttft with one FCFS prefill queue",
+                                        {"policy": "estimated_ttft", "length_aware": False}),
+    "estimated_ttft-always-disaggregate": PolicyConfig("estimated_ttft, never prefilling on a decode worker",
+                                                       {"policy": "estimated_ttft", "local_prefill_tokens": 0}),
     # On request: LAPS against one FCFS queue with no local prefill in either, so that every short
     # prompt goes through the prefill queues.
-    "pdserve-fcfs-always-disaggregate": PolicyConfig("pdserve with one FCFS prefill queue, never prefilling on a "
-                                                     "decode worker",
-                                                     {"policy": "pdserve", "length_aware": False,
-                                                      "local_prefill_tokens": 0}),
+    "estimated_ttft-fcfs-always-disaggregate": PolicyConfig("estimated_ttft with one FCFS prefill queue, never "
+                                                            "prefilling on a decode worker",
+                                                            {"policy": "estimated_ttft", "length_aware": False,
+                                                             "local_prefill_tokens": 0}),
 }
 DEFAULT_CONFIGS = tuple(CONFIGS)[:-1]
 PREFILL_CPUS, DECODE_CPUS = 0.25, 0.5  # Ray CPUs per worker: 4 x 0.25 + 0.5 fit 2 cores
@@ -132,10 +135,10 @@ TRACES: dict[str, TraceSpec] = {
 }
 
 # The targets (issue 8), checked by check_targets.
-ROUND_ROBIN_SPEEDUP = 2.0  # TTFT p90 on the prefix-sharing trace: round_robin / pdserve
-SHORT_GAIN = 0.3  # short-request TTFT p90 on the mixed traces: 1 - pdserve / pdserve-fcfs
-NOISE_ALLOWANCE = 0.05  # "never worse" than always-disaggregate: pdserve / it <= 1 + this
-HIT_VS_ORACLE = 0.9  # pdserve's hit rate / the oracle's
+ROUND_ROBIN_SPEEDUP = 2.0  # TTFT p90 on the prefix-sharing trace: round_robin / estimated_ttft
+SHORT_GAIN = 0.3  # short-request TTFT p90 on the mixed traces: 1 - estimated_ttft / estimated_ttft-fcfs
+NOISE_ALLOWANCE = 0.05  # "never worse" than always-disaggregate: estimated_ttft / it <= 1 + this
+HIT_VS_ORACLE = 0.9  # estimated_ttft's hit rate / the oracle's
 MIN_RATE_FACTOR = 0.5  # the goodput search goes no lower than this x the common rate
 
 ROUTER_COUNTERS = ("requests_routed", "prompt_tokens", "predicted_cached_tokens", "oracle_cached_tokens",
@@ -177,13 +180,13 @@ class PolicyBenchConfig:
                        max_runs=1, prefill_replicas=min(self.prefill_replicas, 2), max_model_len=256, max_output=4)
 
     def serve_config(self) -> bench_serve.ServeBenchConfig:
-        """The fields bench_serve's manifest and calibration read."""
+        """The fields the serve benchmark's manifest and calibration read."""
         return bench_serve.ServeBenchConfig(model=self.model, max_model_len=self.max_model_len,
                                             calibration_requests=self.calibration_requests)
 
 
 def manifest_for(config: str, cfg: PolicyBenchConfig) -> dict[str, Any]:
-    """bench_serve's disaggregated manifest with this benchmark's pools and the configuration's router."""
+    """the serve benchmark's disaggregated manifest with this benchmark's pools and the configuration's router."""
     data = bench_serve.manifest_for("disaggregated", cfg.serve_config())
     data["pools"]["prefill"].update(replicas=cfg.prefill_replicas, num_cpus=PREFILL_CPUS, threads=1)
     data["pools"]["decode"].update(replicas=cfg.decode_replicas, num_cpus=DECODE_CPUS, threads=1)
@@ -349,10 +352,10 @@ def figures(records: list[RequestRecord], router: dict[str, Any], short_cut: int
 def short_cut(settings: dict[str, dict[str, Any]], prompt_lens: list[int]) -> tuple[int, str]:
     """The prompt length that counts as short for every configuration of a trace, and where it came from.
 
-    The LAPS threshold the pdserve configuration reported, else another configuration's, else the
+    The LAPS threshold the estimated_ttft configuration reported, else another configuration's, else the
     workload's median prompt.
     """
-    for name in sorted(settings, key=lambda n: n != "pdserve"):
+    for name in sorted(settings, key=lambda n: n != "estimated_ttft"):
         value = settings[name].get("short_prompt_tokens")
         if value:
             return int(value), f"short_prompt_tokens of {name}"
@@ -474,17 +477,18 @@ def check_targets(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str,
 
         spec = TRACES[trace]
         if spec.prefix_groups:
-            add("vs_round_robin", "TTFT p90: round_robin / pdserve", trace,
-                _ratio(get("round_robin", "ttft_p90_s"), get("pdserve", "ttft_p90_s")),
+            add("vs_round_robin", "TTFT p90: round_robin / estimated_ttft", trace,
+                _ratio(get("round_robin", "ttft_p90_s"), get("estimated_ttft", "ttft_p90_s")),
                 ROUND_ROBIN_SPEEDUP, lambda m: m >= ROUND_ROBIN_SPEEDUP)
-            add("hit_vs_oracle", "hit rate / oracle hit rate, pdserve", trace, get("pdserve", "hit_vs_oracle"),
-                HIT_VS_ORACLE, lambda m: m >= HIT_VS_ORACLE)
+            add("hit_vs_oracle", "hit rate / oracle hit rate, estimated_ttft", trace,
+                get("estimated_ttft", "hit_vs_oracle"), HIT_VS_ORACLE, lambda m: m >= HIT_VS_ORACLE)
         if spec.mixed_lengths:
-            ratio = _ratio(get("pdserve", "short_ttft_p90_s"), get("pdserve-fcfs", "short_ttft_p90_s"))
-            add("short_vs_fcfs", "short-request TTFT p90: 1 - pdserve / pdserve-fcfs", trace,
+            ratio = _ratio(get("estimated_ttft", "short_ttft_p90_s"),
+                           get("estimated_ttft-fcfs", "short_ttft_p90_s"))
+            add("short_vs_fcfs", "short-request TTFT p90: 1 - estimated_ttft / estimated_ttft-fcfs", trace,
                 None if ratio is None else 1 - ratio, SHORT_GAIN, lambda m: m >= SHORT_GAIN)
-        add("vs_always_disaggregate", "TTFT p90: pdserve / pdserve-always-disaggregate", trace,
-            _ratio(get("pdserve", "ttft_p90_s"), get("pdserve-always-disaggregate", "ttft_p90_s")),
+        add("vs_always_disaggregate", "TTFT p90: estimated_ttft / estimated_ttft-always-disaggregate", trace,
+            _ratio(get("estimated_ttft", "ttft_p90_s"), get("estimated_ttft-always-disaggregate", "ttft_p90_s")),
             1 + NOISE_ALLOWANCE, lambda m: m <= 1 + NOISE_ALLOWANCE)
     return out
 
@@ -532,8 +536,8 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
                    "min_rate_factor": MIN_RATE_FACTOR, "rel_tol": cfg.rel_tol, "seed": cfg.seed,
                    "rate": "per trace, common to all configurations: --rate, or load x the throughput of the first "
                            "configuration with the whole run arriving at once",
-                   "objective": "--objective" if cfg.objective else "bench_serve's loose pair: 5 x idle p90 TTFT, "
-                                                                    "3 x idle TPOT",
+                   "objective": "--objective" if cfg.objective else "the serve benchmark's loose pair: 5 x idle p90 "
+                                                                    "TTFT, 3 x idle TPOT",
                    "hit_rate": "sum of cached_tokens reported to the client / sum of their prompt tokens",
                    "oracle_hit_rate": "prefix_oracle: each request's longest block prefix shared with an earlier "
                                       "request of the run / prompt tokens, over the requests that reported cached tokens",
@@ -636,7 +640,7 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
     """Run the benchmark; write results.json, requests.jsonl and plots to cfg.out_dir; return the results."""
     from transformers import AutoConfig
 
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.models.presets import resolve_model
 
     for kind, chosen, known in (("configurations", cfg.configs, CONFIGS), ("traces", cfg.traces, TRACES)):
         unknown = [x for x in chosen if x not in known]
@@ -644,7 +648,7 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
             raise ValueError(f"{kind} must be among {', '.join(known)}; got {', '.join(chosen) or 'none'}")
     if cfg.requests < 1 or not cfg.load > 0:
         raise ValueError(f"--requests must be >= 1 and --load > 0; got {cfg.requests}, {cfg.load}")
-    # pdserve first when chosen: the first configuration calibrates the rates and objectives.
+    # estimated_ttft first when chosen: the first configuration calibrates the rates and objectives.
     cfg = replace(cfg, configs=tuple(c for c in CONFIGS if c in cfg.configs), traces=tuple(dict.fromkeys(cfg.traces)))
     model_dir = resolve_model(cfg.model)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 import pdserve
-from pdserve.cluster.serve_metrics import RequestRecord
+from pdserve.cluster.bench.serve_metrics import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`pdserve`: placement by estimated time, the design's own policy.
+"""`estimated_ttft`: placement by estimated time to first token, from the workers' measured step
+costs; the design's own policy (the default).
 
 Prefill pool: for each worker, this request's TTFT there is estimated as
 
@@ -24,8 +25,8 @@ from collections import deque
 import numpy as np
 
 from pdserve.engine.cost_model import fit_nonnegative
-from pdserve.router.placement import QueuedPrefill, WorkerRef
 from pdserve.router.policies.base import Choice, RouteRequest, Rotation
+from pdserve.router.workers import QueuedPrefill, WorkerRef
 
 
 class TransferCost:
@@ -61,8 +62,8 @@ def is_short(request: RouteRequest, worker: WorkerRef) -> bool:
     return request.new_tokens(worker) <= worker.short_prompt_tokens
 
 
-class PdservePrefill:
-    name = "pdserve"
+class EstimatedTTFTPrefill:
+    name = "estimated_ttft"
 
     def __init__(self, transfer: TransferCost) -> None:
         self.transfer = transfer
@@ -88,8 +89,8 @@ class PdservePrefill:
         return Choice(best, best_s)
 
 
-class PdserveDecode:
-    name = "pdserve"
+class EstimatedTTFTDecode:
+    name = "estimated_ttft"
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)

@@ -8,7 +8,7 @@ How it is driven (read from transformers 5.23's `cli/serving/completion.py` and 
 - Prompts: `/v1/completions` takes `prompt` as a string only (a list of token ids is a 400). The
   server tokenizes it with the model's tokenizer (special tokens added by the tokenizer's own rules;
   the project's presets add none). The benchmark therefore sends text whose tokenization is exactly
-  the token ids sent to pdserve (see bench_serve.roundtrip_prompt), so both see the same prompts.
+  the token ids sent to pdserve (see serve.roundtrip_prompt), so both see the same prompts.
 - Output length: `max_tokens` sets `max_new_tokens`. EOS is switched off per request with the
   `generation_config` field (a JSON string that replaces the model's generation config) holding
   `eos_token_id: -1`: continuous batching stops a request on EOS only for ids >= 0. Every request

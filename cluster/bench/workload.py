@@ -23,7 +23,7 @@ from typing import TextIO
 
 # The traces live beside the checkout (../shared/traces); PDSERVE_TRACES names another folder.
 TRACE_DIRS = tuple(Path(p) for p in [os.environ.get("PDSERVE_TRACES")] if p) + (
-    Path(__file__).resolve().parents[2] / "shared" / "traces",)
+    Path(__file__).resolve().parents[3] / "shared" / "traces",)
 
 
 @dataclass(frozen=True)

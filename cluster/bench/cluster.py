@@ -45,13 +45,13 @@ from pathlib import Path
 
 import ray
 
+from pdserve.client import Client
+from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import Manifest, load_manifest
-from pdserve.cluster.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine.model_loader import load_tokenizer
-from pdserve.engine.presets import resolve_model
-from pdserve.router.client import Client
-from pdserve.router.placement import WorkerRef
+from pdserve.engine.models.presets import resolve_model
+from pdserve.router.workers import WorkerRef
 
 # (name, mode, transport, kv_transfer settings beyond those): the low-load prompts (at most 512 tokens) are
 # sent once their pass ends (`layerwise_min_tokens`), and, in "shm, layer by layer", beside the pass.

@@ -35,15 +35,15 @@ from typing import Any
 
 import ray
 
+from pdserve.client import AsyncClient, Client, PDServeError
+from pdserve.cluster.bench.loadgen import poisson_arrivals, trace_arrivals
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes,
+                                            find_trace, load_azure_trace, random_token_prompts, scale_requests)
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.loadgen import poisson_arrivals, trace_arrivals
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes, find_trace,
-                                      load_azure_trace, random_token_prompts, scale_requests)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.client import AsyncClient, Client, PDServeError
-from pdserve.router.placement import WorkerRef
+from pdserve.router.workers import WorkerRef
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
