@@ -130,7 +130,9 @@ class Cluster:
             for s in specs:
                 for name, amount in s.resources.items():
                     custom[name] = custom.get(name, 0) + amount * s.replicas
-            ray.init(num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), resources=custom or None,
+            # address="local": a Ray instance of its own, never one that RAY_ADDRESS or the last
+            # `ray start` on this machine (recorded under /tmp/ray) points to.
+            ray.init(address="local", num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), resources=custom or None,
                      include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
         else:
             ray.init(address=m.ray.address, logging_level=logging.WARNING)
