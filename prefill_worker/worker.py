@@ -36,7 +36,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 import torch
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams

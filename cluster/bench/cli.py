@@ -6,9 +6,30 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from pdserve.cluster.bench.workload import DEFAULT_TRACE
+
+
+def _publish(args: argparse.Namespace, results_file: Path) -> None:
+    """With `--docs PAGE`: the run's results, from its results file, as its section of that page."""
+    if args.docs:
+        from pdserve.cluster.bench.report import key_of, publish
+
+        results = json.loads(results_file.read_text())
+        publish(Path(args.docs), key_of(results), results)
+        print(f"wrote its section of {args.docs}")
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.report import key_of, publish
+
+    for name in args.results:
+        results = json.loads(Path(name).read_text())
+        publish(Path(args.docs), key_of(results), results)
+        print(f"{name}: wrote its section of {args.docs}")
+    return 0
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -19,6 +40,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
         hf_batch_sizes=tuple(args.hf_batch_sizes), out=Path(args.out),
     )
     run(cfg)
+    _publish(args, cfg.out)
     return 0
 
 
@@ -28,6 +50,7 @@ def _bench_kv(args: argparse.Namespace) -> int:
     run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
                       repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs),
                       windows=args.windows, out=Path(args.out)))
+    _publish(args, Path(args.out))
     return 0
 
 
@@ -37,6 +60,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     run(ClusterBenchConfig(model=args.model, num_requests=args.num_requests, rounds=args.rounds,
                            num_long=args.long_prompts, trace=args.trace, gpus_per_worker=args.gpus_per_worker,
                            out=Path(args.out)))
+    _publish(args, Path(args.out))
     return 0
 
 
@@ -110,7 +134,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_policies(args: argparse.Namespace) -> int:
-    from pdserve.cluster.bench.policies import CONFIGS, TRACES, PolicyBenchConfig, parse_rates, run
+    from pdserve.cluster.bench.policies import TRACES, PolicyBenchConfig, parse_rates, run
     from pdserve.cluster.bench.policies import DEFAULT_CONFIGS as POLICY_DEFAULT_CONFIGS
 
     if misplaced := _given(args, SERVE_ONLY):
@@ -128,6 +152,12 @@ def _bench_policies(args: argparse.Namespace) -> int:
     )
     run(cfg.quick() if args.quick else cfg)
     return 0
+
+
+def _docs_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--docs", default=None, metavar="PAGE",
+                        help="also write the results as this benchmark's section of PAGE, with the command, machine, "
+                             "date and commit (e.g. docs/benchmarks.md)")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -152,6 +182,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--threads", type=int, default=0, help="torch threads for both systems (0: default)")
     be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
     be.add_argument("--out", default="bench-results/engine.json")
+    _docs_option(be)
     be.set_defaults(func=_bench_engine)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)")
@@ -167,8 +198,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     help="codecs to measure on the model; none: the transport table alone")
     bk.add_argument("--windows", type=int, default=16, help="held-out windows of 1024 tokens for perplexity")
     bk.add_argument("--out", default="bench-results/kv.json")
+    _docs_option(bk)
     bk.set_defaults(func=_bench_kv)
-    bc = bench_sub.add_parser("cluster", help="disaggregated (shm, grpc, gloo) vs colocated: TTFT breakdown, "
+    bc = bench_sub.add_parser("cluster", help="disaggregated (shm, tcp, grpc, gloo) vs colocated: TTFT breakdown, "
                                               "streaming overhead, KV bytes/s")
     bc.add_argument("--model", default="llama-20m")
     bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
@@ -180,7 +212,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     help="GPUs for each worker (engines on CUDA); all 5 deployments' 10 workers run at once, "
                          "so 0.1 puts them all on one GPU")
     bc.add_argument("--out", default="bench-results/cluster.json")
+    _docs_option(bc)
     bc.set_defaults(func=_bench_cluster)
+    br = bench_sub.add_parser("report", help="write benchmarks' results files into the docs, each as its section: "
+                                             "e.g. pdserve bench report bench-results/kv.json --docs docs/benchmarks.md")
+    br.add_argument("results", nargs="+", help="results files a benchmark wrote (its --out)")
+    br.add_argument("--docs", required=True, help="the page to write into (made if missing)")
+    br.set_defaults(func=_bench_report)
     bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "
                                                "RESOURCE_EXHAUSTED; memory and pools checked")
     bo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")

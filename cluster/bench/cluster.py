@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import random
 import statistics
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 import ray
 
 from pdserve.client import Client
+from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.workload import DEFAULT_TRACE, RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import Manifest, load_manifest
@@ -266,8 +265,7 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
     results = [d.result for d in deployments]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({
-        "date": date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor()}",
-        "model": cfg.model, "gpus_per_worker": cfg.gpus_per_worker, "workload": source,
+        "benchmark": "cluster", "provenance": provenance(), "model": cfg.model, "gpus_per_worker": cfg.gpus_per_worker, "workload": source,
         "prompt_lengths": cfg.num_requests, "rounds": cfg.rounds, "seed": cfg.seed,
         "results": [r.__dict__ for r in results]}, indent=2))
     log(summary_table(results))
@@ -292,3 +290,13 @@ def summary_table(results: list[DeploymentResult]) -> str:
             lines.append(f"| {r.name} | {r.kv_mb_per_request:.2f} | {r.transport_mb_per_s:.0f} | {r.kv_mb_per_s:.0f} | "
                          f"{r.kv_tail_ms:.1f} | {r.sender_done_ms:+.1f} | {r.hidden_share:.0%} |")
     return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """The results as the docs show them (from a results file)."""
+    rows = [DeploymentResult(**r) for r in results["results"]]
+    return (f"Every deployment at once in one Ray instance on {results['model']}; requests one at a time, each "
+            f"prompt to every deployment in turn ({results['rounds']} rounds of {results['prompt_lengths']} prompt "
+            f"lengths from {results['workload']}, fresh tokens each round); times in ms, medians. Every "
+            "disaggregated request goes through the KV transfer (no local prefill, no recompute).\n\n"
+            + summary_table(rows))

@@ -12,16 +12,15 @@
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import date
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.workload import RequestShape, azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
@@ -41,8 +40,7 @@ class EngineBenchConfig:
 
 @dataclass
 class EngineBenchResult:
-    machine: str
-    date: str
+    provenance: dict
     model: str
     threads: int
     workload: str
@@ -113,8 +111,7 @@ def run(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
     prompts = random_token_prompts(shapes, hf_model.config.vocab_size)
     engine = _engine(model_dir, max_len=1024)
     result = EngineBenchResult(
-        machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.processor() or 'cpu'}",
-        date=date.today().isoformat(), model=cfg.model, threads=torch.get_num_threads(), workload=source,
+        provenance=provenance(), model=cfg.model, threads=torch.get_num_threads(), workload=source,
         prompt_tokens=sum(s.prompt_len for s in shapes), output_tokens=sum(s.output_len for s in shapes),
     )
     log(f"workload: {len(shapes)} requests from {source}: {result.prompt_tokens} prompt tokens, "
@@ -136,7 +133,7 @@ def run(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
         log(f"  decode batch {batch:>3}: forward {split['forward_ms']:.2f} ms of {split['step_ms']:.2f} ms step "
             f"-> non-forward {split['overhead_fraction']:.1%}")
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(asdict(result), indent=2))
+    cfg.out.write_text(json.dumps({"benchmark": "engine", **asdict(result)}, indent=2))
     log(summary_table(result))
     log(f"results written to {cfg.out}")
     return result
@@ -151,3 +148,13 @@ def summary_table(result: EngineBenchResult) -> str:
     for batch, s in result.decode_split.items():
         lines.append(f"| {batch} | {s['forward_ms']:.2f} | {s['step_ms']:.2f} | {s['overhead_fraction']:.1%} |")
     return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """The results as the docs show them (from a results file)."""
+    result = EngineBenchResult(**{k: v for k, v in results.items() if k != "benchmark"})
+    result.decode_split = {int(k): v for k, v in result.decode_split.items()}
+    return (f"Output tokens per second on {result.model} ({result.threads} torch threads), one engine against "
+            f"transformers' `generate` in fixed batches, over {result.workload} "
+            f"({result.prompt_tokens:,} prompt and {result.output_tokens:,} output tokens), medians of the "
+            f"repeats; then where a decode step's time goes.\n\n" + summary_table(result))

@@ -1,0 +1,126 @@
+"""Benchmark results into the user docs: each benchmark owns one section of `docs/benchmarks.md`,
+between markers, and rewrites it with its current figures and where they come from (the command, the
+machine, the date, the commit). The page holds the current results only; earlier ones are in git.
+
+A benchmark's results file carries that provenance (`provenance`), so `pdserve bench report
+RESULTS.json --docs PAGE` renders the same section later from the file, and a run with `--docs PAGE`
+does it at once. A `--quick` run is marked a smoke test: its ratios are no measurement.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+# Section key -> (title, the module whose `markdown(results)` renders it); the page's order.
+SECTIONS: dict[str, tuple[str, str]] = {
+    "engine": ("The engine against transformers' `generate`", "pdserve.cluster.bench.engine"),
+    "kv": ("KV transfer: transports and codecs", "pdserve.cluster.bench.kv"),
+    "cluster": ("Disaggregated against colocated at low load", "pdserve.cluster.bench.cluster"),
+    "serve": ("Serving under load: goodput", "pdserve.cluster.bench.serve"),
+    "policies": ("Placement policies side by side", "pdserve.cluster.bench.policies"),
+    "overload": ("Overload: a burst far past capacity", "pdserve.cluster.bench.overload"),
+    "soak": ("Soak: kills, corruption and a cancel storm", "pdserve.cluster.bench.soak"),
+}
+HEADER = ("# Benchmarks\n\nThe current results of every benchmark, each written by the benchmark itself "
+          "(`pdserve bench ... --docs docs/benchmarks.md`, or `pdserve bench report RESULTS.json --docs "
+          "docs/benchmarks.md` from a results file), with the command, machine, date and commit that made it. "
+          "Earlier results are in git history and in CHANGELOG.md.\n")
+
+
+def _begin(key: str) -> str:
+    return f"<!-- pdserve bench {key}: written by the benchmark; edits here are overwritten -->"
+
+
+def _end(key: str) -> str:
+    return f"<!-- end pdserve bench {key} -->"
+
+
+def provenance(quick: bool = False) -> dict[str, Any]:
+    """Where a run's figures come from: put into its results file."""
+    program = Path(sys.argv[0]).name
+    command = shlex.join(["pdserve" if program in ("pdserve", "cli.py") else program, *sys.argv[1:]])
+    return {"command": command, "machine": machine(), "commit": commit(), "smoke": quick,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def machine() -> str:
+    """"2 cores (Intel Xeon ...), 23 GiB, no GPU": what the figures depend on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = "no GPU"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, {gpu}"
+
+
+def commit() -> str:
+    """The checkout's commit (with "+ local changes" when it has some); "" outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head.stdout.strip() + (" + local changes" if dirty else "")
+
+
+def section(key: str, results: dict[str, Any]) -> str:
+    """A benchmark's section: its title, provenance and figures (its module's `markdown`)."""
+    title, module = SECTIONS[key]
+    p = results["provenance"]
+    lines = [f"## {title}", "", f"`{p['command']}` on {p['machine']}, {p['date']}, commit "
+             f"{p['commit'] or 'unknown (not run from a git checkout)'}."]
+    if p.get("smoke"):
+        lines += ["", "**A smoke run (`--quick`)**: too few requests for its figures or ratios to mean anything; "
+                      "run without `--quick` for a measurement."]
+    body = importlib.import_module(module).markdown(results)
+    return "\n".join([*lines, "", body.strip(), ""])
+
+
+def publish(page: Path, key: str, results: dict[str, Any]) -> None:
+    """Write `key`'s section into `page` (made if missing), in place of the one there, keeping the
+    sections' order."""
+    text = page.read_text() if page.exists() else HEADER
+    block = f"{_begin(key)}\n{section(key, results)}{_end(key)}\n"
+    pattern = re.compile(re.escape(_begin(key)) + r".*?" + re.escape(_end(key)) + r"\n?", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:  # before the first section that comes after it on the page, else at the end
+        later = [k for k in list(SECTIONS)[list(SECTIONS).index(key) + 1:] if _begin(k) in text]
+        at = text.index(_begin(later[0])) if later else len(text)
+        text = text[:at].rstrip("\n") + "\n\n" + block + ("\n" + text[at:] if later else "")
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)
+
+
+def key_of(results: dict[str, Any]) -> str:
+    """The section a results file belongs to (its `benchmark`)."""
+    key = results.get("benchmark")
+    if key not in SECTIONS:
+        raise ValueError(f"not a results file of a pdserve benchmark (benchmark {key!r}; known: {', '.join(SECTIONS)})")
+    if "provenance" not in results:
+        raise ValueError("the results file has no provenance (made by an older pdserve): run the benchmark again")
+    return key

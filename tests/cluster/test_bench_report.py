@@ -1,0 +1,74 @@
+"""Benchmark results written into the docs: each benchmark's section replaced in place with its
+provenance, sections in the page's order, a smoke run marked as one, a foreign file refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cluster import cli
+from pdserve.cluster.bench.report import SECTIONS, key_of, provenance, publish
+
+KV_RESULTS = {
+    "benchmark": "kv", "model": "pystd-llama", "kv_per_token_layer": "2 KV heads x 64, float32", "codecs": [],
+    "transports": [{"transport": "tcp", "tokens": 2048, "bytes": 8 << 20, "gb_per_s": 2.5, "socket_gb_per_s": 2.7,
+                    "share_of_socket": 0.93, "frames": 8, "frame_bytes": 1 << 20, "seconds": 0.003}],
+}
+
+
+def results(gb_per_s: float, smoke: bool = False) -> dict:
+    transports = [{**KV_RESULTS["transports"][0], "gb_per_s": gb_per_s}]
+    return {**KV_RESULTS, "transports": transports, "provenance": provenance(quick=smoke)}
+
+
+def test_a_section_is_replaced_in_place_with_where_its_figures_come_from(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    publish(page, "kv", results(2.5))
+    publish(page, "kv", results(3.25))
+    text = page.read_text()
+    assert text.count("## KV transfer") == 1 and "| 3.25 |" in text and "| 2.50 |" not in text
+    p = results(0)["provenance"]
+    assert p["machine"] in text and p["date"][:10] in text and "cores" in p["machine"]
+    assert "smoke run" not in text
+
+
+def test_sections_keep_the_pages_order_and_text_around_them(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nA note kept as it is.\n")
+    publish(page, "kv", results(2.5))
+    engine = {"benchmark": "engine", "provenance": provenance(), "model": "llama-20m", "threads": 2,
+              "workload": "a trace", "prompt_tokens": 10, "output_tokens": 20,
+              "throughput": {"engine": [100.0], "hf_generate_batch8": [50.0]},
+              "decode_split": {"1": {"forward_ms": 1.0, "step_ms": 1.2, "overhead_fraction": 0.17, "steps": 9}}}
+    publish(page, "engine", engine)
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nA note kept as it is.")
+    assert text.index("## The engine") < text.index("## KV transfer")  # engine comes first in SECTIONS
+    assert list(SECTIONS).index("engine") < list(SECTIONS).index("kv")
+    assert "| hf_generate_batch8 | 50.0 | 2.00x |" in text
+
+
+def test_a_smoke_run_is_marked_as_no_measurement(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    publish(page, "kv", results(2.5, smoke=True))
+    assert "**A smoke run (`--quick`)**" in page.read_text()
+
+
+def test_a_file_no_benchmark_wrote_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="not a results file of a pdserve benchmark"):
+        key_of({"benchmark": "mine"})
+    with pytest.raises(ValueError, match="has no provenance"):
+        key_of({"benchmark": "kv"})
+    foreign = tmp_path / "results.json"
+    foreign.write_text(json.dumps({"what": "else"}))
+    assert cli.main(["bench", "report", str(foreign), "--docs", str(tmp_path / "page.md")]) == 2
+    assert "not a results file of a pdserve benchmark" in capsys.readouterr().err
+
+
+def test_the_report_command_writes_a_results_file_into_the_page(tmp_path):
+    made = tmp_path / "kv.json"
+    made.write_text(json.dumps(results(2.5)))
+    page = tmp_path / "docs" / "benchmarks.md"
+    assert cli.main(["bench", "report", str(made), "--docs", str(page)]) == 0
+    assert "| tcp | 2,048 | 8 | 2.50 | 2.70 | 93% |" in page.read_text()
