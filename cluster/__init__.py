@@ -1,1 +1,1 @@
-"""cluster: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""cluster: see docs/architecture.md."""

@@ -1,1 +1,1 @@
-"""decode_worker: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""decode_worker: see docs/architecture.md."""

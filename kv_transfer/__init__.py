@@ -1,1 +1,1 @@
-"""kv_transfer: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""kv_transfer: see docs/architecture.md."""

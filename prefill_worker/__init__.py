@@ -1,1 +1,1 @@
-"""prefill_worker: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""prefill_worker: see docs/architecture.md."""

@@ -1,1 +1,1 @@
-"""proto: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""proto: see docs/architecture.md."""

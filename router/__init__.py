@@ -1,1 +1,1 @@
-"""router: see ../shared/ARCHITECTURE.md and the README's layout."""
+"""router: see docs/architecture.md."""

@@ -206,7 +206,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
     bc.add_argument("--rounds", type=int, default=3, help="requests per prompt length (fresh tokens each round)")
     bc.add_argument("--long-prompts", type=int, default=8, help="2K-token prompts, each to every deployment")
-    bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (in ../shared/traces) "
+    bc.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (shipped with the benchmarks, or in PDSERVE_TRACES) "
                     "whose prompt lengths the low-load requests take")
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="GPUs for each worker (engines on CUDA); all 5 deployments' 10 workers run at once, "
@@ -245,7 +245,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "(default 10); with --policies, per trace and configuration, the common-rate run included "
                     "(default 3)")
     bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace in ../shared/traces")
+    bs.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (shipped with the benchmarks, or in PDSERVE_TRACES)")
     bs.add_argument("--trace-arrivals", action="store_true",
                     help="replay the trace's timestamps (scaled to each rate) instead of Poisson arrivals")
     bs.add_argument("--input-scale", type=float, default=0.25, help="prompt length factor")

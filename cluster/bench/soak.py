@@ -36,9 +36,9 @@ from typing import Any
 import ray
 
 from pdserve.client import AsyncClient, Client, PDServeError
-from pdserve.cluster.bench.loadgen import poisson_arrivals, trace_arrivals
-from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, TraceRequest, azure_trace_shapes,
-                                            find_trace, load_azure_trace, random_token_prompts, scale_requests)
+from pdserve.cluster.bench.loadgen import trace_arrivals
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, find_trace, load_azure_trace,
+                                            random_token_prompts, scale_requests)
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 from pdserve.engine.llm import LLM
@@ -155,14 +155,7 @@ class Soak:
     def _workload(self) -> tuple[list[float], list[list[int]], list[int]]:
         cfg = self.cfg
         n = max(1, round(cfg.rate * self.duration * LOAD_SHARE))
-        try:
-            trace = load_azure_trace(find_trace(DEFAULT_TRACE))
-        except FileNotFoundError as e:  # a checkout without ../shared/traces: Poisson arrivals, trace-like lengths
-            cfg.log(f"soak: {e}; Poisson arrivals and the trace's median lengths instead")
-            shapes, _ = azure_trace_shapes(n, cfg.input_scale, 1.0, cfg.max_model_len - cfg.max_tokens,
-                                           cfg.max_tokens, seed=cfg.seed)
-            trace = [TraceRequest(t, s.prompt_len, s.output_len)
-                     for t, s in zip(poisson_arrivals(n, cfg.rate, cfg.seed), shapes)]
+        trace = load_azure_trace(find_trace(DEFAULT_TRACE))
         rows = scale_requests([trace[i % len(trace)] for i in range(n)], cfg.input_scale, 1.0, cfg.max_model_len,
                               max_output=cfg.max_tokens)
         stamps = [r.arrival_s + (i // len(trace)) * (trace[-1].arrival_s + 1) for i, r in enumerate(rows)]

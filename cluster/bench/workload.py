@@ -1,6 +1,7 @@
 """Benchmark workloads: prompt/output lengths from the shared request traces, scaled to a small model.
 
-Traces (../shared/traces/README.md): Azure LLM inference CSVs (TIMESTAMP, ContextTokens,
+Traces (shipped in `traces/` beside this module, with their sources and licences in its README):
+Azure LLM inference CSVs (TIMESTAMP, ContextTokens,
 GeneratedTokens; other CSVs whose columns name arrival, prompt and output tokens, BurstGPT's say) and
 Mooncake's JSONL (timestamp in ms, input_length, output_length, hash_ids: one id per prompt block,
 512 tokens in its trace, equal ids = equal blocks, so replaying it exercises prefix caching). Rows
@@ -21,9 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-# The traces live beside the checkout (../shared/traces); PDSERVE_TRACES names another folder.
-TRACE_DIRS = tuple(Path(p) for p in [os.environ.get("PDSERVE_TRACES")] if p) + (
-    Path(__file__).resolve().parents[3] / "shared" / "traces",)
+# The traces the benchmarks ship with, and before them PDSERVE_TRACES, a folder of one's own.
+TRACE_DIRS = tuple(Path(p) for p in [os.environ.get("PDSERVE_TRACES")] if p) + (Path(__file__).resolve().parent / "traces",)
 
 
 @dataclass(frozen=True)

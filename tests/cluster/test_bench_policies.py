@@ -26,15 +26,11 @@ from pdserve.cluster.bench.policies import (
     tables,
 )
 from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
-from pdserve.cluster.bench.workload import TRACE_DIRS, TraceRequest, prefix_group_sample
+from pdserve.cluster.bench.workload import TraceRequest, prefix_group_sample
 from pdserve.cluster.cli import main
 from pdserve.cluster.manifest import load_manifest
 
 VOCAB = 1000
-# The shared traces sit beside the repository on the development machines; a checkout elsewhere skips.
-needs_traces = pytest.mark.skipif(
-    not all(any((d / f).is_file() for d in TRACE_DIRS) for f in ("mooncake_synthetic_trace.jsonl", "azure2023_conv.csv",
-                                                               "azure2023_code.csv")), reason="traces absent")
 
 
 def record(prompt_len: int, ttft: float, cached: int | None = 0, outcome: str = "ok", n: int = 4,
@@ -74,7 +70,6 @@ def test_every_configuration_is_the_same_cluster_with_its_own_router():
     assert routers["estimated_ttft-always-disaggregate"].local_prefill_tokens == 0
 
 
-@needs_traces
 def test_quick_is_two_configurations_on_one_trace():
     q = PolicyBenchConfig().quick()
     assert q.configs == ("estimated_ttft", "round_robin") and q.traces == ("mooncake",)
@@ -109,7 +104,6 @@ def test_prefix_groups_are_taken_whole_in_trace_order():
     assert len(prefix_group_sample(reqs, 100)) == len(reqs)
 
 
-@needs_traces
 def test_workloads_fit_the_model_and_share_prefixes_only_within_a_run():
     cfg = PolicyBenchConfig(requests=48)
     for name in TRACES:
@@ -202,7 +196,6 @@ def test_targets_side_by_side():
     assert got.pop(("azure-code", "vs_always_disaggregate")) == (None, None)  # not measured: not a pass
     assert not got
 
-@needs_traces
 def test_results_and_plots_from_constructed_runs(tmp_path):
     cfg = PolicyBenchConfig(configs=("estimated_ttft", "round_robin"), traces=("mooncake", "azure-conv"), requests=6,
                             out_dir=tmp_path)

@@ -31,7 +31,6 @@ from pdserve.cluster.bench.loadgen import (
 )
 from pdserve.cluster.bench.serve_baselines import TransformersServe
 from pdserve.cluster.bench.workload import (
-    TRACE_DIRS,
     block_prompts,
     find_trace,
     load_azure_trace,
@@ -156,7 +155,6 @@ def test_mooncake_style_traces_give_their_block_length_and_may_lack_hash_ids(tmp
         load_mooncake_trace(path)
 
 
-@pytest.mark.skipif(not any((d / "azure2023_conv.csv").is_file() for d in TRACE_DIRS), reason="traces absent")
 def test_shared_traces_load_and_fit_the_model():
     conv = load_azure_trace(find_trace("azure2023_conv.csv"), 500)
     assert len(conv) == 500 and conv[0].arrival_s == 0.0
