@@ -3,6 +3,7 @@ code inside a worker actor (Ray's `__ray_call__`) to gate or break it, and the `
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -58,6 +59,53 @@ def assert_idle(cluster: Cluster) -> None:
     for s in status:
         assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
         assert s["requests"] == 0 and s["transfers"] == 0 and s.get("jobs", 0) == 0, s
+
+
+def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """Until an idle audit made from now on finds every pool fully free (bounded)."""
+    audits = cluster.audit.clean + cluster.audit.dirty
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = cluster.audit.last
+        if cluster.audit.clean + cluster.audit.dirty > audits and last.clean:
+            return
+        assert time.monotonic() < deadline, f"no clean idle audit within {timeout_s} s: {last}"
+        time.sleep(0.2)
+
+
+def record_engine_aborts(self) -> None:
+    """On a worker: keep the id of every request its engine aborted while holding it
+    (`self.test_engine_aborts`): the proof that a cancel reached the worker and stopped its tokens."""
+    self.test_engine_aborts, abort = [], self.engine.abort_request
+
+    def recording(request_id: str) -> bool:
+        held = abort(request_id)
+        if held:
+            self.test_engine_aborts.append(request_id)
+        return held
+
+    self.engine.abort_request = recording
+
+
+def lifetime_records(caplog) -> list[dict]:
+    """The router's lifetime lines (one per request that ended) that `caplog` caught."""
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.lifetime"]
+
+
+def assert_aborted(cluster: Cluster, caplog, code: str, max_tokens: int) -> None:
+    """The request that ended last ended with `code` before its `max_tokens`, a decode worker's engine
+    aborted it (it was running there: its tokens stopped), and every pool is free again."""
+    deadline = time.monotonic() + 10
+    while not lifetime_records(caplog):  # written when the router has ended the request
+        assert time.monotonic() < deadline, "the router never ended the request"
+        time.sleep(0.05)
+    ended = lifetime_records(caplog)[-1]
+    assert ended["code"] == code and ended["output_tokens"] < max_tokens, ended
+    decode = [w for w in cluster.workers if w.pool == "decode"]
+    while not any(ended["request_id"] in on_worker(w, lambda self: self.test_engine_aborts) for w in decode):
+        assert time.monotonic() < deadline, f"no decode worker aborted {ended['request_id']}"
+        time.sleep(0.05)
+    assert_idle(cluster)
 
 
 def worker(cluster: Cluster, pool: str):

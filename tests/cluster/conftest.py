@@ -16,6 +16,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.supervisor import RestartBackoff
+
 # Logical CPUs: every test cluster asks for fractions of a CPU per worker and must never wait for
 # the previous cluster's killed actors to hand theirs back.
 SHARED_RAY_CPUS = 16
@@ -34,3 +37,14 @@ def shared_ray(request: pytest.FixtureRequest) -> Iterator[None]:
         ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False,
                  logging_level=logging.WARNING, configure_logging=True)
     yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_restart_backoff(request: pytest.FixtureRequest) -> None:
+    """A worker a test kills rejoins after the first back-off, however many restarts earlier tests on the
+    same module-scoped cluster caused (the back-off doubles with each restart, up to 30 s)."""
+    for name in request.fixturenames:
+        if name.endswith("cluster"):
+            cluster = request.getfixturevalue(name)
+            if isinstance(cluster, Cluster) and cluster._supervisor is not None:
+                cluster._supervisor.backoff = RestartBackoff()
