@@ -4,10 +4,14 @@ code inside a worker actor (Ray's `__ray_call__`) to gate or break it, and the `
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
+import psutil
 import ray
 
 from pdserve.cluster.launcher import Cluster
@@ -99,3 +103,44 @@ def open_gate(self) -> None:
     gate, restore = self.test_gate
     restore()
     gate.set()
+
+
+class RayNode:
+    """A Ray node this test starts with `ray start --block` (optionally inside a network namespace), and
+    stops by its own pids: never `ray stop`, which stops every Ray on the machine."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], ns: str | None = None,
+                 timeout_s: float = 120.0) -> None:
+        command = (["ip", "netns", "exec", ns] if ns else []) + ["ray", "start", "--block", *args]
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log_path.read_text():  # printed once the node is up, before blocking
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ray start did not come up: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM to `ray start --block` stops the node's processes; any it leaves (the raylets a fake
+        multi-node autoscaler started, Ray's workers) are killed by pid."""
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        for p in psutil.wait_procs(started, timeout=15)[1]:
+            p.kill()
+        psutil.wait_procs(started, timeout=15)
+        self._log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
