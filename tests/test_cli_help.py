@@ -1,5 +1,5 @@
-"""The command line teaches itself (no Ray: it only builds and prints the parsers): every command's --help explains each option and ends with examples
-of that command, and `pdserve --version` prints the installed version."""
+"""The command line teaches itself: every command's --help explains each option and ends with examples
+of that command, and `pdserve --version` prints the installed version. No Ray: the parsers only."""
 
 from __future__ import annotations
 
