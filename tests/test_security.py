@@ -31,6 +31,7 @@ import zmq
 from pdserve.kv_events import KVEvent, KVEventBatch, KVEventPublisher
 from pdserve.kv_transfer.interface import FrameHeader, TransferError
 from pdserve.kv_transfer.transports import TRANSPORT_NAMES, make_sender, start_receiver
+from pdserve.kv_transfer.transports import control
 from pdserve.kv_transfer.transports.control import ControlClient, ControlServer
 from pdserve.kv_transfer.transports.grpc_stream import PROOF_METADATA, TRANSFER_METADATA, _proof
 from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -199,7 +200,10 @@ def test_every_transport_carries_frames_between_members(name, secret):
 
 @pytest.mark.parametrize("name", ["shm", "tcp", "grpc"])  # gloo's control channel is the shm one (tested above)
 @pytest.mark.parametrize("stranger", ["no secret", "another cluster's"])
-def test_a_transport_takes_no_frame_from_a_stranger(name, stranger, secret):
+def test_a_transport_takes_no_frame_from_a_stranger(name, stranger, secret, monkeypatch):
+    # Without the secret, the shm sender's control socket never completes CURVE's handshake: its first
+    # message waits for room until the send timeout (30 s), shortened here.
+    monkeypatch.setattr(control, "SEND_TIMEOUT_S", 2.0)
     sink = RecordingSink()
     receiver = start_receiver(name, sink, "127.0.0.1", secret=secret)
     sender = make_sender(name, "127.0.0.1", secret=None if stranger == "no secret" else ClusterSecret.generate())

@@ -49,7 +49,7 @@ def _bench_kv(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.kv import KVBenchConfig, run
 
     run(KVBenchConfig(model=args.model, transports=tuple(args.transports), prompt_tokens=tuple(args.tokens),
-                      repeats=args.repeats, token_bytes=args.token_bytes, codecs=tuple(args.codecs),
+                      repeats=args.repeats, runs=args.runs, token_bytes=args.token_bytes, codecs=tuple(args.codecs),
                       windows=args.windows, out=Path(args.out)))
     _publish(args, Path(args.out))
     return 0
@@ -208,6 +208,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                           "encode and decode speed.",
                               **examples("pdserve bench kv",
                                          "pdserve bench kv --transports shm tcp --codecs       # transports alone",
+                                         "pdserve bench kv --runs 3 --codecs                  # three runs, one table",
                                          "pdserve bench kv --token-bytes 4096 --codecs         # 8B-class frames"))
     bk.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
     bk.add_argument("--transports", nargs="+", default=["shm", "tcp", "grpc", "gloo"],
@@ -215,6 +216,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
     bk.add_argument("--repeats", type=int, default=5, help="repeats, transports in turn within each "
                                                           "(default: %(default)s)")
+    bk.add_argument("--runs", type=int, default=1, help="whole transport runs, each setting every transport up "
+                                                        "afresh, shown side by side (default: %(default)s)")
     bk.add_argument("--token-bytes", type=int, default=None,
                     help="KV bytes per token and layer of the transports' frames (default: the model's); e.g. "
                          "4096 for an 8B-class layout (8 KV heads x 128, bf16: frames of 6 MiB)")

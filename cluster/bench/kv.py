@@ -58,6 +58,7 @@ class KVBenchConfig:
     transports: tuple[str, ...] = ("shm", "tcp", "grpc", "gloo")
     prompt_tokens: tuple[int, ...] = (2048, 16384)
     repeats: int = 5
+    runs: int = 1  # whole transport runs, each setting every transport up afresh; shown side by side
     # KV bytes per token and layer of the transports' frames (None: the model's). A frame is FRAME_TOKENS
     # tokens of one layer, so this sets the frame size: 4096 for an 8B-class layout (8 KV heads x 128, bf16).
     token_bytes: int | None = None
@@ -362,7 +363,11 @@ def run(cfg: KVBenchConfig, log=print) -> dict:
     kv = (f"{cfg.token_bytes} bytes of KV per token and layer" if cfg.token_bytes else
           f"{layout.num_kv_heads} KV heads x {layout.head_dim}, float32")
     log(f"transports ({cfg.model}: {layout.num_layers} layers, {kv}; frames of {FRAME_TOKENS} tokens)")
-    transports = bench_transports(cfg, layout, log)
+    transports = []
+    for run_index in range(1, cfg.runs + 1):
+        if cfg.runs > 1:
+            log(f"run {run_index} of {cfg.runs}")
+        transports += [{**row, "run": run_index} for row in bench_transports(cfg, layout, log)]
     codecs = []
     if cfg.codecs:
         log(f"codecs ({cfg.model}, held-out text)")
@@ -380,15 +385,22 @@ def run(cfg: KVBenchConfig, log=print) -> dict:
 
 def markdown(result: dict) -> str:
     """The results as the docs show them: bytes/s per transport beside a plain socket's, and the codecs."""
+    by_case: dict[tuple[str, int], list[dict]] = {}
+    for row in result["transports"]:
+        by_case.setdefault((row["transport"], row["tokens"]), []).append(row)
+    runs = max(len(rows) for rows in by_case.values())
     lines = [f"Transports alone ({result['model']}, {result['kv_per_token_layer']}, frames of {FRAME_TOKENS} tokens): "
              "a prompt's KV sent from this process into a receiving half in a child process, whose sink copies "
              "each frame into a buffer, beside the same bytes over a plain TCP socket read straight into one "
-             "(the ceiling). Medians of the repeats; the share is the median of per-repeat ratios.", "",
-             "| transport | prompt tokens | KV (MiB) | GB/s | plain socket GB/s | share of the socket |",
+             f"(the ceiling). {runs} run(s), each setting every transport up afresh; within a run, medians of the "
+             "repeats, and the share is the median of per-repeat ratios. GB/s: the median over the runs.", "",
+             "| transport | prompt tokens | KV (MiB) | GB/s | plain socket GB/s | share of the socket, per run |",
              "|---|---|---|---|---|---|"]
-    for row in result["transports"]:
-        lines.append(f"| {row['transport']} | {row['tokens']:,} | {row['bytes'] / 2**20:.0f} | {row['gb_per_s']:.2f} | "
-                     f"{row['socket_gb_per_s']:.2f} | {row['share_of_socket']:.0%} |")
+    for (transport, tokens), rows in by_case.items():
+        shares = " / ".join(f"{row['share_of_socket']:.0%}" for row in rows)
+        lines.append(f"| {transport} | {tokens:,} | {rows[0]['bytes'] / 2**20:.0f} | "
+                     f"{statistics.median(row['gb_per_s'] for row in rows):.2f} | "
+                     f"{statistics.median(row['socket_gb_per_s'] for row in rows):.2f} | {shares} |")
     if result["codecs"]:
         lines += ["", "Codecs on the trained model (held-out text): bits per KV element on the wire (payload, "
                       "scales, escapes, frame header), perplexity change against exact KV, greedy agreement of "

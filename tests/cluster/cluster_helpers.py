@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +152,41 @@ def open_gate(self) -> None:
     gate, restore = self.test_gate
     restore()
     gate.set()
+
+
+def start_up(tmp_path, model_dirs, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`pdserve up` on a small local manifest (a real subprocess), its output on a pipe."""
+    manifest = tmp_path / "up.yaml"
+    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
+                        "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
+                        "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+
+
+def wait_ready(up: subprocess.Popen, timeout_s: float = 180.0) -> str:
+    """The gRPC address `pdserve up` prints once it serves (its output read line by line, bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        if line.startswith("ready:"):
+            return line.split("--address ")[1].split()[0]
+    raise AssertionError("pdserve up never became ready")
+
+
+def interrupt(up: subprocess.Popen) -> tuple[str, dict[psutil.Process, str]]:
+    """Interrupt `pdserve up` as Ctrl-C does; its output from here on, and every process it had started
+    (Ray's own included) by name, taken just before the interrupt."""
+    started = {p: p.name() for p in psutil.Process(up.pid).children(recursive=True)}
+    up.send_signal(signal.SIGINT)
+    return up.communicate(timeout=120)[0], started
+
+
+def assert_all_stopped(started: dict[psutil.Process, str]) -> None:
+    alive = psutil.wait_procs(list(started), timeout=30)[1]  # pdserve up has exited: what it started goes with it
+    assert not alive, f"still running after pdserve up stopped: {[started[p] for p in alive]}"
 
 
 class RayNode:

@@ -33,6 +33,17 @@ def test_a_section_is_replaced_in_place_with_where_its_figures_come_from(tmp_pat
     assert "smoke run" not in text
 
 
+def test_runs_of_the_kv_benchmark_share_one_row_per_transport(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    row = KV_RESULTS["transports"][0]
+    runs = [{**row, "run": 1, "share_of_socket": 0.81, "gb_per_s": 2.0},
+            {**row, "run": 2, "share_of_socket": 0.93, "gb_per_s": 3.0},
+            {**row, "run": 3, "share_of_socket": 0.88, "gb_per_s": 2.5}]
+    publish(page, "kv", {**KV_RESULTS, "transports": runs, "provenance": provenance()})
+    text = page.read_text()
+    assert "| tcp | 2,048 | 8 | 2.50 | 2.70 | 81% / 93% / 88% |" in text and "3 run(s)" in text
+
+
 def test_sections_keep_the_pages_order_and_text_around_them(tmp_path):
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\nA note kept as it is.\n")

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
-from cluster_helpers import pdserve
+from cluster_helpers import assert_all_stopped, interrupt, pdserve, start_up, wait_ready
 
 from pdserve.cluster import cli
 
@@ -66,28 +62,6 @@ def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
     assert result.stdout.rstrip().endswith("cluster stopped")
 
 
-def start_up(tmp_path, model_dirs) -> subprocess.Popen:
-    manifest = tmp_path / "up.yaml"
-    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
-                        "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
-                        "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def interrupt(up: subprocess.Popen) -> tuple[str, dict[psutil.Process, str]]:
-    """Interrupt `pdserve up` as Ctrl-C does; its output from here on, and every process it had started
-    (Ray's own included) by name, taken just before the interrupt."""
-    started = {p: p.name() for p in psutil.Process(up.pid).children(recursive=True)}
-    up.send_signal(signal.SIGINT)
-    return up.communicate(timeout=120)[0], started
-
-
-def assert_all_stopped(started: dict[psutil.Process, str]) -> None:
-    alive = psutil.wait_procs(list(started), timeout=30)[1]  # pdserve up has exited: what it started goes with it
-    assert not alive, f"still running after pdserve up stopped: {[started[p] for p in alive]}"
-
-
 @pytest.mark.timeout(300)
 def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dirs):
     up = start_up(tmp_path, model_dirs)
@@ -109,15 +83,7 @@ def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dir
 def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
     up = start_up(tmp_path, model_dirs)
     try:
-        address = None
-        deadline = time.time() + 180
-        while address is None and time.time() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            if line.startswith("ready:"):
-                address = line.split("--address ")[1].split()[0]
-        assert address, "pdserve up never became ready"
+        address = wait_ready(up)
         result = pdserve("generate", "--address", address, "--max-tokens", "4", "--temperature", "0", "hello")
         assert result.returncode == 0 and "finish=length" in result.stderr, result.stderr
         bad = pdserve("generate", "--address", address, "--temperature", "-1", "hello")

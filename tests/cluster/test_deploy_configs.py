@@ -1,4 +1,4 @@
-"""What deploy/ ships is valid: every deployment manifest loads, every `ray up` config passes Ray's own
+"""What deploy/ ships is valid: every deployment manifest loads (and the local one serves), every `ray up` config passes Ray's own
 schema, and the node types (cloud configs, KubeRay worker groups, on-premises start commands) offer the
 custom resources the manifests' pools ask for."""
 
@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
+from cluster_helpers import assert_idle
 
+from pdserve.client import Client
+from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -56,3 +60,19 @@ def test_the_kuberay_cluster_has_a_worker_group_per_pool():
     for group in cluster["spec"]["workerGroupSpecs"]:
         offered |= set(json.loads(json.loads(group["rayStartParams"]["resources"])))
     assert pool_resources() <= offered
+
+
+def test_the_shipped_local_manifest_serves_over_both_apis():
+    """deploy/local.yaml as shipped (the default of `pdserve up` and `pdserve demo`), but for its fixed
+    ports: the shipped model, a request through the SDK and one through the OpenAI client."""
+    data = yaml.safe_load((DEPLOY / "local.yaml").read_text())
+    data["server"].update(address="127.0.0.1:0", http_address="127.0.0.1:0")
+    with Cluster(load_manifest(data), log=lambda _: None) as cluster:
+        with Client(cluster.address, timeout=120) as client:
+            out = client.generate("def main():\n", max_tokens=8, temperature=0, ignore_eos=True)
+        assert len(out.token_ids) == 8 and out.text
+        api = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="none", max_retries=0)
+        model = api.models.list().data[0].id
+        reply = api.completions.create(model=model, prompt="import os\n", max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].text
+        assert_idle(cluster)

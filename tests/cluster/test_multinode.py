@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
-from cluster_helpers import RayNode, assert_idle, free_port, manifest
+from cluster_helpers import (RayNode, assert_all_stopped, assert_idle, free_port, interrupt, manifest, start_up,
+                             wait_ready)
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -61,12 +63,16 @@ def ray_nodes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(ray_nodes, model_dirs):
+    """`ray.address: auto`, as a manifest for a cluster started with `ray start` says: Ray finds it
+    through RAY_ADDRESS (set here to the fake cluster, as `ray start` leaves it for the shell)."""
     pools = {"prefill": {"replicas": 2, "num_cpus": 0.5, "resources": {"prefill": 1}},
              "decode": {"replicas": 2, "num_cpus": 0.5, "resources": {"decode": 1}}}
-    m = manifest(model_dirs[ARCH], transport="auto", pools=pools, ray={"address": ray_nodes})
+    m = manifest(model_dirs[ARCH], transport="auto", pools=pools, ray={"address": "auto"})
     lines: list[str] = []
-    c = Cluster(m, log=lines.append)
-    c.start()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_ADDRESS", ray_nodes)
+        c = Cluster(m, log=lines.append)
+        c.start()
     c.start_log = lines
     yield c
     c.stop()
@@ -83,13 +89,14 @@ def test_every_actor_lands_on_a_node_of_its_type(cluster):
     assert {w.status["model_digest"] for w in cluster.workers} == {model_digest(cluster.manifest.model)}
 
 
-def test_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_reference):
+def test_concurrent_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_reference):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(10, 90))] for _ in range(6)]
-    with Client(cluster.address, timeout=120) as client:
-        for p in prompts:
-            r = client.generate(p, max_tokens=8, temperature=0, ignore_eos=True)
-            assert r.token_ids == hf_reference[ARCH].greedy(p, 8)
+    with Client(cluster.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        # All at once: transfers from both prefill nodes to both decode nodes cross at the same time.
+        outputs = list(pool.map(lambda p: client.generate(p, max_tokens=8, temperature=0, ignore_eos=True).token_ids,
+                                prompts))
+    assert outputs == [hf_reference[ARCH].greedy(p, 8) for p in prompts]
     assert_idle(cluster)
 
     def sent_over_tcp() -> bool:  # the prefill workers' own figures, as their last health reports carry them
@@ -112,3 +119,19 @@ def test_a_model_directory_reaches_a_node_that_lacks_it_through_the_object_store
 
     got = Path(ray.get(on_a_node.remote(source, str(tmp_path / "cache" / "models")), timeout=60))
     assert got.parent == tmp_path / "cache" / "shipped" and model_digest(got) == source.digest
+
+
+@pytest.mark.timeout(300)
+def test_a_local_manifest_starts_a_ray_of_its_own_beside_a_running_cluster(cluster, ray_nodes, model_dirs, tmp_path):
+    """`ray.address: local` with RAY_ADDRESS pointing at a running cluster (as a shell that ran `ray
+    start` has it): pdserve up starts a Ray of its own (a raylet among its processes) and serves,
+    leaving that cluster alone."""
+    up = start_up(tmp_path, model_dirs, env={"RAY_ADDRESS": ray_nodes})
+    try:
+        wait_ready(up)
+    finally:
+        rest, started = interrupt(up)
+    assert up.returncode == 0, rest
+    assert "raylet" in started.values(), "pdserve up joined the running cluster"
+    assert_all_stopped(started)
+    assert sum(1 for n in ray.nodes() if n["Alive"]) == NODES  # seen through the served cluster's driver
