@@ -6,7 +6,7 @@ for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Mea
 worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run (or as soon after
 as one holds a request) and a prefill worker at two fifths; Ray restarts both. When the trace is
 done and both are back, `--storm` streams are opened and cancelled at once; throughput probes run
-before, right after, and `SETTLE_S` after.
+before, right after, and `settle_s` after.
 
 Afterwards: every request ended completed or with an explicit error; completed outputs are compared
 token by token with the same prompts run undisturbed on one in-process engine (tokens duplicated,
@@ -47,9 +47,7 @@ from pdserve.router.workers import WorkerRef
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
-PROBE_S = 6.0  # each throughput probe around the storm
 PROBE_PROMPTS = (8, 8, 256, 256)  # prompt lengths of the probe's streams
-SETTLE_S = 10.0  # before a third probe: is the second one the storm's after-effect or the steady state?
 VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
 STORM_PROMPT = 16
 STORM_QUIET_S = 1.0  # the storm's cancel waits this long after the last stream that started
@@ -66,6 +64,8 @@ class SoakConfig:
     storm: int = 1000
     kv_corrupt_percent: float = 2.0
     deadline_s: float = 120.0
+    probe_s: float = 6.0  # each throughput probe around the storm
+    settle_s: float = 10.0  # before a third probe: is the second one the storm's after-effect or the steady state?
     seed: int = 0
     out: Path = Path("bench-results/soak.json")
     log: Any = print
@@ -265,23 +265,23 @@ class Soak:
         idle, _ = await loop.run_in_executor(None, lambda: self.cluster.wait_idle(60))
         freed_s = time.monotonic() - t_cancel
         after = await self._probe(client)
-        await asyncio.sleep(SETTLE_S)
+        await asyncio.sleep(cfg.settle_s)
         settled = await self._probe(client)
         cfg.log(f"soak: storm of {placed} streams ({opened} streaming) cancelled; every pool free after "
                 f"{freed_s:.2f} s; throughput {before:.0f} -> {after:.0f} tokens/s ({settled:.0f} after "
-                f"{SETTLE_S:.0f} s more)")
+                f"{cfg.settle_s:.0f} s more)")
         return {"streams": cfg.storm, "placed": placed, "opened": opened, "refused": dict(refused),
                 "freed_s": freed_s, "freed": idle,
                 "tokens_per_s_before": before, "tokens_per_s_after": after, "tokens_per_s_settled": settled}
 
     async def _probe(self, client: AsyncClient) -> float:
-        """Generated tokens per second of 4 greedy streams back to back for PROBE_S: two short prompts
+        """Generated tokens per second of 4 greedy streams back to back for `probe_s`: two short prompts
         and two long ones, each far from the router's bound for prefilling on the decode worker
         (measured 30 to 60 tokens here), so that every probe takes the same paths. A 32-token probe
         sat on that bound and flipped between the paths with the step costs, by up to 40%."""
         shapes = [RequestShape(n, 0) for n in PROBE_PROMPTS]
         prompts = random_token_prompts(shapes, self.vocab, self.cfg.seed + 2)
-        tokens, t_end = 0, time.monotonic() + PROBE_S
+        tokens, t_end = 0, time.monotonic() + self.cfg.probe_s
 
         async def loop_one(prompt: list[int]) -> None:
             nonlocal tokens

@@ -9,7 +9,7 @@ from pdserve.cluster.bench.soak import SoakConfig, run_soak
 def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     out = tmp_path / "soak.json"
     report = run_soak(SoakConfig(minutes=0.75, model="tiny-llama", rate=3.0, storm=200, kv_corrupt_percent=5.0,
-                                 out=out, log=lambda _: None))
+                                 probe_s=1.0, settle_s=1.0, out=out, log=lambda _: None))
     assert out.is_file()
     assert report["codes"] == {"OK": report["requests"]}, report["codes"]  # a kill costs no request
     assert report["faults"]["workers_killed"] == 2 and report["retries"] >= 1
@@ -21,5 +21,7 @@ def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     assert all(k["recovery_s"] >= (k["detect_s"] or 0) >= 0 for k in report["kills"]), report["kills"]
     storm = report["storm"]
     assert storm["placed"] >= 200 and 0 < storm["opened"] <= 200 and not storm["refused"] and storm["freed"], storm
+    # The cluster serves on after the storm: every probe streamed tokens.
+    assert min(storm[f"tokens_per_s_{when}"] for when in ("before", "after", "settled")) > 0, storm
     assert report["pools_free_at_end"] and report["audit"]["clean"], report["audit"]
     assert report["ok"]
