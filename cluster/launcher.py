@@ -32,7 +32,7 @@ from pdserve.router.server import RouterServer
 from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
 from pdserve.router.service import RouterService
 from pdserve.router.token_hub import TokenStreamHub
-from pdserve.wire import ClusterSecret
+from pdserve.wire import ClusterSecret, WorkerStatus
 
 log = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
@@ -254,14 +254,13 @@ class Cluster:
         stats = ray.get([w.handle.stats.remote() for w in self.workers])
         return {w.name: s for w, s in zip(self.workers, stats)}
 
-    def wait_idle(self, timeout_s: float = 10.0) -> tuple[bool, list[dict]]:
+    def wait_idle(self, timeout_s: float = 10.0) -> tuple[bool, list[WorkerStatus]]:
         """Poll the workers until every pool is fully free (no blocks held beyond the prefix cache, no
         request, transfer or queued job), at most `timeout_s`; whether it was, and the last status."""
         deadline = time.time() + timeout_s
         while True:
             status = ray.get([w.handle.ping.remote() for w in self.workers])
-            idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
-                       and s.get("jobs", 0) == 0 for s in status)
+            idle = not any(s.holdings for s in status)
             if idle or time.time() > deadline:
                 return idle, status
             time.sleep(0.1)
@@ -282,9 +281,9 @@ class Cluster:
             worker = pending.pop(ready[0])
             worker.status = ray.get(ready[0])  # raises the worker's own start-up error
             s = worker.status
-            kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s['kv_addresses'].items())}" if s.get("kv_addresses") else ""
-            model = f", model {s['model_digest'][:12]}" if s["model_digest"] else ""
-            self.log(f"  {worker.name} ready on node {s['node_ip']} (id …{s['node_id'][-12:]}){model}{kv}")
+            kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s.kv_addresses.items())}" if s.kv_addresses else ""
+            model = f", model {s.model_digest[:12]}" if s.model_digest else ""
+            self.log(f"  {worker.name} ready on node {s.node_ip} (id …{s.node_id[-12:]}){model}{kv}")
 
     def _served_model(self, model_dir: str) -> ServedModel:
         m = self.manifest

@@ -114,16 +114,16 @@ class Supervisor:
             if worker.healthy:
                 log.warning("worker %s failed its health check: %s", worker.name, e)
             return False
-        if status.get("alive"):
+        if status.alive:
             self._restarting.discard(worker.name)
-            if not status.get("profiled", True):  # restarted by Ray: it measures itself before taking work
+            if not status.profiled:  # restarted by Ray: it measures itself before taking work
                 self._profile(worker)
                 return False
-            worker.status = status | {"reported_at": time.monotonic()}  # free blocks, step cost: what placement reads
+            worker.status, worker.reported_at = status, time.monotonic()  # free blocks, step cost: what placement reads
             self.backoff.rejoined(worker.name)
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
-            log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))
+            log.error("worker %s reports a fault, restarting it: %s", worker.name, status.fault)
             worker.healthy = False  # before the count: whoever sees the restart counted sees it out too
             self._restarting.add(worker.name)
             self.restarts[worker.name] = self.restarts.get(worker.name, 0) + 1

@@ -36,7 +36,7 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, WorkRequest
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, WorkerStatus, WorkRequest
 from pdserve.worker_base import WorkerBase
 
 LEASE_CHECK_S = 0.5
@@ -69,11 +69,11 @@ class DecodeWorker(WorkerBase):
         start_guarded("lease-expiry", self._expire_leases,
                       lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
-    def ping(self) -> dict:
-        return {**self.common_status(), "kv_addresses": self.kv_addresses, "transfers": self.receiver.num_in_flight,
-                "kv_transfer": self.receiver.counts()}
+    def ping(self) -> WorkerStatus:
+        return self.status(self.receiver.num_in_flight, kv_addresses=self.kv_addresses,
+                           receiver_counts=self.receiver.counts())
 
-    def profile(self) -> dict:
+    def profile(self) -> WorkerStatus:
         """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
         health report, with the fitted step cost."""
         profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)

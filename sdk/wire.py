@@ -1,6 +1,8 @@
 """What the router and the workers say to each other: the one neutral module both import.
 
   router -> worker   `WorkRequest`, an argument of a Ray actor call (validated on construction).
+  worker -> cluster  `WorkerStatus`, a worker's health report (the answer to `ping` and `profile`):
+                     what the supervisor, placement, the idle audit and /metrics read.
   worker -> router   `TokenMessage` (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
                      worker's `TokenSink` PUSHes one message per request per engine step to the
                      router's PULL socket; `parse_token_message` turns bytes back into a message or
@@ -28,10 +30,12 @@ import zmq
 import zmq.auth.thread
 from google.protobuf.message import DecodeError
 
+from pdserve.engine.block_pool import KVPoolStatus
+from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage",
+__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage",
            "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL",
            "UNAVAILABLE", "INVALID_ARGUMENT"]
 
@@ -60,6 +64,41 @@ class WorkRequest:
             raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker's health report. Read by attribute everywhere: a field renamed on one side fails loudly
+    instead of reading as 0. The fields after `step_budget` belong to one role (the other's are empty)."""
+
+    worker_id: str
+    node_id: str
+    node_ip: str
+    model_digest: str  # of the model files it loaded ("" on a single machine, where nothing is shipped)
+    alive: bool  # False: its engine loop or another of its threads failed (`fault` says how)
+    fault: str | None
+    profiled: bool  # its step costs are measured (a restarted worker measures them before taking work)
+    kv: KVPoolStatus
+    requests: int  # in its engine
+    transfers: int  # KV transfers in flight, either side
+    step_cost: StepCost  # fitted from its measured steps
+    step_budget: int  # tokens one engine step computes at most
+    # Prefill only:
+    jobs: int = 0  # requests queued or handing their KV off
+    chunk_tokens: int = 0  # the longest prompt chunk one step computes (LAPS's chunk, else the step budget)
+    short_prompt_tokens: int = 0  # LAPS's threshold of a short prompt (0: no LAPS)
+    metrics: str = ""  # the KV sender's Prometheus exposition
+    # Decode only:
+    kv_addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its KV receiver listens
+    receiver_counts: dict[str, int] = field(default_factory=dict)  # the KV receiver's counters, by event
+
+    @property
+    def holdings(self) -> dict[str, int]:
+        """What it holds (only the nonzero): KV blocks beyond its prefix cache, requests in its engine,
+        transfers and queued jobs. Nothing, when idle."""
+        held = {"blocks": self.kv.held_blocks, "requests": self.requests, "transfers": self.transfers,
+                "jobs": self.jobs}
+        return {k: v for k, v in held.items() if v}
 
 
 class Tombstones:

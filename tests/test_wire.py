@@ -1,4 +1,4 @@
-"""The router <-> worker messages: validated work requests; token messages through the real hub over
+"""The router <-> worker messages: validated work requests; health reports; token messages through the real hub over
 loopback pyzmq, where a malformed message is dropped and counted and the hub serves on."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from helpers import worker_status
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
@@ -183,3 +184,14 @@ def test_the_hub_reports_how_long_a_gap_has_held_a_request_s_messages():
 
     held, after, unknown = asyncio.run(scenario())
     assert held >= 0.2 and after == 0 and unknown == 0
+
+
+def test_a_worker_status_holds_what_is_not_free_and_refuses_unknown_fields():
+    assert worker_status().holdings == {}
+    busy = worker_status(free_blocks=990, requests=2, jobs=1)
+    assert busy.holdings == {"blocks": 10, "requests": 2, "jobs": 1}
+    with pytest.raises(TypeError, match="free_block"):  # a field renamed on one side fails, never reads as 0
+        worker_status(free_block=3)
+    with pytest.raises(AttributeError):
+        busy.free_blocks  # noqa: B018  the blocks are under `kv`
+

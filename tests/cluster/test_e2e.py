@@ -180,7 +180,7 @@ def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs,
     with Cluster(manifest(model_dirs[arch], "disaggregated", "tcp", max_num_batched_tokens=64,
                           router={"long_prompt_chunk_tokens": 24}), log=lambda _: None) as cluster:
         (prefill,) = [ray.get(w.handle.ping.remote()) for w in cluster.workers if w.pool == "prefill"]
-        assert prefill["chunk_tokens"] == max(24, prefill["short_prompt_tokens"])
+        assert prefill.chunk_tokens == max(24, prefill.short_prompt_tokens)
         results = asyncio.run(run(cluster.address))
         assert [r.token_ids for r in results] == [hf_reference[arch].greedy(p, NEW_TOKENS)
                                                   for p in [shared, *prompts]]

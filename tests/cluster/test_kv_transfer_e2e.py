@@ -521,10 +521,10 @@ def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cl
     deadline = time.monotonic() + 120
     # Until the supervisor has seen the restarted worker alive and profiled (its status is the new
     # incarnation's, with the new address).
-    while not (decode.healthy and decode.status.get("kv_addresses", {}).get("shm") not in (None, old)):
+    while not (decode.healthy and decode.status.kv_addresses.get("shm") not in (None, old)):
         assert time.monotonic() < deadline, "the decode worker never came back"
         time.sleep(0.2)
-    new = decode.status["kv_addresses"]["shm"]
+    new = decode.status.kv_addresses["shm"]
     assert generate(cluster, after).token_ids == hf_reference[ARCH].greedy(after, NEW_TOKENS)
     assert_idle(cluster)
     assert on_worker(prefill, pooled) == [new]

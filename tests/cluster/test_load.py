@@ -407,7 +407,7 @@ def test_an_exception_in_a_long_lived_thread_fails_its_requests_explicitly(fault
             time.sleep(0.05)
         wait_healthy(c)
         assert len(client.generate([13] * 20, max_tokens=3, ignore_eos=True).token_ids) == 3
-    assert not [s for s in wait_until_idle(c) if s["free_blocks"] != s["total_blocks"]]
+    assert not [s for s in wait_until_idle(c) if s.kv.held_blocks]
 
 
 def test_a_worker_method_that_raises_fails_its_request_instead_of_leaving_it_waiting(faulty_cluster):

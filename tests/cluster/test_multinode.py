@@ -79,7 +79,7 @@ def test_every_actor_lands_on_a_node_of_its_type(cluster):
         assert any(line.startswith(f"  {w.name} ready on node ") for line in cluster.start_log)
     assert len({w.status["node_id"] for w in cluster.workers}) == 4  # one actor per node: every pair crosses nodes
     # Each worker hashed its own copy: all hold the launcher's bytes.
-    assert {w.status["model_digest"] for w in cluster.workers} == {model_digest(cluster.manifest.model)}
+    assert {w.status.model_digest for w in cluster.workers} == {model_digest(cluster.manifest.model)}
 
 
 def test_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_reference):
@@ -92,7 +92,7 @@ def test_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_ref
     assert_idle(cluster)
 
     def sent_over_tcp() -> bool:  # the prefill workers' own figures, as their last health reports carry them
-        return any('transport="tcp"' in w.status.get("metrics", "") for w in cluster.workers if w.pool == "prefill")
+        return any('transport="tcp"' in w.status.metrics for w in cluster.workers if w.pool == "prefill")
 
     deadline = time.monotonic() + 10
     while not sent_over_tcp() and time.monotonic() < deadline:

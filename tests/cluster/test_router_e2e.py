@@ -144,7 +144,7 @@ def test_a_worker_that_disappears_leaves_the_index_and_placement_until_it_is_bac
             assert prefill_worker_of(cluster, before) == other.name or victim.healthy
             if time.monotonic() - t0 > 120:
                 pytest.fail("the killed worker did not come back within 120 s")
-        assert victim.status["profiled"]  # the supervisor had it measure itself again before it took work
+        assert victim.status.profiled  # the supervisor had it measure itself again before it took work
     # Back, it takes work again. Prompts arriving together: one at a time, the two idle workers' fitted
     # costs alone decide, and the restarted one's profile (measured while the other served) may be
     # the higher one every time; with a queue on the other, the estimates send work to both.
