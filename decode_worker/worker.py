@@ -36,7 +36,7 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, WorkerStatus, WorkRequest
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest
 from pdserve.worker_base import WorkerBase
 
 LEASE_CHECK_S = 0.5
@@ -55,7 +55,7 @@ class DecodeWorker(WorkerBase):
         super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults)
         # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
         # One with prefill_queued and no prefill_end is prefilling here, before its first token.
-        self._events: dict[str, dict[str, float]] = {}
+        self._events: dict[str, dict[LifetimeEvent, float]] = {}
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         self.start_loop()
@@ -108,12 +108,12 @@ class DecodeWorker(WorkerBase):
         """Queue the request for the batch (`decode_start`: from here on it is this worker's to decode);
         returns the layers still incomplete instead (see `KVReceiver.commit`)."""
         request_id = handoff.request_id
-        events = self._events[request_id] = {"transfer_end": time.time()}  # every frame has been delivered
+        events = self._events[request_id] = {LifetimeEvent.TRANSFER_END: time.time()}  # every frame has been delivered
         try:
-            events["transfer_start"] = self.receiver.started_at(transfer_id)
+            events[LifetimeEvent.TRANSFER_START] = self.receiver.started_at(transfer_id)
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
             if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)
-                events.setdefault("decode_start", time.time())
+                events.setdefault(LifetimeEvent.DECODE_START, time.time())
             return incomplete
         finally:
             if request_id in self.receiver.aborted or request_id not in self.engine.requests:
@@ -144,7 +144,7 @@ class DecodeWorker(WorkerBase):
         self.faults.took_request()
         # A local prefill's start is when it enters the engine's queue: the engine schedules it on its next steps.
         now = time.time()
-        self._events[work.request_id] = {"prefill_queued": now, "prefill_start": now}
+        self._events[work.request_id] = {LifetimeEvent.PREFILL_QUEUED: now, LifetimeEvent.PREFILL_START: now}
         try:
             self.loop.call(add)
         except Exception as e:
@@ -182,11 +182,12 @@ class DecodeWorker(WorkerBase):
         for out in outputs:
             events = {}
             local = self._events.get(out.request_id)  # gone when an abort came in between: nothing to add
-            if local is not None and "prefill_queued" in local and "prefill_end" not in local:
-                local.update(prefill_end=now, decode_start=now)  # prefilled here: this step made the first token
+            if local is not None and LifetimeEvent.PREFILL_QUEUED in local and LifetimeEvent.PREFILL_END not in local:
+                # prefilled here: this step made the first token
+                local.update({LifetimeEvent.PREFILL_END: now, LifetimeEvent.DECODE_START: now})
             if out.finished:
-                events = self._events.pop(out.request_id, {}) | {"decode_end": now}
-                events.setdefault("decode_start", now)
+                events = self._events.pop(out.request_id, {}) | {LifetimeEvent.DECODE_END: now}
+                events.setdefault(LifetimeEvent.DECODE_START, now)
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
                            finish_reason=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events,

@@ -49,7 +49,7 @@ from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
-from pdserve.wire import (HANDOFF_COMMITTED, INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, Tombstones,
+from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
                           WorkerStatus, WorkRequest)
 from pdserve.worker_base import WorkerBase
 
@@ -358,7 +358,8 @@ class PrefillWorker(WorkerBase):
             if job is None or job.kv is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
                 continue
             # `transfer_start` comes from the decode worker: the first token may leave before the lease.
-            events = {"prefill_queued": job.arrived, "prefill_start": job.prefill_started, "prefill_end": now}
+            events = {LifetimeEvent.PREFILL_QUEUED: job.arrived, LifetimeEvent.PREFILL_START: job.prefill_started,
+                      LifetimeEvent.PREFILL_END: now}
             if out.finish_reason == "prefilled":
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
@@ -377,7 +378,7 @@ class PrefillWorker(WorkerBase):
         if job is None or job.kv is not kv:
             return
         if kv.transfer.state is TransferState.DONE:  # committed (a failure landing just after changes nothing)
-            self.sink.send(job.request_id, events={HANDOFF_COMMITTED: time.time()})  # this worker may go now
+            self.sink.send(job.request_id, events={LifetimeEvent.HANDOFF_COMMITTED: time.time()})  # this worker may go now
             self._finish(job)
             return
         self._finish(job, error=outcome.error, code=outcome.code)

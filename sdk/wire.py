@@ -1,13 +1,14 @@
 """What the router and the workers say to each other: the one neutral module both import.
 
   router -> worker   `WorkRequest`, an argument of a Ray actor call (validated on construction).
+  both               `LifetimeEvent`: the names of a request's lifetime events (router's and workers').
   worker -> cluster  `WorkerStatus`, a worker's health report (the answer to `ping` and `profile`):
                      what the supervisor, placement, the idle audit and /metrics read.
   worker -> router   `TokenMessage` (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
                      worker's `TokenSink` PUSHes one message per request per engine step to the
                      router's PULL socket; `parse_token_message` turns bytes back into a message or
                      raises `MalformedMessage`. A message with no tokens whose events name
-                     `HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
+                     `LifetimeEvent.HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
                      the request (its KV handoff committed): it has no output position.
 
 `ClusterSecret` authenticates these sockets (and the KV events and KV control channels): CURVE,
@@ -24,6 +25,7 @@ import logging
 import secrets
 import threading
 from collections import deque
+from enum import StrEnum
 from dataclasses import dataclass, field
 
 import zmq
@@ -35,7 +37,7 @@ from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage",
+__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice", "TokenSink", "MalformedMessage",
            "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL",
            "UNAVAILABLE", "INVALID_ARGUMENT"]
 
@@ -125,11 +127,44 @@ class Tombstones:
             return request_id in self._ids
 
 
-HANDOFF_COMMITTED = "handoff_committed"
+class LifetimeEvent(StrEnum):
+    """What happened to a request, and where (as DistServe's `LifetimeEventType`). A request's events map
+    these names to wall-clock seconds: on its token messages, in its response's timings and in its
+    lifetime log line. Listed in the order a disaggregated request meets them."""
+
+    ACCEPTED = "accepted"  # router: the API layer received it
+    ROUTED = "routed"  # router: placed on its workers
+    PREFILL_QUEUED = "prefill_queued"  # the worker that runs its prompt pass queued it
+    PREFILL_START = "prefill_start"
+    TRANSFER_START = "transfer_start"  # decode worker: its KV transfer's first frame
+    PREFILL_END = "prefill_end"
+    FIRST_TOKEN = "first_token"  # router: its first token reached the stream
+    TRANSFER_END = "transfer_end"  # decode worker: every frame delivered
+    HANDOFF_COMMITTED = "handoff_committed"  # prefill worker's notice: the decode worker holds it (not logged)
+    DECODE_START = "decode_start"
+    DECODE_END = "decode_end"
+    FINISHED = "finished"  # router: it ended
+    RETRY = "retry"  # router: a new attempt began; recorded as `retry_<attempt>` (`retry`)
+
+    @classmethod
+    def retry(cls, attempt: int) -> str:
+        """The name of the `attempt`th retry's event (attempts count from 1)."""
+        return f"{cls.RETRY}_{attempt}"
+
+    @classmethod
+    def of(cls, name: str) -> LifetimeEvent:
+        """The event a recorded name stands for; ValueError for a name that is none."""
+        base, _, attempt = name.rpartition("_")
+        if base == cls.RETRY and attempt.isdigit() and int(attempt) > 0:
+            return cls.RETRY
+        if name == cls.RETRY:  # recorded only with its attempt
+            raise ValueError(f"{name!r} without its attempt is not a recorded lifetime event")
+        return cls(name)
 
 
 def is_handoff_notice(message: TokenMessage) -> bool:
-    return HANDOFF_COMMITTED in message.events and not message.token_ids and not message.error
+    return (LifetimeEvent.HANDOFF_COMMITTED in message.events and not message.token_ids
+            and not message.error)
 
 
 class MalformedMessage(ValueError):

@@ -4,6 +4,7 @@ loopback pyzmq, where a malformed message is dropped and counted and the hub ser
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from helpers import worker_status
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
 from pdserve.wire import (
-    HANDOFF_COMMITTED,
+    LifetimeEvent,
     MalformedMessage,
     TokenMessage,
     TokenSink,
@@ -137,7 +138,7 @@ def test_the_handoff_notice_is_delivered_at_once_and_holds_no_position():
     order = OutputOrder()
     assert order.add(TokenMessage(request_id="r", token_ids=[1], first_index=0)) != []
     assert order.add(TokenMessage(request_id="r", token_ids=[3], first_index=2)) == []  # waits for position 1
-    notice = TokenMessage(request_id="r", events={HANDOFF_COMMITTED: 1.0})
+    notice = TokenMessage(request_id="r", events={LifetimeEvent.HANDOFF_COMMITTED: 1.0})
     assert is_handoff_notice(notice) and order.add(notice) == [notice]
     later = TokenMessage(request_id="r", token_ids=[2], first_index=1)
     assert [list(m.token_ids) for m in order.add(later)] == [[2], [3]] and order.next_index == 3
@@ -195,3 +196,12 @@ def test_a_worker_status_holds_what_is_not_free_and_refuses_unknown_fields():
     with pytest.raises(AttributeError):
         busy.free_blocks  # noqa: B018  the blocks are under `kv`
 
+
+
+def test_lifetime_event_names_are_their_members_and_numbered_retries_are_retry():
+    assert LifetimeEvent.of("prefill_end") is LifetimeEvent.PREFILL_END
+    assert LifetimeEvent.retry(2) == "retry_2" and LifetimeEvent.of("retry_2") is LifetimeEvent.RETRY
+    assert json.dumps({LifetimeEvent.ACCEPTED: 1.0}) == '{"accepted": 1.0}'  # the log line keeps its names
+    for name in ("retry", "retry_0", "retry_x", "prefil_end", "transfer"):
+        with pytest.raises(ValueError):
+            LifetimeEvent.of(name)

@@ -44,7 +44,7 @@ from pdserve.cluster.manifest import load_manifest
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.workers import WorkerRef
-from pdserve.wire import WorkerStatus
+from pdserve.wire import LifetimeEvent, WorkerStatus
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
@@ -367,7 +367,7 @@ class Soak:
             waits += [b - max(a, at) for a, b in zip(times, times[1:]) if b > at]
             record = s.lifetime
             since_kill = [record["accepted"] + ms / 1e3 - wall for name, ms in record.get("events_ms", {}).items()
-                          if name.startswith("retry_")]
+                          if LifetimeEvent.of(name) is LifetimeEvent.RETRY]
             retried = [t for t in since_kill if t >= 0]
             if retried:
                 detect.append(first := min(retried))
