@@ -43,7 +43,6 @@ PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (se
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
 SNAPSHOT_TIMEOUT_S = 10.0
-AUDIT_LEAK_MARGIN_S = 5.0  # past the KV lease, a worker still holding something at idle leaks it
 
 
 class Cluster:
@@ -104,7 +103,7 @@ class Cluster:
         retry = RetryBudget(m.router.max_retries, m.router.retry_wait_s)
         frontend = Frontend(served, self._router, self._hub, retry)
         self.audit = IdleAudit(self.workers, lambda: self._router.stats.requests_routed,
-                               leak_after_s=m.kv_transfer.lease_s + AUDIT_LEAK_MARGIN_S)
+                               leak_after_s=m.deadlines.leak_after_s)
         frontend.metrics.registry.register(AuditCollector(self.audit))
         service = RouterService(frontend)
         tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
@@ -112,7 +111,8 @@ class Cluster:
                                     http_address=m.server.http_address, client_ca=m.server.tls_client_ca,
                                     max_request_bytes=m.server.max_request_bytes)
         self.address = self._server.start()
-        self._supervisor = Supervisor(self.workers, on_change=self._health_changed, after_round=self.audit.observe).start()
+        self._supervisor = Supervisor(self.workers, on_change=self._health_changed, deadlines=m.deadlines.health,
+                                      after_round=self.audit.observe).start()
         scheme = "https" if tls else "http"
         http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
         self.log(f"serving {m.model!r} over gRPC on {self.address}{http} ({m.mode}, transport "
@@ -179,7 +179,7 @@ class Cluster:
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, layerwise_min_tokens=kv.layerwise_min_tokens,
-                                lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
+                                deadlines=m.deadlines.kv,
                                 ttft_slo_s=m.router.ttft_slo_s, recompute=kv.recompute, secret=self._secret)
 
     @property

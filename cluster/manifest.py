@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdserve.client import MAX_MESSAGE_BYTES
+from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
 from pdserve.faults import FaultSettings
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
@@ -161,6 +162,9 @@ class KVTransferSpec(_Strict):
     layerwise_min_tokens: int = Field(1024, ge=0)
     lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every frame that arrives
     reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks
+    # How long the prefill side waits for its frames' delivery before a commit; at most lease_s + 2 s (the
+    # prefill side's lease, which nothing renews meanwhile). None: lease_s.
+    commit_timeout_s: float | None = Field(None, gt=0)
     # The decode worker may recompute a prompt's KV from its tokens when that is expected to be faster
     # than receiving it (a slow link, a short prompt); false: the KV is always sent (drills of the KV path).
     recompute: bool = True
@@ -168,6 +172,16 @@ class KVTransferSpec(_Strict):
     @property
     def codecs(self) -> tuple[str, ...]:
         return (self.codec,) if isinstance(self.codec, str) else tuple(self.codec)
+
+    @property
+    def deadlines(self) -> KVDeadlines:
+        commit = self.commit_timeout_s if self.commit_timeout_s is not None else self.lease_s
+        return KVDeadlines(lease_s=self.lease_s, reserve_wait_s=self.reserve_wait_s, commit_timeout_s=commit)
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "KVTransferSpec":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
 
     @model_validator(mode="after")
     def _tls_on_sockets(self) -> "KVTransferSpec":
@@ -275,6 +289,28 @@ class SecuritySpec(_Strict):
     cluster_secret: bool = True
 
 
+class SupervisionSpec(_Strict):
+    """How the cluster watches its workers: a round pings every worker and waits up to ping_timeout_s for
+    the answers, then ping_interval_s; two rounds unanswered in a row and a worker is taken for hung
+    (out of placement, its requests retried). A restarted worker rejoins after restart_backoff_s,
+    doubling with each restart within five minutes, up to restart_backoff_max_s."""
+
+    ping_interval_s: float = Field(0.5, gt=0)
+    ping_timeout_s: float = Field(1.0, gt=0)
+    restart_backoff_s: float = Field(1.0, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+
+    @property
+    def deadlines(self) -> HealthDeadlines:
+        return HealthDeadlines(ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
+                               restart_backoff_s=self.restart_backoff_s, restart_backoff_max_s=self.restart_backoff_max_s)
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "SupervisionSpec":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
+
+
 class RaySpec(_Strict):
     address: str = "local"  # local: start an embedded cluster; auto: join one started by `ray up`
 
@@ -297,6 +333,7 @@ class Manifest(_Strict):
     kv_transfer: KVTransferSpec = KVTransferSpec()
     server: ServerSpec = ServerSpec()
     security: SecuritySpec = SecuritySpec()
+    supervision: SupervisionSpec = SupervisionSpec()
     ray: RaySpec = RaySpec()
     faults: FaultsSpec = FaultsSpec()
 
@@ -348,6 +385,16 @@ class Manifest(_Strict):
         if unknown:
             raise ValueError(f"faults name workers this manifest does not have: {unknown}; it has {sorted(names)}")
         return self
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "Manifest":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """Every timing that another depends on, checked against each other (`pdserve.deadlines`)."""
+        return Deadlines(kv=self.kv_transfer.deadlines, health=self.supervision.deadlines)
 
     def workers(self) -> list[tuple[str, str, PoolSpec]]:
         """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered

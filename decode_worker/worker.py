@@ -39,11 +39,10 @@ from pdserve.threads import start_guarded
 from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest
 from pdserve.worker_base import WorkerBase
 
-LEASE_CHECK_S = 0.5
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
 # that free blocks could not run. As many as there are ordinary threads: one queued for a thread starts
-# its own `reserve_wait_s` late, and the prefill side gives up on it `RESERVE_MARGIN_S` after that.
+# its own `reserve_wait_s` late, and the prefill side gives up on it `reserve_margin_s` after that.
 RESERVE_GROUP = "reserve"
 RESERVE_THREADS = 64
 
@@ -59,8 +58,8 @@ class DecodeWorker(WorkerBase):
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         self.start_loop()
-        self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.lease_s,
-                                   reserve_wait_s=self.kv.reserve_wait_s)
+        self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.deadlines.lease_s,
+                                   reserve_wait_s=self.kv.deadlines.reserve_wait_s)
         self._receivers = [start_receiver(name, self.receiver, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
                                           on_crash=self._receiver_crashed(name))
                            for name in self.kv.receivers]
@@ -210,5 +209,5 @@ class DecodeWorker(WorkerBase):
             self.sink.send(request_id, error=self.fault, error_code=INTERNAL)
 
     def _expire_leases(self) -> None:
-        while not self._stop.wait(LEASE_CHECK_S):
+        while not self._stop.wait(self.kv.deadlines.lease_check_s):
             self.receiver.expire_leases()

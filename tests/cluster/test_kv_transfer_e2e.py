@@ -27,7 +27,6 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
 from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
-from pdserve.kv_transfer.sender import RESERVE_MARGIN_S
 from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
@@ -622,7 +621,7 @@ def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_i
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
                                            kv_transfer={"reserve_wait_s": 1}) as (c, prefill, hung, healthy):
         on_worker(prefill, record_errors)
-        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
+        bound = c.manifest.deadlines.kv.reservation_bound_s
         for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
             dispatch(prefill, prompt, hung, "queued-for-hung")
         assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \
@@ -652,7 +651,7 @@ def test_every_request_completes_through_the_router_while_a_decode_worker_leaves
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer={"reserve_wait_s": 1},
                                            router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
-        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
+        bound = c.manifest.deadlines.kv.reservation_bound_s
         retries = c.router.stats.retries
         with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
             started = time.monotonic()
