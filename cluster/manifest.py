@@ -303,7 +303,8 @@ class SupervisionSpec(_Strict):
     @property
     def deadlines(self) -> HealthDeadlines:
         return HealthDeadlines(ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
-                               restart_backoff_s=self.restart_backoff_s, restart_backoff_max_s=self.restart_backoff_max_s)
+                               restart_backoff_s=self.restart_backoff_s,
+                               restart_backoff_max_s=self.restart_backoff_max_s)
 
     @model_validator(mode="after")
     def _deadlines_in_order(self) -> "SupervisionSpec":

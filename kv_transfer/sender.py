@@ -29,8 +29,9 @@ One transfer's way (any failure, in any state, ends it FAILED through `end`):
 
 Both sides hold a lease. The decode side's lapses when no frame or renewal comes for `lease_s`; this
 side's when the transfer makes no progress (a frame taken by the channel, a renewal or commit
-answered) for `sender_lease_s` (`pdserve.deadlines.KVDeadlines`). A transfer whose frames wait behind other transfers on a link
-that is moving is renewed, not expired; one behind a stuck link is not.
+answered) for `sender_lease_s` (`pdserve.deadlines.KVDeadlines`). A transfer whose frames wait
+behind other transfers on a link that is moving is renewed, not expired; one behind a stuck link is
+not.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice", "TokenSink", "MalformedMessage",
-           "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL",
-           "UNAVAILABLE", "INVALID_ARGUMENT"]
+__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
+           "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers",
+           "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,8 @@ def tcp_member(address: str, key: bytes) -> socket.socket:
     return sock
 
 
-def worker_status(free_blocks: int = 1000, total_blocks: int = 1000, step_cost: StepCost = StepCost(), **fields) -> WorkerStatus:
+def worker_status(free_blocks: int = 1000, total_blocks: int = 1000, step_cost: StepCost = StepCost(),
+                  **fields) -> WorkerStatus:
     """A live, profiled, idle worker's health report; `fields` override any of its fields."""
     report = {"worker_id": "w", "node_id": "n", "node_ip": "127.0.0.1", "model_digest": "", "alive": True,
               "fault": None, "profiled": True, "kv": KVPoolStatus(free_blocks, total_blocks, 0, 0, 0), "requests": 0,

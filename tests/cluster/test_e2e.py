@@ -151,8 +151,8 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
                 if pool == "prefill":  # with no prefill worker left, the decode worker prefills
                     reply = client.generate("hello " * 60, max_tokens=2, ignore_eos=True)
                     assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
-                    assert cluster._server.serving()  # health checks do not drain a cluster that serves
-            assert not cluster._server.serving()
+                    assert cluster.router_stack.server.serving()  # health checks do not drain a cluster that serves
+            assert not cluster.router_stack.server.serving()
             t0 = time.time()
             with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
                 client.generate("hello", max_tokens=2)
