@@ -41,6 +41,11 @@ class RestartBackoff:
         self._restarts: dict[str, list[float]] = {}  # worker name -> when each recent restart was seen
         self._rejoin_at: dict[str, float] = {}  # workers restarted and not yet back
 
+    @classmethod
+    def of(cls, deadlines: HealthDeadlines) -> RestartBackoff:
+        """A fresh back-off (no restart counted yet) with the manifest's timings."""
+        return cls(deadlines.restart_backoff_s, deadlines.restart_backoff_max_s, deadlines.restart_window_s)
+
     def may_rejoin(self, name: str) -> bool:
         """Whether restarted worker `name` has waited out its back-off; the first call after a restart
         counts the restart and starts the wait."""
@@ -64,8 +69,7 @@ class Supervisor:
         self.after_round = after_round  # the idle audit reads the reports of each round
         self.deadlines = deadlines
         self.restarts: dict[str, int] = {}  # worker name -> restarts the supervisor asked Ray for
-        self.backoff = backoff or RestartBackoff(deadlines.restart_backoff_s, deadlines.restart_backoff_max_s,
-                                                 deadlines.restart_window_s)
+        self.backoff = backoff or RestartBackoff.of(deadlines)
         self._pending: dict[str, ray.ObjectRef] = {}  # worker name -> its unanswered ping
         self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
         self._restarting: set[str] = set()
