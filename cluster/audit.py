@@ -35,15 +35,6 @@ class AuditResult:
         return not self.held
 
 
-def holdings(status: dict) -> dict[str, int]:
-    """What a worker's health report says it holds: KV blocks beyond its prefix cache, requests in its
-    engine, transfers and queued jobs. Only the nonzero ones."""
-    held = {"blocks": status.get("total_blocks", 0) - status.get("free_blocks", 0),
-            "requests": status.get("requests", 0), "transfers": status.get("transfers", 0),
-            "jobs": status.get("jobs", 0)}
-    return {k: v for k, v in held.items() if v}
-
-
 class IdleAudit:
     def __init__(self, workers: list[WorkerRef], routed: Callable[[], int], leak_after_s: float,
                  settle_s: float = SETTLE_S) -> None:
@@ -70,14 +61,14 @@ class IdleAudit:
             self._idle_since = now
             return None
         live = [w for w in self.workers if w.healthy]
-        reported = all(w.status.get("reported_at", 0.0) > self._idle_since for w in live)
+        reported = all(w.reported_at > self._idle_since for w in live)
         if now - self._idle_since < self.settle_s or not reported or self._audited_at > now - self.settle_s:
             return None
         self._audited_at = now
         result = AuditResult(time.time(), now - self._idle_since)
         for w in live:
-            result.blocks[w.name] = max(0, w.status.get("total_blocks", 0) - w.status.get("free_blocks", 0))
-            held = holdings(w.status)
+            result.blocks[w.name] = max(0, w.status.kv.held_blocks)
+            held = w.status.holdings
             if held:
                 result.held[w.name] = held
         self.last = result

@@ -1,5 +1,5 @@
-"""Bring a manifest up on Ray (workers as actors with their resources, the router's gRPC server)
-and take it down again with nothing left running."""
+"""Bring a manifest up on Ray (workers as actors with their resources, the router built from the
+manifest by `RouterStack`) and take it down again with nothing left running."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from transformers import AutoConfig
@@ -24,15 +24,14 @@ from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.kv_event_hub import KVEventHub
+from pdserve.router.frontend import ServedModel
+from pdserve.router.stack import RouterStack
 from pdserve.router.workers import WorkerRef
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.routing import Router, RoutingSettings
-from pdserve.router.server import RouterServer
-from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
-from pdserve.router.service import RouterService
-from pdserve.router.token_hub import TokenStreamHub
-from pdserve.wire import ClusterSecret
+from pdserve.wire import ClusterSecret, WorkerStatus
+
+if TYPE_CHECKING:
+    from pdserve.router.kv_event_hub import KVEventHub
+    from pdserve.router.routing import Router
 
 log = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
@@ -43,7 +42,6 @@ PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (se
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
 SNAPSHOT_TIMEOUT_S = 10.0
-AUDIT_LEAK_MARGIN_S = 5.0  # past the KV lease, a worker still holding something at idle leaks it
 
 
 class Cluster:
@@ -54,11 +52,8 @@ class Cluster:
         self.workers: list[WorkerRef] = []
         self._started_ray = False
         self._model: ModelSource | None = None
-        self._hub: TokenStreamHub | None = None
-        self._kv_events: KVEventHub | None = None
+        self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
         self._snapshots = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-snapshot")
-        self._router: Router | None = None
-        self._server: RouterServer | None = None
         self._supervisor: Supervisor | None = None
         # Made here, handed to the workers in their actor arguments (so a restarted worker has it too).
         self._secret = ClusterSecret.generate() if manifest.security.cluster_secret else None
@@ -82,38 +77,26 @@ class Cluster:
         # Kept for the cluster's life: a shipped model's object must outlive every worker restart.
         source = self._model = self._model_source(model_dir, local)
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        self._hub = TokenStreamHub(host, self._secret)
-        index = PrefixIndex()
-        self._kv_events = KVEventHub(index, self._request_snapshot, host, secret=self._secret)
-        self.log(f"router: token stream on {self._hub.address}, KV events on {self._kv_events.address}")
+        stack = self.router_stack = RouterStack(m, host, self._secret, self._request_snapshot)
+        self.log(f"router: token stream on {stack.tokens.address}, KV events on {stack.kv_events.address}")
 
         for role, name, spec in m.workers():  # each kept as made: a failed spawn leaves none behind (`stop`)
             self.workers.append(self._spawn(role, name, spec, source))
-        prefill_refs = [w for w in self.workers if w.pool == "prefill"]
-        decode_refs = [w for w in self.workers if w.pool != "prefill"]
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
         self._wait_ready(ready_timeout_s)
         self.log("profiling prompt passes, one worker at a time ...")
         for w in self.workers:
             w.status = ray.get(w.handle.profile.remote(), timeout=ready_timeout_s)
 
-        served = self._served_model(model_dir)
-        self._router = Router(m.mode, prefill_refs, decode_refs, m.block_size, self._routing_settings(served), index)
+        placement = stack.place(self.workers, self._served_model(model_dir))
         if m.mode == "disaggregated":
-            self._probe_transfers(prefill_refs[0], decode_refs[0])
-        retry = RetryBudget(m.router.max_retries, m.router.retry_wait_s)
-        frontend = Frontend(served, self._router, self._hub, retry)
-        self.audit = IdleAudit(self.workers, lambda: self._router.stats.requests_routed,
-                               leak_after_s=m.kv_transfer.lease_s + AUDIT_LEAK_MARGIN_S)
-        frontend.metrics.registry.register(AuditCollector(self.audit))
-        service = RouterService(frontend)
-        tls = (m.server.tls_cert, m.server.tls_key) if m.server.tls_cert is not None else None
-        self._server = RouterServer(service, m.server.address, tls=tls, auth_token=m.server.token,
-                                    http_address=m.server.http_address, client_ca=m.server.tls_client_ca,
-                                    max_request_bytes=m.server.max_request_bytes)
-        self.address = self._server.start()
-        self._supervisor = Supervisor(self.workers, on_change=self._health_changed, after_round=self.audit.observe).start()
-        scheme = "https" if tls else "http"
+            self._probe_transfers(placement.prefill_pool[0], placement.decode_pool[0])
+        self.audit = IdleAudit(self.workers, lambda: placement.stats.requests_routed,
+                               leak_after_s=m.deadlines.leak_after_s)
+        self.address = stack.serve([AuditCollector(self.audit)])
+        self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,
+                                      after_round=self.audit.observe).start()
+        scheme = "https" if m.server.tls_cert is not None else "http"
         http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
         self.log(f"serving {m.model!r} over gRPC on {self.address}{http} ({m.mode}, transport "
                  f"{m.kv_transfer.transport}) after {time.time() - t0:.1f} s")
@@ -161,8 +144,9 @@ class Cluster:
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
-        args: list[Any] = [name, model, m.engine_config(spec), self._hub.address, self._transfer_settings()]
-        kwargs: dict[str, Any] = {"kv_events": self._kv_events.address, "faults": m.faults.for_worker(name)}
+        stack = self.router_stack
+        args: list[Any] = [name, model, m.engine_config(spec), stack.tokens.address, self._transfer_settings()]
+        kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name)}
         if cls is PrefillWorker:
             r = m.router
             window = None if r.short_batch_window_ms is None else r.short_batch_window_ms / 1000
@@ -179,22 +163,22 @@ class Cluster:
         tls = {k: str(v) for k, v in kv.tls.model_dump().items() if v is not None} if kv.tls else {}
         return TransferSettings(transport=kv.transport, codecs=kv.codecs, host=host, tls=tls,
                                 frame_tokens=kv.frame_tokens, layerwise_min_tokens=kv.layerwise_min_tokens,
-                                lease_s=kv.lease_s, reserve_wait_s=kv.reserve_wait_s,
+                                deadlines=m.deadlines.kv,
                                 ttft_slo_s=m.router.ttft_slo_s, recompute=kv.recompute, secret=self._secret)
 
     @property
     def http_address(self) -> str | None:
         """HOST:PORT of the OpenAI-compatible HTTP API (and /metrics), once started; None when off."""
-        return self._server.http_address if self._server else None
+        return self.router_stack.http_address if self.router_stack else None
 
     @property
     def router(self) -> Router | None:
         """The router's placement core (its settings, stats and prefix index), once started."""
-        return self._router
+        return self.router_stack.placement if self.router_stack else None
 
     @property
     def kv_event_hub(self) -> KVEventHub | None:
-        return self._kv_events
+        return self.router_stack.kv_events if self.router_stack else None
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -204,24 +188,14 @@ class Cluster:
     def router_stats(self) -> dict[str, Any]:
         """The router's cumulative placement counts and the settings in effect (`Router.snapshot_stats`),
         with the KV event hub's counters (`kv_events`)."""
-        return {**self._router.snapshot_stats(), "kv_events": self._kv_events.stats()}
-
-    def _routing_settings(self, served: ServedModel) -> RoutingSettings:
-        r = self.manifest.router
-        prefill_policy, decode_policy = r.pool_policies
-        return RoutingSettings(
-            prefill_policy=prefill_policy, decode_policy=decode_policy,
-            policy_options={**r.cache_aware.model_dump(), "overlap_weight": r.kv_overlap_weight},
-            prefix_index=r.prefix_index, ttft_slo_s=r.ttft_slo_s, reject_factor=r.reject_factor,
-            local_prefill_tokens=r.local_prefill_tokens, max_queued_prefills=r.max_queued_prefills,
-            max_active_decodes=r.max_active_decodes, max_model_len=served.info.max_model_len)
+        return self.router_stack.stats()
 
     def _probe_transfers(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         """Seed the router's transfer cost with a few handoffs of raw KV (reserve to abort)."""
         for tokens in PROBE_TOKENS:
-            tokens = min(tokens, self._router.settings.max_model_len - 1)
+            tokens = min(tokens, self.router.settings.max_model_len - 1)
             probe = ray.get(prefill.handle.probe_transfer.remote(decode.handle, tokens), timeout=PROBE_TIMEOUT_S)
-            self._router.transfer.observe(tokens, probe["handoff_s"])
+            self.router.transfer.observe(tokens, probe["handoff_s"])
 
     def _request_snapshot(self, worker_name: str) -> None:
         """The KV event hub lost events of a worker: fetch its snapshot off the hub's thread."""
@@ -236,17 +210,7 @@ class Cluster:
         except Exception as e:  # the worker is dead or busy: the hub asks again after its snapshot timeout
             log.warning("KV snapshot of %s failed: %s", worker.name, e)
             return
-        self._kv_events.apply_snapshot(worker.name, snap.epoch, snap.seq, snap.blocks)
-
-    def _health_changed(self) -> None:
-        """A worker that stopped answering leaves the prefix index at once (it rejoins through a
-        snapshot when its events resume); then the health service hears of it."""
-        for w in self.workers:
-            if not w.healthy:
-                self._kv_events.forget(w.name)
-                if self._router.approximate is not None:
-                    self._router.approximate.drop(w.name)
-        self._server.health_changed()
+        self.kv_event_hub.apply_snapshot(worker.name, snap.epoch, snap.seq, snap.blocks)
 
     def worker_stats(self) -> dict[str, dict]:
         """Each worker's cumulative figures: engine-loop busy time (`loop`: wall_s, forward_s, kv_s,
@@ -254,14 +218,13 @@ class Cluster:
         stats = ray.get([w.handle.stats.remote() for w in self.workers])
         return {w.name: s for w, s in zip(self.workers, stats)}
 
-    def wait_idle(self, timeout_s: float = 10.0) -> tuple[bool, list[dict]]:
+    def wait_idle(self, timeout_s: float = 10.0) -> tuple[bool, list[WorkerStatus]]:
         """Poll the workers until every pool is fully free (no blocks held beyond the prefix cache, no
         request, transfer or queued job), at most `timeout_s`; whether it was, and the last status."""
         deadline = time.time() + timeout_s
         while True:
             status = ray.get([w.handle.ping.remote() for w in self.workers])
-            idle = all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["transfers"] == 0
-                       and s.get("jobs", 0) == 0 for s in status)
+            idle = not any(s.holdings for s in status)
             if idle or time.time() > deadline:
                 return idle, status
             time.sleep(0.1)
@@ -282,9 +245,9 @@ class Cluster:
             worker = pending.pop(ready[0])
             worker.status = ray.get(ready[0])  # raises the worker's own start-up error
             s = worker.status
-            kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s['kv_addresses'].items())}" if s.get("kv_addresses") else ""
-            model = f", model {s['model_digest'][:12]}" if s["model_digest"] else ""
-            self.log(f"  {worker.name} ready on node {s['node_ip']} (id …{s['node_id'][-12:]}){model}{kv}")
+            kv = f", KV receivers {', '.join(f'{k} {v}' for k, v in s.kv_addresses.items())}" if s.kv_addresses else ""
+            model = f", model {s.model_digest[:12]}" if s.model_digest else ""
+            self.log(f"  {worker.name} ready on node {s.node_ip} (id …{s.node_id[-12:]}){model}{kv}")
 
     def _served_model(self, model_dir: str) -> ServedModel:
         m = self.manifest
@@ -305,9 +268,8 @@ class Cluster:
         if self._supervisor is not None:
             self._supervisor.stop()
             self._supervisor = None
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        if self.router_stack is not None:
+            self.router_stack.stop_serving()  # first: no request reaches a worker being stopped
         if self.workers and ray.is_initialized():
             shutdowns = [w.handle.shutdown.remote() for w in self.workers]
             ray.wait(shutdowns, num_returns=len(shutdowns), timeout=10)
@@ -315,12 +277,9 @@ class Cluster:
                 ray.kill(w.handle)
         self.workers = []
         self._model = None
-        if self._hub is not None:
-            self._hub.close()
-            self._hub = None
-        if self._kv_events is not None:
-            self._kv_events.close()
-            self._kv_events = None
+        if self.router_stack is not None:
+            self.router_stack.close()
+            self.router_stack = None
         self._snapshots.shutdown(wait=False, cancel_futures=True)
         if self._started_ray:
             ray.shutdown()

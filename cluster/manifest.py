@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdserve.client import MAX_MESSAGE_BYTES
+from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
 from pdserve.faults import FaultSettings
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
@@ -188,6 +189,10 @@ class KVTransferSpec(_Strict):
                                                    "arrives.")
     reserve_wait_s: float = Field(10.0, ge=0, description="How long a reservation waits for free decode KV blocks "
                                                           "(seconds).")
+    commit_timeout_s: float | None = Field(
+        None, gt=0, description="How long the prefill side waits for a transfer's frames to be delivered before its "
+                                "commit (seconds); at most lease_s + 2 (the prefill side's lease, which nothing renews "
+                                "meanwhile); null: lease_s.")
     recompute: bool = Field(
         True, description="The decode worker may recompute a prompt's KV from its tokens when that is expected to be "
                           "faster than receiving it (a slow link, a short prompt); false: the KV is always sent.")
@@ -195,6 +200,16 @@ class KVTransferSpec(_Strict):
     @property
     def codecs(self) -> tuple[str, ...]:
         return (self.codec,) if isinstance(self.codec, str) else tuple(self.codec)
+
+    @property
+    def deadlines(self) -> KVDeadlines:
+        commit = self.commit_timeout_s if self.commit_timeout_s is not None else self.lease_s
+        return KVDeadlines(lease_s=self.lease_s, reserve_wait_s=self.reserve_wait_s, commit_timeout_s=commit)
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "KVTransferSpec":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
 
     @model_validator(mode="after")
     def _tls_on_sockets(self) -> "KVTransferSpec":
@@ -315,6 +330,33 @@ class SecuritySpec(_Strict):
                           "debugging with raw sockets.")
 
 
+class SupervisionSpec(_Strict):
+    """How the cluster watches its workers. A round pings every worker and waits up to ping_timeout_s for
+    the answers, then ping_interval_s; two rounds unanswered in a row and a worker is taken for hung (out
+    of placement, its requests retried). Checked against the KV lease: a hung worker must be found
+    before the transfers to it lapse."""
+
+    ping_interval_s: float = Field(0.5, gt=0, description="Between two health rounds (seconds).")
+    ping_timeout_s: float = Field(1.0, gt=0, description="How long a health round waits for the workers' answers "
+                                                         "(seconds).")
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="A restarted worker rejoins after this (seconds), doubling with each restart of it "
+                               "within five minutes, up to restart_backoff_max_s.")
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="The longest back-off of a restarted worker "
+                                                                 "(seconds).")
+
+    @property
+    def deadlines(self) -> HealthDeadlines:
+        return HealthDeadlines(ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
+                               restart_backoff_s=self.restart_backoff_s,
+                               restart_backoff_max_s=self.restart_backoff_max_s)
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "SupervisionSpec":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
+
+
 class RaySpec(_Strict):
     """Which Ray cluster to run on."""
 
@@ -349,6 +391,8 @@ class Manifest(_Strict):
     kv_transfer: KVTransferSpec = Field(KVTransferSpec(), description="How KV moves between the pools.")
     server: ServerSpec = Field(ServerSpec(), description="The client-facing gRPC and HTTP servers.")
     security: SecuritySpec = Field(SecuritySpec(), description="The internal channels' protection.")
+    supervision: SupervisionSpec = Field(SupervisionSpec(), description="How the workers are watched and "
+                                                                        "restarted.")
     ray: RaySpec = Field(RaySpec(), description="Which Ray cluster to run on.")
     faults: FaultsSpec = Field(FaultsSpec(), description="Faults injected on purpose (tests, drills); all off by "
                                                          "default.")
@@ -401,6 +445,16 @@ class Manifest(_Strict):
         if unknown:
             raise ValueError(f"faults name workers this manifest does not have: {unknown}; it has {sorted(names)}")
         return self
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> "Manifest":
+        self.deadlines  # noqa: B018  raises, naming the timings out of order
+        return self
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """Every timing that another depends on, checked against each other (`pdserve.deadlines`)."""
+        return Deadlines(kv=self.kv_transfer.deadlines, health=self.supervision.deadlines)
 
     def workers(self) -> list[tuple[str, str, PoolSpec]]:
         """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered

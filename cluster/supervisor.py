@@ -2,7 +2,7 @@
 
 Liveness is not load: pings run in the actors' own `health` concurrency group, so no amount of
 blocking work on a worker's other threads delays them. A worker is unhealthy when its ping fails or
-goes unanswered for MISSES_TO_FAIL rounds (the actor died or hangs) or when it reports itself dead
+goes unanswered for `misses_to_fail` rounds (the actor died or hangs) or when it reports itself dead
 (its engine loop or another of its threads failed: it has already failed its requests with an
 explicit error). Such a worker is killed so that Ray restarts it (`max_restarts`); it is healthy
 again once a ping answers alive (a restarted worker first profiles its prompt passes: placement
@@ -23,12 +23,10 @@ from collections.abc import Callable
 
 import ray
 
+from pdserve.deadlines import HealthDeadlines
 from pdserve.router.workers import WorkerRef
 
 log = logging.getLogger(__name__)
-PING_INTERVAL_S = 0.5
-PING_TIMEOUT_S = 1.0
-MISSES_TO_FAIL = 2  # rounds in a row without an answer before a worker counts as hung
 HEALTH_GROUP = "health"  # the actors' concurrency group for pings (see launcher)
 
 
@@ -36,12 +34,17 @@ class RestartBackoff:
     """When a restarted worker may rejoin: `first_s` after it is seen restarted, doubling with each
     restart of the same worker within `window_s`, at most `max_s`."""
 
-    def __init__(self, first_s: float = 1.0, max_s: float = 30.0, window_s: float = 300.0,
+    def __init__(self, first_s: float, max_s: float, window_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.first_s, self.max_s, self.window_s = first_s, max_s, window_s
         self._clock = clock
         self._restarts: dict[str, list[float]] = {}  # worker name -> when each recent restart was seen
         self._rejoin_at: dict[str, float] = {}  # workers restarted and not yet back
+
+    @classmethod
+    def of(cls, deadlines: HealthDeadlines) -> RestartBackoff:
+        """A fresh back-off (no restart counted yet) with the manifest's timings."""
+        return cls(deadlines.restart_backoff_s, deadlines.restart_backoff_max_s, deadlines.restart_window_s)
 
     def may_rejoin(self, name: str) -> bool:
         """Whether restarted worker `name` has waited out its back-off; the first call after a restart
@@ -59,16 +62,14 @@ class RestartBackoff:
 
 class Supervisor:
     def __init__(self, workers: list[WorkerRef], on_change: Callable[[], None],
-                 interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S,
-                 after_round: Callable[[], object] = lambda: None,
+                 deadlines: HealthDeadlines = HealthDeadlines(), after_round: Callable[[], object] = lambda: None,
                  backoff: RestartBackoff | None = None) -> None:
         self.workers = workers
         self.on_change = on_change
         self.after_round = after_round  # the idle audit reads the reports of each round
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
+        self.deadlines = deadlines
         self.restarts: dict[str, int] = {}  # worker name -> restarts the supervisor asked Ray for
-        self.backoff = backoff or RestartBackoff()
+        self.backoff = backoff or RestartBackoff.of(deadlines)
         self._pending: dict[str, ray.ObjectRef] = {}  # worker name -> its unanswered ping
         self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
         self._restarting: set[str] = set()
@@ -83,14 +84,15 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(self.timeout_s + 5)
+        self._thread.join(self.deadlines.ping_timeout_s + 5)
 
     def check_once(self) -> None:
         """Ping every worker (concurrently), wait up to the timeout, update health, report a change."""
         for w in self.workers:
             if w.name not in self._pending:
                 self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
-        ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=self.timeout_s)
+        ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending),
+                            timeout=self.deadlines.ping_timeout_s)
         answered = set(ready)
         for w in self.workers:
             ref = self._pending[w.name]
@@ -98,9 +100,9 @@ class Supervisor:
                 del self._pending[w.name]
                 self._missed[w.name] = 0
                 w.healthy = self._alive(ref, w)
-            else:  # one slow answer (a starved core) is not death; MISSES_TO_FAIL in a row are
+            else:  # one slow answer (a starved core) is not death; `misses_to_fail` in a row are
                 self._missed[w.name] = self._missed.get(w.name, 0) + 1
-                w.healthy = w.healthy and self._missed[w.name] < MISSES_TO_FAIL
+                w.healthy = w.healthy and self._missed[w.name] < self.deadlines.misses_to_fail
         health = [w.healthy for w in self.workers]
         if health != self._reported:  # against what was reported: a round that failed before telling
             self.on_change()          # (or whose `on_change` raised) is told by the next one
@@ -114,16 +116,16 @@ class Supervisor:
             if worker.healthy:
                 log.warning("worker %s failed its health check: %s", worker.name, e)
             return False
-        if status.get("alive"):
+        if status.alive:
             self._restarting.discard(worker.name)
-            if not status.get("profiled", True):  # restarted by Ray: it measures itself before taking work
+            if not status.profiled:  # restarted by Ray: it measures itself before taking work
                 self._profile(worker)
                 return False
-            worker.status = status | {"reported_at": time.monotonic()}  # free blocks, step cost: what placement reads
+            worker.status, worker.reported_at = status, time.monotonic()  # free blocks, step cost: what placement reads
             self.backoff.rejoined(worker.name)
             return True
         if worker.name not in self._restarting:  # it failed and said so: have Ray start it afresh
-            log.error("worker %s reports a fault, restarting it: %s", worker.name, status.get("fault"))
+            log.error("worker %s reports a fault, restarting it: %s", worker.name, status.fault)
             worker.healthy = False  # before the count: whoever sees the restart counted sees it out too
             self._restarting.add(worker.name)
             self.restarts[worker.name] = self.restarts.get(worker.name, 0) + 1
@@ -146,4 +148,4 @@ class Supervisor:
                 self.check_once()
             except Exception:  # keep supervising; a broken round must not end supervision silently
                 log.exception("health check round failed")
-            self._stop.wait(self.interval_s)
+            self._stop.wait(self.deadlines.ping_interval_s)

@@ -36,14 +36,13 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, WorkRequest
+from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest
 from pdserve.worker_base import WorkerBase
 
-LEASE_CHECK_S = 0.5
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
 # that free blocks could not run. As many as there are ordinary threads: one queued for a thread starts
-# its own `reserve_wait_s` late, and the prefill side gives up on it `RESERVE_MARGIN_S` after that.
+# its own `reserve_wait_s` late, and the prefill side gives up on it `reserve_margin_s` after that.
 RESERVE_GROUP = "reserve"
 RESERVE_THREADS = 64
 
@@ -55,12 +54,12 @@ class DecodeWorker(WorkerBase):
         super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults)
         # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
         # One with prefill_queued and no prefill_end is prefilling here, before its first token.
-        self._events: dict[str, dict[str, float]] = {}
+        self._events: dict[str, dict[LifetimeEvent, float]] = {}
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
         self.start_loop()
-        self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.lease_s,
-                                   reserve_wait_s=self.kv.reserve_wait_s)
+        self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.deadlines.lease_s,
+                                   reserve_wait_s=self.kv.deadlines.reserve_wait_s)
         self._receivers = [start_receiver(name, self.receiver, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
                                           on_crash=self._receiver_crashed(name))
                            for name in self.kv.receivers]
@@ -69,11 +68,11 @@ class DecodeWorker(WorkerBase):
         start_guarded("lease-expiry", self._expire_leases,
                       lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
-    def ping(self) -> dict:
-        return {**self.common_status(), "kv_addresses": self.kv_addresses, "transfers": self.receiver.num_in_flight,
-                "kv_transfer": self.receiver.counts()}
+    def ping(self) -> WorkerStatus:
+        return self.status(self.receiver.num_in_flight, kv_addresses=self.kv_addresses,
+                           receiver_counts=self.receiver.counts())
 
-    def profile(self) -> dict:
+    def profile(self) -> WorkerStatus:
         """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
         health report, with the fitted step cost."""
         profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)
@@ -108,12 +107,12 @@ class DecodeWorker(WorkerBase):
         """Queue the request for the batch (`decode_start`: from here on it is this worker's to decode);
         returns the layers still incomplete instead (see `KVReceiver.commit`)."""
         request_id = handoff.request_id
-        events = self._events[request_id] = {"transfer_end": time.time()}  # every frame has been delivered
+        events = self._events[request_id] = {LifetimeEvent.TRANSFER_END: time.time()}  # every frame has been delivered
         try:
-            events["transfer_start"] = self.receiver.started_at(transfer_id)
+            events[LifetimeEvent.TRANSFER_START] = self.receiver.started_at(transfer_id)
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
             if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)
-                events.setdefault("decode_start", time.time())
+                events.setdefault(LifetimeEvent.DECODE_START, time.time())
             return incomplete
         finally:
             if request_id in self.receiver.aborted or request_id not in self.engine.requests:
@@ -144,7 +143,7 @@ class DecodeWorker(WorkerBase):
         self.faults.took_request()
         # A local prefill's start is when it enters the engine's queue: the engine schedules it on its next steps.
         now = time.time()
-        self._events[work.request_id] = {"prefill_queued": now, "prefill_start": now}
+        self._events[work.request_id] = {LifetimeEvent.PREFILL_QUEUED: now, LifetimeEvent.PREFILL_START: now}
         try:
             self.loop.call(add)
         except Exception as e:
@@ -182,11 +181,12 @@ class DecodeWorker(WorkerBase):
         for out in outputs:
             events = {}
             local = self._events.get(out.request_id)  # gone when an abort came in between: nothing to add
-            if local is not None and "prefill_queued" in local and "prefill_end" not in local:
-                local.update(prefill_end=now, decode_start=now)  # prefilled here: this step made the first token
+            if local is not None and LifetimeEvent.PREFILL_QUEUED in local and LifetimeEvent.PREFILL_END not in local:
+                # prefilled here: this step made the first token
+                local.update({LifetimeEvent.PREFILL_END: now, LifetimeEvent.DECODE_START: now})
             if out.finished:
-                events = self._events.pop(out.request_id, {}) | {"decode_end": now}
-                events.setdefault("decode_start", now)
+                events = self._events.pop(out.request_id, {}) | {LifetimeEvent.DECODE_END: now}
+                events.setdefault(LifetimeEvent.DECODE_START, now)
             self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
                            finish_reason=out.finish_reason if out.finished else None,
                            text=out.text if out.finished else None, events=events,
@@ -209,5 +209,5 @@ class DecodeWorker(WorkerBase):
             self.sink.send(request_id, error=self.fault, error_code=INTERNAL)
 
     def _expire_leases(self) -> None:
-        while not self._stop.wait(LEASE_CHECK_S):
+        while not self._stop.wait(self.kv.deadlines.lease_check_s):
             self.receiver.expire_leases()

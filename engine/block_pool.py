@@ -51,6 +51,22 @@ class PrefixCacheStats:
         return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
 
 
+@dataclass(frozen=True)
+class KVPoolStatus:
+    """The pool's state for a worker's health report."""
+
+    free_blocks: int  # allocatable now: evictable cached blocks count as free
+    total_blocks: int
+    cached_blocks: int  # holding a prefix (in use or evictable)
+    prefix_queried_blocks: int  # the prefix cache's cumulative lookups, in blocks
+    prefix_hit_blocks: int
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks requests hold (beyond the evictable prefix cache)."""
+        return self.total_blocks - self.free_blocks
+
+
 class CacheListener(Protocol):
     """Told of changes to the set of cached hashes (a worker's KV event publisher)."""
 
@@ -92,6 +108,10 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def status(self) -> KVPoolStatus:
+        return KVPoolStatus(self.num_free, self.num_blocks, self.num_cached, self.stats.queried_blocks,
+                            self.stats.hit_blocks)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free

@@ -157,13 +157,6 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def kv_status(self) -> dict[str, int]:
-        """The KV pool's state for health reports: blocks (free counts evictable cached ones too),
-        cached blocks, and the prefix cache's cumulative lookups and hits in blocks."""
-        pool = self.pool
-        return {"free_blocks": pool.num_free, "total_blocks": pool.num_blocks, "cached_blocks": pool.num_cached,
-                "prefix_queried_blocks": pool.stats.queried_blocks, "prefix_hit_blocks": pool.stats.hit_blocks}
-
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; return an output for every request that got a token."""

@@ -29,8 +29,9 @@ One transfer's way (any failure, in any state, ends it FAILED through `end`):
 
 Both sides hold a lease. The decode side's lapses when no frame or renewal comes for `lease_s`; this
 side's when the transfer makes no progress (a frame taken by the channel, a renewal or commit
-answered) for `lease_s` + LEASE_MARGIN_S. A transfer whose frames wait behind other transfers on a link
-that is moving is renewed, not expired; one behind a stuck link is not.
+answered) for `sender_lease_s` (`pdserve.deadlines.KVDeadlines`). A transfer whose frames wait
+behind other transfers on a link that is moving is renewed, not expired; one behind a stuck link is
+not.
 """
 
 from __future__ import annotations
@@ -61,12 +62,8 @@ from pdserve.wire import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
-COMMIT_TIMEOUT_S = 30.0  # the delivery of what a channel holds, before the commit
 DRAIN_S = 0.5  # a channel ended early is closed once its frames in flight are answered, waiting this long
 ENDING_THREADS = 4  # per decode worker: its transfers' channels finished or closed at once, at most
-LEASE_CHECK_S = 0.5  # the loop looks at leases and bounds at least this often
-LEASE_MARGIN_S = 2.0  # this side's lease outlasts the decode side's by this much: the decode side's lapses first
-RESERVE_MARGIN_S = 10.0  # on top of the decode side's own bounded wait for free blocks
 DEFAULT_BANDWIDTH = 200e6  # bytes/s assumed for a peer not yet probed (the launcher probes each)
 COUNTED = ("frames_resent", "recomputed", "recompute_chosen", "leases_expired", "reservations_unanswered")
 
@@ -264,7 +261,7 @@ class KVSender:
                                    len(prompt_token_ids), offers(self.codecs))
         slo = self.settings.ttft_slo_s
         kv = OutgoingKV(transfer, prompt_token_ids, params, new_tokens, peer, self._link(peer), reservation,
-                        time.monotonic() + self.settings.reserve_wait_s + RESERVE_MARGIN_S,
+                        time.monotonic() + self.settings.deadlines.reservation_bound_s,
                         arrived + slo if slo is not None else None)
         with self._lock:
             self._active.add(kv)
@@ -340,7 +337,7 @@ class KVSender:
         reservation = peer.reserve(transfer_id, f"{PROBE_PREFIX}{transfer_id}", [3] * num_tokens,
                                    SamplingParams.greedy(max_tokens=1), num_tokens, ["raw"])
         try:
-            lease = reservation.result(timeout=self.settings.reserve_wait_s + RESERVE_MARGIN_S)
+            lease = reservation.result(timeout=self.settings.deadlines.reservation_bound_s)
             layout = self.kv_cache.layout
             raw, first = self.codecs["raw"], lease.cached_blocks * layout.block_size
             channel = self._open_channel(lease, transfer_id)
@@ -354,7 +351,7 @@ class KVSender:
                     n = min(self.settings.frame_tokens, num_tokens - start)
                     channel.send(*make_frame(transfer_id, layer, start, n, raw.name, 0, raw.encode(data(n), layer),
                                              channel.device))
-            channel.finish(COMMIT_TIMEOUT_S)
+            channel.finish(self.settings.deadlines.commit_timeout_s)
             seconds = time.perf_counter() - t0
         finally:
             channel.close()
@@ -378,8 +375,7 @@ class KVSender:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        # Often enough to renew a lease a few times over its life, however short the manifest makes it.
-        tick = min(LEASE_CHECK_S, self.settings.lease_s / 6)
+        tick = self.settings.deadlines.lease_check_s
         while not self._stopped.is_set():
             self._wake.wait(tick)
             self._wake.clear()
@@ -510,7 +506,7 @@ class KVSender:
         writing layers whose frames are held for its end, whose KV is recomputed there or cached there;
         its frames waiting behind other transfers' on a link that moves), and expire this side's when
         the transfer stopped making progress. A pass that stops (a hung engine) renews nothing."""
-        lease_s = self.settings.lease_s
+        deadlines = self.settings.deadlines
         if kv.ended or kv.transfer.state.is_terminal:
             return
         if kv.renewal is not None and kv.renewal.done():
@@ -519,15 +515,15 @@ class KVSender:
                 return
             kv.progress_at = kv.contacted_at = now
             kv.renewal = None
-        if now - kv.progress_at > lease_s + LEASE_MARGIN_S:
+        if now - kv.progress_at > deadlines.sender_lease_s:
             self.counters["leases_expired"] += 1
             waiting = ("its commit's answer" if kv.transfer.state is TransferState.COMMITTING
                        else f"{kv.pending} pieces of its work on the link" if kv.pending
                        else "the prompt pass" if kv.handoff is None else "its delivery")
             self._fail(kv, f"lease expired: the transfer to {kv.peer.name} made no progress for "
-                           f"{lease_s + LEASE_MARGIN_S:.0f} s (waiting for {waiting})")
+                           f"{deadlines.sender_lease_s:.0f} s (waiting for {waiting})")
             return
-        recent = lease_s / 3
+        recent = deadlines.lease_s / 3
         progressing = now - kv.written_at < recent or (kv.pending > 0 and now - kv.link.sends.progress_at < recent)
         if kv.renewal is None and now - kv.contacted_at > recent and progressing and \
                 kv.transfer.state is TransferState.TRANSFERRING:  # a commit under way is its own bound
@@ -537,7 +533,7 @@ class KVSender:
         """The decode worker left the reservation unanswered past the bound: its link takes no new
         transfer until it answers that one, and this one fails (the router places it elsewhere), with
         every other still waiting for a lease from it."""
-        bound = self.settings.reserve_wait_s + RESERVE_MARGIN_S
+        bound = self.settings.deadlines.reservation_bound_s
         if kv.link.unanswered is None:
             self.counters["reservations_unanswered"] += 1
             kv.link.unanswered = (kv.reservation, now)
@@ -626,7 +622,7 @@ class KVSender:
             kv.finishing = True
             channel = kv.cutter.channel
         try:
-            channel.finish(COMMIT_TIMEOUT_S)
+            channel.finish(self.settings.deadlines.commit_timeout_s)
         finally:
             kv.finishing = False
         kv.times.setdefault("delivered", time.time())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from pdserve.deadlines import KVDeadlines
 from pdserve.kv_transfer.frames import FRAME_TOKENS, LAYERWISE_MIN_TOKENS
 
 if TYPE_CHECKING:
@@ -22,8 +23,7 @@ class TransferSettings:
     tls: dict[str, str] = field(default_factory=dict)  # cert, key and ca, all three (mutual TLS)
     frame_tokens: int = FRAME_TOKENS
     layerwise_min_tokens: int = LAYERWISE_MIN_TOKENS  # shorter prompts' KV is sent once their pass ends
-    lease_s: float = 30.0
-    reserve_wait_s: float = 10.0
+    deadlines: KVDeadlines = field(default_factory=KVDeadlines)  # leases, waits and timeouts (from the manifest)
     ttft_slo_s: float | None = None  # the level controller fits each transfer into it
     recompute: bool = True  # the decode worker may recompute the KV instead when that is faster
     # The cluster's secret (the manifest's `security.cluster_secret`): authenticates the KV channels,

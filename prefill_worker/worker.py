@@ -49,8 +49,8 @@ from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
-from pdserve.wire import (HANDOFF_COMMITTED, INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, Tombstones,
-                          WorkRequest)
+from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
+                          WorkerStatus, WorkRequest)
 from pdserve.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class PrefillWorker(WorkerBase):
         # engine's room, apart from the engine loop and the KV sender.
         start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
 
-    def profile(self) -> dict:
+    def profile(self) -> WorkerStatus:
         """Measure prompt passes (before serving; the launcher runs one worker at a time), then set up
         the queues from the measured costs. Returns the health report."""
         profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)
@@ -152,12 +152,11 @@ class PrefillWorker(WorkerBase):
         window = cost.a if window_s is None else window_s
         return True, short, window, config.max_num_batched_tokens - chunk
 
-    def ping(self) -> dict:
+    def ping(self) -> WorkerStatus:
         with self._lock:
             jobs = len(self._jobs)
-        return {**self.common_status(), "jobs": jobs, "transfers": self.sender.num_transfers(),
-                "chunk_tokens": self.engine.config.chunk_limit, "short_prompt_tokens": self.queues.short_tokens,
-                "metrics": self.sender.metrics.exposition()}
+        return self.status(self.sender.num_transfers(), jobs=jobs, chunk_tokens=self.engine.config.chunk_limit,
+                           short_prompt_tokens=self.queues.short_tokens, metrics=self.sender.metrics.exposition())
 
     def stats(self) -> dict:
         return {**self.common_stats(), "transfers": list(self.sender.transfer_log)}
@@ -359,7 +358,8 @@ class PrefillWorker(WorkerBase):
             if job is None or job.kv is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
                 continue
             # `transfer_start` comes from the decode worker: the first token may leave before the lease.
-            events = {"prefill_queued": job.arrived, "prefill_start": job.prefill_started, "prefill_end": now}
+            events = {LifetimeEvent.PREFILL_QUEUED: job.arrived, LifetimeEvent.PREFILL_START: job.prefill_started,
+                      LifetimeEvent.PREFILL_END: now}
             if out.finish_reason == "prefilled":
                 self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
                                cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
@@ -378,7 +378,7 @@ class PrefillWorker(WorkerBase):
         if job is None or job.kv is not kv:
             return
         if kv.transfer.state is TransferState.DONE:  # committed (a failure landing just after changes nothing)
-            self.sink.send(job.request_id, events={HANDOFF_COMMITTED: time.time()})  # this worker may go now
+            self.sink.send(job.request_id, events={LifetimeEvent.HANDOFF_COMMITTED: time.time()})  # this worker may go now
             self._finish(job)
             return
         self._finish(job, error=outcome.error, code=outcome.code)

@@ -43,6 +43,7 @@ from pdserve.wire import (
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
+    LifetimeEvent,
     TokenMessage,
     WorkRequest,
     is_handoff_notice,
@@ -158,7 +159,7 @@ class Frontend:
             raise RequestFailed(RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
         self.metrics.routed(placement)
         active = ActiveRequest(self, api, work, placement, client_request_id or work.request_id,
-                               {"accepted": accepted, "routed": time.time()})
+                               {LifetimeEvent.ACCEPTED: accepted, LifetimeEvent.ROUTED: time.time()})
         try:
             _dispatch(self.hub, work, placement)
         except Exception as e:  # a Ray call that could not even be sent: give the placement back
@@ -249,13 +250,13 @@ class ActiveRequest:
                 frontend.router.first_token(self.placement)
             else:  # a later message is the decode worker's (should it overtake the notice)
                 self.placement.handed_over()
-            if "first_token" not in self.events:
-                self.events["first_token"] = time.time()
+            if LifetimeEvent.FIRST_TOKEN not in self.events:
+                self.events[LifetimeEvent.FIRST_TOKEN] = time.time()
                 self.cached_tokens = msg.cached_tokens
                 response.prompt_tokens = len(self.work.prompt_token_ids)
                 response.cached_tokens = msg.cached_tokens
             if msg.finish_reason:
-                self.events["finished"] = time.time()
+                self.events[LifetimeEvent.FINISHED] = time.time()
                 self.code = OK
                 response.text_delta = detok.finish(msg.text)
                 response.finish_reason = msg.finish_reason
@@ -278,7 +279,7 @@ class ActiveRequest:
         failed = self.placement.touched
         self._end_attempt(aborted=True)
         self.work = WorkRequest(f"{self.request_id}.{attempt}", self.work.prompt_token_ids, self.work.params)
-        self.events[f"retry_{attempt}"] = time.time()
+        self.events[LifetimeEvent.retry(attempt)] = time.time()
         frontend.metrics.retried("decode" if self.generated else "prefill")
         deadline = time.monotonic() + budget.wait_s
         while True:
@@ -314,11 +315,11 @@ class ActiveRequest:
         self._finished = True
         self._end_attempt(aborted=self.code != OK)
         frontend, placement = self.frontend, self.placement
-        self.events.setdefault("finished", time.time())
+        self.events.setdefault(LifetimeEvent.FINISHED, time.time())
         ev = self.events
-        first = ev.get("first_token")
+        accepted, first = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FIRST_TOKEN)
         frontend.metrics.ended(self.api, self.code, self.output_tokens,
-                               first - ev["accepted"] if first else None, ev["finished"] - ev["accepted"])
+                               first - accepted if first else None, ev[LifetimeEvent.FINISHED] - accepted)
         if first is not None:
             frontend.metrics.prompt_served(placement.prefiller.name, len(self.work.prompt_token_ids),
                                            self.cached_tokens)
@@ -327,7 +328,7 @@ class ActiveRequest:
     def lifetime(self) -> dict[str, Any]:
         """The request's lifetime record: who served it, how it ended, what it was retried for, and its
         events in milliseconds after `accepted` (a Unix time), in the order they happened."""
-        p, start = self.placement, self.events["accepted"]
+        p, start = self.placement, self.events[LifetimeEvent.ACCEPTED]
         ordered = sorted(self.events.items(), key=lambda kv: kv[1])
         return {"request_id": self.request_id, "client_request_id": self.client_id, "api": self.api,
                 "code": self.code, "prompt_tokens": len(self.work.prompt_token_ids),
@@ -387,17 +388,18 @@ class Detokenizer:
 
 
 def timings(ev: dict[str, float]) -> pdserve_pb2.Timings:
-    """The phases of a request from its lifetime events (a phase without its events counts zero)."""
-    accepted, done = ev["accepted"], ev.get("finished", time.time())
-    prefill_start = ev.get("prefill_start", accepted)
-    prefill_end = ev.get("prefill_end", prefill_start)
-    decode_start = ev.get("decode_start", prefill_end)
+    """The phases of a request from its lifetime events (a phase whose events it never met, such as
+    the prompt pass of a request that failed first, counts zero)."""
+    accepted, done = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FINISHED, time.time())
+    prefill_start = ev.get(LifetimeEvent.PREFILL_START, accepted)
+    prefill_end = ev.get(LifetimeEvent.PREFILL_END, prefill_start)
+    decode_start = ev.get(LifetimeEvent.DECODE_START, prefill_end)
     return pdserve_pb2.Timings(
         queued_s=max(0.0, prefill_start - accepted),
         prefill_s=max(0.0, prefill_end - prefill_start),
         kv_transfer_s=max(0.0, decode_start - prefill_end),
-        decode_s=max(0.0, ev.get("decode_end", done) - decode_start),
-        ttft_s=ev.get("first_token", done) - accepted,
+        decode_s=max(0.0, ev.get(LifetimeEvent.DECODE_END, done) - decode_start),
+        ttft_s=ev.get(LifetimeEvent.FIRST_TOKEN, done) - accepted,
         e2e_s=done - accepted,
         events=ev,
     )

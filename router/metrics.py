@@ -132,29 +132,30 @@ class _PoolCollector:
         for w in workers:
             s, key = w.status, [w.pool, w.name]
             queue.add_metric(key, len(w.queued))
-            running.add_metric(key, s.get("requests", 0))
             healthy.add_metric(key, 1.0 if w.healthy else 0.0)
-            if "total_blocks" in s:
-                free = s["free_blocks"]
-                blocks.add_metric(key + ["used"], s["total_blocks"] - free)
-                blocks.add_metric(key + ["free"], free)
-                blocks.add_metric(key + ["cached"], s.get("cached_blocks", 0))
-            q, h = s.get("prefix_queried_blocks", 0), s.get("prefix_hit_blocks", 0)
+            if s is None:  # no report yet
+                continue
+            running.add_metric(key, s.requests)
+            kv = s.kv
+            blocks.add_metric(key + ["used"], kv.held_blocks)
+            blocks.add_metric(key + ["free"], kv.free_blocks)
+            blocks.add_metric(key + ["cached"], kv.cached_blocks)
+            q, h = kv.prefix_queried_blocks, kv.prefix_hit_blocks
             queried.add_metric(key, q)
             hits.add_metric(key, h)
             hit_rate.add_metric(key, h / q if q else 0.0)
-            for event, value in s.get("kv_transfer", {}).items():
+            for event, value in s.receiver_counts.items():
                 received.add_metric(key + [event], value)
         yield from (queue, running, healthy, blocks, queried, hits, hit_rate, received)
         yield from federate(workers)
 
 
 def federate(workers: Iterable[WorkerRef]) -> Iterable[Metric]:
-    """Every worker's exposition (`status["metrics"]`, as of its last health report: at most one
+    """Every worker's exposition (`status.metrics`, as of its last health report: at most one
     supervisor round old), merged into one family per name, each sample labelled with its worker."""
     families: dict[str, Metric] = {}
     for w in workers:
-        text = w.status.get("metrics")
+        text = w.status.metrics if w.status is not None else ""
         if not text:
             continue
         for family in text_string_to_metric_families(text):

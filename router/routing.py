@@ -36,7 +36,7 @@ from pdserve.router.policies import RouteRequest, TransferCost, make_policy
 from pdserve.router.policies.estimated_ttft import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex
 from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
-from pdserve.wire import WorkRequest
+from pdserve.wire import LifetimeEvent, WorkRequest
 
 
 @dataclass
@@ -264,8 +264,9 @@ class Router:
             p.decode.active_blocks -= p.request.num_blocks_with_output
             self.decode_admission.left()
         events = events or {}
-        if p.prefill is not None and "decode_start" in events and "prefill_end" in events:
-            self.transfer.observe(p.request.num_prompt_tokens, max(0.0, events["decode_start"] - events["prefill_end"]))
+        if p.prefill is not None and LifetimeEvent.DECODE_START in events and LifetimeEvent.PREFILL_END in events:
+            handoff_s = events[LifetimeEvent.DECODE_START] - events[LifetimeEvent.PREFILL_END]
+            self.transfer.observe(p.request.num_prompt_tokens, max(0.0, handoff_s))
 
     def retry_after_s(self) -> float:
         return max(self.prefill_admission.retry_after_s(), self.decode_admission.retry_after_s())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.cost_model import StepCost
+from pdserve.wire import WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -34,34 +35,33 @@ class WorkerRef:
     pool: str
     handle: Any  # Ray actor handle
     healthy: bool = True
-    status: dict = field(default_factory=dict)  # the worker's last health report (`ping`)
+    status: WorkerStatus | None = None  # its last health report (`ping`); placement starts after the first
+    reported_at: float = 0.0  # when `status` arrived (monotonic clock)
     outstanding: int = 0  # requests holding an admission slot here (`router.admission`)
     queued: dict[str, QueuedPrefill] = field(default_factory=dict)  # request id -> its prompt work here
     active_blocks: int = 0  # KV blocks the requests placed here may hold (prompt + max_tokens)
 
     @property
     def step_cost(self) -> StepCost:
-        return StepCost(*self.status.get("step_cost", (0.0, 0.0, 0.0)))
+        return self.status.step_cost
 
     @property
     def total_blocks(self) -> int:
-        return int(self.status.get("total_blocks", 0))
+        return self.status.kv.total_blocks
 
     @property
     def free_blocks(self) -> int:
         """Free KV blocks as the router sees them: the last report, less what was placed since, which
         the router's own count (every request placed here holds at most its blocks) bounds."""
-        reported = int(self.status.get("free_blocks", 0))
-        return max(0, min(reported, self.total_blocks - self.active_blocks))
+        return max(0, min(self.status.kv.free_blocks, self.total_blocks - self.active_blocks))
 
     @property
     def short_prompt_tokens(self) -> int:
-        return int(self.status.get("short_prompt_tokens", 0))
+        return self.status.short_prompt_tokens
 
     @property
     def chunk_tokens(self) -> int:
-        """The longest prompt chunk one step computes (LAPS's chunk, else the step budget)."""
-        return int(self.status.get("chunk_tokens", 0))
+        return self.status.chunk_tokens
 
 
 class NoHealthyWorker(RuntimeError):

@@ -1,11 +1,14 @@
 """What the router and the workers say to each other: the one neutral module both import.
 
   router -> worker   `WorkRequest`, an argument of a Ray actor call (validated on construction).
+  both               `LifetimeEvent`: the names of a request's lifetime events (router's and workers').
+  worker -> cluster  `WorkerStatus`, a worker's health report (the answer to `ping` and `profile`):
+                     what the supervisor, placement, the idle audit and /metrics read.
   worker -> router   `TokenMessage` (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
                      worker's `TokenSink` PUSHes one message per request per engine step to the
                      router's PULL socket; `parse_token_message` turns bytes back into a message or
                      raises `MalformedMessage`. A message with no tokens whose events name
-                     `HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
+                     `LifetimeEvent.HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
                      the request (its KV handoff committed): it has no output position.
 
 `ClusterSecret` authenticates these sockets (and the KV events and KV control channels): CURVE,
@@ -22,18 +25,21 @@ import logging
 import secrets
 import threading
 from collections import deque
+from enum import StrEnum
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.auth.thread
 from google.protobuf.message import DecodeError
 
+from pdserve.engine.block_pool import KVPoolStatus
+from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
 
-__all__ = ["WorkRequest", "TokenMessage", "HANDOFF_COMMITTED", "is_handoff_notice", "TokenSink", "MalformedMessage",
-           "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL",
-           "UNAVAILABLE", "INVALID_ARGUMENT"]
+__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
+           "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers",
+           "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,41 @@ class WorkRequest:
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
 
 
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker's health report. Read by attribute everywhere: a field renamed on one side fails loudly
+    instead of reading as 0. The fields after `step_budget` belong to one role (the other's are empty)."""
+
+    worker_id: str
+    node_id: str
+    node_ip: str
+    model_digest: str  # of the model files it loaded ("" on a single machine, where nothing is shipped)
+    alive: bool  # False: its engine loop or another of its threads failed (`fault` says how)
+    fault: str | None
+    profiled: bool  # its step costs are measured (a restarted worker measures them before taking work)
+    kv: KVPoolStatus
+    requests: int  # in its engine
+    transfers: int  # KV transfers in flight, either side
+    step_cost: StepCost  # fitted from its measured steps
+    step_budget: int  # tokens one engine step computes at most
+    # Prefill only:
+    jobs: int = 0  # requests queued or handing their KV off
+    chunk_tokens: int = 0  # the longest prompt chunk one step computes (LAPS's chunk, else the step budget)
+    short_prompt_tokens: int = 0  # LAPS's threshold of a short prompt (0: no LAPS)
+    metrics: str = ""  # the KV sender's Prometheus exposition
+    # Decode only:
+    kv_addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its KV receiver listens
+    receiver_counts: dict[str, int] = field(default_factory=dict)  # the KV receiver's counters, by event
+
+    @property
+    def holdings(self) -> dict[str, int]:
+        """What it holds (only the nonzero): KV blocks beyond its prefix cache, requests in its engine,
+        transfers and queued jobs. Nothing, when idle."""
+        held = {"blocks": self.kv.held_blocks, "requests": self.requests, "transfers": self.transfers,
+                "jobs": self.jobs}
+        return {k: v for k, v in held.items() if v}
+
+
 class Tombstones:
     """Ids of requests aborted recently (bounded). Ray may run a threaded actor's calls out of order,
     so an abort can overtake the call that starts the request; the start then finds the tombstone."""
@@ -86,11 +127,44 @@ class Tombstones:
             return request_id in self._ids
 
 
-HANDOFF_COMMITTED = "handoff_committed"
+class LifetimeEvent(StrEnum):
+    """What happened to a request, and where (as DistServe's `LifetimeEventType`). A request's events map
+    these names to wall-clock seconds: on its token messages, in its response's timings and in its
+    lifetime log line. Listed in the order a disaggregated request meets them."""
+
+    ACCEPTED = "accepted"  # router: the API layer received it
+    ROUTED = "routed"  # router: placed on its workers
+    PREFILL_QUEUED = "prefill_queued"  # the worker that runs its prompt pass queued it
+    PREFILL_START = "prefill_start"
+    TRANSFER_START = "transfer_start"  # decode worker: its KV transfer's first frame
+    PREFILL_END = "prefill_end"
+    FIRST_TOKEN = "first_token"  # router: its first token reached the stream
+    TRANSFER_END = "transfer_end"  # decode worker: every frame delivered
+    HANDOFF_COMMITTED = "handoff_committed"  # prefill worker's notice: the decode worker holds it (not logged)
+    DECODE_START = "decode_start"
+    DECODE_END = "decode_end"
+    FINISHED = "finished"  # router: it ended
+    RETRY = "retry"  # router: a new attempt began; recorded as `retry_<attempt>` (`retry`)
+
+    @classmethod
+    def retry(cls, attempt: int) -> str:
+        """The name of the `attempt`th retry's event (attempts count from 1)."""
+        return f"{cls.RETRY}_{attempt}"
+
+    @classmethod
+    def of(cls, name: str) -> LifetimeEvent:
+        """The event a recorded name stands for; ValueError for a name that is none."""
+        base, _, attempt = name.rpartition("_")
+        if base == cls.RETRY and attempt.isdigit() and int(attempt) > 0:
+            return cls.RETRY
+        if name == cls.RETRY:  # recorded only with its attempt
+            raise ValueError(f"{name!r} without its attempt is not a recorded lifetime event")
+        return cls(name)
 
 
 def is_handoff_notice(message: TokenMessage) -> bool:
-    return HANDOFF_COMMITTED in message.events and not message.token_ids and not message.error
+    return (LifetimeEvent.HANDOFF_COMMITTED in message.events and not message.token_ids
+            and not message.error)
 
 
 class MalformedMessage(ValueError):

@@ -16,7 +16,7 @@ from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.kv_transfer.settings import TransferSettings
-from pdserve.wire import TokenSink
+from pdserve.wire import TokenSink, WorkerStatus
 
 
 class WorkerBase:
@@ -42,14 +42,15 @@ class WorkerBase:
         """Start the engine loop, once the role's own state (which its callbacks use) is set up."""
         self.loop = EngineLoop(self.engine, self._on_outputs, on_fatal=self._on_loop_fatal).start()
 
-    def common_status(self) -> dict[str, Any]:
-        """The health report's part every role has."""
+    def status(self, transfers: int, **role: Any) -> WorkerStatus:
+        """The health report: the part every role has, `role` the role's own fields."""
         engine = self.engine
-        return {"worker_id": self.worker_id, "node_id": self.node_id, "node_ip": self.node_ip,
-                "model_digest": self.model_digest, **engine.kv_status(), "requests": len(engine.requests),
-                "alive": self.fault is None and self.loop.running, "fault": self.fault,
-                "step_cost": engine.step_costs.coefficients.as_tuple(),
-                "step_budget": engine.config.max_num_batched_tokens, "profiled": self._profiled}
+        return WorkerStatus(worker_id=self.worker_id, node_id=self.node_id, node_ip=self.node_ip,
+                            model_digest=self.model_digest, alive=self.fault is None and self.loop.running,
+                            fault=self.fault, profiled=self._profiled, kv=engine.pool.status(),
+                            requests=len(engine.requests), transfers=transfers,
+                            step_cost=engine.step_costs.coefficients,
+                            step_budget=engine.config.max_num_batched_tokens, **role)
 
     def common_stats(self) -> dict[str, Any]:
         return {"loop": vars(self.loop.busy), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

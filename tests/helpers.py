@@ -13,8 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.block_pool import KVPoolStatus
+from pdserve.engine.cost_model import StepCost
 from pdserve.engine.models.presets import PRESETS
 from pdserve.kv_transfer.transports import tcp
+from pdserve.wire import WorkerStatus
 
 
 # Every family the engine is tested on: Llama, Qwen2 (with and without a window), Qwen3, Mistral
@@ -115,3 +118,12 @@ def tcp_member(address: str, key: bytes) -> socket.socket:
     sock.sendall(nonce_s + tcp._proof(key, b"sender", nonce_r, nonce_s))
     assert tcp._read(sock, 32) == tcp._proof(key, b"receiver", nonce_r, nonce_s)
     return sock
+
+
+def worker_status(free_blocks: int = 1000, total_blocks: int = 1000, step_cost: StepCost = StepCost(),
+                  **fields) -> WorkerStatus:
+    """A live, profiled, idle worker's health report; `fields` override any of its fields."""
+    report = {"worker_id": "w", "node_id": "n", "node_ip": "127.0.0.1", "model_digest": "", "alive": True,
+              "fault": None, "profiled": True, "kv": KVPoolStatus(free_blocks, total_blocks, 0, 0, 0), "requests": 0,
+              "transfers": 0, "step_cost": step_cost, "step_budget": 2048}
+    return WorkerStatus(**{**report, **fields})

@@ -1,18 +1,20 @@
-"""The router <-> worker messages: validated work requests; token messages through the real hub over
+"""The router <-> worker messages: validated work requests; health reports; token messages through the real hub over
 loopback pyzmq, where a malformed message is dropped and counted and the hub serves on."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 import zmq
+from helpers import worker_status
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
 from pdserve.wire import (
-    HANDOFF_COMMITTED,
+    LifetimeEvent,
     MalformedMessage,
     TokenMessage,
     TokenSink,
@@ -136,7 +138,7 @@ def test_the_handoff_notice_is_delivered_at_once_and_holds_no_position():
     order = OutputOrder()
     assert order.add(TokenMessage(request_id="r", token_ids=[1], first_index=0)) != []
     assert order.add(TokenMessage(request_id="r", token_ids=[3], first_index=2)) == []  # waits for position 1
-    notice = TokenMessage(request_id="r", events={HANDOFF_COMMITTED: 1.0})
+    notice = TokenMessage(request_id="r", events={LifetimeEvent.HANDOFF_COMMITTED: 1.0})
     assert is_handoff_notice(notice) and order.add(notice) == [notice]
     later = TokenMessage(request_id="r", token_ids=[2], first_index=1)
     assert [list(m.token_ids) for m in order.add(later)] == [[2], [3]] and order.next_index == 3
@@ -183,3 +185,23 @@ def test_the_hub_reports_how_long_a_gap_has_held_a_request_s_messages():
 
     held, after, unknown = asyncio.run(scenario())
     assert held >= 0.2 and after == 0 and unknown == 0
+
+
+def test_a_worker_status_holds_what_is_not_free_and_refuses_unknown_fields():
+    assert worker_status().holdings == {}
+    busy = worker_status(free_blocks=990, requests=2, jobs=1)
+    assert busy.holdings == {"blocks": 10, "requests": 2, "jobs": 1}
+    with pytest.raises(TypeError, match="free_block"):  # a field renamed on one side fails, never reads as 0
+        worker_status(free_block=3)
+    with pytest.raises(AttributeError):
+        busy.free_blocks  # noqa: B018  the blocks are under `kv`
+
+
+
+def test_lifetime_event_names_are_their_members_and_numbered_retries_are_retry():
+    assert LifetimeEvent.of("prefill_end") is LifetimeEvent.PREFILL_END
+    assert LifetimeEvent.retry(2) == "retry_2" and LifetimeEvent.of("retry_2") is LifetimeEvent.RETRY
+    assert json.dumps({LifetimeEvent.ACCEPTED: 1.0}) == '{"accepted": 1.0}'  # the log line keeps its names
+    for name in ("retry", "retry_0", "retry_x", "prefil_end", "transfer"):
+        with pytest.raises(ValueError):
+            LifetimeEvent.of(name)

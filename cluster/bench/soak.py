@@ -44,6 +44,7 @@ from pdserve.cluster.manifest import load_manifest
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.workers import WorkerRef
+from pdserve.wire import LifetimeEvent, WorkerStatus
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
 KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
@@ -138,7 +139,7 @@ class Soak:
         reference = self._reference([s.prompt for s in self.streams], self.outputs)
         return self._report(storm, reference, idle, status, audit, faults, retries)
 
-    def _serve(self, manifest: Any) -> tuple[dict, bool, list[dict], dict, dict, int]:
+    def _serve(self, manifest: Any) -> tuple[dict, bool, list[WorkerStatus], dict, dict, int]:
         cfg = self.cfg
         with Cluster(manifest, log=cfg.log) as cluster:
             self.cluster = cluster
@@ -203,7 +204,7 @@ class Soak:
         while True:
             status = await loop.run_in_executor(
                 None, lambda: ray.get([w.handle.ping.remote() for w in workers], timeout=30))
-            held, victim = max((s["requests"] + s.get("jobs", 0), w.name) for w, s in zip(workers, status))
+            held, victim = max((s.requests + s.jobs, w.name) for w, s in zip(workers, status))
             if held or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
@@ -319,7 +320,7 @@ class Soak:
         return out
 
     # --- the report -----------------------------------------------------------------------------
-    def _report(self, storm: dict, reference: list[list[int]], idle: bool, status: list[dict],
+    def _report(self, storm: dict, reference: list[list[int]], idle: bool, status: list[WorkerStatus],
                 audit: dict, faults: dict, retries: int) -> dict[str, Any]:
         codes = Counter(s.code or "NEVER_ENDED" for s in self.streams)
         duplicated = lost = wrong = 0
@@ -345,7 +346,7 @@ class Soak:
             "tokens": {"duplicated": duplicated, "lost": lost, "wrong": wrong,
                        "compared": sum(len(r) for r in reference)},
             "storm": storm, "pools_free_at_end": idle, "audit": audit,
-            "held_at_end": [s for s in status if s["free_blocks"] != s["total_blocks"] or s["requests"]],
+            "held_at_end": {s.worker_id: s.holdings for s in status if s.holdings},
         }
         report["ok"] = (codes.get("NEVER_ENDED", 0) == 0 and duplicated == lost == wrong == 0 and idle
                         and audit["clean"] and storm["freed"])
@@ -366,7 +367,7 @@ class Soak:
             waits += [b - max(a, at) for a, b in zip(times, times[1:]) if b > at]
             record = s.lifetime
             since_kill = [record["accepted"] + ms / 1e3 - wall for name, ms in record.get("events_ms", {}).items()
-                          if name.startswith("retry_")]
+                          if LifetimeEvent.of(name) is LifetimeEvent.RETRY]
             retried = [t for t in since_kill if t >= 0]
             if retried:
                 detect.append(first := min(retried))

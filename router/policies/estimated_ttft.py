@@ -76,7 +76,7 @@ class EstimatedTTFTPrefill:
             longs = sum(q.new_tokens for q in ahead if not q.short)
             ahead = [q for q in ahead if q.short] + ([QueuedPrefill(min(longs, worker.chunk_tokens), 0, False)]
                                                      if longs else [])
-        budget = int(worker.status.get("step_budget", 1))
+        budget = worker.status.step_budget
         return worker.step_cost.work_s(sum(q.new_tokens for q in ahead), sum(q.quad for q in ahead), budget)
 
     def estimate_s(self, request: RouteRequest, worker: WorkerRef) -> float:

@@ -18,6 +18,7 @@ import ray
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
+from pdserve.wire import WorkerStatus
 
 # Functions of this module run inside worker actors (`on_worker`), where tests/ is not importable.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -50,7 +51,7 @@ def pdserve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.C
                           timeout=300, env=env)
 
 
-def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
+def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[WorkerStatus]:
     """Poll the workers until every pool is fully free (bounded); return their last status."""
     return cluster.wait_idle(timeout_s)[1]
 
@@ -58,8 +59,7 @@ def wait_until_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict]:
 def assert_idle(cluster: Cluster) -> None:
     status = wait_until_idle(cluster)
     for s in status:
-        assert s["free_blocks"] == s["total_blocks"], f"{s['worker_id']} holds KV blocks: {s}"
-        assert s["requests"] == 0 and s["transfers"] == 0 and s.get("jobs", 0) == 0, s
+        assert not s.holdings, f"{s.worker_id} holds {s.holdings}: {s}"
 
 
 def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:

@@ -47,4 +47,4 @@ def fresh_restart_backoff(request: pytest.FixtureRequest) -> None:
         if name.endswith("cluster"):
             cluster = request.getfixturevalue(name)
             if isinstance(cluster, Cluster) and cluster._supervisor is not None:
-                cluster._supervisor.backoff = RestartBackoff()
+                cluster._supervisor.backoff = RestartBackoff.of(cluster.manifest.deadlines.health)

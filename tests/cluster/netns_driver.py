@@ -21,8 +21,8 @@ def main() -> None:
             outputs = [client.generate(p, max_tokens=job["max_tokens"], temperature=0, ignore_eos=True).token_ids
                        for p in job["prompts"]]
         idle, status = cluster.wait_idle(10.0)  # fresh health reports, the transfers' figures in them
-        workers = {w.name: {"pool": w.pool, "node_ip": s["node_ip"], "kv_addresses": s.get("kv_addresses", {}),
-                            "metrics": s.get("metrics", "")}
+        workers = {w.name: {"pool": w.pool, "node_ip": s.node_ip, "kv_addresses": s.kv_addresses,
+                            "metrics": s.metrics}
                    for w, s in zip(cluster.workers, status)}
     print(json.dumps({"outputs": outputs, "workers": workers, "idle": idle}))
 

@@ -61,7 +61,7 @@ def api(cluster) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def frontend(cluster) -> Frontend:
-    return cluster._server.service.frontend
+    return cluster.router_stack.server.service.frontend
 
 
 # --- prompts too long for the context -----------------------------------------------------------------

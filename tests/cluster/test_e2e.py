@@ -156,8 +156,8 @@ def test_tls_auth_and_unavailable_without_a_worker(model_dirs, tmp_path):
                 if pool == "prefill":  # with no prefill worker left, the decode worker prefills
                     reply = client.generate("hello " * 60, max_tokens=2, ignore_eos=True)
                     assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
-                    assert cluster._server.serving()  # health checks do not drain a cluster that serves
-            assert not cluster._server.serving()
+                    assert cluster.router_stack.server.serving()  # health checks do not drain a cluster that serves
+            assert not cluster.router_stack.server.serving()
             # Refused at once: a request waiting for a worker would end in DEADLINE_EXCEEDED instead.
             with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
                 client.generate("hello", max_tokens=2)
@@ -184,7 +184,7 @@ def test_new_families_through_a_disaggregated_cluster_match_generate(model_dirs,
     with Cluster(manifest(model_dirs[arch], "disaggregated", "tcp", max_num_batched_tokens=64,
                           router={"long_prompt_chunk_tokens": 24}), log=lambda _: None) as cluster:
         (prefill,) = [ray.get(w.handle.ping.remote()) for w in cluster.workers if w.pool == "prefill"]
-        assert prefill["chunk_tokens"] == max(24, prefill["short_prompt_tokens"])
+        assert prefill.chunk_tokens == max(24, prefill.short_prompt_tokens)
         results = asyncio.run(run(cluster.address))
         assert [r.token_ids for r in results] == [hf_reference[arch].greedy(p, NEW_TOKENS)
                                                   for p in [shared, *prompts]]

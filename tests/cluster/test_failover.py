@@ -15,13 +15,14 @@ from functools import partial
 import pytest
 import ray
 from cluster_helpers import install_gate, manifest, on_worker, open_gate, wait_clean_audit
-from helpers import random_prompts
+from helpers import random_prompts, worker_status
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import HEALTH_GROUP, RestartBackoff, Supervisor
 from pdserve.router.frontend import DEAD_WORKER_CHECK_S
 from pdserve.router.workers import WorkerRef
+from pdserve.wire import WorkerStatus
 
 ARCH = "tiny-llama"
 STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream
@@ -261,22 +262,23 @@ def test_the_idle_audit_is_on_metrics(cluster):
 
 @ray.remote(num_cpus=0, concurrency_groups={HEALTH_GROUP: 1})
 class Pingable:
-    def __init__(self) -> None:
+    def __init__(self, status: WorkerStatus) -> None:
         self.up = True
+        self.status = status
 
     def set_up(self, up: bool) -> None:
         self.up = up
 
-    def ping(self) -> dict:
+    def ping(self) -> WorkerStatus:
         if not self.up:
             raise RuntimeError("down")
-        return {"alive": True, "profiled": True}
+        return self.status
 
 
 def test_a_health_change_whose_report_failed_is_reported_by_the_next_round(cluster):
     """`on_change` (the router's health publication) raises once: the next round reports the change
     again, instead of comparing with its own start and seeing none."""
-    actor = Pingable.remote()
+    actor = Pingable.remote(worker_status())
     calls: list[list[bool]] = []
     ref = WorkerRef("w0", "decode", actor)
 

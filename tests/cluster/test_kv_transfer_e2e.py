@@ -27,7 +27,6 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine import SamplingParams
 from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.codecs.cachegen import TABLES_FILE
-from pdserve.kv_transfer.sender import RESERVE_MARGIN_S
 from pdserve.wire import WorkRequest
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the injected functions travel by value
@@ -521,10 +520,10 @@ def test_the_prefill_worker_lets_go_of_a_restarted_decode_workers_old_address(cl
     deadline = time.monotonic() + 120
     # Until the supervisor has seen the restarted worker alive and profiled (its status is the new
     # incarnation's, with the new address).
-    while not (decode.healthy and decode.status.get("kv_addresses", {}).get("shm") not in (None, old)):
+    while not (decode.healthy and decode.status.kv_addresses.get("shm") not in (None, old)):
         assert time.monotonic() < deadline, "the decode worker never came back"
         time.sleep(0.2)
-    new = decode.status["kv_addresses"]["shm"]
+    new = decode.status.kv_addresses["shm"]
     assert generate(cluster, after).token_ids == hf_reference[ARCH].greedy(after, NEW_TOKENS)
     assert_idle(cluster)
     assert on_worker(prefill, pooled) == [new]
@@ -622,7 +621,7 @@ def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_i
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
                                            kv_transfer={"reserve_wait_s": 1}) as (c, prefill, hung, healthy):
         on_worker(prefill, record_errors)
-        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
+        bound = c.manifest.deadlines.kv.reservation_bound_s
         for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
             dispatch(prefill, prompt, hung, "queued-for-hung")
         assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \

@@ -324,7 +324,7 @@ def test_streams_cancelled_at_once_are_aborted_in_batches(cluster):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    aborts = cluster._server.service.frontend.aborts
+    aborts = cluster.router_stack.server.service.frontend.aborts
     calls_before = aborts.calls
     asyncio.run(storm())
     assert_idle(cluster)
@@ -410,7 +410,7 @@ def test_an_exception_in_a_long_lived_thread_fails_its_requests_explicitly(fault
             time.sleep(0.05)
         wait_healthy(c)
         assert len(client.generate([13] * 20, max_tokens=3, ignore_eos=True).token_ids) == 3
-    assert not [s for s in wait_until_idle(c) if s["free_blocks"] != s["total_blocks"]]
+    assert not [s for s in wait_until_idle(c) if s.kv.held_blocks]
 
 
 def test_a_worker_method_that_raises_fails_its_request_instead_of_leaving_it_waiting(faulty_cluster):
@@ -442,7 +442,8 @@ def test_a_failed_token_hub_fails_waiting_streams_explicitly(faulty_cluster):
     with Client(c.address, timeout=30) as client:
         stream = client.generate([17] * 40, stream=True, max_tokens=480, ignore_eos=True)
         next(stream)
-        c._hub._deliver = lambda data: (_ for _ in ()).throw(RuntimeError("injected fault in the token hub"))
+        fault = RuntimeError("injected fault in the token hub")
+        c.router_stack.tokens._deliver = lambda data: (_ for _ in ()).throw(fault)
         with pytest.raises(PDServeError, match="token stream failed.*injected fault") as failure:
             for _ in stream:
                 pass

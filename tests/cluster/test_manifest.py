@@ -75,6 +75,37 @@ def test_invalid_manifests_name_the_field(data, message):
         load_manifest(data)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"kv_transfer": {"lease_s": 5, "commit_timeout_s": 8}},
+         "kv_transfer: Value error, commit_timeout_s (8 s) exceeds the prefill side's lease (lease_s + 2 s = 7 s)"),
+        ({"supervision": {"restart_backoff_s": 40}},
+         "supervision: Value error, restart_backoff_s (40 s) exceeds restart_backoff_max_s (30 s)"),
+        ({"supervision": {"restart_backoff_max_s": 600}},
+         "supervision: Value error, restart_backoff_max_s (600 s) exceeds restart_window_s (300 s)"),
+        ({"kv_transfer": {"lease_s": 1}},
+         "(top level): Value error, a hung worker is taken for healthy up to 3 s (misses_to_fail x (ping_timeout_s + "
+         "ping_interval_s)), not less than the prefill side's KV lease (3 s)"),
+        ({"supervision": {"ping_timeout_s": 20}}, "a hung worker is taken for healthy up to 41 s"),
+        ({"supervision": {"ping_interval_s": 0}}, "supervision.ping_interval_s: Input should be greater than 0"),
+    ],
+)
+def test_timings_out_of_order_are_refused_naming_both(data, message):
+    with pytest.raises(ManifestError) as e:
+        load_manifest(data)
+    assert message in str(e.value)
+
+
+def test_the_deadlines_derive_from_the_manifest():
+    d = load_manifest({"kv_transfer": {"lease_s": 12, "reserve_wait_s": 4},
+                       "supervision": {"ping_interval_s": 0.25, "restart_backoff_s": 0.5}}).deadlines
+    assert (d.kv.lease_s, d.kv.reserve_wait_s, d.kv.commit_timeout_s) == (12, 4, 12)  # a commit: the lease, unless set
+    assert (d.kv.sender_lease_s, d.kv.reservation_bound_s, d.kv.lease_check_s) == (14, 14, 0.5)
+    assert (d.health.ping_interval_s, d.health.restart_backoff_s, d.health.hung_after_s) == (0.25, 0.5, 2.5)
+    assert d.leak_after_s == 19
+
+
 def test_the_manifest_offers_the_codecs_there_are():
     assert CODECS == CODEC_NAMES
     m = load_manifest({"kv_transfer": {"codec": ["cachegen", "int8"], "tls": {"cert": ANY_FILE, "key": ANY_FILE,

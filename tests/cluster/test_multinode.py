@@ -81,12 +81,12 @@ def cluster(ray_nodes, model_dirs):
 def test_every_actor_lands_on_a_node_of_its_type(cluster):
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     for w in cluster.workers:
-        node = w.status["node_id"]
+        node = w.status.node_id
         assert nodes[node].get(w.pool, 0) >= 1, f"{w.name} ({w.pool}) landed on a node without {w.pool!r}"
         assert any(line.startswith(f"  {w.name} ready on node ") for line in cluster.start_log)
-    assert len({w.status["node_id"] for w in cluster.workers}) == 4  # one actor per node: every pair crosses nodes
+    assert len({w.status.node_id for w in cluster.workers}) == 4  # one actor per node: every pair crosses nodes
     # Each worker hashed its own copy: all hold the launcher's bytes.
-    assert {w.status["model_digest"] for w in cluster.workers} == {model_digest(cluster.manifest.model)}
+    assert {w.status.model_digest for w in cluster.workers} == {model_digest(cluster.manifest.model)}
 
 
 def test_concurrent_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(cluster, hf_reference):
@@ -100,7 +100,7 @@ def test_concurrent_requests_cross_nodes_over_tcp_with_exact_greedy_outputs(clus
     assert_idle(cluster)
 
     def sent_over_tcp() -> bool:  # the prefill workers' own figures, as their last health reports carry them
-        return any('transport="tcp"' in w.status.get("metrics", "") for w in cluster.workers if w.pool == "prefill")
+        return any('transport="tcp"' in w.status.metrics for w in cluster.workers if w.pool == "prefill")
 
     deadline = time.monotonic() + 10
     while not sent_over_tcp() and time.monotonic() < deadline:

@@ -18,10 +18,10 @@ import pytest
 from helpers import random_prompts
 from helpers import assert_pool_idle, wait_until
 
+from pdserve.deadlines import KVDeadlines
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
-from pdserve.kv_transfer import sender as sender_module
 from pdserve.kv_transfer.codecs import make_codec
 from pdserve.kv_transfer.interface import KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
@@ -145,8 +145,15 @@ class Sides:
         assert wait_until(lambda: all(sender.num_transfers() == 0 for sender in self.senders), 10)
 
 
+KV_DEADLINES = {f.name for f in dataclasses.fields(KVDeadlines)}
+
+
 def settings(**overrides) -> TransferSettings:
-    return dataclasses.replace(TransferSettings(transport="shm", lease_s=2.0, reserve_wait_s=0.5, recompute=False),
+    """Short leases and waits; `overrides` may name any field of the settings or of their `KVDeadlines`."""
+    timing = {"lease_s": 2.0, "reserve_wait_s": 0.5}
+    timing.update({name: overrides.pop(name) for name in list(overrides) if name in KV_DEADLINES})
+    timing.setdefault("commit_timeout_s", timing["lease_s"])
+    return dataclasses.replace(TransferSettings(transport="shm", deadlines=KVDeadlines(**timing), recompute=False),
                                **overrides)
 
 
@@ -265,16 +272,16 @@ def test_a_reservation_refused_fails_the_transfer_with_its_status(sides, error, 
     sides.assert_idle()
 
 
-def test_a_reservation_left_unanswered_closes_the_peer_until_it_answers(sides, monkeypatch):
-    monkeypatch.setattr(sender_module, "RESERVE_MARGIN_S", 0.2)
+def test_a_reservation_left_unanswered_closes_the_peer_until_it_answers(sides):
+    sender = sides.make(reserve_margin_s=0.2)
     sides.peer.hold("reserve")
-    kv, _ = sides.transfer(prompt_of(sides, 40, seed=5))
+    kv, _ = sides.transfer(prompt_of(sides, 40, seed=5), sender=sender)
     outcome = sides.outcome(kv)
     assert outcome.peer_not_answering and "did not answer the KV reservation" in outcome.error
-    assert "has not answered a KV reservation" in sides.sender.refusal(sides.peer)
-    assert sides.sender.counters["reservations_unanswered"] == 1
+    assert "has not answered a KV reservation" in sender.refusal(sides.peer)
+    assert sender.counters["reservations_unanswered"] == 1
     sides.peer.release("reserve")  # answered late: the reservation it made is aborted, the peer open again
-    assert wait_until(lambda: sides.sender.refusal(sides.peer) is None)
+    assert wait_until(lambda: sender.refusal(sides.peer) is None)
     sides.assert_idle()
 
 
@@ -300,7 +307,6 @@ def test_a_link_that_breaks_fails_the_transfer_and_aborts_it_there(sides, monkey
 def test_a_transfer_that_stops_making_progress_loses_its_lease(sides, monkeypatch):
     """Its frames stuck on a link that takes nothing: no renewal is sent for it (the link does not
     move), the decode side's lease lapses, and this side's expires after it."""
-    monkeypatch.setattr(sender_module, "LEASE_MARGIN_S", 0.1)
     stuck = threading.Event()
 
     class Stuck:
@@ -314,7 +320,7 @@ def test_a_transfer_that_stops_making_progress_loses_its_lease(sides, monkeypatc
         def __getattr__(self, name):
             return getattr(self._channel, name)
 
-    sender = sides.make(lease_s=0.5)
+    sender = sides.make(lease_s=0.5, lease_margin_s=0.1)
     monkeypatch.setattr(sender, "_wrap_channel", Stuck)
     sides.receiver.lease_s = 0.5
     kv, _ = sides.transfer(prompt_of(sides, 40, seed=7), sender=sender)
@@ -356,11 +362,10 @@ def test_a_commit_refused_fails_the_transfer(sides):
     sides.assert_idle()
 
 
-def test_a_commit_left_unanswered_ends_in_lease_expiry(sides, monkeypatch):
+def test_a_commit_left_unanswered_ends_in_lease_expiry(sides):
     """A decode worker that hangs in the commit (alive, its other calls answered): nothing renews the
     lease during a commit, so this side's lapses, and the transfer fails."""
-    monkeypatch.setattr(sender_module, "LEASE_MARGIN_S", 0.1)
-    sender = sides.make(lease_s=0.5)
+    sender = sides.make(lease_s=0.5, lease_margin_s=0.1)
     sides.peer.hold("commit")
     kv, _ = sides.transfer(prompt_of(sides, 40, seed=10), sender=sender)
     outcome = sides.outcome(kv)

@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import worker_status
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost, StepCostModel
@@ -23,10 +24,9 @@ COST = (0.010, 0.0004, 2.5e-7)  # a, b, c: about what llama-20m measures on one 
 
 
 def worker(name: str, pool: str = "prefill", outstanding: int = 0, free: int = 1000, total: int = 1000,
-           short: int = 0, **status) -> WorkerRef:
+           short: int = 0, step_cost: StepCost = StepCost(*COST)) -> WorkerRef:
     return WorkerRef(name, pool, None, outstanding=outstanding,
-                     status={"free_blocks": free, "total_blocks": total, "step_cost": COST, "step_budget": 2048,
-                             "chunk_tokens": 256, "short_prompt_tokens": short, **status})
+                     status=worker_status(free, total, step_cost, chunk_tokens=256, short_prompt_tokens=short))
 
 
 def request(n: int, matches: dict[str, int] | None = None, max_tokens: int = 16) -> RouteRequest:
@@ -219,7 +219,7 @@ def test_measured_local_prefill_threshold_is_where_compute_overtakes_transfer():
 
 
 def test_a_decode_worker_with_no_measured_costs_prefills_nothing_itself():
-    p, d = worker("p"), worker("d", "decode", step_cost=(0.0, 0.0, 0.0))
+    p, d = worker("p"), worker("d", "decode", step_cost=StepCost())
     router = make_router([p], [d])
     router.transfer.observe(16, 0.006)
     router.transfer.observe(256, 0.030)

@@ -1,0 +1,109 @@
+"""The router of one cluster, built from its manifest (`RouterStack`): the channels the workers send
+to (the token stream, the KV events that feed the prefix index), the placement core (`Router`), the
+frontend that runs requests, and the gRPC and HTTP servers. The launcher opens it before it starts
+the workers (they are given its channels' addresses), has it place on the workers once they are up,
+then serve; it never wires the parts itself.
+
+The manifest is read here by attribute only (the router imports nothing of the cluster package).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.registry import Collector
+
+from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
+from pdserve.router.kv_event_hub import KVEventHub
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.routing import Router, RoutingSettings
+from pdserve.router.server import RouterServer
+from pdserve.router.service import RouterService
+from pdserve.router.token_hub import TokenStreamHub
+from pdserve.router.workers import WorkerRef
+from pdserve.wire import ClusterSecret
+
+if TYPE_CHECKING:
+    from pdserve.cluster.manifest import Manifest
+
+
+class RouterStack:
+    def __init__(self, manifest: Manifest, host: str, secret: ClusterSecret | None,
+                 request_snapshot: Callable[[str], None]) -> None:
+        """Open the channels the workers send to, on `host`. `request_snapshot(worker)`: the KV event
+        hub lost a worker's events, fetch its cache's snapshot (`KVEventHub.apply_snapshot`)."""
+        self.manifest = manifest
+        self.tokens = TokenStreamHub(host, secret)
+        try:
+            self.kv_events = KVEventHub(PrefixIndex(), request_snapshot, host, secret=secret)
+        except BaseException:
+            self.tokens.close()
+            raise
+        self.placement: Router | None = None  # once `place` has run
+        self.server: RouterServer | None = None  # once `serve` has run
+        self._served: ServedModel | None = None
+
+    def place(self, workers: list[WorkerRef], served: ServedModel) -> Router:
+        """Build the placement core over the workers (each with its first health report)."""
+        m, r = self.manifest, self.manifest.router
+        prefill_policy, decode_policy = r.pool_policies
+        settings = RoutingSettings(
+            prefill_policy=prefill_policy, decode_policy=decode_policy,
+            policy_options={**r.cache_aware.model_dump(), "overlap_weight": r.kv_overlap_weight},
+            prefix_index=r.prefix_index, ttft_slo_s=r.ttft_slo_s, reject_factor=r.reject_factor,
+            local_prefill_tokens=r.local_prefill_tokens, max_queued_prefills=r.max_queued_prefills,
+            max_active_decodes=r.max_active_decodes, max_model_len=served.info.max_model_len)
+        prefill = [w for w in workers if w.pool == "prefill"]
+        decode = [w for w in workers if w.pool != "prefill"]
+        self.placement = Router(m.mode, prefill, decode, m.block_size, settings, self.kv_events.index)
+        self._served = served
+        return self.placement
+
+    def serve(self, collectors: Iterable[Collector] = ()) -> str:
+        """Start the servers (after `place`); `collectors` join the router's /metrics. Returns the gRPC
+        API's HOST:PORT."""
+        m = self.manifest
+        frontend = Frontend(self._served, self.placement, self.tokens,
+                            RetryBudget(m.router.max_retries, m.router.retry_wait_s))
+        for collector in collectors:
+            frontend.metrics.registry.register(collector)
+        s = m.server
+        tls = (s.tls_cert, s.tls_key) if s.tls_cert is not None else None
+        self.server = RouterServer(RouterService(frontend), s.address, tls=tls, auth_token=s.token,
+                                   http_address=s.http_address, client_ca=s.tls_client_ca,
+                                   max_request_bytes=s.max_request_bytes)
+        return self.server.start()
+
+    @property
+    def http_address(self) -> str | None:
+        """HOST:PORT of the OpenAI-compatible HTTP API (and /metrics) once serving; None when off."""
+        return self.server.http_address if self.server is not None else None
+
+    def health_changed(self) -> None:
+        """Workers' health changed (from the cluster's supervisor): a worker that stopped answering
+        leaves the prefix index at once (it rejoins through a snapshot when its events resume); then
+        the health service hears of it."""
+        for w in self.placement.prefill_pool + self.placement.decode_pool:
+            if not w.healthy:
+                self.kv_events.forget(w.name)
+                if self.placement.approximate is not None:
+                    self.placement.approximate.drop(w.name)
+        if self.server is not None:
+            self.server.health_changed()
+
+    def stats(self) -> dict[str, Any]:
+        """The cumulative placement counts and the settings in effect (`Router.snapshot_stats`), with
+        the KV event hub's counters (`kv_events`)."""
+        return {**self.placement.snapshot_stats(), "kv_events": self.kv_events.stats()}
+
+    def stop_serving(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def close(self) -> None:
+        """Stop serving and close the channels (once the workers are gone: they send on them to the end)."""
+        self.stop_serving()
+        self.tokens.close()
+        self.kv_events.close()
