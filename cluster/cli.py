@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pdserve.cluster.bench.cli import add_commands as add_bench_commands
+from pdserve.cluster.overrides import add_override_options
 
 # The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
@@ -66,7 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
                                  for r in results) * 1e3
         print(f"\nlatency summary ({manifest.mode}, {len(results)} requests): median TTFT {ttft:.0f} ms, "
               f"median TPOT {tpot:.1f} ms, median e2e {e2e:.0f} ms")
-        _demo_http(cluster.http_address, manifest.model, args.max_tokens, manifest.server.token,
+        _demo_http(cluster.http_address, manifest.served_name, args.max_tokens, manifest.server.token,
                    manifest.server.tls_cert)
     print("cluster stopped")
     return 0
@@ -104,8 +105,10 @@ def _up(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
+    from pdserve.cluster.overrides import ManifestOverrides
 
-    manifest = load_manifest(args.manifest)  # a bad manifest fails here, before anything starts
+    # A bad manifest, or a bad override, fails here, before anything starts.
+    manifest = load_manifest(args.manifest, ManifestOverrides.from_args(args))
     lifetime = logging.getLogger("pdserve.lifetime")  # one JSON line per finished request
     lifetime.setLevel(logging.INFO)
     lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
@@ -157,6 +160,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.cluster.status import fetch_health, render
+
+    report = fetch_health(args.address, args.tls_ca)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["serving"] else 1
 
 
 def _train_model(args: argparse.Namespace) -> int:
@@ -211,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("manifest", nargs="?", default=None, help="manifest (default: deploy/local.yaml)")
     up.add_argument("--lifetime-log", type=Path, default=None,
                     help="write each request's lifetime (one JSON line per request) here instead of stderr")
+    add_override_options(up)
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster")
@@ -228,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PEM client certificate, when the server requires mutual TLS (with --client-key)")
     gen.add_argument("--client-key", type=Path, default=None, help="PEM private key of --client-cert")
     gen.set_defaults(func=_generate)
+
+    st = sub.add_parser("status", help="show a running cluster: its model, addresses, pools and workers (role, node, "
+                                       "health, load, KV use), from its /health. Example: pdserve status "
+                                       "--address 127.0.0.1:8000",
+                        description="Exits 0 when the cluster serves, 1 when it cannot (no healthy worker in a "
+                                    "pool it needs), 1 too when nothing answers.")
+    st.add_argument("--address", default="127.0.0.1:8000",
+                    help="the cluster's HTTP API, its manifest's server.http_address (default: %(default)s)")
+    st.add_argument("--tls-ca", type=Path, default=None,
+                    help="PEM of the CA that signed the server's certificate: ask over HTTPS")
+    st.add_argument("--json", action="store_true", help="print /health's JSON answer as it is")
+    st.set_defaults(func=_status)
 
     add_bench_commands(sub)
     return parser

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdserve.client import MAX_MESSAGE_BYTES
+from pdserve.cluster.overrides import ManifestOverrides
 from pdserve.faults import FaultSettings
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
@@ -280,7 +281,10 @@ class RaySpec(_Strict):
 
 
 class Manifest(_Strict):
-    model: str = "pystd-llama"  # a shipped model, a preset name or a model directory
+    model: str = "pystd-llama"  # a shipped model, a preset name, a model directory or a Hugging Face Hub id
+    # The name clients call the model by (`/v1/models`, each request's `model`, each response's); unset:
+    # the model's own name, the last part of a directory's path (never a whole absolute path).
+    served_model_name: str | None = Field(None, min_length=1)
     # A model directory that every node reads at the same path (a shared file system): not shipped. When
     # false, nodes that lack the directory get its files through Ray's object store. Either way every
     # worker checks that it holds the launcher's bytes (a digest) before it serves.
@@ -349,6 +353,15 @@ class Manifest(_Strict):
             raise ValueError(f"faults name workers this manifest does not have: {unknown}; it has {sorted(names)}")
         return self
 
+    @property
+    def served_name(self) -> str:
+        """What clients call the model: `served_model_name`, else a directory's name or the model as given
+        (a preset, a shipped model, a Hub id such as `Qwen/Qwen2.5-0.5B`)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        path = Path(self.model).expanduser()
+        return path.name if path.is_absolute() or path.is_dir() else self.model
+
     def workers(self) -> list[tuple[str, str, PoolSpec]]:
         """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered
         across the pools."""
@@ -371,8 +384,9 @@ class ManifestError(ValueError):
     pass
 
 
-def load_manifest(source: str | Path | dict | None = None) -> Manifest:
-    """Read and validate a manifest (path, dict, or None for the default); raise ManifestError."""
+def load_manifest(source: str | Path | dict | None = None, overrides: ManifestOverrides | None = None) -> Manifest:
+    """Read and validate a manifest (path, dict, or None for the default), with `overrides` (command-line
+    options) written over its fields first; raise ManifestError, naming the option of an overridden field."""
     if source is None:
         source = DEFAULT_MANIFEST
     if isinstance(source, dict):
@@ -388,11 +402,13 @@ def load_manifest(source: str | Path | dict | None = None) -> Manifest:
         where = str(path)
     if not isinstance(data, dict):
         raise ManifestError(f"{where}: the top level must be a mapping of fields")
+    overrides = overrides or ManifestOverrides()
     try:
-        return Manifest.model_validate(data)
+        return Manifest.model_validate(overrides.apply(data))
     except ValidationError as e:
         problems = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            problems.append(f"  {field}: {err['msg']}")
+            option = overrides.option_for(field)
+            problems.append(f"  {field}{f' (set by {option})' if option else ''}: {err['msg']}")
         raise ManifestError(f"{where} is invalid:\n" + "\n".join(problems)) from None

@@ -70,7 +70,7 @@ def test_streaming_text_and_tokens(cluster, hf_reference):
 
 def test_cancel_mid_stream_frees_both_pools(cluster):
     with Client(cluster.address, timeout=60) as client:
-        stream = client.generate([7] * 200, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
+        stream = client.generate([7] * 200, stream=True, temperature=0, max_tokens=300, ignore_eos=True)
         for i, _ in enumerate(stream):
             if i == 3:
                 break
@@ -80,7 +80,7 @@ def test_cancel_mid_stream_frees_both_pools(cluster):
 
 def test_deadline_frees_the_request(cluster):
     with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):
-        client.generate([9] * 100, timeout=0.3, temperature=0, max_tokens=480, ignore_eos=True)
+        client.generate([9] * 100, timeout=0.3, temperature=0, max_tokens=400, ignore_eos=True)
     assert_idle(cluster)
 
 

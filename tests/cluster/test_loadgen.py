@@ -296,7 +296,7 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
     reqs = [Request(f"g{i}", [rng.randrange(3, 1000) for _ in range(rng.randint(8, 60))], 6 + i) for i in range(6)]
     with Cluster(tiny_manifest(model_dirs["tiny-llama"]), log=lambda _: None) as cluster:
         url = f"http://{cluster.http_address}/metrics"
-        http = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.model, timeout=60,
+        http = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.served_name, timeout=60,
                             extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
                             prompt_ids=True, event_per_token=True)
         runs = {}
