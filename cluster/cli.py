@@ -131,7 +131,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"ready: pdserve generate --address {address} \"hello\"   (Ctrl-C stops the cluster)", flush=True)
         if cluster.http_address:
             base = f"{'https' if manifest.server.tls_cert else 'http'}://{cluster.http_address}"
-            print(f"ready: OpenAI API at {base}/v1, metrics at {base}/metrics", flush=True)
+            print(f"ready: OpenAI API at {base}/v1, metrics at {base}/metrics; pdserve status --address "
+                  f"{cluster.http_address}{' --tls-ca CA.pem' if manifest.server.tls_cert else ''}", flush=True)
         stop.wait()
     finally:
         print("shutting down ...", flush=True)

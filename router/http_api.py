@@ -2,15 +2,16 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template), `GET
 /v1/models`, `GET /metrics` (Prometheus) and `GET /health` (the cluster's pools, workers and model in
-JSON: `router.health_report`). Requests go the same way as gRPC ones
-(`router.frontend`: placement, admission control, metrics, lifetime events); responses stream as
-server-sent events when asked. Errors use OpenAI's format and status codes: 400 bad input, 401 bad
-or missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and
-/health are open, as vLLM's are), 404 unknown model or route, 413 a body past the size limit (the
-manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when the
-cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a worker
-reports a fault of its own. The status is decided by the request's first response (a worker's refusal
-is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
+JSON: `router.health_report`). Requests go the same way as gRPC ones (`router.frontend`: placement,
+admission control, metrics, lifetime events); responses stream as server-sent events when asked.
+Errors use OpenAI's format and status codes, in the gRPC API's words, with `param` naming the request
+field at fault: 400 bad input (`max_tokens` past what the context leaves included), 401 bad or
+missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and /health
+are open, as vLLM's are), 404 unknown model (`model_not_found`) or route, 413 a body past the size
+limit (the manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when
+the cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a
+worker reports a fault of its own. The status is decided by the request's first response (a worker's
+refusal is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
 
 Beyond OpenAI's fields: `top_k`, `ignore_eos` and `stop_token_ids` (as vLLM takes them), and
 `timings` (the phases and lifetime events of the request) on the last response.
