@@ -78,8 +78,9 @@ def add_override_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("overrides", "set a manifest field for this start, over the manifest's value")
     group.add_argument("--model", help="a shipped model, a preset, a model directory or a Hugging Face Hub id "
                                        "(model). Example: --model Qwen/Qwen2.5-0.5B-Instruct")
-    group.add_argument("--served-model-name", metavar="NAME", help="the name clients call the model by (served_model_name). "
-                                                   "Example: --served-model-name my-model")
+    group.add_argument("--served-model-name", metavar="NAME",
+                       help="the name clients call the model by (served_model_name). Example: --served-model-name "
+                            "my-model")
     group.add_argument("--mode", metavar="{disaggregated,colocated}", help="mode. Example: --mode colocated")
     group.add_argument("--prefill-replicas", type=int, metavar="N",
                        help="prefill workers (pools.prefill.replicas). Example: --prefill-replicas 2")

@@ -7,8 +7,10 @@ limits), places it (`routing.Router`: UNAVAILABLE at once when a pool has no liv
 RESOURCE_EXHAUSTED with a retry-after hint when every live one is full or no placement can meet the
 TTFT objective), dispatches it with a Ray call that returns immediately, and hands back its
 `ActiveRequest`. Iterating `ActiveRequest.responses` yields the gRPC API's own `GenerateResponse`
-messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
-name, which each API maps to its own errors.
+messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every
+failure is a `RequestFailed` carrying a gRPC status code name, its message (the same words on every
+API) and, for bad input, the request field at fault; each API maps it to its own errors. Output past
+what the context leaves after the prompt is refused, never cut short unasked.
 
 `ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on
 every worker it touched unless it completed (a cancel, a deadline or a failure frees its KV there),

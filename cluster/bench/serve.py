@@ -229,7 +229,8 @@ def serving(name: str, cfg: ServeBenchConfig, model_dir: Path, log: Callable[[st
         metrics_url = f"http://{cluster.http_address}/metrics"
         if name == "disaggregated-http":
             client = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.served_name,
-                                  timeout=cfg.timeout_s, extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
+                                  timeout=cfg.timeout_s,
+                                  extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
                                   prompt_ids=True, event_per_token=True)
             yield Target(client, cluster.worker_stats, "http", metrics_url,
                          grpc_client=GrpcClient(cluster.address, timeout=cfg.timeout_s))

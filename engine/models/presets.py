@@ -4,9 +4,9 @@ trained model.
 `make_model("llama-20m", dir)` writes a normal Hugging Face checkpoint directory (config.json,
 model.safetensors, tokenizer files) that any transformers code can load. Same preset and seed, same
 bytes. `resolve_model` turns a directory, a preset name, a shipped model's name or a Hugging Face Hub
-id into such a directory. `pystd-llama`, the default, is trained (not random): `engine/models/training.py` made it from the
-Python standard library's source and it ships in `engine/models/checkpoints/` (`pdserve train-model`
-reproduces it).
+id into such a directory. `pystd-llama`, the default, is trained (not random):
+`engine/models/training.py` made it from the Python standard library's source and it ships in
+`engine/models/checkpoints/` (`pdserve train-model` reproduces it).
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ def test_pdserve_status_prints_a_table_and_the_raw_json(cluster):
     assert lines[1] == f"gRPC API {cluster.address}, HTTP API {cluster.http_address}"
     assert lines[3].split() == ["POOL", "WORKER", "ROLE", "NODE", "HEALTH", "REQUESTS", "QUEUED", "KV", "USED"]
     total = workers(health(cluster)[1])["decode-1"]["kv_blocks_total"]
-    assert lines[5].split() == ["decode", "decode-1", "decode", ray.util.get_node_ip_address(), "healthy", "0", "0", "0%",
-                                f"(0/{total}", "blocks)"]
+    node = ray.util.get_node_ip_address()
+    assert lines[5].split() == ["decode", "decode-1", "decode", node, "healthy", "0", "0", "0%", f"(0/{total}", "blocks)"]
     raw = pdserve("status", "--address", cluster.http_address, "--json")
     assert raw.returncode == 0 and json.loads(raw.stdout)["model"]["name"] == ARCH
 
