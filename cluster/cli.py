@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from pdserve.cluster.bench.cli import add_commands as add_bench_commands
+from pdserve.cluster.cli_help import examples
 from pdserve.cluster.overrides import add_override_options
 
 # The default model learnt Python from the standard library: it continues code best.
@@ -193,49 +195,85 @@ def _kv_profile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving runtime.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode serving of language models on Ray: start a "
+                                    "cluster from a manifest, send it requests, build models, run the benchmarks.",
+        **examples("pdserve demo                                   # a local cluster, a few requests, then stop",
+                   "pdserve up deploy/local.yaml                   # serve until Ctrl-C",
+                   'pdserve generate "def main():" --stream        # one request to a running cluster',
+                   "pdserve COMMAND --help                         # each command's options and examples"))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('pdserve')}",
+                        help="print pdserve's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    mk = sub.add_parser("make-model", help="build a small random-weight model from a preset")
+    mk = sub.add_parser("make-model", help="build a small random-weight model from a preset",
+                        description="Write a preset's checkpoint (config, safetensors, tokenizer) into a directory: "
+                                    "random weights, for tests and benchmarks. A manifest's `model` takes the preset's "
+                                    "name directly, so this is needed only to keep a copy.",
+                        **examples("pdserve make-model --list", "pdserve make-model llama-20m /tmp/llama-20m --seed 1"))
     mk.add_argument("preset", nargs="?", help="preset name (see --list)")
     mk.add_argument("dir", nargs="?", type=Path, help="output directory (default: ./PRESET)")
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     mk.add_argument("--list", action="store_true", help="list the presets")
     mk.set_defaults(func=_make_model)
 
     tm = sub.add_parser("train-model", help="train the shipped model (pystd-llama) again, on the Python standard "
-                                           "library's source, then profile its cachegen tables (~25 min, 2 cores)")
+                                           "library's source, then profile its cachegen tables (~25 min, 2 cores)",
+                        description="Train pystd-llama again on the Python standard library's source, then profile "
+                                    "its cachegen codec's tables. About 25 minutes on 2 cores.",
+                        **examples("pdserve train-model /tmp/pystd-llama --steps 200   # a shorter run, elsewhere"))
     tm.add_argument("dir", nargs="?", type=Path, help="output directory (default: the shipped checkpoint's)")
-    tm.add_argument("--steps", type=int, default=1000)
-    tm.add_argument("--threads", type=int, default=2)
+    tm.add_argument("--steps", type=int, default=1000, help="training steps (default: %(default)s)")
+    tm.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     tm.set_defaults(func=_train_model)
 
     kp = sub.add_parser("kv-profile", help="profile the cachegen codec's tables for a model (written into its "
-                                           "directory)")
+                                           "directory)",
+                        description="Profile the cachegen KV codec's tables for a model and write them into its "
+                                    "directory; both pools must then hold the same tables.",
+                        **examples("pdserve kv-profile /models/my-llama",
+                                   "pdserve kv-profile llama-20m --tokens 16384"))
     kp.add_argument("model", help="model directory or preset name")
-    kp.add_argument("--tokens", type=int, default=65536, help="calibration tokens")
+    kp.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default: %(default)s)")
     kp.set_defaults(func=_kv_profile)
 
-    demo = sub.add_parser("demo", help="start a local cluster, stream a few real requests, print them, stop")
+    demo = sub.add_parser("demo", help="start a local cluster, stream a few real requests, print them, stop",
+                          description="Start a local cluster from a manifest (on free ports), stream a few requests "
+                                      "through the gRPC API, send one chat completion over the OpenAI HTTP API, read "
+                                      "/metrics, and stop.",
+                          **examples("pdserve demo", "pdserve demo --manifest deploy/colocated.yaml --max-tokens 16"))
     demo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
     demo.set_defaults(func=_demo)
 
-    up = sub.add_parser("up", help="start (or join) a cluster from a manifest and serve until interrupted")
+    up = sub.add_parser("up", help="start (or join) a cluster from a manifest and serve until interrupted",
+                        description="Start a cluster from a manifest (or join one, with ray.address: auto) and serve "
+                                    "the gRPC and OpenAI HTTP APIs until Ctrl-C or SIGTERM; then stop everything it "
+                                    "started. Every manifest field: docs/configuration-reference.md.",
+                        **examples("pdserve up                                      # deploy/local.yaml",
+                                   "pdserve up deploy/2p4d.yaml                     # on a Ray cluster's head node",
+                                   "pdserve up my.yaml --lifetime-log lifetimes.jsonl",
+                                   "pdserve up --model Qwen/Qwen2.5-0.5B-Instruct --decode-replicas 2",
+                                   "pdserve up my.yaml --http-address 0.0.0.0:8000 --served-model-name my-model"))
     up.add_argument("manifest", nargs="?", default=None, help="manifest (default: deploy/local.yaml)")
-    up.add_argument("--lifetime-log", type=Path, default=None,
+    up.add_argument("--lifetime-log", type=Path, default=None, metavar="FILE",
                     help="write each request's lifetime (one JSON line per request) here instead of stderr")
     add_override_options(up)
     up.set_defaults(func=_up)
 
-    gen = sub.add_parser("generate", help="send one request to a running cluster")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default="127.0.0.1:50051")
-    gen.add_argument("--stream", action="store_true")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--timeout", type=float, default=60.0)
+    gen = sub.add_parser("generate", help="send one request to a running cluster",
+                         description="Send one request to a running cluster over gRPC and print the text (with "
+                                     "--stream, as it arrives).",
+                         **examples('pdserve generate "def read_config(path):" --stream --temperature 0',
+                                    'pdserve generate "import os" --address 10.0.0.5:50051 --token "$TOKEN" '
+                                    "--tls-ca ca.pem"))
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the router's gRPC address (default: %(default)s)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed: the same tokens for the same seed")
+    gen.add_argument("--timeout", type=float, default=60.0, help="seconds before giving up (default: %(default)s)")
     gen.add_argument("--token", default=None, help="auth token, when the server requires one")
     gen.add_argument("--tls-ca", type=Path, default=None,
                      help="PEM of the CA that signed the server's certificate: connect over TLS")
@@ -244,11 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--client-key", type=Path, default=None, help="PEM private key of --client-cert")
     gen.set_defaults(func=_generate)
 
-    st = sub.add_parser("status", help="show a running cluster: its model, addresses, pools and workers (role, node, "
-                                       "health, load, KV use), from its /health. Example: pdserve status "
-                                       "--address 127.0.0.1:8000",
-                        description="Exits 0 when the cluster serves, 1 when it cannot (no healthy worker in a "
-                                    "pool it needs), 1 too when nothing answers.")
+    st = sub.add_parser("status", help="show a running cluster: its model, addresses, pools and workers",
+                        description="Show a running cluster as its /health answers: the model, the gRPC and HTTP "
+                                    "addresses, and each worker's pool, role, node, health, requests, queued prompts "
+                                    "and KV use. Exits 0 while the cluster serves, 1 when it cannot (no healthy "
+                                    "worker in a pool it needs) or nothing answers.",
+                        **examples("pdserve status                                  # 127.0.0.1:8000",
+                                   "pdserve status --address 10.0.0.5:8000 --json",
+                                   "pdserve status --address 10.0.0.5:8443 --tls-ca ca.pem"))
     st.add_argument("--address", default="127.0.0.1:8000",
                     help="the cluster's HTTP API, its manifest's server.http_address (default: %(default)s)")
     st.add_argument("--tls-ca", type=Path, default=None,

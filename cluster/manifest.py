@@ -26,12 +26,17 @@ class _Strict(BaseModel):
 
 
 class PoolSpec(_Strict):
-    replicas: int = Field(1, ge=0, le=64)
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {prefill: 1}
-    threads: int = Field(1, ge=1, le=256)  # torch intra-op threads per worker
-    max_restarts: int = Field(3, ge=0)  # how often Ray restarts a worker that died or reported a fault
+    """One pool of workers: how many, and the Ray resources each one takes."""
+
+    replicas: int = Field(1, ge=0, le=64, description="Workers in this pool (in colocated mode, colocated workers).")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each worker.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each worker; above 0 the worker's engine "
+                                                   "runs on CUDA.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each worker asks for, e.g. `{prefill: 1}`, so Ray "
+                                          "places the pool on nodes that offer them.")
+    threads: int = Field(1, ge=1, le=256, description="Torch intra-op threads per worker.")
+    max_restarts: int = Field(3, ge=0, description="How often Ray restarts a worker that died or reported a fault.")
 
     @field_validator("resources")
     @classmethod
@@ -47,8 +52,10 @@ class PoolSpec(_Strict):
 
 
 class Pools(_Strict):
-    prefill: PoolSpec = PoolSpec()
-    decode: PoolSpec = PoolSpec()
+    """The two pools of workers."""
+
+    prefill: PoolSpec = Field(PoolSpec(), description="The workers that run prompt passes and send their KV.")
+    decode: PoolSpec = Field(PoolSpec(), description="The workers that receive the KV and generate the output.")
 
 
 PolicyName = Literal["round_robin", "least_loaded", "cache_aware", "kv_cost", "estimated_ttft"]
@@ -61,44 +68,58 @@ class CacheAwareSpec(_Strict):
     """SGLang router's thresholds, with the defaults its README documents (later sgl-router releases
     changed them; set them here to match the one you compare with)."""
 
-    balance_abs: int = Field(32, ge=0)  # imbalanced when the busiest holds this many more requests ...
-    balance_rel: float = Field(1.0001, ge=1.0)  # ... and more than this many times the idlest's
-    match_threshold: float = Field(0.5, ge=0.0, le=1.0)  # share of the prompt a cached prefix must cover
+    balance_abs: int = Field(32, ge=0, description="The load is out of balance when the busiest worker holds this "
+                                                   "many more requests than the idlest ...")
+    balance_rel: float = Field(1.0001, ge=1.0, description="... and more than this many times the idlest's.")
+    match_threshold: float = Field(0.5, ge=0.0, le=1.0, description="The share of the prompt a worker's cached "
+                                                                    "prefix must cover for the prompt to go there.")
 
 
 class RouterSpec(_Strict):
-    # Placement (router/policies): `policy` for both pools, unless a pool's own is set.
-    policy: PolicyName = "estimated_ttft"
-    prefill_policy: PolicyName | None = None
-    decode_policy: PolicyName | None = None
-    cache_aware: CacheAwareSpec = CacheAwareSpec()
-    kv_overlap_weight: float = Field(1.0, ge=0.0)  # kv_cost: weight of the blocks a worker must prefill
-    # exact: the workers' KV events feed the global prefix index; approximate: the router's own decisions.
-    prefix_index: Literal["exact", "approximate"] = "exact"
-    # Early rejection: RESOURCE_EXHAUSTED at once when the best TTFT estimate exceeds
-    # reject_factor x ttft_slo_s (needs an estimating policy: estimated_ttft). None: never.
-    ttft_slo_s: float | None = Field(None, gt=0)
-    reject_factor: float = Field(2.0, gt=0)
-    # Length-aware prefill (LAPS): short prompts in their own queue, batched within a short window;
-    # long ones chunked. None: on with the estimated_ttft prefill policy. The threshold and the window are
-    # measured on the worker at start-up unless set; the chunk is half the step budget unless set.
-    length_aware: bool | None = None
-    short_prompt_tokens: int | None = Field(None, ge=1)
-    short_batch_window_ms: float | None = Field(None, ge=0)
-    long_prompt_chunk_tokens: int | None = Field(None, ge=1)
-    # Conditional disaggregation: a prompt whose uncached part is at most this prefills on its decode
-    # worker. None: measured with the estimated_ttft prefill policy (prefill compute vs transfer), else off; 0: off.
-    local_prefill_tokens: int | None = Field(None, ge=0)
-    # Admission control: per worker, at most this many requests waiting for or in their prompt pass
-    # (prefill workers) / placed and not finished (decode and colocated workers). Past it, a request
-    # gets RESOURCE_EXHAUSTED with a retry-after hint at once.
-    max_queued_prefills: int = Field(64, ge=1)
-    max_active_decodes: int = Field(128, ge=1)
-    # A request that loses a worker (it died, hung, or reported a fault or a failed transfer) is tried
-    # again this many times (resumed from its streamed tokens after its first), each retry waiting up to
-    # retry_wait_s for a healthy worker; past that it fails with UNAVAILABLE naming the cause.
-    max_retries: int = Field(3, ge=0)
-    retry_wait_s: float = Field(30.0, ge=0)
+    """Where each request goes (router/policies), what is refused at once, and how often a request is
+    tried again."""
+
+    policy: PolicyName = Field("estimated_ttft", description="The placement policy of both pools, unless a pool's "
+                                                             "own is set.")
+    prefill_policy: PolicyName | None = Field(None, description="The prefill pool's policy; null: `policy`.")
+    decode_policy: PolicyName | None = Field(None, description="The decode pool's policy; null: `policy`.")
+    cache_aware: CacheAwareSpec = Field(CacheAwareSpec(), description="The `cache_aware` policy's thresholds.")
+    kv_overlap_weight: float = Field(1.0, ge=0.0, description="The `kv_cost` policy's weight of the blocks a worker "
+                                                              "must prefill.")
+    prefix_index: Literal["exact", "approximate"] = Field(
+        "exact", description="exact: the workers' KV events feed the global prefix index; approximate: the "
+                             "router's own placements do.")
+    ttft_slo_s: float | None = Field(
+        None, gt=0, description="Early rejection: a request whose best TTFT estimate exceeds `reject_factor` x this "
+                                "(seconds) gets RESOURCE_EXHAUSTED at once (needs the estimated_ttft policy); null: "
+                                "never.")
+    reject_factor: float = Field(2.0, gt=0, description="See `ttft_slo_s`.")
+    length_aware: bool | None = Field(
+        None, description="Length-aware prefill (LAPS): short prompts in their own queue, batched within a short "
+                          "window, long ones chunked; null: on with the estimated_ttft prefill policy.")
+    short_prompt_tokens: int | None = Field(
+        None, ge=1, description="LAPS: a prompt this long or shorter is short; null: measured on each worker at "
+                                "start-up (a prompt whose compute costs no more than a step's fixed cost).")
+    short_batch_window_ms: float | None = Field(
+        None, ge=0, description="LAPS: how long short prompts wait to share a step; null: one step's fixed cost, "
+                                "measured.")
+    long_prompt_chunk_tokens: int | None = Field(
+        None, ge=1, description="LAPS: the chunk a long prompt is prefilled in; null: half the step budget.")
+    local_prefill_tokens: int | None = Field(
+        None, ge=0, description="Conditional disaggregation: a prompt whose uncached part is at most this many tokens "
+                                "prefills on its decode worker; null: measured with the estimated_ttft prefill policy "
+                                "(prefill compute against transfer), else off; 0: off.")
+    max_queued_prefills: int = Field(
+        64, ge=1, description="Admission control: requests waiting for or in their prompt pass, per prefill worker; "
+                              "past it, RESOURCE_EXHAUSTED with a retry-after hint at once.")
+    max_active_decodes: int = Field(
+        128, ge=1, description="Admission control: requests placed and not finished, per decode or colocated "
+                               "worker; past it, RESOURCE_EXHAUSTED with a retry-after hint at once.")
+    max_retries: int = Field(
+        3, ge=0, description="How often a request that loses a worker (it died, hung, or reported a fault or a "
+                             "failed transfer) is tried again (resumed from its streamed tokens after its first); "
+                             "past that it fails with UNAVAILABLE naming the cause.")
+    retry_wait_s: float = Field(30.0, ge=0, description="How long each retry waits for a healthy worker (seconds).")
 
     @field_validator("policy", "prefill_policy", "decode_policy", mode="before")
     @classmethod
@@ -120,9 +141,9 @@ class KVTLSSpec(_Strict):
     """Mutual TLS on the tcp and gRPC KV transports: every worker presents `cert` (PEM, signed by
     `ca`) and accepts only peers whose certificate `ca` signed."""
 
-    cert: Path
-    key: Path
-    ca: Path
+    cert: Path = Field(description="This worker's certificate (PEM), signed by `ca`.")
+    key: Path = Field(description="The private key of `cert` (PEM).")
+    ca: Path = Field(description="The CA (PEM) whose certificates peers must present.")
 
     @field_validator("cert", "key", "ca")
     @classmethod
@@ -136,12 +157,15 @@ class KVTLSSpec(_Strict):
 
 
 class KVTransferSpec(_Strict):
-    # auto: shared memory between workers on one node, tcp across nodes; or one of shm, tcp, grpc (for
-    # networks that pass only HTTP/2), gloo, nccl (GPU pools) for every pair.
-    transport: Literal["auto", "shm", "tcp", "grpc", "gloo", "nccl"] = "auto"
-    # Offered in this order; each decode worker takes the first it can decode (cachegen needs the model's
-    # profiled tables: `pdserve kv-profile`), else raw.
-    codec: str | list[str] = "raw"
+    """How a prompt's KV moves from its prefill worker to its decode worker."""
+
+    transport: Literal["auto", "shm", "tcp", "grpc", "gloo", "nccl"] = Field(
+        "auto", description="auto: shared memory between workers on one node, tcp across nodes; or one of shm, tcp, "
+                            "grpc (for networks that pass only HTTP/2), gloo, nccl (GPU pools) for every pair.")
+    codec: str | list[str] = Field(
+        "raw", description="raw, int8, fp8 or cachegen, or a list offered in this order: each decode worker takes the "
+                           "first it can decode (cachegen needs the model's profiled tables: `pdserve kv-profile`), "
+                           "else raw.")
 
     @field_validator("codec")
     @classmethod
@@ -153,18 +177,21 @@ class KVTransferSpec(_Strict):
         if unknown:  # else a decode worker would refuse it and quietly use raw
             raise ValueError(f"unknown codec {', '.join(map(repr, unknown))}: codecs are {', '.join(CODECS)}")
         return v
-    host: str | None = None  # where KV receivers listen; default: loopback on a local cluster, else the node's address
-    tls: KVTLSSpec | None = None  # mutual TLS on the tcp and grpc transports
-    frame_tokens: int = Field(1536, ge=16)  # tokens per frame (CacheGen's context chunk)
-    # Prompt passes of at least this many tokens (computed: the prefill worker's prefix cache aside) stream
-    # their KV layer by layer beside the pass; a shorter one's is sent once it ends (streaming slows the
-    # pass more than it saves); 0: every prompt.
-    layerwise_min_tokens: int = Field(1024, ge=0)
-    lease_s: float = Field(30.0, gt=0)  # a reservation's lease, extended by every frame that arrives
-    reserve_wait_s: float = Field(10.0, ge=0)  # how long a reservation waits for free decode KV blocks
-    # The decode worker may recompute a prompt's KV from its tokens when that is expected to be faster
-    # than receiving it (a slow link, a short prompt); false: the KV is always sent (drills of the KV path).
-    recompute: bool = True
+    host: str | None = Field(None, description="Where KV receivers listen; null: loopback on a local cluster, else "
+                                               "each node's own address.")
+    tls: KVTLSSpec | None = Field(None, description="Mutual TLS on the tcp and grpc transports; null: off.")
+    frame_tokens: int = Field(1536, ge=16, description="Tokens of one layer per frame (CacheGen's context chunk).")
+    layerwise_min_tokens: int = Field(
+        1024, ge=0, description="Prompt passes of at least this many tokens (computed: the prefill worker's prefix "
+                                "cache aside) stream their KV layer by layer beside the pass; a shorter one's is sent "
+                                "once it ends (streaming would slow the pass more than it saves); 0: every prompt.")
+    lease_s: float = Field(30.0, gt=0, description="A reservation's lease (seconds), extended by every frame that "
+                                                   "arrives.")
+    reserve_wait_s: float = Field(10.0, ge=0, description="How long a reservation waits for free decode KV blocks "
+                                                          "(seconds).")
+    recompute: bool = Field(
+        True, description="The decode worker may recompute a prompt's KV from its tokens when that is expected to be "
+                          "faster than receiving it (a slow link, a short prompt); false: the KV is always sent.")
 
     @property
     def codecs(self) -> tuple[str, ...]:
@@ -179,21 +206,29 @@ class KVTransferSpec(_Strict):
 
 
 class ServerSpec(_Strict):
-    address: str = "127.0.0.1:50051"  # the gRPC API
-    # The OpenAI-compatible HTTP API and Prometheus /metrics; null: off. TLS and the auth token below apply to both.
-    http_address: str | None = "127.0.0.1:8000"
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    # Mutual TLS: clients must present a certificate that this CA (PEM) signed, on gRPC and HTTPS alike.
-    tls_client_ca: Path | None = None
-    # Clients send `authorization: Bearer TOKEN`; compared in constant time. A SecretStr: what prints or
-    # dumps a manifest (logs, results files) shows ********** (get_secret_value() gives the token).
-    auth_token: SecretStr | None = None
-    # The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) and a
-    # gRPC message (RESOURCE_EXHAUSTED). The SDK's own message limit, so that both APIs take the same
-    # requests; far above a real one: a prompt filling a 128K-token context is about 1 MiB as token ids
-    # and a few MiB as JSON text. Prompt text too long for the context is refused within it, untokenized.
-    max_request_bytes: int = Field(MAX_MESSAGE_BYTES, ge=2**10, lt=2**31)
+    """The router's client-facing servers: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
+
+    address: str = Field("127.0.0.1:50051", description="HOST:PORT of the gRPC API (port 0: any free port).")
+    http_address: str | None = Field(
+        "127.0.0.1:8000", description="HOST:PORT of the OpenAI-compatible HTTP API and Prometheus /metrics; null: "
+                                      "off. TLS and the auth token apply to both APIs.")
+    tls_cert: Path | None = Field(None, description="The server's certificate (PEM): TLS on both APIs (with "
+                                                    "`tls_key`).")
+    tls_key: Path | None = Field(None, description="The private key of `tls_cert` (PEM).")
+    tls_client_ca: Path | None = Field(
+        None, description="Mutual TLS: clients must present a certificate that this CA (PEM) signed, on gRPC and "
+                          "HTTPS alike.")
+    # A SecretStr: what prints or dumps a manifest (logs, results files) shows ********** (get_secret_value()
+    # gives the token).
+    auth_token: SecretStr | None = Field(
+        None, description="Clients must send `authorization: Bearer TOKEN` (compared in constant time); null: no "
+                          "token. Never printed.")
+    # The SDK's own message limit, so that both APIs take the same requests; far above a real one: a prompt
+    # filling a 128K-token context is about 1 MiB as token ids and a few MiB as JSON text.
+    max_request_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=2**10, lt=2**31,
+        description="The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) "
+                    "and a gRPC message (RESOURCE_EXHAUSTED).")
 
     @property
     def token(self) -> str | None:
@@ -238,16 +273,18 @@ class ServerSpec(_Strict):
 class FaultsSpec(_Strict):
     """Faults injected on purpose, for tests, soak runs and drills (`pdserve.faults`); all off by default."""
 
-    # Worker name (prefill-0, decode-2, ...: `pdserve up` lists them) -> it kills its own process on
-    # taking its N-th request. Once: the worker Ray restarts serves normally.
-    kill_after_requests: dict[str, int] = Field(default_factory=dict)
-    stall_every_steps: int = Field(0, ge=0)  # every N-th engine step of a worker stalls stall_ms (0: never)
-    stall_ms: float = Field(0.0, ge=0)
-    kv_drop_percent: float = Field(0.0, ge=0, le=100)  # of KV frames, never sent
-    kv_corrupt_percent: float = Field(0.0, ge=0, le=100)  # of KV frames, sent with a byte flipped
-    kv_delay_ms: float = Field(0.0, ge=0)  # before every KV frame (a slow link)
-    workers: list[str] | None = None  # the workers the stalls and KV faults apply to; null: all
-    seed: int = 0
+    kill_after_requests: dict[str, int] = Field(
+        default_factory=dict, description="Worker name (prefill-0, decode-2, ...: `pdserve up` lists them) -> it kills "
+                                          "its own process on taking its N-th request. Once: the worker Ray restarts "
+                                          "serves normally.")
+    stall_every_steps: int = Field(0, ge=0, description="Every N-th engine step of a worker stalls `stall_ms`; 0: "
+                                                        "never.")
+    stall_ms: float = Field(0.0, ge=0, description="How long a stalled step stalls (milliseconds).")
+    kv_drop_percent: float = Field(0.0, ge=0, le=100, description="Percent of KV frames never sent.")
+    kv_corrupt_percent: float = Field(0.0, ge=0, le=100, description="Percent of KV frames sent with a byte flipped.")
+    kv_delay_ms: float = Field(0.0, ge=0, description="A delay before every KV frame (a slow link; milliseconds).")
+    workers: list[str] | None = Field(None, description="The workers the stalls and KV faults apply to; null: all.")
+    seed: int = Field(0, description="Seed of the faults' random decisions (which frames are dropped or corrupted).")
 
     @field_validator("kill_after_requests")
     @classmethod
@@ -270,39 +307,58 @@ class FaultsSpec(_Strict):
 
 
 class SecuritySpec(_Strict):
-    # A secret made per cluster at launch and handed to the workers through Ray: CURVE encryption and
-    # authentication on the internal pyzmq channels (token stream, KV events, the shm/gloo KV control
-    # channel), and proof of membership on every gRPC KV stream. Off only for debugging with raw sockets.
-    cluster_secret: bool = True
+    """The cluster's internal channels (docs/security.md)."""
+
+    cluster_secret: bool = Field(
+        True, description="A secret made per cluster at launch and handed to the workers through Ray: CURVE "
+                          "encryption and authentication on the internal pyzmq channels (token stream, KV events, KV "
+                          "control), and proof of membership on the tcp and grpc KV transports. Off only for "
+                          "debugging with raw sockets.")
 
 
 class RaySpec(_Strict):
-    address: str = "local"  # local: start an embedded cluster; auto: join one started by `ray up`
+    """Which Ray cluster to run on."""
+
+    address: str = Field("local", description="local: start a Ray instance of its own on this machine; auto: join "
+                                              "the cluster started by `ray up` or `ray start`; or a Ray address.")
 
 
 class Manifest(_Strict):
-    model: str = "pystd-llama"  # a shipped model, a preset name, a model directory or a Hugging Face Hub id
-    # The name clients call the model by (`/v1/models`, each request's `model`, each response's); unset:
-    # the model's own name, the last part of a directory's path (never a whole absolute path).
-    served_model_name: str | None = Field(None, min_length=1)
-    # A model directory that every node reads at the same path (a shared file system): not shipped. When
-    # false, nodes that lack the directory get its files through Ray's object store. Either way every
-    # worker checks that it holds the launcher's bytes (a digest) before it serves.
-    model_path_shared: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    block_size: int = Field(16, ge=1, le=1024)
-    kv_memory_mb: int = Field(256, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    pools: Pools = Pools()
-    router: RouterSpec = RouterSpec()
-    kv_transfer: KVTransferSpec = KVTransferSpec()
-    server: ServerSpec = ServerSpec()
-    security: SecuritySpec = SecuritySpec()
-    ray: RaySpec = RaySpec()
-    faults: FaultsSpec = FaultsSpec()
+    """A pdserve cluster: the model, the pools of workers, the router, KV transfer and the servers."""
+
+    model: str = Field("pystd-llama", description="The shipped model (pystd-llama), a preset name (`pdserve "
+                                                  "make-model --list`), a Hugging Face model directory, or a Hugging "
+                                                  "Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`: from the Hub cache "
+                                                  "under HF_HOME, downloaded there where the network allows).")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The name clients call the model by (`/v1/models`, each request's and "
+                                        "response's `model`); null: the model's own name, the last part of a "
+                                        "directory's path (never a whole absolute path).")
+    model_path_shared: bool = Field(
+        False, description="The model directory is read at the same (absolute) path on every node (a shared file "
+                           "system); false: nodes that lack it get its files through Ray's object store. Either way "
+                           "every worker checks that it holds the launcher's bytes (a digest) before it serves.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The model's and the KV cache's dtype; float16 on GPU pools only.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block (the unit of paging, prefix "
+                                                           "caching and transfer).")
+    kv_memory_mb: int = Field(256, ge=1, description="KV cache memory per worker (MiB).")
+    max_model_len: int | None = Field(None, ge=2, description="The context: prompt plus output tokens at most; null: "
+                                                              "the model's own.")
+    max_num_seqs: int = Field(64, ge=1, description="Requests in one worker's running batch at most.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens one engine step computes at most (the step "
+                                                                "budget).")
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: prefill and decode pools, KV moved between them; colocated: "
+                                     "every worker runs both phases.")
+    pools: Pools = Field(Pools(), description="The pools of workers.")
+    router: RouterSpec = Field(RouterSpec(), description="Placement, admission and retries.")
+    kv_transfer: KVTransferSpec = Field(KVTransferSpec(), description="How KV moves between the pools.")
+    server: ServerSpec = Field(ServerSpec(), description="The client-facing gRPC and HTTP servers.")
+    security: SecuritySpec = Field(SecuritySpec(), description="The internal channels' protection.")
+    ray: RaySpec = Field(RaySpec(), description="Which Ray cluster to run on.")
+    faults: FaultsSpec = Field(FaultsSpec(), description="Faults injected on purpose (tests, drills); all off by "
+                                                         "default.")
 
     @model_validator(mode="after")
     def _nccl_has_gpus(self) -> "Manifest":

@@ -296,7 +296,7 @@ def test_grpc_kv_mutual_tls_requires_a_client_certificate(kv_tls, secret):
 # --- no code-executing deserialization --------------------------------------------------------------
 # Everything the project's packages run (router, workers, transports, SDK, cluster); whatever crosses a
 # socket is parsed by protobuf, JSON (pydantic) or fixed struct layouts. Ray's own actor calls are
-# pickled by Ray: the README's security section says what that means.
+# pickled by Ray: docs/security.md says what that means.
 PACKAGES = ("sdk", "router", "kv_transfer", "prefill_worker", "decode_worker", "cluster", "engine")
 UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "jsonpickle"}
 UNSAFE_CALLS = {("torch", "load"), ("yaml", "load"), ("yaml", "unsafe_load"), ("yaml", "full_load"),

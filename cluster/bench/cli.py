@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from pdserve.cluster.bench.workload import DEFAULT_TRACE
+from pdserve.cluster.cli_help import examples
 
 
 def _publish(args: argparse.Namespace, results_file: Path) -> None:
@@ -163,46 +164,76 @@ def _docs_option(parser: argparse.ArgumentParser) -> None:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add `soak` and `bench` (with its own subcommands) to the command line's subparsers `sub`."""
     sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
-                                     "storm of cancels; checks that no request or token was lost (docs/reliability.md)")
-    sk.add_argument("--minutes", type=float, default=5.0)
-    sk.add_argument("--model", default="llama-20m")
+                                     "storm of cancels; checks that no request or token was lost (docs/reliability.md)",
+                        description="Replay the Azure conversation trace against a local cluster of 2 prefill and 2 "
+                                    "decode workers while killing one of each, corrupting KV frames and cancelling a "
+                                    "storm of streams; check that no request or token was lost and every pool is free "
+                                    "at the end. Exits 1 on a failed check.",
+                        **examples("pdserve soak --minutes 3 --out bench-results/soak.json",
+                                   "pdserve soak --minutes 1 --storm 200 --kv-corrupt-percent 5"))
+    sk.add_argument("--minutes", type=float, default=5.0, help="how long the trace is replayed (default: %(default)s)")
+    sk.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
     sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
     sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
     sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
     sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
-    sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--out", default="bench-results/soak.json")
+    sk.add_argument("--seed", type=int, default=0, help="seed of the faults and the workload (default: %(default)s)")
+    sk.add_argument("--out", default="bench-results/soak.json", help="the report (JSON; default: %(default)s)")
     sk.set_defaults(func=_soak)
-    bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    be = bench_sub.add_parser("engine", help="engine vs transformers generate; decode-step split")
-    be.add_argument("--model", default="llama-20m")
-    be.add_argument("--num-prompts", type=int, default=64)
-    be.add_argument("--repeats", type=int, default=3)
+    bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)",
+                           description="The benchmarks. Each writes its results to JSON, with the command, machine, "
+                                       "date and commit; --docs PAGE also writes them into that page "
+                                       "(docs/running-benchmarks.md).",
+                           **examples("pdserve bench engine --docs docs/benchmarks.md",
+                                      "pdserve bench serve --quick                 # a smoke run, under two minutes",
+                                      "pdserve bench COMMAND --help"))
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="COMMAND")
+    be = bench_sub.add_parser("engine", help="engine vs transformers generate; decode-step split",
+                              description="The engine against transformers' generate on the same requests: output "
+                                          "tokens/s, and the decode step's split into forward pass and the rest.",
+                              **examples("pdserve bench engine", "pdserve bench engine --num-prompts 16 --repeats 1"))
+    be.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
+    be.add_argument("--num-prompts", type=int, default=64, help="requests, from the trace (default: %(default)s)")
+    be.add_argument("--repeats", type=int, default=3, help="runs of each system, alternating (default: %(default)s)")
     be.add_argument("--threads", type=int, default=0, help="torch threads for both systems (0: default)")
-    be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8])
-    be.add_argument("--out", default="bench-results/engine.json")
+    be.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 8],
+                    help="generate's batch sizes (default: 64 8)")
+    be.add_argument("--out", default="bench-results/engine.json", help="results file (default: %(default)s)")
     _docs_option(be)
     be.set_defaults(func=_bench_engine)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
-                                         "element, perplexity change, greedy agreement, speed)")
-    bk.add_argument("--model", default="pystd-llama")
+                                         "element, perplexity change, greedy agreement, speed)",
+                              description="Each KV transport's bytes/s against a plain TCP socket, and each codec and "
+                                          "level on the model: bits per element, perplexity change, greedy agreement, "
+                                          "encode and decode speed.",
+                              **examples("pdserve bench kv",
+                                         "pdserve bench kv --transports shm tcp --codecs       # transports alone",
+                                         "pdserve bench kv --token-bytes 4096 --codecs         # 8B-class frames"))
+    bk.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
     bk.add_argument("--transports", nargs="+", default=["shm", "tcp", "grpc", "gloo"],
                     help="of shm, tcp, grpc, gloo, nccl (nccl needs two GPUs)")
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
-    bk.add_argument("--repeats", type=int, default=5)
+    bk.add_argument("--repeats", type=int, default=5, help="repeats, transports in turn within each "
+                                                          "(default: %(default)s)")
     bk.add_argument("--token-bytes", type=int, default=None,
                     help="KV bytes per token and layer of the transports' frames (default: the model's); e.g. "
                          "4096 for an 8B-class layout (8 KV heads x 128, bf16: frames of 6 MiB)")
     bk.add_argument("--codecs", nargs="*", default=["raw", "fp8", "int8", "cachegen"],
                     help="codecs to measure on the model; none: the transport table alone")
     bk.add_argument("--windows", type=int, default=16, help="held-out windows of 1024 tokens for perplexity")
-    bk.add_argument("--out", default="bench-results/kv.json")
+    bk.add_argument("--out", default="bench-results/kv.json", help="results file (default: %(default)s)")
     _docs_option(bk)
     bk.set_defaults(func=_bench_kv)
     bc = bench_sub.add_parser("cluster", help="disaggregated (shm, tcp, grpc, gloo) vs colocated: TTFT breakdown, "
-                                              "streaming overhead, KV bytes/s")
-    bc.add_argument("--model", default="llama-20m")
+                                              "streaming overhead, KV bytes/s",
+                              description="Disaggregated deployments (shm, tcp, grpc, gloo; shm streaming every prompt "
+                                          "layer by layer) against colocated at low load, all running at once, each "
+                                          "prompt sent to every one in turn: TTFT and its breakdown, streaming "
+                                          "overhead, KV bytes/s and the share hidden behind the prompt pass.",
+                              **examples("pdserve bench cluster",
+                                         "pdserve bench cluster --num-requests 8 --rounds 1 --long-prompts 2",
+                                         "pdserve bench cluster --gpus-per-worker 0.1        # engines on one GPU"))
+    bc.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
     bc.add_argument("--num-requests", type=int, default=24, help="prompt lengths taken from the trace")
     bc.add_argument("--rounds", type=int, default=3, help="requests per prompt length (fresh tokens each round)")
     bc.add_argument("--long-prompts", type=int, default=8, help="2K-token prompts, each to every deployment")
@@ -211,47 +242,67 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="GPUs for each worker (engines on CUDA); all 5 deployments' 10 workers run at once, "
                          "so 0.1 puts them all on one GPU")
-    bc.add_argument("--out", default="bench-results/cluster.json")
+    bc.add_argument("--out", default="bench-results/cluster.json", help="results file (default: %(default)s)")
     _docs_option(bc)
     bc.set_defaults(func=_bench_cluster)
-    br = bench_sub.add_parser("report", help="write benchmarks' results files into the docs, each as its section: "
-                                             "e.g. pdserve bench report bench-results/kv.json --docs docs/benchmarks.md")
+    br = bench_sub.add_parser("report", help="write benchmarks' results files into the docs, each as its section",
+                              description="Write benchmarks' results files into a docs page, each as its benchmark's "
+                                          "section (in place of the one there), with the command, machine, date and "
+                                          "commit the file records.",
+                              **examples("pdserve bench report bench-results/kv.json --docs docs/benchmarks.md",
+                                         "pdserve bench report bench-results/*.json --docs docs/benchmarks.md"))
     br.add_argument("results", nargs="+", help="results files a benchmark wrote (its --out)")
     br.add_argument("--docs", required=True, help="the page to write into (made if missing)")
     br.set_defaults(func=_bench_report)
     bo = bench_sub.add_parser("overload", help="a burst far past capacity: every request completes or gets "
-                                               "RESOURCE_EXHAUSTED; memory and pools checked")
+                                               "RESOURCE_EXHAUSTED; memory and pools checked",
+                              description="A burst of requests far past the cluster's capacity: every request must "
+                                          "complete or get RESOURCE_EXHAUSTED in time, outputs are checked against "
+                                          "transformers' generate, memory is measured and the pools must be free "
+                                          "after. Exits 1 on a failed check.",
+                              **examples("pdserve bench overload",
+                                         "pdserve bench overload --num-requests 300 --burst-s 1"))
     bo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
-    bo.add_argument("--num-requests", type=int, default=1000)
+    bo.add_argument("--num-requests", type=int, default=1000, help="requests in the burst (default: %(default)s)")
     bo.add_argument("--burst-s", type=float, default=2.0, help="the requests are spread over this many seconds")
-    bo.add_argument("--deadline-s", type=float, default=120.0)
+    bo.add_argument("--deadline-s", type=float, default=120.0, help="each request's deadline (default: %(default)s)")
     bo.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
-    bo.add_argument("--out", default="bench-results/overload.json")
+    bo.add_argument("--out", default="bench-results/overload.json", help="results file (default: %(default)s)")
     bo.set_defaults(func=_bench_overload)
     bs = bench_sub.add_parser("serve", help="open-loop serving benchmark: SLO attainment and goodput of "
                                             "pdserve configurations and transformers serve; with --policies, "
-                                            "the router's placement policies on three traces")
+                                            "the router's placement policies on three traces",
+                              description="Open-loop load from a trace against deployments started one at a time: "
+                                          "SLO attainment against rate, and goodput (the highest rate at which 90% "
+                                          "of requests meet both the TTFT and the TPOT objective). With --policies, "
+                                          "the router's placement policies side by side on three traces.",
+                              **examples("pdserve bench serve --quick                    # a smoke run",
+                                         "pdserve bench serve --configs disaggregated colocated-chunked",
+                                         "pdserve bench serve --policies --quick",
+                                         "pdserve bench serve --policies estimated_ttft cache_aware --traces mooncake"))
     bs.add_argument("--configs", nargs="+", default=None, help="any of disaggregated, colocated-chunked, "
                     "colocated, transformers-serve, disaggregated-1p2d, disaggregated-http (the disaggregated deployment over its "
                     "OpenAI HTTP API) (default: the first four)")
-    bs.add_argument("--model", default="llama-20m")
+    bs.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
     bs.add_argument("--requests-per-rate", type=int, default=64, help="requests in each rate's run")
     bs.add_argument("--start-rate", type=float, default=None,
                     help="first rate of the search, req/s (default: 1 / idle e2e latency)")
-    bs.add_argument("--min-rate", type=float, default=0.05)
-    bs.add_argument("--max-rate", type=float, default=64.0)
+    bs.add_argument("--min-rate", type=float, default=0.05,
+                    help="the search's lowest rate, req/s (default: %(default)s)")
+    bs.add_argument("--max-rate", type=float, default=64.0,
+                    help="the search's highest rate, req/s (default: %(default)s)")
     bs.add_argument("--rel-tol", type=float, default=0.1, help="bisection stops at this relative bracket")
     bs.add_argument("--max-runs", type=int, default=None, help="runs per configuration, over all objective pairs "
                     "(default 10); with --policies, per trace and configuration, the common-rate run included "
                     "(default 3)")
-    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default: %(default)s)")
     bs.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV trace (shipped with the benchmarks, or in PDSERVE_TRACES)")
     bs.add_argument("--trace-arrivals", action="store_true",
                     help="replay the trace's timestamps (scaled to each rate) instead of Poisson arrivals")
     bs.add_argument("--input-scale", type=float, default=0.25, help="prompt length factor")
     bs.add_argument("--output-scale", type=float, default=0.25, help="output length factor")
     bs.add_argument("--max-output", type=int, default=None, help="cap on output tokens")
-    bs.add_argument("--max-model-len", type=int, default=1024)
+    bs.add_argument("--max-model-len", type=int, default=1024, help="the deployments' context (default: %(default)s)")
     bs.add_argument("--calibration-requests", type=int, default=8, help="idle requests that set the objectives")
     bs.add_argument("--tight", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
                     help="tight objective pair (default: 2 x idle p90 TTFT, 1.5 x idle TPOT)")
@@ -278,8 +329,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="the common rate of every trace, or of one (default: --load x the first configuration's "
                           "throughput with a run's requests arriving at once)")
     pol.add_argument("--load", type=float, default=0.7, help="the calibrated rate's fraction of that throughput")
-    pol.add_argument("--prefill-replicas", type=int, default=4)
-    pol.add_argument("--decode-replicas", type=int, default=1)
+    pol.add_argument("--prefill-replicas", type=int, default=4, help="prefill workers (default: %(default)s)")
+    pol.add_argument("--decode-replicas", type=int, default=1, help="decode workers (default: %(default)s)")
     pol.add_argument("--objective", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
                      help="goodput objective for every trace (default: 5 x idle p90 TTFT, 3 x idle TPOT, per trace)")
     bs.set_defaults(func=_bench_serve)

@@ -3,11 +3,16 @@ code inside a worker actor (Ray's `__ray_call__`) to gate or break it, and the `
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
+import psutil
 import ray
 
 from pdserve.cluster.launcher import Cluster
@@ -56,6 +61,53 @@ def assert_idle(cluster: Cluster) -> None:
         assert s["requests"] == 0 and s["transfers"] == 0 and s.get("jobs", 0) == 0, s
 
 
+def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """Until an idle audit made from now on finds every pool fully free (bounded)."""
+    audits = cluster.audit.clean + cluster.audit.dirty
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = cluster.audit.last
+        if cluster.audit.clean + cluster.audit.dirty > audits and last.clean:
+            return
+        assert time.monotonic() < deadline, f"no clean idle audit within {timeout_s} s: {last}"
+        time.sleep(0.2)
+
+
+def record_engine_aborts(self) -> None:
+    """On a worker: keep the id of every request its engine aborted while holding it
+    (`self.test_engine_aborts`): the proof that a cancel reached the worker and stopped its tokens."""
+    self.test_engine_aborts, abort = [], self.engine.abort_request
+
+    def recording(request_id: str) -> bool:
+        held = abort(request_id)
+        if held:
+            self.test_engine_aborts.append(request_id)
+        return held
+
+    self.engine.abort_request = recording
+
+
+def lifetime_records(caplog) -> list[dict]:
+    """The router's lifetime lines (one per request that ended) that `caplog` caught."""
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.lifetime"]
+
+
+def assert_aborted(cluster: Cluster, caplog, code: str, max_tokens: int) -> None:
+    """The request that ended last ended with `code` before its `max_tokens`, a decode worker's engine
+    aborted it (it was running there: its tokens stopped), and every pool is free again."""
+    deadline = time.monotonic() + 10
+    while not lifetime_records(caplog):  # written when the router has ended the request
+        assert time.monotonic() < deadline, "the router never ended the request"
+        time.sleep(0.05)
+    ended = lifetime_records(caplog)[-1]
+    assert ended["code"] == code and ended["output_tokens"] < max_tokens, ended
+    decode = [w for w in cluster.workers if w.pool == "decode"]
+    while not any(ended["request_id"] in on_worker(w, lambda self: self.test_engine_aborts) for w in decode):
+        assert time.monotonic() < deadline, f"no decode worker aborted {ended['request_id']}"
+        time.sleep(0.05)
+    assert_idle(cluster)
+
+
 def worker(cluster: Cluster, pool: str):
     return next(w for w in cluster.workers if w.pool == pool)
 
@@ -99,3 +151,44 @@ def open_gate(self) -> None:
     gate, restore = self.test_gate
     restore()
     gate.set()
+
+
+class RayNode:
+    """A Ray node this test starts with `ray start --block` (optionally inside a network namespace), and
+    stops by its own pids: never `ray stop`, which stops every Ray on the machine."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], ns: str | None = None,
+                 timeout_s: float = 120.0) -> None:
+        command = (["ip", "netns", "exec", ns] if ns else []) + ["ray", "start", "--block", *args]
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log_path.read_text():  # printed once the node is up, before blocking
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ray start did not come up: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM to `ray start --block` stops the node's processes; any it leaves (the raylets a fake
+        multi-node autoscaler started, Ray's workers) are killed by pid."""
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        for p in psutil.wait_procs(started, timeout=15)[1]:
+            p.kill()
+        psutil.wait_procs(started, timeout=15)
+        self._log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

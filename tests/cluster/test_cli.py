@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from cluster_helpers import pdserve
 
@@ -74,9 +75,17 @@ def start_up(tmp_path, model_dirs) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def assert_no_raylet() -> None:
-    raylets = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout.split()
-    assert not raylets, f"Ray still running after pdserve up stopped: {raylets}"
+def interrupt(up: subprocess.Popen) -> tuple[str, dict[psutil.Process, str]]:
+    """Interrupt `pdserve up` as Ctrl-C does; its output from here on, and every process it had started
+    (Ray's own included) by name, taken just before the interrupt."""
+    started = {p: p.name() for p in psutil.Process(up.pid).children(recursive=True)}
+    up.send_signal(signal.SIGINT)
+    return up.communicate(timeout=120)[0], started
+
+
+def assert_all_stopped(started: dict[psutil.Process, str]) -> None:
+    alive = psutil.wait_procs(list(started), timeout=30)[1]  # pdserve up has exited: what it started goes with it
+    assert not alive, f"still running after pdserve up stopped: {[started[p] for p in alive]}"
 
 
 @pytest.mark.timeout(300)
@@ -90,10 +99,10 @@ def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dir
                 break
         assert line.startswith("starting "), "pdserve up never started its workers"
     finally:
-        up.send_signal(signal.SIGINT)
-        rest = up.communicate(timeout=120)[0]
+        rest, started = interrupt(up)
     assert up.returncode == 130 and "pdserve: interrupted" in rest and "ready:" not in rest, rest
-    assert_no_raylet()
+    assert "raylet" in started.values(), "the test interrupted pdserve up before it started Ray"
+    assert_all_stopped(started)
 
 
 @pytest.mark.timeout(300)
@@ -114,8 +123,7 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
         bad = pdserve("generate", "--address", address, "--temperature", "-1", "hello")
         assert bad.returncode == 1 and "INVALID_ARGUMENT: temperature must be a finite number >= 0" in bad.stderr
     finally:
-        up.send_signal(signal.SIGINT)
-        rest = up.communicate(timeout=120)[0]
+        rest, started = interrupt(up)
     assert up.returncode == 0, rest
     assert "shutting down" in rest
-    assert_no_raylet()
+    assert_all_stopped(started)

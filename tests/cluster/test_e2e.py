@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 import time
@@ -10,8 +11,8 @@ import time
 import grpc
 import pytest
 import ray
-from cluster_helpers import assert_idle, manifest
-from conftest import random_prompts
+from cluster_helpers import assert_aborted, assert_idle, manifest, on_worker, record_engine_aborts
+from helpers import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -25,7 +26,6 @@ from pdserve.client import (
     Unavailable,
 )
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.manifest import load_manifest
 
 ARCH = "tiny-llama"
 NEW_TOKENS = 10
@@ -68,20 +68,25 @@ def test_streaming_text_and_tokens(cluster, hf_reference):
     assert all(c.finish_reason is None and c.token_ids for c in chunks[:-1])  # no empty chunk (the handoff notice)
 
 
-def test_cancel_mid_stream_frees_both_pools(cluster):
-    with Client(cluster.address, timeout=60) as client:
-        stream = client.generate([7] * 200, stream=True, temperature=0, max_tokens=300, ignore_eos=True)
+def test_cancel_mid_stream_stops_the_request_and_frees_both_pools(cluster, caplog):
+    for w in cluster.workers:
+        on_worker(w, record_engine_aborts)
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"), Client(cluster.address, timeout=60) as client:
+        stream = client.generate([7] * 50, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
         for i, _ in enumerate(stream):
             if i == 3:
                 break
         stream.close()  # cancels the RPC
-    assert_idle(cluster)
+        assert_aborted(cluster, caplog, "CANCELLED", 400)
 
 
-def test_deadline_frees_the_request(cluster):
-    with Client(cluster.address) as client, pytest.raises(DeadlineExceeded):
-        client.generate([9] * 100, timeout=0.3, temperature=0, max_tokens=400, ignore_eos=True)
-    assert_idle(cluster)
+def test_a_deadline_stops_the_request_and_frees_both_pools(cluster, caplog):
+    for w in cluster.workers:
+        on_worker(w, record_engine_aborts)
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"), Client(cluster.address) as client:
+        with pytest.raises(DeadlineExceeded):
+            client.generate([9] * 30, timeout=0.3, temperature=0, max_tokens=480, ignore_eos=True)
+        assert_aborted(cluster, caplog, "CANCELLED", 480)  # the server sees the call cancelled at its deadline
 
 
 @pytest.mark.parametrize(
@@ -131,7 +136,7 @@ def self_signed_cert(tmp_path):
     return cert, key
 
 
-def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
+def test_tls_auth_and_unavailable_without_a_worker(model_dirs, tmp_path):
     cert, key = self_signed_cert(tmp_path)
     server = {"auth_token": "sesame", "tls_cert": str(cert), "tls_key": str(key)}
     with Cluster(manifest(model_dirs[ARCH], server=server), log=lambda _: None) as cluster:
@@ -153,10 +158,9 @@ def test_tls_auth_and_unavailable_within_a_second(model_dirs, tmp_path):
                     assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
                     assert cluster._server.serving()  # health checks do not drain a cluster that serves
             assert not cluster._server.serving()
-            t0 = time.time()
+            # Refused at once: a request waiting for a worker would end in DEADLINE_EXCEEDED instead.
             with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
                 client.generate("hello", max_tokens=2)
-            assert time.time() - t0 < 1.0
 
 
 @pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-gemma2"])

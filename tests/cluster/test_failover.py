@@ -14,8 +14,8 @@ from functools import partial
 
 import pytest
 import ray
-from cluster_helpers import install_gate, manifest, on_worker, open_gate
-from conftest import random_prompts
+from cluster_helpers import install_gate, manifest, on_worker, open_gate, wait_clean_audit
+from helpers import random_prompts
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -50,18 +50,6 @@ def wait_healthy(cluster: Cluster, timeout_s: float = 90.0) -> None:
     while not all(w.healthy for w in cluster.workers):
         assert time.monotonic() < deadline, [(w.name, w.healthy) for w in cluster.workers]
         time.sleep(0.1)
-
-
-def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
-    """Until an idle audit made from now on finds every pool fully free (bounded)."""
-    audits = cluster.audit.clean + cluster.audit.dirty
-    deadline = time.monotonic() + timeout_s
-    while True:
-        last = cluster.audit.last
-        if cluster.audit.clean + cluster.audit.dirty > audits and last.clean:
-            return
-        assert time.monotonic() < deadline, f"no clean idle audit within {timeout_s} s: {last}"
-        time.sleep(0.2)
 
 
 def first_worker(cluster: Cluster, pool: str, condition, timeout_s: float = 30.0):

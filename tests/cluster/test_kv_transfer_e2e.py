@@ -19,7 +19,7 @@ import pytest
 import ray
 from transformers import AutoConfig
 from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, prefill_job_states, worker
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import wait_until
 
 from pdserve.client import Client, DeadlineExceeded, PDServeError, Unavailable
@@ -652,16 +652,14 @@ def test_every_request_completes_through_the_router_while_a_decode_worker_leaves
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer={"reserve_wait_s": 1},
                                            router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
-        bound = c.manifest.kv_transfer.reserve_wait_s + RESERVE_MARGIN_S
         retries = c.router.stats.retries
         with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
-            started = time.monotonic()
             outputs = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
                                                               ignore_eos=True).token_ids, prompts))
-            elapsed = time.monotonic() - started
         assert outputs == [hf_reference[ARCH].greedy(p, NEW_TOKENS) for p in prompts]
         assert c.router.stats.retries - retries >= len(prompts) // 2  # each one placed on the hung worker
-        assert elapsed < 2 * bound, elapsed  # the prompts queued for the hung worker waited out one bound
+        # One unanswered reservation failed every transfer queued behind it: each waiting out a bound
+        # of its own would count one each.
         assert on_worker(prefill, lambda self: self.counters["reservations_unanswered"]) == 1
 
 

@@ -5,6 +5,7 @@ running workers with Ray's `__ray_call__` (a function run inside the actor), not
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 import time
@@ -13,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import ray
-from cluster_helpers import (assert_idle, attribute_owner, install_gate, manifest, on_worker, open_gate,
-                             prefill_job_states, wait_until_idle, worker)
-from conftest import random_prompts
+from cluster_helpers import (assert_aborted, assert_idle, attribute_owner, install_gate, manifest, on_worker,
+                             open_gate, prefill_job_states, record_engine_aborts, wait_until_idle, worker)
+from helpers import random_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client import AsyncClient, Client, DeadlineExceeded, PDServeError, ResourceExhausted
@@ -288,14 +289,16 @@ def test_requests_arriving_while_the_prefill_worker_profiles_are_served(cluster,
     assert_idle(cluster)
 
 
-def test_a_cancel_while_decoding_frees_both_pools(cluster):
-    with Client(cluster.address, timeout=60) as client:
+def test_a_cancel_while_decoding_stops_the_request_and_frees_both_pools(cluster, caplog):
+    for w in cluster.workers:
+        on_worker(w, record_engine_aborts)
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"), Client(cluster.address, timeout=60) as client:
         stream = client.generate([11] * 50, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
         for i, _ in enumerate(stream):
             if i == 3:
                 break
         stream.close()
-    assert_idle(cluster)
+        assert_aborted(cluster, caplog, "CANCELLED", 400)
 
 
 def test_streams_cancelled_at_once_are_aborted_in_batches(cluster):

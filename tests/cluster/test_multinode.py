@@ -1,20 +1,19 @@
 """Serving across Ray nodes: the fake multi-node cluster of deploy/ray/fake-multinode.yaml (Ray's fake
 provider: a head and four worker nodes on this machine, each its own raylet, two typed by a `prefill`
 resource and two by `decode`), started as the config says. Every actor lands on a node of its type,
-KV crosses nodes over gRPC, and greedy outputs stay exact."""
+KV crosses nodes over TCP, and greedy outputs stay exact."""
 
 from __future__ import annotations
 
 import os
 import random
-import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import ray
-from cluster_helpers import assert_idle, manifest
+import yaml
+from cluster_helpers import RayNode, assert_idle, free_port, manifest
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -22,18 +21,16 @@ from pdserve.engine.model_store import ModelSource, materialize, model_digest, r
 
 ARCH = "tiny-llama"
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "fake-multinode.yaml"
-HEAD_PORT = 6379  # the fake provider's nodes join the head there
 NODES = 5  # the head, 2 prefill and 2 decode nodes
 START_TIMEOUT_S = 120
+# Ray switches token authentication on for `ray start` when ~/.ray/auth_token exists; this test's driver
+# (the test process) joins without a token, as on a machine that never made one.
+HEAD_ENV = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
+pytestmark = pytest.mark.own_ray  # the driver joins the fake cluster, not the tests' shared Ray
 
 
-def port_taken(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def alive_nodes() -> int:
-    ray.init(address="auto", logging_level="ERROR")
+def alive_nodes(address: str) -> int:
+    ray.init(address=address, logging_level="ERROR")
     try:
         return sum(1 for n in ray.nodes() if n["Alive"])
     finally:
@@ -41,21 +38,25 @@ def alive_nodes() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_nodes():
-    if port_taken(HEAD_PORT) or ray.is_initialized():
-        pytest.skip(f"port {HEAD_PORT} is taken (another Ray head?): the fake multi-node provider needs it")
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1"}
-    start = ["ray", "start", "--head", f"--port={HEAD_PORT}", f"--autoscaling-config={CONFIG}",
-             "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"]
-    subprocess.run(start, env=env, check=True, timeout=START_TIMEOUT_S, capture_output=True)
+def ray_nodes(tmp_path_factory):
+    """The fake cluster on a free port of its own (the provider's `gcs_address` tells its nodes where to
+    join), stopped by pid afterwards."""
+    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
+    config = yaml.safe_load(CONFIG.read_text())
+    config["provider"]["gcs_address"] = address
+    tmp = tmp_path_factory.mktemp("fake-multinode")
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    head = RayNode(["--head", f"--port={address.rsplit(':', 1)[1]}", f"--autoscaling-config={tmp / 'config.yaml'}",
+                    "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
+                   tmp / "head.log", HEAD_ENV, timeout_s=START_TIMEOUT_S)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while alive_nodes() < NODES:  # the autoscaler launches the worker nodes it is configured to keep
+        while alive_nodes(address) < NODES:  # the autoscaler launches the worker nodes it is configured to keep
             assert time.monotonic() < deadline, f"the fake cluster did not reach {NODES} nodes"
             time.sleep(1.0)
-        yield "auto"
+        yield address
     finally:
-        subprocess.run(["ray", "stop", "--force"], timeout=60, capture_output=True)  # the cluster this test started
+        head.stop()
 
 
 @pytest.fixture(scope="module")

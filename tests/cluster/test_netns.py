@@ -17,10 +17,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cluster_helpers import RayNode
 
 ARCH = "tiny-llama"
 DRIVER = Path(__file__).resolve().parent / "netns_driver.py"
-HEAD_PORT = 6380
+HEAD_PORT = 6380  # inside namespace a: no other process on the machine sees it
 TIMEOUT_S = 180
 # Ray 2.60's token authentication, with a token of this test's own for the head, the node and the driver.
 RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -61,17 +62,19 @@ def namespaces():
 
 
 @pytest.fixture(scope="module")
-def ray_nodes(namespaces):
+def ray_nodes(namespaces, tmp_path_factory):
     (a, ip_a), (b, ip_b) = namespaces["a"], namespaces["b"]
     common = ["--num-cpus=1", "--disable-usage-stats", "--object-store-memory=150000000"]
+    logs = tmp_path_factory.mktemp("ray-nodes")
+    nodes = [RayNode(["--head", f"--node-ip-address={ip_a}", f"--port={HEAD_PORT}", "--include-dashboard=false",
+                      '--resources={"prefill": 1}', *common], logs / "head.log", RAY_ENV, ns=a, timeout_s=TIMEOUT_S)]
     try:
-        run("ray", "start", "--head", f"--node-ip-address={ip_a}", f"--port={HEAD_PORT}", "--include-dashboard=false",
-            '--resources={"prefill": 1}', *common, ns=a, env=RAY_ENV)
-        run("ray", "start", f"--address={ip_a}:{HEAD_PORT}", f"--node-ip-address={ip_b}", '--resources={"decode": 1}',
-            *common, ns=b, env=RAY_ENV)
+        nodes.append(RayNode([f"--address={ip_a}:{HEAD_PORT}", f"--node-ip-address={ip_b}", '--resources={"decode": 1}',
+                              *common], logs / "node.log", RAY_ENV, ns=b, timeout_s=TIMEOUT_S))
         yield f"{ip_a}:{HEAD_PORT}"
     finally:
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)  # the two nodes started here
+        for node in reversed(nodes):
+            node.stop()
 
 
 def test_kv_crosses_a_veth_between_namespaces_over_tcp_with_exact_outputs(namespaces, ray_nodes, model_dirs,

@@ -15,7 +15,10 @@ import urllib.request
 
 import openai
 import pytest
-from cluster_helpers import assert_idle, manifest
+import ray
+from cluster_helpers import (assert_aborted, assert_idle, manifest, on_worker, record_engine_aborts, wait_clean_audit,
+                             worker)
+from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import Client
@@ -242,39 +245,45 @@ def test_the_http_listener_sends_small_events_at_once_and_a_taken_port_is_a_clea
         taken.close()
 
 
-def test_a_client_that_goes_away_mid_stream_frees_its_kv(cluster, model):
+def test_a_client_that_goes_away_mid_stream_stops_the_request_and_frees_its_kv(cluster, model, caplog):
+    for w in cluster.workers:
+        on_worker(w, record_engine_aborts)
     body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
     host, port = cluster.http_address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-        response = conn.getresponse()
-        assert response.status == 200
-        for _ in range(100):  # bounded: the first event comes within a few lines
-            if response.readline().startswith(b"data:"):
-                break  # the first token arrived: hang up
-        else:
-            pytest.fail("no event in the stream")
-    finally:
-        conn.close()
-    assert_idle(cluster)
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            for _ in range(100):  # bounded: the first event comes within a few lines
+                if response.readline().startswith(b"data:"):
+                    break  # the first token arrived: hang up
+            else:
+                pytest.fail("no event in the stream")
+        finally:
+            conn.close()
+        assert_aborted(cluster, caplog, "CANCELLED", 400)
 
 
 def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(cluster, model, caplog):
+    for w in cluster.workers:
+        on_worker(w, record_engine_aborts)
     body = {"model": model, "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
     host, port = cluster.http_address.rsplit(":", 1)
+    decode = [w for w in cluster.workers if w.pool == "decode"]
     with caplog.at_level(logging.INFO, logger="pdserve.lifetime"):
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-        time.sleep(0.2)  # it is decoding now
+        deadline = time.monotonic() + 30
+        while not any(on_worker(w, lambda self: len(self.engine.requests)) for w in decode):  # it is decoding now
+            assert time.monotonic() < deadline, "the request never reached a decode worker"
+            time.sleep(0.02)
         conn.close()
-        assert_idle(cluster)
-    ended = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.lifetime"]
-    mine = [x for x in ended if x.get("api") == "http" and x.get("prompt_tokens") == len(PROMPT)]
-    assert mine and mine[-1]["code"] == "CANCELLED" and mine[-1]["output_tokens"] < 480, mine
+        assert_aborted(cluster, caplog, "CANCELLED", 480)
 
 
 def test_lifetime_events_in_the_response_and_the_log(api, grpc_client, model, caplog):
@@ -299,14 +308,15 @@ def test_lifetime_events_in_the_response_and_the_log(api, grpc_client, model, ca
 
 
 def test_metrics_families_and_counts_agree_with_what_was_served(cluster, api, grpc_client, model):
-    time.sleep(1.0)  # workers' figures arrive with their health reports (every 0.5 s)
+    # Workers' figures arrive with their health reports: an idle audit vouches for reports made at idle.
+    wait_clean_audit(cluster)
     before = scrape(cluster)
     completed = [api.completions.create(model=model, prompt=PROMPT[:n], max_tokens=5, temperature=0,
                                         extra_body={"ignore_eos": True}) for n in (5, 9, 12)]
     grpc_client.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True)
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="nope", prompt="x", max_tokens=1)
-    time.sleep(1.0)
+    wait_clean_audit(cluster)
     after = scrape(cluster)
 
     for family in ("pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
@@ -370,17 +380,13 @@ def test_https_overload_is_429_with_retry_after_and_a_dead_pool_is_503(tls_clust
     assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
     long_stream.close()
 
-    cluster._supervisor.stop()  # hold the router's view: every decode worker unhealthy
-    decode = [w for w in cluster.workers if w.pool == "decode"]
-    for w in decode:
-        w.healthy = False
-    try:
-        with pytest.raises(openai.InternalServerError) as e:
-            api.completions.create(model=model, prompt=PROMPT, max_tokens=3)
-        assert e.value.status_code == 503 and "no healthy worker" in e.value.message
-        assert call(f"{base}/health", context=ssl.create_default_context(cafile=ca))[0] == 503
-    finally:
-        for w in decode:
-            w.healthy = True
+    decode = worker(cluster, "decode")  # the pool's only worker dies; Ray restarts it
+    ray.kill(decode.handle, no_restart=False)
+    assert wait_until(lambda: not decode.healthy, 10), "the supervisor never noticed the kill"
+    with pytest.raises(openai.InternalServerError) as e:  # the restart waits out a back-off of 1 s at least
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=3)
+    assert e.value.status_code == 503 and "no healthy worker" in e.value.message
+    assert call(f"{base}/health", context=ssl.create_default_context(cafile=ca))[0] == 503
+    assert wait_until(lambda: decode.healthy, 90), "the restarted worker never rejoined"
     assert call(f"{base}/health", context=ssl.create_default_context(cafile=ca))[0] == 200
     assert_idle(cluster)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import ray
 from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, worker
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import wait_until
 
 from pdserve.client import AsyncClient, Client

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams

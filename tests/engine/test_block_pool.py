@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle, drain, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams

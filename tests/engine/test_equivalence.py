@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TEST_PRESETS, random_prompts
+from helpers import TEST_PRESETS, random_prompts
 from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import HFReference, random_prompts
+from helpers import HFReference, random_prompts
 from helpers import run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams

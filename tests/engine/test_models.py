@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle, run_all
 from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle, drain
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from conftest import random_prompts
+from helpers import random_prompts
 from fuzz_strategies import fuzz_settings
 from helpers import assert_pool_idle
 from hypothesis import strategies as st

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams

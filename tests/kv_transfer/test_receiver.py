@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TEST_PRESETS, random_prompts
+from helpers import TEST_PRESETS, random_prompts
 from helpers import assert_pool_idle, run_all, wait_until
 from kv_helpers import synthetic_tables
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from conftest import random_prompts
+from helpers import random_prompts
 from helpers import assert_pool_idle, wait_until
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
