@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pdserve.cluster.bench.cli import add_commands as add_bench_commands
 from pdserve.cluster.cli_help import examples
+from pdserve.cluster.overrides import add_override_options
 
 # The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
@@ -68,7 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
                                  for r in results) * 1e3
         print(f"\nlatency summary ({manifest.mode}, {len(results)} requests): median TTFT {ttft:.0f} ms, "
               f"median TPOT {tpot:.1f} ms, median e2e {e2e:.0f} ms")
-        _demo_http(cluster.http_address, manifest.model, args.max_tokens, manifest.server.token,
+        _demo_http(cluster.http_address, manifest.served_name, args.max_tokens, manifest.server.token,
                    manifest.server.tls_cert)
     print("cluster stopped")
     return 0
@@ -106,8 +107,10 @@ def _up(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
+    from pdserve.cluster.overrides import ManifestOverrides
 
-    manifest = load_manifest(args.manifest)  # a bad manifest fails here, before anything starts
+    # A bad manifest, or a bad override, fails here, before anything starts.
+    manifest = load_manifest(args.manifest, ManifestOverrides.from_args(args))
     lifetime = logging.getLogger("pdserve.lifetime")  # one JSON line per finished request
     lifetime.setLevel(logging.INFO)
     lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
@@ -130,7 +133,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"ready: pdserve generate --address {address} \"hello\"   (Ctrl-C stops the cluster)", flush=True)
         if cluster.http_address:
             base = f"{'https' if manifest.server.tls_cert else 'http'}://{cluster.http_address}"
-            print(f"ready: OpenAI API at {base}/v1, metrics at {base}/metrics", flush=True)
+            print(f"ready: OpenAI API at {base}/v1, metrics at {base}/metrics; pdserve status --address "
+                  f"{cluster.http_address}{' --tls-ca CA.pem' if manifest.server.tls_cert else ''}", flush=True)
         stop.wait()
     finally:
         print("shutting down ...", flush=True)
@@ -159,6 +163,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.cluster.status import fetch_health, render
+
+    report = fetch_health(args.address, args.tls_ca)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["serving"] else 1
 
 
 def _train_model(args: argparse.Namespace) -> int:
@@ -238,10 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "started. Every manifest field: docs/configuration-reference.md.",
                         **examples("pdserve up                                      # deploy/local.yaml",
                                    "pdserve up deploy/2p4d.yaml                     # on a Ray cluster's head node",
-                                   "pdserve up my.yaml --lifetime-log lifetimes.jsonl"))
+                                   "pdserve up my.yaml --lifetime-log lifetimes.jsonl",
+                                   "pdserve up --model Qwen/Qwen2.5-0.5B-Instruct --decode-replicas 2",
+                                   "pdserve up my.yaml --http-address 0.0.0.0:8000 --served-model-name my-model"))
     up.add_argument("manifest", nargs="?", default=None, help="manifest (default: deploy/local.yaml)")
     up.add_argument("--lifetime-log", type=Path, default=None, metavar="FILE",
                     help="write each request's lifetime (one JSON line per request) here instead of stderr")
+    add_override_options(up)
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="send one request to a running cluster",
@@ -264,6 +281,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PEM client certificate, when the server requires mutual TLS (with --client-key)")
     gen.add_argument("--client-key", type=Path, default=None, help="PEM private key of --client-cert")
     gen.set_defaults(func=_generate)
+
+    st = sub.add_parser("status", help="show a running cluster: its model, addresses, pools and workers",
+                        description="Show a running cluster as its /health answers: the model, the gRPC and HTTP "
+                                    "addresses, and each worker's pool, role, node, health, requests, queued prompts "
+                                    "and KV use. Exits 0 while the cluster serves, 1 when it cannot (no healthy "
+                                    "worker in a pool it needs) or nothing answers.",
+                        **examples("pdserve status                                  # 127.0.0.1:8000",
+                                   "pdserve status --address 10.0.0.5:8000 --json",
+                                   "pdserve status --address 10.0.0.5:8443 --tls-ca ca.pem"))
+    st.add_argument("--address", default="127.0.0.1:8000",
+                    help="the cluster's HTTP API, its manifest's server.http_address (default: %(default)s)")
+    st.add_argument("--tls-ca", type=Path, default=None,
+                    help="PEM of the CA that signed the server's certificate: ask over HTTPS")
+    st.add_argument("--json", action="store_true", help="print /health's JSON answer as it is")
+    st.set_defaults(func=_status)
 
     add_bench_commands(sub)
     return parser

@@ -98,7 +98,8 @@ class Cluster:
                                       after_round=self.audit.observe).start()
         scheme = "https" if m.server.tls_cert is not None else "http"
         http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
-        self.log(f"serving {m.model!r} over gRPC on {self.address}{http} ({m.mode}, transport "
+        named = f" as {m.served_name!r}" if m.served_name != m.model else ""
+        self.log(f"serving {m.model!r}{named} over gRPC on {self.address}{http} ({m.mode}, transport "
                  f"{m.kv_transfer.transport}) after {time.time() - t0:.1f} s")
         return self.address
 
@@ -257,11 +258,11 @@ class Cluster:
         declared = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [None])[0]
         first = declared if declared is not None else tokenizer.eos_token_id
         info = pdserve_pb2.ModelInfo(
-            name=m.model, model_type=config.model_type, vocab_size=config.vocab_size,
+            name=m.served_name, model_type=config.model_type, vocab_size=config.vocab_size,
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
             block_size=m.block_size, eos_token_id=first if first is not None else 0, eos_token_ids=eos,
         )
-        return ServedModel(m.model, tokenizer, info, max_token_chars(tokenizer))
+        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer))
 
     # --- down -----------------------------------------------------------------------------------
     def stop(self) -> None:

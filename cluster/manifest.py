@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
+from pdserve.cluster.overrides import ManifestOverrides
 from pdserve.faults import FaultSettings
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
@@ -368,7 +369,13 @@ class Manifest(_Strict):
     """A pdserve cluster: the model, the pools of workers, the router, KV transfer and the servers."""
 
     model: str = Field("pystd-llama", description="The shipped model (pystd-llama), a preset name (`pdserve "
-                                                  "make-model --list`) or a Hugging Face model directory.")
+                                                  "make-model --list`), a Hugging Face model directory, or a Hugging "
+                                                  "Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`: from the Hub cache "
+                                                  "under HF_HOME, downloaded there where the network allows).")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The name clients call the model by (`/v1/models`, each request's and "
+                                        "response's `model`); null: the model's own name, the last part of a "
+                                        "directory's path (never a whole absolute path).")
     model_path_shared: bool = Field(
         False, description="The model directory is read at the same (absolute) path on every node (a shared file "
                            "system); false: nodes that lack it get its files through Ray's object store. Either way "
@@ -456,6 +463,15 @@ class Manifest(_Strict):
         """Every timing that another depends on, checked against each other (`pdserve.deadlines`)."""
         return Deadlines(kv=self.kv_transfer.deadlines, health=self.supervision.deadlines)
 
+    @property
+    def served_name(self) -> str:
+        """What clients call the model: `served_model_name`, else a directory's name or the model as given
+        (a preset, a shipped model, a Hub id such as `Qwen/Qwen2.5-0.5B`)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        path = Path(self.model).expanduser()
+        return path.name if path.is_absolute() or path.is_dir() else self.model
+
     def workers(self) -> list[tuple[str, str, PoolSpec]]:
         """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered
         across the pools."""
@@ -478,8 +494,9 @@ class ManifestError(ValueError):
     pass
 
 
-def load_manifest(source: str | Path | dict | None = None) -> Manifest:
-    """Read and validate a manifest (path, dict, or None for the default); raise ManifestError."""
+def load_manifest(source: str | Path | dict | None = None, overrides: ManifestOverrides | None = None) -> Manifest:
+    """Read and validate a manifest (path, dict, or None for the default), with `overrides` (command-line
+    options) written over its fields first; raise ManifestError, naming the option of an overridden field."""
     if source is None:
         source = DEFAULT_MANIFEST
     if isinstance(source, dict):
@@ -495,11 +512,13 @@ def load_manifest(source: str | Path | dict | None = None) -> Manifest:
         where = str(path)
     if not isinstance(data, dict):
         raise ManifestError(f"{where}: the top level must be a mapping of fields")
+    overrides = overrides or ManifestOverrides()
     try:
-        return Manifest.model_validate(data)
+        return Manifest.model_validate(overrides.apply(data))
     except ValidationError as e:
         problems = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            problems.append(f"  {field}: {err['msg']}")
+            option = overrides.option_for(field)
+            problems.append(f"  {field}{f' (set by {option})' if option else ''}: {err['msg']}")
         raise ManifestError(f"{where} is invalid:\n" + "\n".join(problems)) from None

@@ -22,6 +22,15 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
 
+class BadParameter(ValueError):
+    """A request's value that breaks a rule; `param` names the request field it came from (OpenAI's
+    error `param`), so every API can say which one, in the same words."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -57,37 +66,40 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
-        """Raise ValueError naming the parameter and its allowed range."""
+        """Raise BadParameter naming the parameter and its allowed range."""
         if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+            raise BadParameter("temperature", f"temperature must be a finite number >= 0 (0 means greedy), got "
+                                              f"{self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise BadParameter("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         # Bounded above: the sampler puts top_k in an int64 tensor, and a larger value (the HTTP API
         # takes any JSON integer) would fail the engine step of every request in the batch.
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
-            raise ValueError(f"top_k must be an integer >= 0 and < 2**63 (0 disables it), got {_short(self.top_k)}")
+            raise BadParameter("top_k", f"top_k must be an integer >= 0 and < 2**63 (0 disables it), got "
+                                        f"{_short(self.top_k)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
+            raise BadParameter("max_tokens", f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
+            raise BadParameter("seed", f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
         for name in ("ignore_eos", "logprobs"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {_short(getattr(self, name))}")
+                raise BadParameter(name, f"{name} must be true or false, got {_short(getattr(self, name))}")
         # Errors name the first bad entry, not the whole list: a client's list may be huge.
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                             "are allowed")
+            raise BadParameter("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                                                 f"{MAX_STOP_TOKEN_IDS} are allowed")
         for i, t in enumerate(self.stop_token_ids):
             if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(t)} at index {i}")
+                raise BadParameter("stop_token_ids", f"stop_token_ids must be non-negative integers, got {_short(t)} "
+                                                     f"at index {i}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise BadParameter("stop", f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a list of non-empty strings, got {_short(s)} at index {i}")
+                raise BadParameter("stop", f"stop must be a list of non-empty strings, got {_short(s)} at index {i}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; the one at "
-                                 f"index {i} has {len(s)}")
+                raise BadParameter("stop", f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; the "
+                                           f"one at index {i} has {len(s)}")
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -112,15 +124,15 @@ def _is_real(x: object) -> bool:
 def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, num_output_tokens: int = 0) -> None:
     """Raise ValueError unless `token_ids` is a prompt the model can continue by at least one token."""
     if not token_ids:
-        raise ValueError("prompt is empty: it must have at least one token")
+        raise BadParameter("prompt", "prompt is empty: it must have at least one token")
     total = len(token_ids) + num_output_tokens  # before the ids are read: a client's list may hold millions
     if total >= max_model_len:
-        raise ValueError(f"prompt has {total} tokens but the context limit is {max_model_len} "
-                         "(max_model_len, which must leave room for at least one generated token)")
+        raise BadParameter("prompt", f"prompt has {total} tokens but the context limit is {max_model_len} "
+                                 "(max_model_len, which must leave room for at least one generated token)")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got "
-                         f"{', '.join(_short(t) for t in bad[:5])}")
+        raise BadParameter("prompt", f"prompt token ids must be integers in [0, {vocab_size}); got "
+                                 f"{', '.join(_short(t) for t in bad[:5])}")
 
 
 def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:
@@ -132,9 +144,21 @@ def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int
         return
     limit = (max_model_len - 1) * max_token_chars
     if len(text) > limit:
-        raise ValueError(f"prompt has {len(text)} characters, more than the {limit} that can fit the context limit "
-                         f"of {max_model_len} tokens (max_model_len, which must leave room for one generated token; "
-                         f"no token of this model stands for more than {max_token_chars} characters)")
+        raise BadParameter("prompt", f"prompt has {len(text)} characters, more than the {limit} that can fit the "
+                                     f"context limit of {max_model_len} tokens (max_model_len, which must leave room "
+                                     f"for one generated token; no token of this model stands for more than "
+                                     f"{max_token_chars} characters)")
+
+
+def check_output_room(prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "max_tokens") -> None:
+    """Raise BadParameter (naming `param`, the request's field) when a prompt of `prompt_tokens` tokens
+    plus `max_tokens` generated ones do not fit the context: refused, as vLLM refuses it, rather than
+    cut short unasked."""
+    room = max_model_len - prompt_tokens
+    if max_tokens > room:
+        raise BadParameter(param, f"{param} is {max_tokens} but the prompt has {prompt_tokens} tokens and the "
+                                  f"context limit is {max_model_len} (max_model_len): at most {room} tokens can be "
+                                  f"generated; ask for {room} or fewer, or shorten the prompt")
 
 
 @dataclass

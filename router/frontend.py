@@ -7,8 +7,10 @@ limits), places it (`routing.Router`: UNAVAILABLE at once when a pool has no liv
 RESOURCE_EXHAUSTED with a retry-after hint when every live one is full or no placement can meet the
 TTFT objective), dispatches it with a Ray call that returns immediately, and hands back its
 `ActiveRequest`. Iterating `ActiveRequest.responses` yields the gRPC API's own `GenerateResponse`
-messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every failure is a `RequestFailed` carrying a gRPC status code
-name, which each API maps to its own errors.
+messages as token messages arrive from the workers (pyzmq); the HTTP API translates them. Every
+failure is a `RequestFailed` carrying a gRPC status code name, its message (the same words on every
+API) and, for bad input, the request field at fault; each API maps it to its own errors. Output past
+what the context leaves after the prompt is refused, never cut short unasked.
 
 `ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on
 every worker it touched unless it completed (a cancel, a deadline or a failure frees its KV there),
@@ -30,7 +32,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdserve.engine.sampling_params import SamplingParams, check_prompt, check_prompt_text
+from pdserve.engine.sampling_params import (
+    BadParameter,
+    SamplingParams,
+    check_output_room,
+    check_prompt,
+    check_prompt_text,
+)
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.aborts import AbortBatcher
 from pdserve.router.admission import Overloaded
@@ -66,13 +74,20 @@ T = TypeVar("T")
 
 
 class RequestFailed(Exception):
-    """A request refused or failed; `code` is a gRPC status code name."""
+    """A request refused or failed; `code` is a gRPC status code name, `param` the request field at
+    fault when one is (OpenAI's error `param`). Each API words it the same: `message` as it is."""
 
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param
+
+    @classmethod
+    def bad_input(cls, e: ValueError) -> RequestFailed:
+        """INVALID_ARGUMENT for a value that breaks a rule, naming its field when the rule says which."""
+        return cls(INVALID_ARGUMENT, str(e), param=e.param if isinstance(e, BadParameter) else None)
 
 
 @dataclass(frozen=True)
@@ -110,7 +125,7 @@ class Frontend:
         try:
             yield
         except (ValueError, RequestFailed) as e:
-            failed = e if isinstance(e, RequestFailed) else RequestFailed(INVALID_ARGUMENT, str(e))
+            failed = e if isinstance(e, RequestFailed) else RequestFailed.bad_input(e)
             self.metrics.ended(api, failed.code)
             lifetime_log.info(json.dumps({"request_id": None, "api": api, "code": failed.code,
                                           "error": failed.message, "accepted": time.time()}))
@@ -119,7 +134,8 @@ class Frontend:
     def check_model(self, name: str) -> None:
         if name and name != self.model.name:
             shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"  # a readable error
-            raise RequestFailed(NOT_FOUND, f"unknown model {shown}; this server serves {self.model.name!r}")
+            raise RequestFailed(NOT_FOUND, f"unknown model {shown}; this server serves {self.model.name!r}",
+                                param="model")
 
     async def off_loop(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`work(*args, **kwargs)` on the tokenizer threads: tokenizer work, which would stall every stream
@@ -138,16 +154,24 @@ class Frontend:
         check_prompt_text(prompt, self.model.max_token_chars, self.model.info.max_model_len)
         return await self.tokenize(prompt)
 
+    def default_max_tokens(self, ids: list[int], default: int) -> int:
+        """The output length of a request that sets none: `default`, or what the context leaves when
+        that is less (the request did not ask for more: nothing to refuse)."""
+        return max(1, min(default, self.model.info.max_model_len - len(ids)))
+
     def close(self) -> None:
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
-              accepted: float | None = None) -> ActiveRequest:
-        """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (bad prompt) or
-        RequestFailed. `accepted`: when the API layer received the request (its parsing and tokenizing
-        count in the TTFT), else now."""
+              accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:
+        """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (a bad prompt, or more
+        output than the context leaves: `max_tokens_param` names the field that asked) or RequestFailed.
+        `accepted`: when the API layer received the request (its parsing and tokenizing count in the
+        TTFT), else now."""
         accepted = accepted or time.time()
-        check_prompt(ids, self.model.info.vocab_size, self.model.info.max_model_len)
+        info = self.model.info
+        check_prompt(ids, info.vocab_size, info.max_model_len)
+        check_output_room(len(ids), params.max_tokens, info.max_model_len, max_tokens_param)
         work = WorkRequest(uuid.uuid4().hex, ids, params)  # unique, whatever the client calls it
         if self.hub.error is not None:
             raise RequestFailed(UNAVAILABLE, f"the router's token stream failed: {self.hub.error}")

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP API (Starlette, served by uvicorn beside the gRPC server).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template), `GET
-/v1/models`, `GET /metrics` (Prometheus) and `GET /health`. Requests go the same way as gRPC ones
-(`router.frontend`: placement, admission control, metrics, lifetime events); responses stream as
-server-sent events when asked. Errors use OpenAI's format and status codes: 400 bad input, 401 bad
-or missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and
-/health are open, as vLLM's are), 404 unknown model or route, 413 a body past the size limit (the
-manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when the
-cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a worker
-reports a fault of its own. The status is decided by the request's first response (a worker's refusal
-is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
+/v1/models`, `GET /metrics` (Prometheus) and `GET /health` (the cluster's pools, workers and model in
+JSON: `router.health_report`). Requests go the same way as gRPC ones (`router.frontend`: placement,
+admission control, metrics, lifetime events); responses stream as server-sent events when asked.
+Errors use OpenAI's format and status codes, in the gRPC API's words, with `param` naming the request
+field at fault: 400 bad input (`max_tokens` past what the context leaves included), 401 bad or
+missing API key (the manifest's `server.auth_token`, compared in constant time; /metrics and /health
+are open, as vLLM's are), 404 unknown model (`model_not_found`) or route, 413 a body past the size
+limit (the manifest's `server.max_request_bytes`; no more of it is read), 429 with `Retry-After` when
+the cluster is full, 503 when a pool has no live worker or a peer or transfer failed, 500 when a
+worker reports a fault of its own. The status is decided by the request's first response (a worker's
+refusal is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
 
 Beyond OpenAI's fields: `top_k`, `ignore_eos` and `stop_token_ids` (as vLLM takes them), and
 `timings` (the phases and lifetime events of the request) on the last response.
@@ -36,9 +38,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.client import MAX_MESSAGE_BYTES
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import BadParameter, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
+from pdserve.router.health_report import HealthReport
 from pdserve.router.metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -76,11 +79,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = ""
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    # Ranges the engine's own rules check too are left to them (SamplingParams.validate), so that a
+    # bad value is refused in the gRPC API's words; only OpenAI's own narrower ranges are checked here.
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, le=2)
+    top_p: float | None = None
     top_k: int | None = Field(None, ge=-1)  # vLLM's and SGLang's -1, like 0: no cut
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -99,15 +104,16 @@ class _Body(BaseModel):
             if name in NEUTRAL_EXTENSIONS and value is not None and value not in NEUTRAL_EXTENSIONS[name]:
                 if name == "min_tokens" and self.ignore_eos and not self.stop and not self.stop_token_ids:
                     continue  # nothing can end the output before max_tokens: a benchmark's usual recipe
-                raise ValueError(f"{name} is not supported (leave it out)")
+                raise BadParameter(name, f"{name} is not supported (leave it out)")
         if (self.n or 1) != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+            raise BadParameter("n", f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them 0)")
+            raise BadParameter("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                               "presence_penalty and frequency_penalty are not supported (leave them 0)")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise BadParameter("logit_bias", "logit_bias is not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+            raise BadParameter("response_format", "response_format: only {\"type\": \"text\"} is supported")
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed))
@@ -132,13 +138,14 @@ class CompletionBody(_Body):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise ValueError(f"one prompt per request, got {len(p)}")
+                raise BadParameter("prompt", f"one prompt per request, got {len(p)}")
             p = p[0]
         if self.echo or self.suffix is not None or (self.best_of or 1) != 1:
-            raise ValueError("echo, suffix and best_of are not supported")
+            raise BadParameter("echo" if self.echo else "suffix" if self.suffix is not None else "best_of",
+                               "echo, suffix and best_of are not supported")
         if self.logprobs:
-            raise ValueError("logprobs must be 0 or unset: the sampled token's log-probability is returned, "
-                             "no alternatives")
+            raise BadParameter("logprobs", "logprobs must be 0 or unset: the sampled token's log-probability is "
+                                           "returned, no alternatives")
         return p
 
 
@@ -171,17 +178,19 @@ class ChatBody(_Body):
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs:
-            raise ValueError("top_logprobs must be 0 or unset: only the sampled token's log-probability is returned")
+            raise BadParameter("top_logprobs", "top_logprobs must be 0 or unset: only the sampled token's "
+                                               "log-probability is returned")
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise ValueError("tools and functions are not supported")
+            raise BadParameter("tools" if self.tools else "functions" if self.functions else "tool_choice",
+                               "tools and functions are not supported")
 
 
 # --- the app --------------------------------------------------------------------------------------
-def create_app(frontend: Frontend, auth_token: str | None = None, serving: Callable[[], bool] = lambda: True,
+def create_app(frontend: Frontend, health: Callable[[], HealthReport], auth_token: str | None = None,
                max_body_bytes: int = MAX_MESSAGE_BYTES) -> Starlette:
-    """The ASGI app. `serving` says whether the cluster takes requests (GET /health: 200 or 503); a
-    request body past `max_body_bytes` is answered 413 with no more of it read."""
-    api = _OpenAIApi(frontend, auth_token, serving, max_body_bytes)
+    """The ASGI app. `health` reports the cluster (GET /health: its JSON, 200 while it serves, else
+    503); a request body past `max_body_bytes` is answered 413 with no more of it read."""
+    api = _OpenAIApi(frontend, auth_token, health, max_body_bytes)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -194,11 +203,11 @@ def create_app(frontend: Frontend, auth_token: str | None = None, serving: Calla
 
 
 class _OpenAIApi:
-    def __init__(self, frontend: Frontend, auth_token: str | None, serving: Callable[[], bool],
+    def __init__(self, frontend: Frontend, auth_token: str | None, health: Callable[[], HealthReport],
                  max_body_bytes: int) -> None:
         self.frontend = frontend
         self.expected_auth = auth_token.encode() if auth_token else None
-        self.serving = serving
+        self.health_report = health
         self.max_body_bytes = max_body_bytes
 
     # --- routes ---------------------------------------------------------------------------------
@@ -226,7 +235,8 @@ class _OpenAIApi:
         return Response(self.frontend.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.serving() else 503)
+        report = self.health_report()
+        return JSONResponse(report.to_json(), status_code=200 if report.serving else 503)
 
     # --- the request path -----------------------------------------------------------------------
     async def _generate(self, request: Request, body_type: type[_Body], fmt_type: type[_Format]) -> Response:
@@ -249,8 +259,10 @@ class _OpenAIApi:
                 fmt = fmt_type(frontend, body)
                 await fmt.read_prompt()
                 active = frontend.start(API, fmt.prompt_ids, fmt.params, request.headers.get("x-request-id", ""),
-                                        accepted)
+                                        accepted, fmt.max_tokens_param)
         except RequestFailed as e:
+            if e.param == "prompt":  # the rules' name for what this endpoint's body calls otherwise
+                e.param = fmt_type.prompt_param
             return error_response(e)
         fmt.id = f"{fmt.id_prefix}-{active.request_id}"
         responses = active.responses()
@@ -325,6 +337,7 @@ class _Format:
 
     object_name = ""
     id_prefix = ""
+    prompt_param = "prompt"  # the body's field that holds the prompt
 
     def __init__(self, frontend: Frontend, body: _Body) -> None:
         self.frontend = frontend
@@ -334,6 +347,7 @@ class _Format:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"  # replaced by the server's request id once started
         self.prompt_ids: list[int] = []
         self.params: SamplingParams
+        self.max_tokens_param = "max_tokens"  # the field that set the output length, for errors about it
 
     def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
@@ -370,9 +384,11 @@ class _CompletionFormat(_Format):
     async def read_prompt(self) -> None:
         body = self.body
         prompt = body.single_prompt()
-        self.params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                           logprobs=body.logprobs is not None)
         self.prompt_ids = await self.frontend.prompt_ids(prompt)
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.frontend.default_max_tokens(self.prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        self.params = body.sampling_params(max_tokens, logprobs=body.logprobs is not None)
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -394,22 +410,27 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
 
     async def read_prompt(self) -> None:
         frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model!r} has no chat template: use /v1/completions")
+            raise BadParameter("messages", f"model {self.model!r} has no chat template: use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             text = await frontend.off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
                                            tokenize=False)
         except Exception as e:  # a template that rejects these messages (a jinja error it raised)
-            raise ValueError(f"the chat template cannot render these messages: {e}") from None
+            raise BadParameter("messages", f"the chat template cannot render these messages: {e}") from None
         # The rendered text is checked against the context: the template's own text counts, exactly.
         self.prompt_ids = await frontend.prompt_ids(text)
-        left = frontend.model.info.max_model_len - len(self.prompt_ids)  # OpenAI's default: what the context leaves
-        self.params = body.sampling_params(body.max_completion_tokens or body.max_tokens or max(1, left),
-                                           logprobs=bool(body.logprobs))
+        if body.max_completion_tokens is not None:  # it wins over max_tokens, as OpenAI's and vLLM's
+            max_tokens, self.max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        elif body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:  # OpenAI's default: what the context leaves
+            max_tokens = frontend.default_max_tokens(self.prompt_ids, frontend.model.info.max_model_len)
+        self.params = body.sampling_params(max_tokens, logprobs=bool(body.logprobs))
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.params.logprobs:
@@ -498,15 +519,15 @@ class _RequestStream(StreamingResponse):
 
 
 def _parse(body_type: type[_Body], raw: bytes) -> _Body:
-    """The request body, validated; ValueError naming each bad field."""
+    """The request body, validated; BadParameter naming each bad field (`param`: the first)."""
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as e:
-        problems = []
+        fields, problems = [], []
         for err in e.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "body"
-            problems.append(f"{field}: {err['msg']}")
-        raise ValueError("invalid request: " + "; ".join(problems)) from None
+            fields.append(".".join(str(p) for p in err["loc"]) or "body")
+            problems.append(f"{fields[-1]}: {err['msg']}")
+        raise BadParameter(fields[0], "invalid request: " + "; ".join(problems)) from None
 
 
 def _timings(r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
@@ -521,9 +542,12 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def _error_body(e: RequestFailed) -> dict[str, Any]:
+    """OpenAI's error object: the message in the gRPC API's words, the request field at fault in `param`."""
     status, kind = STATUS.get(e.code, (500, "internal_error"))
     code = "request_too_large" if isinstance(e, BodyTooLarge) else e.code.lower()
-    return {"error": {"message": e.message, "type": kind, "param": None, "code": code}}
+    if e.code == "NOT_FOUND" and e.param == "model":  # OpenAI's answer to a model it does not serve
+        kind, code = "invalid_request_error", "model_not_found"
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
 
 
 def error_response(e: RequestFailed) -> JSONResponse:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.health_report import HealthReport, ModelHealth, PoolHealth, worker_health
 from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService, add_to_server
 
@@ -129,7 +130,7 @@ class RouterServer:
         # Bound here, not by uvicorn: a port that is taken is then an OSError naming the address
         # (uvicorn would sys.exit, which ends this thread without a word).
         sock = _listen(host.strip("[]"), int(port), self.requested_http_address)
-        app = create_app(self.service.frontend, self.auth_token, self.serving, self.max_request_bytes)
+        app = create_app(self.service.frontend, self.health_report, self.auth_token, self.max_request_bytes)
         tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
         if self.client_ca is not None:  # mutual TLS: the handshake fails without a certificate the CA signed
             tls.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
@@ -152,6 +153,16 @@ class RouterServer:
         lives; without a prefill worker, decode workers prefill prompts themselves."""
         frontend = self.service.frontend
         return frontend.hub.error is None and any(w.healthy for w in frontend.router.decode_pool)
+
+    def health_report(self) -> HealthReport:
+        """The cluster as the router sees it now (`GET /health`, `pdserve status`)."""
+        frontend = self.service.frontend
+        router, info = frontend.router, frontend.model.info
+        pools = [PoolHealth("decode", True, [worker_health(w, router.mode) for w in router.decode_pool])]
+        if router.prefill_pool:  # not needed: without one, decode workers prefill prompts themselves
+            pools.insert(0, PoolHealth("prefill", False, [worker_health(w, router.mode) for w in router.prefill_pool]))
+        model = ModelHealth(info.name, info.model_type, info.max_model_len, info.dtype)
+        return HealthReport(self.serving(), router.mode, model, self.address, self.http_address, pools)
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""

@@ -8,6 +8,7 @@ that are no message of the method's type get INVALID_ARGUMENT too (gRPC itself w
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -60,6 +61,8 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                     raise ValueError("prompt is missing: set text or token_ids")
                 params = sampling_params(request.params)
                 ids = await frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids))
+                if not request.params.max_tokens:  # unset: the default, within what the context leaves
+                    params = dataclasses.replace(params, max_tokens=frontend.default_max_tokens(ids, params.max_tokens))
                 active = frontend.start("grpc", ids, params, request.request_id, accepted)
         except RequestFailed as e:
             await abort(context, e)
@@ -74,7 +77,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
 
 def sampling_params(p: pdserve_pb2.SamplingParams) -> SamplingParams:
     """The engine's parameters from the API's; unset optional fields (and max_tokens 0) take
-    SamplingParams' own defaults. Raises ValueError on bad values."""
+    SamplingParams' own defaults. Raises ValueError (BadParameter naming the field) on bad values."""
     optional = {name: getattr(p, name) for name in ("temperature", "top_p", "seed") if p.HasField(name)}
     if p.max_tokens:
         optional["max_tokens"] = p.max_tokens

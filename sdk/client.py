@@ -133,11 +133,12 @@ def _text(name: str) -> Iterator[None]:
 
 
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
-             top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int = 16,
+             top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
              logprobs: bool = False) -> pdserve_pb2.GenerateRequest:
-    """Build a GenerateRequest; unset temperature/top_p/seed keep the server's defaults (1.0, 1.0, none)."""
-    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
+    """Build a GenerateRequest; unset temperature/top_p/seed/max_tokens keep the server's defaults (1.0, 1.0,
+    none, 16 or what the context leaves when less)."""
+    params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens or 0, stop_token_ids=list(stop_token_ids),
                                         ignore_eos=ignore_eos, logprobs=logprobs)
     with _text("stop"):
         params.stop.extend(stop)

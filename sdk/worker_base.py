@@ -6,9 +6,11 @@ common part. Each role adds its own requests, KV side and report on top.
 from __future__ import annotations
 
 import resource
+import warnings
 from typing import Any
 
 import ray
+from ray.util.annotations import RayDeprecationWarning
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
@@ -19,11 +21,20 @@ from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.wire import TokenSink, WorkerStatus
 
 
+def _was_restarted() -> bool:
+    """Whether Ray restarted this actor. Ray's `was_current_actor_reconstructed` reads its own deprecated
+    `actor_id` property inside, which printed a deprecation warning in every worker's start-up log: the
+    warning is Ray's, not a use of ours to change, so it is held back here and nowhere else."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RayDeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 class WorkerBase:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None, faults: FaultSettings | None) -> None:
         self.worker_id = worker_id
-        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        restarted = ray.is_initialized() and _was_restarted()
         self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once
         model_dir, self.model_digest = materialize(model, ray.get)  # this node's copy, the launcher's bytes
         self.model_dir = str(model_dir)

@@ -202,6 +202,7 @@ class Target:
     worker_stats: Callable[[], dict[str, dict]] | None = None
     api: str = ""  # the pdserve API the client speaks (the `api` label of its metrics)
     metrics_url: str | None = None  # pdserve's Prometheus endpoint
+    kv_transfers: bool = True  # pdserve moves KV between workers (disaggregated): its metrics have those families
     grpc_client: StreamClient | None = None  # for an HTTP target: the same cluster over gRPC (idle comparison)
 
 
@@ -227,13 +228,15 @@ def serving(name: str, cfg: ServeBenchConfig, model_dir: Path, log: Callable[[st
     with Cluster(load_manifest(manifest_for(name, cfg)), log=lambda s: log(f"  {s}")) as cluster:
         metrics_url = f"http://{cluster.http_address}/metrics"
         if name == "disaggregated-http":
-            client = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.model, timeout=cfg.timeout_s,
+            client = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.served_name,
+                                  timeout=cfg.timeout_s,
                                   extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
                                   prompt_ids=True, event_per_token=True)
             yield Target(client, cluster.worker_stats, "http", metrics_url,
                          grpc_client=GrpcClient(cluster.address, timeout=cfg.timeout_s))
         else:
-            yield Target(GrpcClient(cluster.address, timeout=cfg.timeout_s), cluster.worker_stats, "grpc", metrics_url)
+            yield Target(GrpcClient(cluster.address, timeout=cfg.timeout_s), cluster.worker_stats, "grpc", metrics_url,
+                         kv_transfers=cluster.manifest.mode == "disaggregated")
 
 
 def loop_split(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
@@ -258,6 +261,8 @@ METRIC_FAMILIES = (
     "pdserve_prefix_cache_hit_rate", "pdserve_prompt_cached_tokens", "pdserve_kv_transfer_bytes",
     "pdserve_kv_transfer_duration_seconds", "pdserve_kv_transfers", "pdserve_router_decisions", "pdserve_requests",
 )
+# Exported by prefill workers' KV senders: a colocated cluster, which has none, has none of these.
+KV_TRANSFER_FAMILIES = ("pdserve_kv_transfer_bytes", "pdserve_kv_transfer_duration_seconds", "pdserve_kv_transfers")
 
 
 @dataclass
@@ -284,8 +289,10 @@ def scrape_metrics(url: str) -> Scrape:
                   {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples})
 
 
-def metrics_check(before: Scrape, after: Scrape, recs: list[RequestRecord], api: str) -> dict[str, Any]:
-    """The scrape's counts over a run (after - before) against the run's own records."""
+def metrics_check(before: Scrape, after: Scrape, recs: list[RequestRecord], api: str,
+                  kv_transfers: bool = True) -> dict[str, Any]:
+    """The scrape's counts over a run (after - before) against the run's own records, and the families
+    missing from it (the KV transfer ones expected only with `kv_transfers`)."""
 
     def delta(sample: str, **labels: str) -> float:
         return after.total(sample, **labels) - before.total(sample, **labels)
@@ -299,7 +306,8 @@ def metrics_check(before: Scrape, after: Scrape, recs: list[RequestRecord], api:
         "output_tokens": (delta("pdserve_generation_tokens_total", api=api), sum(r.output_tokens for r in recs)),
         "routed": (delta("pdserve_router_decisions_total", pool="decode"), sum(r.outcome != "rejected" for r in recs)),
     }
-    missing = [f for f in METRIC_FAMILIES if f not in after.families]
+    expected = [f for f in METRIC_FAMILIES if kv_transfers or f not in KV_TRANSFER_FAMILIES]
+    missing = [f for f in expected if f not in after.families]
     mismatches = {k: v for k, v in pairs.items() if v[0] != v[1]}
     # Reported, not compared: a request that ends on its first token is placed for a transfer but never makes one.
     transfers = {"kv_transfers_ended": delta("pdserve_kv_transfers_total"),
@@ -432,9 +440,10 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
             if scraped is not None:
                 time.sleep(METRICS_SETTLE_S)  # workers' figures arrive with their next health reports
                 check = result.metrics_checks[rate] = metrics_check(scraped, scrape_metrics(target.metrics_url),
-                                                                    recs, target.api)
+                                                                    recs, target.api, target.kv_transfers)
                 if not check["consistent"]:
-                    log(f"  /metrics disagrees with the run's records: {check['mismatches']}")
+                    log(f"  /metrics disagrees with the run's records: missing families {check['missing_families']}, "
+                        f"(/metrics, records) differing {check['mismatches']}")
             write_jsonl(recs, jsonl)
             s = summarize(recs)
             short = sum(r.outcome == "ok" and r.output_tokens != r.max_tokens for r in recs)

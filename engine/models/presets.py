@@ -3,10 +3,10 @@ trained model.
 
 `make_model("llama-20m", dir)` writes a normal Hugging Face checkpoint directory (config.json,
 model.safetensors, tokenizer files) that any transformers code can load. Same preset and seed, same
-bytes. `resolve_model` turns a directory, a preset name or a shipped model's name into such a
-directory. `pystd-llama`, the default, is trained (not random): `engine/models/training.py` made it from the
-Python standard library's source and it ships in `engine/models/checkpoints/` (`pdserve train-model`
-reproduces it).
+bytes. `resolve_model` turns a directory, a preset name, a shipped model's name or a Hugging Face Hub
+id into such a directory. `pystd-llama`, the default, is trained (not random):
+`engine/models/training.py` made it from the Python standard library's source and it ships in
+`engine/models/checkpoints/` (`pdserve train-model` reproduces it).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+from pdserve.engine.models.hub import hub_snapshot, is_hub_id
 from pdserve.engine.models.tokenizer import build_tokenizer
 
 BUILD_VERSION = 3  # bump when the build recipe changes, so cached models are rebuilt
@@ -153,7 +154,9 @@ def preset_info(model_dir: str | Path) -> dict[str, Any] | None:
 
 
 def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None) -> Path:
-    """A model directory for `spec`: an existing directory, or a preset name (built once, cached)."""
+    """A model directory for `spec`: an existing directory, a shipped model, a Hugging Face Hub id (from
+    the Hub's cache, downloaded there when missing: `hub.hub_snapshot`), or a preset name (built once,
+    cached)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -164,11 +167,13 @@ def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None
             raise FileNotFoundError(f"the shipped model {name!r} is missing from {shipped}; "
                                     f"`pdserve train-model` makes it again")
         return shipped
+    if is_hub_id(name):
+        return hub_snapshot(name)
     if "/" in name or name.startswith((".", "~")):
         raise FileNotFoundError(f"model directory {name!r} does not exist")
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: not a directory, a shipped model ({', '.join(SHIPPED)}) "
-                         f"or a preset ({', '.join(PRESETS)})")
+        raise ValueError(f"unknown model {name!r}: not a directory, a Hugging Face Hub id (organisation/name), "
+                         f"a shipped model ({', '.join(SHIPPED)}) or a preset ({', '.join(PRESETS)})")
     target = (cache_dir or default_cache_dir()) / f"{name}-seed{seed}"
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several workers may resolve the same preset at once: one builds, the others wait and reuse it.

@@ -81,7 +81,7 @@ def https_get(cluster: Cluster, d, who: str | None, path: str = "/v1/models") ->
 def test_https_takes_only_clients_with_a_certificate_of_the_client_ca(mtls_cluster):
     cluster, d = mtls_cluster
     status, body = https_get(cluster, d, "client")
-    assert status == 200 and body["data"][0]["id"] == cluster.manifest.model
+    assert status == 200 and body["data"][0]["id"] == cluster.manifest.served_name
     for who in (None, "stranger"):
         # TLS 1.3 reports the refusal after the client's side of the handshake: on connect or first read.
         with pytest.raises((ssl.SSLError, ConnectionError)):

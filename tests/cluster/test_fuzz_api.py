@@ -71,6 +71,8 @@ def problems(request: pb.GenerateRequest, info: pb.ModelInfo, tokenizer) -> list
                else list(request.token_ids.ids))
         if not ids or any(t >= info.vocab_size for t in ids) or len(ids) >= info.max_model_len:
             found.append("prompt")
+        elif p.max_tokens > info.max_model_len - len(ids):  # 0: the default, which fits what is left
+            found.append("max_tokens")
     return found
 
 

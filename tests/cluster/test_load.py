@@ -393,7 +393,7 @@ def test_an_exception_in_a_long_lived_thread_fails_its_requests_explicitly(fault
         with pytest.raises(PDServeError) as failure:
             if not while_decoding:
                 on_worker(target, inject_exception, path)
-            stream = client.generate([13] * 40, stream=True, max_tokens=480, ignore_eos=True)
+            stream = client.generate([13] * 40, stream=True, max_tokens=460, ignore_eos=True)
             if while_decoding:  # tokens after the first come from the decode worker: the handoff is done
                 for _ in range(3):
                     next(stream)
@@ -440,7 +440,7 @@ def test_a_failed_token_hub_fails_waiting_streams_explicitly(faulty_cluster):
     c = faulty_cluster
     wait_healthy(c)
     with Client(c.address, timeout=30) as client:
-        stream = client.generate([17] * 40, stream=True, max_tokens=480, ignore_eos=True)
+        stream = client.generate([17] * 40, stream=True, max_tokens=460, ignore_eos=True)
         next(stream)
         fault = RuntimeError("injected fault in the token hub")
         c.router_stack.tokens._deliver = lambda data: (_ for _ in ()).throw(fault)

@@ -16,7 +16,15 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from pdserve.cluster.bench.serve import METRICS_SETTLE_S, metrics_check, roundtrip_prompt, scrape_metrics
+from pdserve.cluster.bench.serve import (
+    KV_TRANSFER_FAMILIES,
+    METRIC_FAMILIES,
+    METRICS_SETTLE_S,
+    Scrape,
+    metrics_check,
+    roundtrip_prompt,
+    scrape_metrics,
+)
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 from pdserve.cluster.bench.loadgen import (
@@ -296,7 +304,7 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
     reqs = [Request(f"g{i}", [rng.randrange(3, 1000) for _ in range(rng.randint(8, 60))], 6 + i) for i in range(6)]
     with Cluster(tiny_manifest(model_dirs["tiny-llama"]), log=lambda _: None) as cluster:
         url = f"http://{cluster.http_address}/metrics"
-        http = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.model, timeout=60,
+        http = OpenAIClient(f"http://{cluster.http_address}", model=cluster.manifest.served_name, timeout=60,
                             extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}},
                             prompt_ids=True, event_per_token=True)
         runs = {}
@@ -315,6 +323,15 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
             assert r.prompt_len == len(req.token_ids)
             assert 0 < r.ttft <= r.e2e and r.tpot is not None
             assert r.token_times == sorted(r.token_times)
+
+
+def test_a_colocated_cluster_s_metrics_are_complete_without_kv_transfer_families():
+    """A colocated cluster has no KV senders: its scrape lacks their families and is still consistent;
+    a disaggregated one's must have them, and the check names them when they are missing."""
+    scrape = Scrape({f for f in METRIC_FAMILIES if f not in KV_TRANSFER_FAMILIES}, {})
+    assert metrics_check(scrape, scrape, [], "grpc", kv_transfers=False)["consistent"]
+    check = metrics_check(scrape, scrape, [], "grpc", kv_transfers=True)
+    assert not check["consistent"] and check["missing_families"] == list(KV_TRANSFER_FAMILIES)
 
 
 # --- transformers serve, through the same OpenAI client -------------------------------------------

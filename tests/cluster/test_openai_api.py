@@ -54,7 +54,7 @@ def grpc_client(cluster):
 
 @pytest.fixture(scope="module")
 def model(cluster):
-    return cluster.manifest.model
+    return cluster.manifest.served_name
 
 
 def call(url: str, body: bytes | None = None, headers: dict | None = None,
@@ -369,7 +369,7 @@ def test_https_overload_is_429_with_retry_after_and_a_dead_pool_is_503(tls_clust
     base = f"https://{cluster.http_address}"
     api = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
                         http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=ca)))
-    model = cluster.manifest.model
+    model = cluster.manifest.served_name
     assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0).usage.completion_tokens
 
     long_stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
