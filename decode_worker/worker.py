@@ -36,7 +36,8 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
-from pdserve.wire import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest
+from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest,
+                          token_message)
 from pdserve.worker_base import WorkerBase
 
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
@@ -178,6 +179,7 @@ class DecodeWorker(WorkerBase):
         self.faults.after_step()
         now = time.time()
         self.step_log.append((self.engine.last_step.num_seqs, self.engine.last_step.total_s))
+        messages = []
         for out in outputs:
             events = {}
             local = self._events.get(out.request_id)  # gone when an abort came in between: nothing to add
@@ -187,10 +189,11 @@ class DecodeWorker(WorkerBase):
             if out.finished:
                 events = self._events.pop(out.request_id, {}) | {LifetimeEvent.DECODE_END: now}
                 events.setdefault(LifetimeEvent.DECODE_START, now)
-            self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
-                           finish_reason=out.finish_reason if out.finished else None,
-                           text=out.text if out.finished else None, events=events,
-                           cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
+            messages.append(token_message(
+                out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
+                finish_reason=out.finish_reason if out.finished else None, text=out.text if out.finished else None,
+                events=events, cached_tokens=out.num_cached_tokens, first_index=out.first_new_index))
+        self.sink.send_step(messages)
 
     def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:
         # Its senders would wait out every reservation: dead, so the supervisor starts it afresh.

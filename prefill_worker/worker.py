@@ -50,7 +50,7 @@ from pdserve.kv_transfer.state import TransferState
 from pdserve.prefill_worker.queues import PrefillQueues
 from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
-                          WorkerStatus, WorkRequest)
+                          WorkerStatus, WorkRequest, token_message)
 from pdserve.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,7 @@ class PrefillWorker(WorkerBase):
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
         now = time.time()
+        first_tokens, prefilled = [], []
         for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None or job.kv is None:  # cancelled or failed meanwhile; `_finish` frees its blocks
@@ -361,14 +362,18 @@ class PrefillWorker(WorkerBase):
             events = {LifetimeEvent.PREFILL_QUEUED: job.arrived, LifetimeEvent.PREFILL_START: job.prefill_started,
                       LifetimeEvent.PREFILL_END: now}
             if out.finish_reason == "prefilled":
-                self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs, events=events,
-                               cached_tokens=out.num_cached_tokens, first_index=out.first_new_index)
-                self.sender.prompt_done(job.kv, self.engine.export_handoff(out.request_id))
+                first_tokens.append(token_message(out.request_id, out.new_token_ids, logprobs=out.logprobs,
+                                                  events=events, cached_tokens=out.num_cached_tokens,
+                                                  first_index=out.first_new_index))
+                prefilled.append((job, self.engine.export_handoff(out.request_id)))
             else:  # finished on its first token (stop, length): nothing to hand over
                 self._finish(job, reason="request finished at prefill", last_message=lambda out=out, events=events:
                              self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                             finish_reason=out.finish_reason, text=out.text, events=events,
                                             cached_tokens=out.num_cached_tokens, first_index=out.first_new_index))
+        self.sink.send_step(first_tokens)  # the step's first tokens in one message, before their handoffs go on
+        for job, handoff in prefilled:
+            self.sender.prompt_done(job.kv, handoff)
 
     # --- every job ends here --------------------------------------------------------------------
     def _transfer_ended(self, kv: OutgoingKV, outcome: TransferOutcome) -> None:

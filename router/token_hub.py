@@ -1,9 +1,9 @@
 """The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues.
 
-Messages are `pdserve.wire.TokenMessage`s. Each request's reach its queue in output order
+Messages are `pdserve.wire.TokenMessage`s, each engine step's in one `TokenBatch`. Each request's reach its queue in output order
 (`OutputOrder`): its first token comes from the prefill worker and the rest from the decode worker,
 over two sockets that the PULL socket reads fairly, not in the order they were sent. One that does
-not parse is dropped and counted (`malformed`), never fatal: the hub serves every other request on.
+not parse (a batch) is dropped and counted (`malformed`), never fatal: the hub serves every other request on.
 If the hub's thread itself fails, every waiting request gets an INTERNAL error naming the cause and
 `error` is set (the router then refuses new requests and reports NOT_SERVING) instead of leaving
 streams waiting forever.
@@ -26,7 +26,7 @@ from pdserve.wire import (
     MalformedMessage,
     TokenMessage,
     is_handoff_notice,
-    parse_token_message,
+    parse_token_batch,
 )
 
 log = logging.getLogger(__name__)
@@ -131,12 +131,13 @@ class TokenStreamHub:
 
     def _deliver(self, data: bytes) -> None:
         try:
-            message = parse_token_message(data)
+            messages = parse_token_batch(data)
         except MalformedMessage as e:
             self.malformed += 1
-            log.warning("dropped a malformed token message (%d so far): %s", self.malformed, e)
+            log.warning("dropped a malformed token batch (%d so far): %s", self.malformed, e)
             return
-        self.deliver(message)
+        for message in messages:
+            self.deliver(message)
 
     def deliver(self, message: TokenMessage) -> None:
         """Hand one message to its request's stream (the router's own, such as a failed dispatch, too)."""

@@ -4,10 +4,10 @@
   both               `LifetimeEvent`: the names of a request's lifetime events (router's and workers').
   worker -> cluster  `WorkerStatus`, a worker's health report (the answer to `ping` and `profile`):
                      what the supervisor, placement, the idle audit and /metrics read.
-  worker -> router   `TokenMessage` (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
-                     worker's `TokenSink` PUSHes one message per request per engine step to the
-                     router's PULL socket; `parse_token_message` turns bytes back into a message or
-                     raises `MalformedMessage`. A message with no tokens whose events name
+  worker -> router   `TokenMessage`s (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
+                     worker's `TokenSink` PUSHes one `TokenBatch` per engine step, every request's new
+                     tokens in it, to the router's PULL socket; `parse_token_batch` turns bytes back
+                     into messages or raises `MalformedMessage`. A message with no tokens whose events name
                      `LifetimeEvent.HANDOFF_COMMITTED` is the prefill worker's notice that the decode worker holds
                      the request (its KV handoff committed): it has no output position.
 
@@ -25,6 +25,7 @@ import logging
 import secrets
 import threading
 from collections import deque
+from typing import Any
 from enum import StrEnum
 from dataclasses import dataclass, field
 
@@ -35,11 +36,11 @@ from google.protobuf.message import DecodeError
 from pdserve.engine.block_pool import KVPoolStatus
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.proto.pdserve.v1.internal_pb2 import TokenMessage
+from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch, TokenMessage
 
 __all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
-           "TokenSink", "MalformedMessage", "parse_token_message", "Tombstones", "ClusterSecret", "rejected_peers",
-           "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
+           "TokenSink", "MalformedMessage", "parse_token_batch", "token_message", "Tombstones", "ClusterSecret",
+           "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +172,30 @@ class MalformedMessage(ValueError):
     pass
 
 
-def parse_token_message(data: bytes) -> TokenMessage:
-    message = TokenMessage()
+def parse_token_batch(data: bytes) -> list[TokenMessage]:
+    """The token messages of one `TokenBatch`; MalformedMessage for bytes that are not one, or a batch
+    holding a message without its request id (the whole batch is refused: it came from no worker)."""
+    batch = TokenBatch()
     try:
-        message.ParseFromString(data)
+        batch.ParseFromString(data)
     except DecodeError as e:
-        raise MalformedMessage(f"not a TokenMessage: {e}") from None
-    if not message.request_id:
-        raise MalformedMessage("TokenMessage without request_id")
-    return message
+        raise MalformedMessage(f"not a TokenBatch: {e}") from None
+    if not all(message.request_id for message in batch.messages):
+        raise MalformedMessage("TokenBatch with a message without request_id")
+    return list(batch.messages)
+
+
+def token_message(request_id: str, token_ids: list[int] | None = None, *, logprobs: list[float] | None = None,
+                  finish_reason: str | None = None, text: str | None = None, error: str | None = None,
+                  error_code: str = "", events: dict[str, float] | None = None, cached_tokens: int = 0,
+                  first_index: int = 0) -> TokenMessage:
+    """One request's message; `error` (with `error_code`, a gRPC status name) fails the request.
+    `first_index`: the output position of `token_ids[0]` (the router puts a request's messages in that
+    order)."""
+    return TokenMessage(request_id=request_id, token_ids=token_ids or [], logprobs=logprobs or [],
+                        finish_reason=finish_reason or "", text=text or "", error=error or "",
+                        error_code=error_code, events=events or {}, cached_tokens=cached_tokens,
+                        first_index=first_index)
 
 
 class TokenSink:
@@ -193,17 +209,16 @@ class TokenSink:
         self._socket.connect(address)
         self._lock = threading.Lock()
 
-    def send(self, request_id: str, token_ids: list[int] | None = None, *, logprobs: list[float] | None = None,
-             finish_reason: str | None = None, text: str | None = None, error: str | None = None,
-             error_code: str = "", events: dict[str, float] | None = None, cached_tokens: int = 0,
-             first_index: int = 0) -> None:
-        """One message; `error` (with `error_code`, a gRPC status name) fails the request. `first_index`:
-        the output position of `token_ids[0]` (the router puts a request's messages in that order)."""
-        message = TokenMessage(request_id=request_id, token_ids=token_ids or [], logprobs=logprobs or [],
-                               finish_reason=finish_reason or "", text=text or "", error=error or "",
-                               error_code=error_code, events=events or {}, cached_tokens=cached_tokens,
-                               first_index=first_index)
-        data = message.SerializeToString()
+    def send(self, request_id: str, token_ids: list[int] | None = None, **fields: Any) -> None:
+        """One request's message on its own (a notice, an error, a last token): `token_message`'s fields."""
+        self.send_step([token_message(request_id, token_ids, **fields)])
+
+    def send_step(self, messages: list[TokenMessage]) -> None:
+        """Every message of one engine step in one pyzmq message (vLLM v1's batched outputs): the
+        router's hub wakes once per step and worker, not once per request."""
+        if not messages:
+            return
+        data = TokenBatch(messages=messages).SerializeToString()
         with self._lock:
             self._socket.send(data)
 

@@ -34,7 +34,8 @@ from pdserve.proto.pdserve.v1 import kv_transfer_pb2
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.token_hub import TokenStreamHub
-from pdserve.wire import ClusterSecret, MalformedMessage, TokenMessage, parse_token_message
+from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch
+from pdserve.wire import ClusterSecret, MalformedMessage, TokenMessage, parse_token_batch
 
 MIN_PER_PARSER = 2000
 SENT: Counter[str] = Counter()  # generated messages per parser, checked by test_zz_totals
@@ -52,11 +53,17 @@ def token_messages(request_id: st.SearchStrategy[str]) -> st.SearchStrategy[Toke
         first_index=st.one_of(st.integers(0, 30), U32))
 
 
-TOKEN_GOOD = token_messages(st.one_of(st.just(GOOD_ID), ODD_TEXT.filter(bool))).map(TokenMessage.SerializeToString)
+def token_batches(*parts: st.SearchStrategy[TokenMessage]) -> st.SearchStrategy[bytes]:
+    """One engine step's batch: the parts' messages, shuffled."""
+    return st.tuples(*parts).flatmap(st.permutations).map(lambda ms: TokenBatch(messages=ms).SerializeToString())
+
+
+NAMED = token_messages(st.one_of(st.just(GOOD_ID), ODD_TEXT.filter(bool)))
+TOKEN_GOOD = st.integers(1, 3).flatmap(lambda n: token_batches(*[NAMED] * n))
 TOKEN_BAD = st.one_of(
-    token_messages(st.just("")).map(TokenMessage.SerializeToString),  # no request id
+    token_batches(NAMED, token_messages(st.just(""))),  # a message with no request id: the whole batch goes
     st.just(b"\x0a\x05ab"),  # a field longer than the message
-    st.binary(max_size=8).map(lambda b: b"\x0a\x02\xff\xfe" + b),  # a request id that is not UTF-8
+    st.binary(max_size=8).map(lambda b: b"\x0a\x04\x0a\x02\xff\xfe" + b),  # a request id that is not UTF-8
 )
 TOKEN_MESSAGES = messages(TOKEN_GOOD, TOKEN_BAD, list(range(1, 10)))
 
@@ -99,9 +106,9 @@ def token_hub(secret):
 @given(batch=st.lists(TOKEN_MESSAGES, min_size=5, max_size=12))
 def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch):
     hub, socket = token_hub
-    good = [data for kind, data in batch if classify(parse_token_message, kind, data, MalformedMessage)]
+    good = [data for kind, data in batch if classify(parse_token_batch, kind, data, MalformedMessage)]
     bad = len(batch) - len(good)
-    mine = [d for d in good if parse_token_message(d).request_id == GOOD_ID]
+    mine = [m for d in good for m in parse_token_batch(d) if m.request_id == GOOD_ID]
     sentinel = f"sentinel-{SENT['token_stream']}"
 
     async def exchange() -> list[bytes]:
@@ -111,7 +118,7 @@ def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch)
         try:
             for _, data in batch:
                 socket.send(data)
-            socket.send(TokenMessage(request_id=sentinel, token_ids=[1]).SerializeToString())
+            socket.send(TokenBatch(messages=[TokenMessage(request_id=sentinel, token_ids=[1])]).SerializeToString())
             await asyncio.wait_for(done.get(), 10)  # one connection keeps order: everything before is handled
             assert hub.malformed - before == bad
             return [queue.get_nowait().SerializeToString(deterministic=True) for _ in range(queue.qsize())]
@@ -122,9 +129,9 @@ def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch)
     # The request's good messages come through intact (as bytes: NaN != NaN in a message's fields), in
     # output order: every error; the others as the longest chain from position 0 that they allow.
     delivered_bytes = asyncio.run(exchange())
-    sent = [parse_token_message(d) for d in mine]
+    sent = mine
     assert Counter(delivered_bytes) <= Counter(m.SerializeToString(deterministic=True) for m in sent)
-    delivered = [parse_token_message(d) for d in delivered_bytes]
+    delivered = [TokenMessage.FromString(d) for d in delivered_bytes]
     assert sum(bool(m.error) for m in delivered) == sum(bool(m.error) for m in sent)
     position = 0
     for m in (m for m in delivered if not m.error):

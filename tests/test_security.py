@@ -38,6 +38,7 @@ from pdserve.proto.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.token_hub import TokenStreamHub
+from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch
 from pdserve.wire import ClusterSecret, TokenMessage, TokenSink, rejected_peers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +73,8 @@ def test_token_stream_takes_messages_only_from_members(secret):
 
     async def run() -> list[TokenMessage]:
         queue = hub.subscribe("r1")
-        forged = TokenMessage(request_id="r1", token_ids=[666], finish_reason="stop").SerializeToString()
+        forged = TokenBatch(messages=[TokenMessage(request_id="r1", token_ids=[666], finish_reason="stop")])
+        forged = forged.SerializeToString()
         strangers = [rogue(zmq.PUSH, hub.address, None), rogue(zmq.PUSH, hub.address, secret.public_key),
                      rogue(zmq.PUSH, hub.address, ClusterSecret.generate().public_key)]
         for s in strangers:

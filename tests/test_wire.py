@@ -12,6 +12,7 @@ import zmq
 from helpers import worker_status
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
 from pdserve.wire import (
     LifetimeEvent,
@@ -20,7 +21,8 @@ from pdserve.wire import (
     TokenSink,
     WorkRequest,
     is_handoff_notice,
-    parse_token_message,
+    parse_token_batch,
+    token_message,
 )
 
 
@@ -38,11 +40,30 @@ def test_work_request_validation(kwargs, message):
         WorkRequest(**fields)
 
 
-def test_parse_rejects_garbage_and_messages_without_a_request():
-    with pytest.raises(MalformedMessage, match="not a TokenMessage"):
-        parse_token_message(b"\x0a\xff")  # field 1, length 255, truncated
+def test_parse_rejects_garbage_and_batches_with_a_message_without_a_request():
+    with pytest.raises(MalformedMessage, match="not a TokenBatch"):
+        parse_token_batch(b"\x0a\xff")  # field 1, length 255, truncated
+    unnamed = TokenBatch(messages=[TokenMessage(request_id="r1"), TokenMessage(token_ids=[1])])
     with pytest.raises(MalformedMessage, match="without request_id"):
-        parse_token_message(TokenMessage(token_ids=[1]).SerializeToString())
+        parse_token_batch(unnamed.SerializeToString())
+    step = [TokenMessage(request_id="r1", token_ids=[4]), TokenMessage(request_id="r2", token_ids=[5])]
+    assert parse_token_batch(TokenBatch(messages=step).SerializeToString()) == step
+
+
+def test_one_step_s_messages_travel_together_and_reach_each_request():
+    """A worker's engine step sends every request's new tokens in one pyzmq message."""
+    async def scenario() -> list[list[int]]:
+        hub = TokenStreamHub("127.0.0.1")
+        sink = TokenSink(hub.address)
+        try:
+            queues = [hub.subscribe(f"r{i}") for i in range(3)]
+            sink.send_step([token_message(f"r{i}", [10 + i], first_index=0) for i in range(3)])
+            return [list((await asyncio.wait_for(q.get(), 5)).token_ids) for q in queues]
+        finally:
+            sink.close()
+            hub.close()
+
+    assert asyncio.run(scenario()) == [[10], [11], [12]]
 
 
 def test_hub_delivers_token_messages_and_drops_malformed_ones():
@@ -55,7 +76,7 @@ def test_hub_delivers_token_messages_and_drops_malformed_ones():
             raw.setsockopt(zmq.LINGER, 0)
             raw.connect(hub.address)
             raw.send(b"\x0a\xff")
-            raw.send(TokenMessage(token_ids=[1]).SerializeToString())
+            raw.send(TokenBatch(messages=[TokenMessage(token_ids=[1])]).SerializeToString())
             sink.send("r1", [5, 6], logprobs=[-0.5, -1.0], events={"prefill_start": 1.5}, cached_tokens=3)
             sink.send("r1", [7], finish_reason="length", text="abc", first_index=2)
             first = await asyncio.wait_for(queue.get(), 5)

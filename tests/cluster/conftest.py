@@ -28,6 +28,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "own_ray: the module starts and stops Ray itself (no shared runtime)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that drive a Ray of their own run first, before this process has started and shut down
+    the shared one: a driver that joined another cluster after that had its first actors cancelled."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)  # stable: order kept otherwise
+
+
 @pytest.fixture(autouse=True, scope="module")
 def shared_ray(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("own_ray") is not None:

@@ -213,7 +213,7 @@ def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=19)[0]
     decode_workers = [w for w in cluster.workers if w.pool == "decode"]
     for w in decode_workers:
-        on_worker(w, install_gate, "sink.send")  # their tokens wait: the router hears only of the commit
+        on_worker(w, install_gate, "sink.send_step")  # their tokens wait: the router hears only of the commit
     committed = {w.name: on_worker(w, lambda self: len(self.sender.transfer_log))
                  for w in cluster.workers if w.pool == "prefill"}
     retries = cluster.router.stats.retries

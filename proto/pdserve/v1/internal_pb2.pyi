@@ -37,6 +37,12 @@ class TokenMessage(_message.Message):
     first_index: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., events: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., first_index: _Optional[int] = ...) -> None: ...
 
+class TokenBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[TokenMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[TokenMessage, _Mapping]]] = ...) -> None: ...
+
 class KVEvent(_message.Message):
     __slots__ = ("block_hash", "parent_hash", "removed")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
