@@ -54,6 +54,7 @@ def test_bench_kv_times_the_transports_alone_with_frames_of_a_given_size(tmp_pat
 def test_demo_runs_a_local_cluster_and_stops_it(tmp_path, model_dirs):
     manifest = tmp_path / "demo.yaml"
     manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
+                        "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
     result = pdserve("demo", "--manifest", str(manifest), "--max-tokens", "5")
     assert result.returncode == 0, result.stderr
