@@ -289,6 +289,7 @@ def test_a_health_change_whose_report_failed_is_reported_by_the_next_round(clust
 
     supervisor = Supervisor([ref], on_change)  # not started: the test runs its rounds
     try:
+        ray.get(actor.set_up.remote(True))  # its process is up: the first round's ping is answered in that round
         supervisor.check_once()
         assert calls == []
         ray.get(actor.set_up.remote(False))
