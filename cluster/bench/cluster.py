@@ -243,9 +243,9 @@ def run(cfg: ClusterBenchConfig, log=print) -> list[DeploymentResult]:
     manifests = [_manifest(cfg, mode, transport, kv) for _, mode, transport, kv in DEPLOYMENTS]
     cpus = sum(p.num_cpus * p.replicas for m in manifests for p in (m.pools.prefill, m.pools.decode))
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=int(cpus + 0.999), include_dashboard=False, logging_level=logging.WARNING,
-                 configure_logging=True)
+    if started_ray:  # a Ray of its own: never the one the last `ray start` here recorded under /tmp/ray
+        ray.init(address="local", num_cpus=int(cpus + 0.999), include_dashboard=False,
+                 logging_level=logging.WARNING, configure_logging=True)
     try:
         with ExitStack() as stack:
             deployments = []
