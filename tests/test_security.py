@@ -57,10 +57,10 @@ def rogue(kind: int, address: str, server_key: bytes | None) -> zmq.Socket:
     return socket
 
 
-def send_as_stranger(socket: zmq.Socket, data: bytes) -> None:
+def send_as_stranger(socket: zmq.Socket, *parts: bytes) -> None:
     """Send, or find that the socket has no peer to queue the message for: either way it delivers nothing."""
     try:
-        socket.send(data)
+        socket.send_multipart(parts)
     except zmq.Again:
         pass
 
@@ -158,7 +158,7 @@ def test_control_channel_answers_only_members(secret):
     member = None
     try:
         for s in strangers:
-            s.send_multipart([b"R", struct.pack("<Q", 0), b"pdserve-kv-" + b"0" * 32])
+            send_as_stranger(s, b"R", struct.pack("<Q", 0), b"pdserve-kv-" + b"0" * 32)
         assert not any(s.poll(1000) for s in strangers)  # no answer: the message was never taken
         assert handled == []
         member = ControlClient(server.address, secret=secret)
