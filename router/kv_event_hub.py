@@ -15,12 +15,15 @@ exactly once, in order:
 `forget(worker)` takes a worker out at once (it became unhealthy); if it comes back, it resyncs. The
 hub still knows its epochs then, so a straggler of a dead process does not pass for a new one.
 
-A message that does not parse is dropped and counted (`malformed`), never fatal. If the hub's thread
-itself fails, the index is cleared and `error` set: placement loses its prefix hints, nothing else.
+A message that does not parse is dropped and counted (`malformed`), never fatal. If the hub's
+receiving task itself fails, the index is cleared and `error` set: placement loses its prefix hints,
+nothing else. The hub receives on the router's event loop; `apply_snapshot` and `forget` come from
+other threads, hence its lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,8 +32,7 @@ from dataclasses import dataclass, field
 
 from pdserve.kv_events import KVEventBatch, parse_kv_event_batch
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.zmq_pull import bind_pull, drain
-from pdserve.threads import start_guarded
+from pdserve.router.zmq_pull import PullHub
 from pdserve.wire import ClusterSecret, MalformedMessage
 
 log = logging.getLogger(__name__)
@@ -48,15 +50,14 @@ class _Worker:
     forgotten: bool = False  # out of the index until it sends again (then it resyncs)
 
 
-class KVEventHub:
-    def __init__(self, index: PrefixIndex, request_snapshot: Callable[[str], None], host: str = "127.0.0.1", *,
-                 max_kept_events: int = 65536, snapshot_timeout_s: float = 30.0,
+class KVEventHub(PullHub):
+    def __init__(self, index: PrefixIndex, request_snapshot: Callable[[str], None], loop: asyncio.AbstractEventLoop,
+                 host: str = "127.0.0.1", *, max_kept_events: int = 65536, snapshot_timeout_s: float = 30.0,
                  secret: ClusterSecret | None = None) -> None:
         self.index = index
         self._request_snapshot = request_snapshot
         self._max_kept_events = max_kept_events
         self._snapshot_timeout_s = snapshot_timeout_s  # then a lost request is made again
-        self._socket, self.address = bind_pull(host, secret)
         self.applied = 0  # events applied to the index
         self.duplicates = 0  # events received again and skipped
         self.resyncs = 0  # gaps, missed starts and overflows that needed a snapshot
@@ -65,13 +66,7 @@ class KVEventHub:
         self.error: str | None = None
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = start_guarded("kv-event-hub", self._run, self._crashed)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
-        self._socket.close()
+        super().__init__("KV event stream", host, secret, loop)
 
     # --- state, for the launcher, stats and tests -----------------------------------------------
     def last_seq(self, worker: str) -> int | None:
@@ -122,7 +117,7 @@ class KVEventHub:
                 self._workers[worker] = _Worker(state.epoch, old_epochs=state.old_epochs, forgotten=True)
             self.index.drop(worker)
 
-    # --- the hub's thread -----------------------------------------------------------------------
+    # --- on the router's event loop ------------------------------------------------------------
     def _crashed(self, error: BaseException) -> None:
         with self._lock:
             self.error = f"{type(error).__name__}: {error}"
@@ -130,10 +125,7 @@ class KVEventHub:
                 self.index.drop(worker)
             self._workers.clear()
 
-    def _run(self) -> None:
-        drain(self._socket, self._stop, self._deliver)
-
-    def _deliver(self, data: bytes) -> None:
+    def _on_message(self, data: bytes) -> None:
         try:
             batch = parse_kv_event_batch(data)
         except MalformedMessage as e:

@@ -1,5 +1,5 @@
-"""Runs the router's servers on one event loop thread of their own: gRPC (API, health, reflection)
-and, when the manifest gives `server.http_address`, the OpenAI-compatible HTTP API with /metrics."""
+"""Runs the router's servers on the router's event loop: gRPC (API, health, reflection) and, when the
+manifest gives `server.http_address`, the OpenAI-compatible HTTP API with /metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import hmac
 import logging
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.health_report import HealthReport, ModelHealth, PoolHealth, worker_health
 from pdserve.router.http_api import create_app
 from pdserve.router.service import RouterService, add_to_server
@@ -64,7 +64,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 
 class RouterServer:
-    def __init__(self, service: RouterService, address: str, tls: tuple[Path, Path] | None = None,
+    def __init__(self, service: RouterService, loop: EventLoopThread, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
                  client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES) -> None:
         if client_ca is not None and tls is None:
@@ -80,21 +80,17 @@ class RouterServer:
         self.http_address: str | None = None  # HOST:PORT once started; None without an HTTP API
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="router-servers", daemon=True)
+        self._loop = loop
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
 
     def start(self, timeout: float = 30.0) -> str:
-        self._thread.start()
-        self.address = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout)
+        self.address = self._loop.run(self._start(), timeout)
         return self.address
 
     def stop(self, grace: float = 2.0) -> None:
         if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + 10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+            self._loop.run(self._stop(grace), grace + 10)
         self.service.frontend.close()
 
     async def _start(self) -> str:
@@ -166,7 +162,7 @@ class RouterServer:
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""
-        future = asyncio.run_coroutine_threadsafe(self._publish_health(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._publish_health(), self._loop.loop)
         future.add_done_callback(_log_failure)
 
     async def _publish_health(self) -> None:

@@ -9,11 +9,13 @@ The manifest is read here by attribute only (the router imports nothing of the c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import Collector
 
+from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
@@ -34,12 +36,13 @@ class RouterStack:
         """Open the channels the workers send to, on `host`. `request_snapshot(worker)`: the KV event
         hub lost a worker's events, fetch its cache's snapshot (`KVEventHub.apply_snapshot`)."""
         self.manifest = manifest
-        self.tokens = TokenStreamHub(host, secret)
-        try:
-            self.kv_events = KVEventHub(PrefixIndex(), request_snapshot, host, secret=secret)
-        except BaseException:
-            self.tokens.close()
-            raise
+        with contextlib.ExitStack() as opened:  # closed again if a later part fails to open
+            self.loop = EventLoopThread()  # every part of the router runs on it
+            opened.callback(self.loop.stop)
+            self.tokens = TokenStreamHub(self.loop.loop, host, secret)
+            opened.callback(self.tokens.close)
+            self.kv_events = KVEventHub(PrefixIndex(), request_snapshot, self.loop.loop, host, secret=secret)
+            opened.pop_all()
         self.placement: Router | None = None  # once `place` has run
         self.server: RouterServer | None = None  # once `serve` has run
         self._served: ServedModel | None = None
@@ -70,7 +73,7 @@ class RouterStack:
             frontend.metrics.registry.register(collector)
         s = m.server
         tls = (s.tls_cert, s.tls_key) if s.tls_cert is not None else None
-        self.server = RouterServer(RouterService(frontend), s.address, tls=tls, auth_token=s.token,
+        self.server = RouterServer(RouterService(frontend), self.loop, s.address, tls=tls, auth_token=s.token,
                                    http_address=s.http_address, client_ca=s.tls_client_ca,
                                    max_request_bytes=s.max_request_bytes)
         return self.server.start()
@@ -107,3 +110,4 @@ class RouterStack:
         self.stop_serving()
         self.tokens.close()
         self.kv_events.close()
+        self.loop.stop()

@@ -4,8 +4,8 @@ Messages are `pdserve.wire.TokenMessage`s, each engine step's in one `TokenBatch
 (`OutputOrder`): its first token comes from the prefill worker and the rest from the decode worker,
 over two sockets that the PULL socket reads fairly, not in the order they were sent. One that does
 not parse (a batch) is dropped and counted (`malformed`), never fatal: the hub serves every other request on.
-If the hub's thread itself fails, every waiting request gets an INTERNAL error naming the cause and
-`error` is set (the router then refuses new requests and reports NOT_SERVING) instead of leaving
+If the hub's receiving task itself fails, every waiting request gets an INTERNAL error naming the
+cause and `error` is set (the router then refuses new requests and reports NOT_SERVING) instead of leaving
 streams waiting forever.
 """
 
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.zmq_pull import bind_pull, drain
-from pdserve.threads import start_guarded
+from pdserve.router.zmq_pull import PullHub, on_loop
 from pdserve.wire import (
     INTERNAL,
     ClusterSecret,
@@ -66,70 +64,65 @@ class OutputOrder:
 
 @dataclass
 class _Subscriber:
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenMessage]
     order: OutputOrder
 
 
-class TokenStreamHub:
-    def __init__(self, host: str = "127.0.0.1", secret: ClusterSecret | None = None) -> None:
-        self._socket, self.address = bind_pull(host, secret)
+class TokenStreamHub(PullHub):
+    """Runs on the router's event loop (`loop`): `subscribe`, `unsubscribe` and `gap_s` are called
+    there, and messages reach their queues there without a thread hand-off; `deliver` may be called
+    from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1",
+                 secret: ClusterSecret | None = None) -> None:
         self.malformed = 0
         self.error: str | None = None
         self.on_error: Callable[[], None] = lambda: None  # the router server publishes NOT_SERVING
         self._subscribers: dict[str, _Subscriber] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = start_guarded("token-hub", self._run, self._crashed)
+        super().__init__("token stream", host, secret, loop)
 
     def subscribe(self, request_id: str, first_index: int = 0) -> asyncio.Queue[TokenMessage]:
         """Messages for `request_id` arrive on the returned queue in output order, starting at output
-        position `first_index` (the tokens a resumed request's client already has come before it).
-        Call from the consuming event loop."""
+        position `first_index` (the tokens a resumed request's client already has come before it)."""
+        self._check_on_loop()
         queue: asyncio.Queue[TokenMessage] = asyncio.Queue()
-        with self._lock:
-            if self.error is not None:  # checked under the lock `_crashed` sets it under: no stream is missed
-                queue.put_nowait(self._failure(request_id))
-            self._subscribers[request_id] = _Subscriber(asyncio.get_running_loop(), queue, OutputOrder(first_index))
+        if self.error is not None:
+            queue.put_nowait(self._failure(request_id))
+        self._subscribers[request_id] = _Subscriber(queue, OutputOrder(first_index))
         return queue
 
     def gap_s(self, request_id: str) -> float:
         """How long messages of `request_id` have been held for one before them that has not come
         (0 when none is held). A gap that lasts means a message was lost: its worker died with it
         unsent."""
-        with self._lock:
-            subscriber = self._subscribers.get(request_id)
-            since = subscriber.order.held_since if subscriber is not None else None
+        subscriber = self._subscribers.get(request_id)
+        since = subscriber.order.held_since if subscriber is not None else None
         return 0.0 if since is None else time.monotonic() - since
 
     def unsubscribe(self, request_id: str) -> None:
-        with self._lock:
-            self._subscribers.pop(request_id, None)
+        self._check_on_loop()
+        self._subscribers.pop(request_id, None)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
-        self._socket.close()
+    def deliver(self, message: TokenMessage) -> None:
+        """Hand one of the router's own messages (such as a failed dispatch) to its request's stream,
+        from any thread."""
+        self._loop.call_soon_threadsafe(self._hand, message)
+
+    def _check_on_loop(self) -> None:
+        if not on_loop(self._loop):
+            raise RuntimeError("the token stream is read on the router's event loop only")
 
     def _crashed(self, error: BaseException) -> None:
-        with self._lock:
-            self.error = f"{type(error).__name__}: {error}"
-            waiting = list(self._subscribers.items())
-        for request_id, subscriber in waiting:
-            try:
-                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, self._failure(request_id))
-            except RuntimeError:  # that stream's event loop is closed: nobody is waiting there
-                pass
+        self.error = f"{type(error).__name__}: {error}"
+        for request_id, subscriber in self._subscribers.items():
+            subscriber.queue.put_nowait(self._failure(request_id))
         self.on_error()
 
     def _failure(self, request_id: str) -> TokenMessage:
         return TokenMessage(request_id=request_id, error=f"the router's token stream failed: {self.error}",
                             error_code=INTERNAL)
 
-    def _run(self) -> None:
-        drain(self._socket, self._stop, lambda data: self._deliver(data))  # looked up per message
-
-    def _deliver(self, data: bytes) -> None:
+    def _on_message(self, data: bytes) -> None:
         try:
             messages = parse_token_batch(data)
         except MalformedMessage as e:
@@ -137,17 +130,11 @@ class TokenStreamHub:
             log.warning("dropped a malformed token batch (%d so far): %s", self.malformed, e)
             return
         for message in messages:
-            self.deliver(message)
+            self._hand(message)
 
-    def deliver(self, message: TokenMessage) -> None:
-        """Hand one message to its request's stream (the router's own, such as a failed dispatch, too)."""
-        with self._lock:
-            subscriber = self._subscribers.get(message.request_id)
-            if subscriber is None:  # messages of requests nobody waits for (cancelled) are dropped
-                return
-            ready = subscriber.order.add(message)
-        try:
-            for message in ready:  # queued in this order: the event loop runs its callbacks in call order
-                subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, message)
-        except RuntimeError:  # that stream's event loop is closed: nobody waits there, and one stream
-            self.unsubscribe(message.request_id)  # must not end the thread that serves every other
+    def _hand(self, message: TokenMessage) -> None:
+        subscriber = self._subscribers.get(message.request_id)
+        if subscriber is None:  # messages of requests nobody waits for (cancelled) are dropped
+            return
+        for ready in subscriber.order.add(message):
+            subscriber.queue.put_nowait(ready)

@@ -274,10 +274,13 @@ class ClusterSecret:
 class _Members:
     """The ZAP credentials callback of one zmq context: per domain (cluster), the one public key it admits."""
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, underlying: int) -> None:
         self.keys: dict[str, bytes] = {}
         self.rejected = 0
-        self._authenticator = zmq.auth.thread.ThreadAuthenticator(context, log=log)
+        # A blocking context over the same libzmq context: the handler runs on a thread of its own,
+        # also for servers whose sockets are zmq.asyncio's.
+        self._context = zmq.Context.shadow(underlying)
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(self._context, log=log)
         self._authenticator.start()
 
     def admit(self, domain: str, public_key: bytes) -> None:
@@ -295,16 +298,17 @@ class _Members:
         return False
 
 
-# A ZAP handler is bound per zmq context (one inproc endpoint each): one per context, made on first use.
-_AUTHENTICATORS: dict[zmq.Context, _Members] = {}
+# A ZAP handler is bound per libzmq context (one inproc endpoint each), whichever pyzmq objects (a
+# blocking one, asyncio shadows of it) wrap that context: one per context, made on first use.
+_AUTHENTICATORS: dict[int, _Members] = {}
 _AUTHENTICATORS_LOCK = threading.Lock()
 
 
 def _members(context: zmq.Context) -> _Members:
     with _AUTHENTICATORS_LOCK:
-        if context not in _AUTHENTICATORS:
-            _AUTHENTICATORS[context] = _Members(context)
-        return _AUTHENTICATORS[context]
+        if context.underlying not in _AUTHENTICATORS:
+            _AUTHENTICATORS[context.underlying] = _Members(context.underlying)
+        return _AUTHENTICATORS[context.underlying]
 
 
 def rejected_peers() -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import TEST_PRESETS, HFReference
 
 from pdserve.engine.models.presets import make_model
+from pdserve.router.event_loop import EventLoopThread
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +21,12 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def hf_reference(model_dirs: dict[str, Path]) -> dict[str, HFReference]:
     return {name: HFReference(path) for name, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def router_loop() -> Iterator[EventLoopThread]:
+    """An event loop on a thread of its own, as the router runs one: its hubs receive on it, and a
+    test runs its streams' side there (`router_loop.run(coroutine)`)."""
+    loop = EventLoopThread("test-router-loop")
+    yield loop
+    loop.stop()

@@ -94,8 +94,8 @@ def push_socket(address: str, secret: ClusterSecret) -> zmq.Socket:
 
 
 @pytest.fixture(scope="module")
-def token_hub(secret):
-    hub = TokenStreamHub("127.0.0.1", secret=secret)
+def token_hub(secret, router_loop):
+    hub = TokenStreamHub(router_loop.loop, "127.0.0.1", secret=secret)
     socket = push_socket(hub.address, secret)
     yield hub, socket
     socket.close()
@@ -104,7 +104,7 @@ def token_hub(secret):
 
 @fuzz_settings(300)
 @given(batch=st.lists(TOKEN_MESSAGES, min_size=5, max_size=12))
-def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch):
+def test_token_stream_drops_and_counts_every_malformed_message(token_hub, router_loop, batch):
     hub, socket = token_hub
     good = [data for kind, data in batch if classify(parse_token_batch, kind, data, MalformedMessage)]
     bad = len(batch) - len(good)
@@ -128,7 +128,7 @@ def test_token_stream_drops_and_counts_every_malformed_message(token_hub, batch)
 
     # The request's good messages come through intact (as bytes: NaN != NaN in a message's fields), in
     # output order: every error; the others as the longest chain from position 0 that they allow.
-    delivered_bytes = asyncio.run(exchange())
+    delivered_bytes = router_loop.run(exchange())
     sent = mine
     assert Counter(delivered_bytes) <= Counter(m.SerializeToString(deterministic=True) for m in sent)
     delivered = [TokenMessage.FromString(d) for d in delivered_bytes]
@@ -182,9 +182,9 @@ KV_MESSAGES = messages(KV_GOOD, KV_BAD, [1, 2, 3, 4])
 
 
 @pytest.fixture(scope="module")
-def kv_hub(secret):
+def kv_hub(secret, router_loop):
     asked: list[str] = []
-    hub = KVEventHub(PrefixIndex(), asked.append, "127.0.0.1", secret=secret)
+    hub = KVEventHub(PrefixIndex(), asked.append, router_loop.loop, "127.0.0.1", secret=secret)
     socket = push_socket(hub.address, secret)
     yield hub, socket
     socket.close()

@@ -76,8 +76,8 @@ def test_the_secret_stays_out_of_reprs(secret):
 
 
 # --- pyzmq: token stream ------------------------------------------------------------------------
-def test_token_stream_takes_messages_only_from_members(secret):
-    hub = TokenStreamHub("127.0.0.1", secret)
+def test_token_stream_takes_messages_only_from_members(secret, router_loop):
+    hub = TokenStreamHub(router_loop.loop, "127.0.0.1", secret)
     rejected_before = rejected_peers()
 
     async def run() -> list[TokenMessage]:
@@ -101,7 +101,7 @@ def test_token_stream_takes_messages_only_from_members(secret):
         return got
 
     try:
-        got = asyncio.run(run())
+        got = router_loop.run(run())
     finally:
         hub.close()
     assert [list(m.token_ids) for m in got] == [[1, 2, 3]]  # the forged messages never came through
@@ -109,8 +109,8 @@ def test_token_stream_takes_messages_only_from_members(secret):
     assert rejected_peers() > rejected_before  # the CURVE stranger was refused by the ZAP handler
 
 
-def test_a_hub_with_the_secret_refuses_a_member_of_another_cluster(secret):
-    hub = TokenStreamHub("127.0.0.1", secret)
+def test_a_hub_with_the_secret_refuses_a_member_of_another_cluster(secret, router_loop):
+    hub = TokenStreamHub(router_loop.loop, "127.0.0.1", secret)
 
     async def run() -> bool:
         queue = hub.subscribe("r1")
@@ -121,14 +121,14 @@ def test_a_hub_with_the_secret_refuses_a_member_of_another_cluster(secret):
         return queue.empty()
 
     try:
-        assert asyncio.run(run())
+        assert router_loop.run(run())
     finally:
         hub.close()
 
 
 # --- pyzmq: KV events -------------------------------------------------------------------------------
-def test_kv_events_are_taken_only_from_members(secret):
-    hub = KVEventHub(PrefixIndex(), lambda worker: None, "127.0.0.1", secret=secret)
+def test_kv_events_are_taken_only_from_members(secret, router_loop):
+    hub = KVEventHub(PrefixIndex(), lambda worker: None, router_loop.loop, "127.0.0.1", secret=secret)
     forged = KVEventBatch(worker_id="intruder", epoch="e", first_seq=1,
                           events=[KVEvent(block_hash=b"h1")]).SerializeToString()
     strangers = [rogue(zmq.PUSH, hub.address, None), rogue(zmq.PUSH, hub.address, secret.public_key)]

@@ -195,7 +195,9 @@ class RayNode:
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str], ns: str | None = None,
                  timeout_s: float = 120.0) -> None:
-        command = (["ip", "netns", "exec", ns] if ns else []) + ["ray", "start", "--block", *args]
+        # This interpreter's `ray start` (not the first on PATH): its workers import this pdserve, a venv's too.
+        ray_start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
+        command = (["ip", "netns", "exec", ns] if ns else []) + ray_start + args
         self._log = log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import time
 
 import grpc
 import pytest
 import ray
-from cluster_helpers import assert_aborted, assert_idle, manifest, on_worker, record_engine_aborts
-from helpers import random_prompts
+from cluster_helpers import assert_aborted, assert_idle, manifest, on_worker, record_engine_aborts, wait_clean_audit
+from helpers import random_prompts, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -31,7 +33,8 @@ ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"), ("colocated", "shm")],
+@pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"),
+                                        ("disaggregated", "grpc"), ("colocated", "shm")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
     mode, transport = request.param
@@ -123,6 +126,32 @@ def test_model_info_health_and_reflection(cluster):
     with grpc.insecure_channel(cluster.address) as channel:
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
     assert "pdserve.v1.PDServe" in services and "grpc.health.v1.Health" in services
+
+
+def test_a_decode_worker_killed_mid_stream_costs_no_token_over_each_transport(cluster, hf_reference):
+    """Failover over every KV transport: the decode worker dies (SIGKILL, by pid) mid-stream; Ray
+    restarts it, the request is prefilled again and its KV sent to the new process over the same
+    transport (a gloo group, a tcp connection, a shm channel made anew); the client sees every token
+    once. Last of the module's tests on each cluster: it restarts a worker."""
+    if cluster.manifest.mode != "disaggregated":
+        pytest.skip("a colocated cluster has no KV transfer to fail over")
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=23)[0]
+    decode = next(w for w in cluster.workers if w.pool == "decode")
+    retries = cluster.router.stats.retries
+    streamed = []
+    with Client(cluster.address, timeout=120) as client:
+        stream = client.generate(prompt, stream=True, temperature=0, max_tokens=400, ignore_eos=True)
+        for chunk in stream:
+            streamed += chunk.token_ids
+            if len(streamed) >= 5:
+                break
+        os.kill(on_worker(decode, lambda self: os.getpid()), signal.SIGKILL)
+        for chunk in stream:
+            streamed += chunk.token_ids
+    assert streamed == hf_reference[ARCH].greedy(prompt, 400)  # none repeated, none missing
+    assert cluster.router.stats.retries > retries
+    assert wait_until(lambda: all(w.healthy for w in cluster.workers), 90)
+    wait_clean_audit(cluster)
 
 
 def self_signed_cert(tmp_path):

@@ -443,7 +443,7 @@ def test_a_failed_token_hub_fails_waiting_streams_explicitly(faulty_cluster):
         stream = client.generate([17] * 40, stream=True, max_tokens=460, ignore_eos=True)
         next(stream)
         fault = RuntimeError("injected fault in the token hub")
-        c.router_stack.tokens._deliver = lambda data: (_ for _ in ()).throw(fault)
+        c.router_stack.tokens._on_message = lambda data: (_ for _ in ()).throw(fault)
         with pytest.raises(PDServeError, match="token stream failed.*injected fault") as failure:
             for _ in stream:
                 pass

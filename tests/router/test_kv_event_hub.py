@@ -8,6 +8,7 @@ PUSHes batches of its choosing, cut from the worker's real event stream, to the 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -19,6 +20,7 @@ import zmq
 
 from pdserve.engine.block_pool import BlockPool, hash_prompt_blocks
 from pdserve.kv_events import KVEvent, KVEventBatch, KVEventPublisher, KVSnapshot, parse_kv_event_batch
+from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.wire import MalformedMessage
@@ -139,10 +141,10 @@ class Tap:
 
 
 class Setup:
-    def __init__(self, *, auto: bool, failures: int = 0, **hub_options: object) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, auto: bool, failures: int = 0, **hub_options: object) -> None:
         self.index = PrefixIndex()
         self.snapshots = Snapshots(auto, failures)
-        self.hub = KVEventHub(self.index, self.snapshots, **hub_options)
+        self.hub = KVEventHub(self.index, self.snapshots, loop, **hub_options)
         self.snapshots.hub = self.hub
         self.tap = Tap(self.hub.address)
         self._workers: list[PoolWorker] = []
@@ -174,11 +176,11 @@ class Setup:
 
 
 @pytest.fixture
-def setup_factory() -> Iterator[Callable[..., Setup]]:
+def setup_factory(router_loop: EventLoopThread) -> Iterator[Callable[..., Setup]]:
     made: list[Setup] = []
 
     def make(**options: object) -> Setup:
-        made.append(Setup(**options))
+        made.append(Setup(router_loop.loop, **options))
         return made[-1]
 
     yield make
