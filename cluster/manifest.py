@@ -190,6 +190,10 @@ class KVTransferSpec(_Strict):
                                                    "arrives.")
     reserve_wait_s: float = Field(10.0, ge=0, description="How long a reservation waits for free decode KV blocks "
                                                           "(seconds).")
+    reserve_answer_margin_s: float = Field(
+        10.0, gt=0, description="How much longer than reserve_wait_s the prefill side waits for a reservation's "
+                                "answer before it takes the decode worker for hung (seconds): room for the Ray call "
+                                "and a busy decode worker.")
     commit_timeout_s: float | None = Field(
         None, gt=0, description="How long the prefill side waits for a transfer's frames to be delivered before its "
                                 "commit (seconds); at most lease_s + 2 (the prefill side's lease, which nothing renews "
@@ -205,7 +209,8 @@ class KVTransferSpec(_Strict):
     @property
     def deadlines(self) -> KVDeadlines:
         commit = self.commit_timeout_s if self.commit_timeout_s is not None else self.lease_s
-        return KVDeadlines(lease_s=self.lease_s, reserve_wait_s=self.reserve_wait_s, commit_timeout_s=commit)
+        return KVDeadlines(lease_s=self.lease_s, reserve_wait_s=self.reserve_wait_s, commit_timeout_s=commit,
+                           reserve_margin_s=self.reserve_answer_margin_s)
 
     @model_validator(mode="after")
     def _deadlines_in_order(self) -> "KVTransferSpec":

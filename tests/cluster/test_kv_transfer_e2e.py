@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -18,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 from transformers import AutoConfig
-from cluster_helpers import assert_idle, install_gate, manifest, on_worker, open_gate, prefill_job_states, worker
-from helpers import random_prompts
-from helpers import wait_until
+from cluster_helpers import (assert_idle, install_gate, lifetime_records, manifest, on_worker, open_gate,
+                             prefill_job_states, worker)
+from helpers import random_prompts, wait_until
 
 from pdserve.client import Client, DeadlineExceeded, PDServeError, Unavailable
 from pdserve.cluster.launcher import Cluster
@@ -68,7 +69,11 @@ def generate(cluster, prompt):
 
 
 def last_transfer(cluster) -> dict:
-    return on_worker(worker(cluster, "prefill"), lambda self: self.sender.transfer_log[-1])
+    """The prefill worker's record of its latest KV transfer, once it holds no job: the sender writes the
+    record when the commit's answer comes, which can be after the client had every token."""
+    prefill = worker(cluster, "prefill")
+    assert wait_until(lambda: on_worker(prefill, prefill_job_states) == [], 30), on_worker(prefill, prefill_job_states)
+    return on_worker(prefill, lambda self: self.sender.transfer_log[-1])
 
 
 def counters(cluster, pool: str) -> dict:
@@ -611,6 +616,10 @@ def record_errors(self) -> None:
     self.sink.send = recording
 
 
+# A reservation left unanswered is found out 1 + 4 s after it was asked for (10 + 10 s by default).
+QUICK_RESERVATIONS = {"reserve_wait_s": 1, "reserve_answer_margin_s": 4}
+
+
 def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_it_answers(model_dirs,
                                                                                          hf_reference):
     """A decode worker hangs in its reservations (its pings answer). Once the first one outlives its
@@ -619,7 +628,7 @@ def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_i
     for it fails at once too. When it answers that reservation, it takes prompts again."""
     prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=43)
     with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
-                                           kv_transfer={"reserve_wait_s": 1}) as (c, prefill, hung, healthy):
+                                           kv_transfer=QUICK_RESERVATIONS) as (c, prefill, hung, healthy):
         on_worker(prefill, record_errors)
         bound = c.manifest.deadlines.kv.reservation_bound_s
         for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
@@ -649,7 +658,7 @@ def test_every_request_completes_through_the_router_while_a_decode_worker_leaves
     decode worker, the ones queued behind the first unanswered reservation as soon as it outlives its
     bound, not one bound after another."""
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
-    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer={"reserve_wait_s": 1},
+    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer=QUICK_RESERVATIONS,
                                            router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
         retries = c.router.stats.retries
         with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
@@ -679,26 +688,28 @@ def test_the_trained_model_serves_with_cachegen_frames():
         assert_idle(c)
 
 
-def test_pools_set_up_apart_are_the_clusters_fault_not_the_requests(cluster, hf_reference):
+def test_pools_set_up_apart_are_the_clusters_fault_not_the_requests(cluster, hf_reference, caplog):
     """A prefill worker wanting gRPC for a decode worker that listens on shared memory only fails the
     attempt as UNAVAILABLE, naming the mismatch, so the router retries it: on the decode worker, where
     it completes, or on the same prefill worker until the retries are spent (the router's choice
-    rests on its timing estimates). It failed as INVALID_ARGUMENT, telling the client its request was
-    wrong, and nothing retried it."""
+    rests on its timing estimates; either way each failed attempt names the mismatch). It failed as
+    INVALID_ARGUMENT, telling the client its request was wrong, and nothing retried it."""
     def want(self, transport: str) -> None:
         self.sender.settings = dataclasses.replace(self.sender.settings, transport=transport)
 
     prefill = worker(cluster, "prefill")
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 60, 60, seed=49)[0]
-    retries = cluster.router.stats.retries
     on_worker(prefill, want, "grpc")
-    try:
-        out = generate(cluster, prompt)
-    except PDServeError as e:
-        assert isinstance(e, Unavailable) and "does not listen on 'grpc'" in str(e), e
-    else:
-        assert out.token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
-    finally:
-        on_worker(prefill, want, "shm")
-    assert cluster.router.stats.retries > retries
+    with caplog.at_level(logging.INFO, logger="pdserve.lifetime"):
+        try:
+            out = generate(cluster, prompt)
+        except PDServeError as e:
+            assert isinstance(e, Unavailable) and "does not listen on 'grpc'" in str(e), e
+        else:
+            assert out.token_ids == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+        finally:
+            on_worker(prefill, want, "shm")
+        assert wait_until(lambda: lifetime_records(caplog), 10), "the router never ended the request"
+    (ended,) = lifetime_records(caplog)
+    assert ended["retries"] and all("does not listen on 'grpc'" in cause for cause in ended["retries"]), ended
     assert_idle(cluster)

@@ -16,7 +16,7 @@ import pytest
 import ray
 from cluster_helpers import (assert_aborted, assert_idle, attribute_owner, install_gate, manifest, on_worker,
                              open_gate, prefill_job_states, record_engine_aborts, wait_until_idle, worker)
-from helpers import random_prompts
+from helpers import random_prompts, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client import AsyncClient, Client, DeadlineExceeded, PDServeError, ResourceExhausted
@@ -168,6 +168,10 @@ def test_a_cancel_at_each_phase_frees_both_pools(transport_cluster, phase):
                 time.sleep(0.02)
             with pytest.raises(DeadlineExceeded):
                 call.result(15)
+            # The router's abort takes the job out where it is held, the gate still closed: a request
+            # never aborted would stay there until the gate opens, then run to its end.
+            assert wait_until(lambda: on_worker(prefill, prefill_job_states) == [], 10), \
+                f"the abort never reached the request held at {phase}: {on_worker(prefill, prefill_job_states)}"
     finally:
         on_worker(gated, open_gate)
     assert_idle(cluster)

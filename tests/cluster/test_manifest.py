@@ -104,6 +104,8 @@ def test_the_deadlines_derive_from_the_manifest():
     assert (d.kv.sender_lease_s, d.kv.reservation_bound_s, d.kv.lease_check_s) == (14, 14, 0.5)
     assert (d.health.ping_interval_s, d.health.restart_backoff_s, d.health.hung_after_s) == (0.25, 0.5, 2.5)
     assert d.leak_after_s == 19
+    quick = load_manifest({"kv_transfer": {"reserve_wait_s": 1, "reserve_answer_margin_s": 0.5}}).deadlines
+    assert quick.kv.reservation_bound_s == 1.5
 
 
 def test_the_manifest_offers_the_codecs_there_are():

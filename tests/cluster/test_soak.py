@@ -8,7 +8,7 @@ from pdserve.cluster.bench.soak import SoakConfig, run_soak
 
 def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     out = tmp_path / "soak.json"
-    report = run_soak(SoakConfig(minutes=0.75, model="tiny-llama", rate=3.0, storm=200, kv_corrupt_percent=5.0,
+    report = run_soak(SoakConfig(minutes=0.5, model="tiny-llama", rate=3.0, storm=200, kv_corrupt_percent=5.0,
                                  probe_s=1.0, settle_s=1.0, out=out, log=lambda _: None))
     assert out.is_file()
     assert report["codes"] == {"OK": report["requests"]}, report["codes"]  # a kill costs no request
