@@ -95,6 +95,7 @@ def _soak(args: argparse.Namespace) -> int:
           f"tokens/s (before, right after, settled)")
     print(f"pools free at the end: {report['pools_free_at_end']}, idle audit clean: {report['audit']['clean']}")
     print(f"{'PASS' if report['ok'] else 'FAIL'}; report in {args.out}")
+    _publish(args, Path(args.out))
     return 0 if report["ok"] else 1
 
 
@@ -169,7 +170,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                     "decode workers while killing one of each, corrupting KV frames and cancelling a "
                                     "storm of streams; check that no request or token was lost and every pool is free "
                                     "at the end. Exits 1 on a failed check.",
-                        **examples("pdserve soak --minutes 3 --out bench-results/soak.json",
+                        **examples("pdserve soak --minutes 3 --out bench-results/soak.json --docs docs/benchmarks.md",
                                    "pdserve soak --minutes 1 --storm 200 --kv-corrupt-percent 5"))
     sk.add_argument("--minutes", type=float, default=5.0, help="how long the trace is replayed (default: %(default)s)")
     sk.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
@@ -179,6 +180,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
     sk.add_argument("--seed", type=int, default=0, help="seed of the faults and the workload (default: %(default)s)")
     sk.add_argument("--out", default="bench-results/soak.json", help="the report (JSON; default: %(default)s)")
+    _docs_option(sk)
     sk.set_defaults(func=_soak)
     bench = sub.add_parser("bench", help="benchmarks (results go to JSON; see docs/benchmarks.md)",
                            description="The benchmarks. Each writes its results to JSON, with the command, machine, "

@@ -23,13 +23,11 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import signal
 import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ import ray
 
 from pdserve.client import AsyncClient, Client, PDServeError
 from pdserve.cluster.bench.loadgen import trace_arrivals
+from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.workload import (DEFAULT_TRACE, RequestShape, find_trace, load_azure_trace,
                                             random_token_prompts, scale_requests)
 from pdserve.cluster.launcher import Cluster
@@ -335,9 +334,8 @@ class Soak:
             k.update(self._recovery(k))
             recoveries.append(k["recovery_s"])
         report = {
-            "command": "pdserve soak", "config": {k: str(v) if isinstance(v, Path) else v
-                                                  for k, v in asdict(self.cfg).items() if k != "log"},
-            "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "benchmark": "soak", "provenance": provenance(),
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.cfg).items() if k != "log"},
             "requests": len(self.streams), "codes": dict(codes), "retries": retries,
             "faults": {"workers_killed": len(self.kills), **faults, "storm_streams": storm["placed"]},
             "kills": self.kills,
@@ -383,3 +381,46 @@ def _label(i: int) -> str:
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     return Soak(cfg).run()
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The soak's section of docs/benchmarks.md: what ran, what was lost (nothing, to pass), and what the
+    faults cost."""
+    c, t, st, audit = report["config"], report["tokens"], report["storm"], report["audit"]
+    ok = report["codes"].get("OK", 0)
+    errors = report["requests"] - ok
+    lines = [
+        f"{c['model']}; the Azure conversation trace's arrivals at {c['rate']:g} req/s for {c['minutes']:g} min; "
+        f"2 prefill + 2 decode workers; {c['kv_corrupt_percent']:g}% of KV frames corrupted; a decode and a "
+        f"prefill worker SIGKILLed; a storm of {c['storm']} streams cancelled at once. "
+        f"**{'PASS' if report['ok'] else 'FAIL'}**.",
+        "",
+        "| figure | value |",
+        "|---|---:|",
+        f"| trace requests completed | {ok} of {report['requests']}, {errors} ended otherwise "
+        f"({', '.join(f'{code} {n}' for code, n in sorted(report['codes'].items()) if code != 'OK') or 'none'}) |",
+        f"| tokens duplicated / lost / wrong, of {t['compared']:,} compared with an undisturbed run | "
+        f"**{t['duplicated']} / {t['lost']} / {t['wrong']}** |",
+    ]
+    for k in report["kills"]:
+        lines.append(f"| {k['pool']} kill ({k['worker']}): {k['affected']} of {k['in_flight']} in flight retried; "
+                     f"detected / next token after the retry / longest wait of any | {_seconds(k['detect_s'])} / "
+                     f"**{_seconds(k['recovery_s'])}** / {_seconds(k['longest_wait_s'])} |")
+        lines.append(f"| {k['pool']} worker serving again after its kill | {_seconds(k['rejoined_s'])} |")
+    lines += [
+        f"| storm of {st['placed']} streams ({st['opened']} streaming): cancel to every pool free | "
+        f"**{st['freed_s']:.2f} s** |",
+        f"| throughput of 4 probe streams: before the storm / right after / {c['settle_s']:g} s later | "
+        f"{st['tokens_per_s_before']:.0f} / {st['tokens_per_s_after']:.0f} / {st['tokens_per_s_settled']:.0f} "
+        f"tokens/s |",
+        f"| pools free at the end; idle audit | {'yes' if report['pools_free_at_end'] else 'no'}; "
+        f"{audit['audits_clean']} clean audits, {audit['audits_dirty']} dirty |",
+        "",
+        "How it is measured, what each fault exercises, and the targets: "
+        "[Reliability](reliability.md#the-soak-run).",
+    ]
+    return "\n".join(lines)

@@ -3,6 +3,7 @@ killed (SIGKILL), KV frames corrupted and a storm of cancels; nothing lost, ever
 
 from __future__ import annotations
 
+from pdserve.cluster.bench.report import publish
 from pdserve.cluster.bench.soak import SoakConfig, run_soak
 
 
@@ -25,3 +26,10 @@ def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     assert min(storm[f"tokens_per_s_{when}"] for when in ("before", "after", "settled")) > 0, storm
     assert report["pools_free_at_end"] and report["audit"]["clean"], report["audit"]
     assert report["ok"]
+    # Its section of the docs page, from the report as written.
+    page = tmp_path / "benchmarks.md"
+    publish(page, "soak", report)
+    text = page.read_text()
+    assert "## Soak" in text and "**PASS**" in text and report["provenance"]["commit"] in text
+    assert "**0 / 0 / 0** |" in text and f"of {report['tokens']['compared']:,} compared" in text
+    assert all(f"({k['worker']})" in text for k in report["kills"])
