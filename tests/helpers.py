@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import random
+import shutil
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -127,3 +128,15 @@ def worker_status(free_blocks: int = 1000, total_blocks: int = 1000, step_cost: 
               "fault": None, "profiled": True, "kv": KVPoolStatus(free_blocks, total_blocks, 0, 0, 0), "requests": 0,
               "transfers": 0, "step_cost": step_cost, "step_budget": 2048}
     return WorkerStatus(**{**report, **fields})
+
+
+def hub_cache(home: Path, repo_id: str, model_dir: Path, revision: str = "0123456789abcdef" * 2 + "01234567") -> Path:
+    """Make `home` an HF_HOME whose Hub cache holds `model_dir` as `repo_id` at `revision`, in the layout
+    huggingface_hub documents (`hub/models--ORG--NAME/snapshots/REVISION/`, `refs/main` naming it).
+    Returns the snapshot's directory."""
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

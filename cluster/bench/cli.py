@@ -70,6 +70,7 @@ def _bench_overload(args: argparse.Namespace) -> int:
 
     result = run(OverloadConfig(manifest=args.manifest, num_requests=args.num_requests, burst_s=args.burst_s,
                                 deadline_s=args.deadline_s, max_tokens=args.max_tokens, out=Path(args.out)))
+    _publish(args, Path(args.out))
     failed = set(result["outcomes"]) - {"ok", "RESOURCE_EXHAUSTED"}
     return 1 if failed or result["past_deadline"] or result["reference_mismatches"] or not result[
         "pools_free_afterwards"] else 0
@@ -265,7 +266,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                           "complete or get RESOURCE_EXHAUSTED in time, outputs are checked against "
                                           "transformers' generate, memory is measured and the pools must be free "
                                           "after. Exits 1 on a failed check.",
-                              **examples("pdserve bench overload",
+                              **examples("pdserve bench overload --docs docs/benchmarks.md",
                                          "pdserve bench overload --num-requests 300 --burst-s 1"))
     bo.add_argument("--manifest", default=None, help="manifest (default: deploy/local.yaml)")
     bo.add_argument("--num-requests", type=int, default=1000, help="requests in the burst (default: %(default)s)")
@@ -273,6 +274,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bo.add_argument("--deadline-s", type=float, default=120.0, help="each request's deadline (default: %(default)s)")
     bo.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
     bo.add_argument("--out", default="bench-results/overload.json", help="results file (default: %(default)s)")
+    _docs_option(bo)
     bo.set_defaults(func=_bench_overload)
     bs = bench_sub.add_parser("serve", help="open-loop serving benchmark: SLO attainment and goodput of "
                                             "pdserve configurations and transformers serve; with --policies, "

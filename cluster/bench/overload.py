@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import random
 import resource
 import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from datetime import date
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdserve.client import AsyncClient, PDServeError, ResourceExhausted
+from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
@@ -126,8 +124,7 @@ def run(cfg: OverloadConfig) -> dict:
                 mismatches.append(_divergence(reference, prompt, expected, o.token_ids))
     refused = [o.retry_after_s for o in outcomes if o.status == "RESOURCE_EXHAUSTED"]
     result = {
-        "benchmark": "overload", "date": date.today().isoformat(), "machine": platform.platform(),
-        "cpus": os.cpu_count(), "config": {**asdict(cfg), "out": str(cfg.out)},
+        "benchmark": "overload", "provenance": provenance(), "config": {**asdict(cfg), "out": str(cfg.out)},
         "manifest": manifest.model_dump(mode="json"), "workload": source,  # secrets show as **********
         "offered_rate_rps": cfg.num_requests / cfg.burst_s, "elapsed_s": elapsed,
         "completed_rate_rps": len(ok) / elapsed, "outcomes": dict(counts),
@@ -148,3 +145,38 @@ def run(cfg: OverloadConfig) -> dict:
                                               "pools_free_afterwards")}, indent=2))
     print(f"wrote {cfg.out}")
     return result
+
+
+def markdown(result: dict) -> str:
+    """The overload benchmark's section of docs/benchmarks.md: the burst, what became of every request,
+    memory before and after, and whether the pools came back free."""
+    c, m = result["config"], result["manifest"]
+    pools = ", ".join(f"{spec['replicas']} {pool}" for pool, spec in m["pools"].items() if spec["replicas"])
+    outcomes, p50 = result["outcomes"], result["latency_s_p50"]
+    others = {k: v for k, v in outcomes.items() if k not in ("ok", "RESOURCE_EXHAUSTED")}
+    hint = result["retry_after_s_median"]
+    refused = outcomes.get("RESOURCE_EXHAUSTED", 0)
+    lines = [
+        f"{m['model']} ({m['mode']}; {pools} worker(s); admission at most {m['router']['max_queued_prefills']} "
+        f"prompts waiting per prefill worker and {m['router']['max_active_decodes']} requests per decode worker). "
+        f"{c['num_requests']:,} greedy requests ({result['workload']}; outputs capped at {c['max_tokens']} tokens) "
+        f"sent evenly over {c['burst_s']:g} s: {result['offered_rate_rps']:.0f} req/s offered; each with a "
+        f"{c['deadline_s']:g} s deadline.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| completed | {outcomes.get('ok', 0):,} (p50 latency {p50.get('ok', 0):.1f} s; "
+        f"{result['completed_rate_rps']:.1f} req/s) |",
+        f"| RESOURCE_EXHAUSTED | {refused:,}"
+        + (f" (answered in {p50['RESOURCE_EXHAUSTED'] * 1e3:.1f} ms p50, retry-after hint median {hint:.1f} s)"
+           if refused else "") + " |",
+        f"| other errors; past the deadline | {', '.join(f'{k} {v}' for k, v in others.items()) or 'none'}; "
+        f"{result['past_deadline']} |",
+        f"| completed outputs checked against transformers' `generate` | {result['reference_checked']}, "
+        f"{result['reference_checked'] - result['reference_mismatches']} equal |",
+    ]
+    for name, rss in result["peak_rss_mb"].items():
+        lines.append(f"| peak RSS before → after: {name.replace('_', ' ')} | {rss['before']:.0f} → {rss['after']:.0f} MiB |")
+    lines.append(f"| every pool fully free afterwards | {'yes' if result['pools_free_afterwards'] else 'no'}, "
+                 f"after {result['pools_free_after_s']:.1f} s |")
+    return "\n".join(lines)

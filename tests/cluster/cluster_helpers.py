@@ -154,10 +154,11 @@ def open_gate(self) -> None:
     gate.set()
 
 
-def start_up(tmp_path, model_dirs, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`pdserve up` on a small local manifest (a real subprocess), its output on a pipe."""
+def start_up(tmp_path, model_dirs, env: dict[str, str] | None = None, model: str | None = None) -> subprocess.Popen:
+    """`pdserve up` on a small local manifest (a real subprocess), its output on a pipe; its model
+    `model` (a Hub id, say), else the tiny Llama."""
     manifest = tmp_path / "up.yaml"
-    manifest.write_text(f"model: {model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
+    manifest.write_text(f"model: {model or model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
                         "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
     return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ import json
 import yaml
 
 from pdserve.cluster.bench.overload import OverloadConfig, run
+from pdserve.cluster.bench.report import publish
 from pdserve.engine.models.presets import make_model
 
 TOKEN = "overload-s3cret-token"
@@ -27,3 +28,9 @@ def test_the_results_file_holds_no_secret(tmp_path):
     written = out.read_text()
     assert TOKEN not in written
     assert json.loads(written)["manifest"]["server"]["auth_token"] == "**********"
+    # Its section of the docs page, from the results as written: no secret there either.
+    page = tmp_path / "benchmarks.md"
+    publish(page, "overload", json.loads(written))
+    text = page.read_text()
+    assert "## Overload" in text and "| completed | 2 (" in text and "every pool fully free afterwards | yes" in text
+    assert TOKEN not in text

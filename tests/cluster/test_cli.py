@@ -7,8 +7,12 @@ import time
 
 import pytest
 from cluster_helpers import assert_all_stopped, interrupt, pdserve, start_up, wait_ready
+from helpers import hub_cache
 
+from pdserve.client import Client
 from pdserve.cluster import cli
+
+HUB_ID = "pdserve-tests/tiny-llama"
 
 
 def test_make_model_writes_a_checkpoint(tmp_path):
@@ -81,10 +85,19 @@ def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dir
 
 
 @pytest.mark.timeout(300)
-def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs):
-    up = start_up(tmp_path, model_dirs)
+def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs, hf_reference):
+    """`pdserve up` serving a model named by its Hugging Face Hub id, from the Hub's cache under
+    HF_HOME with the Hub out of reach (HF_HUB_OFFLINE), as a user whose cache holds it runs it."""
+    hub_cache(tmp_path / "hf-home", HUB_ID, model_dirs["tiny-llama"])
+    up = start_up(tmp_path, model_dirs, env={"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"},
+                  model=HUB_ID)
     try:
         address = wait_ready(up)
+        with Client(address, timeout=60) as client:
+            assert client.model_info().name == HUB_ID
+            prompt = client.tokenize("hello there")
+            assert client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True).token_ids == \
+                hf_reference["tiny-llama"].greedy(prompt, 6)
         result = pdserve("generate", "--address", address, "--max-tokens", "4", "--temperature", "0", "hello")
         assert result.returncode == 0 and "finish=length" in result.stderr, result.stderr
         bad = pdserve("generate", "--address", address, "--temperature", "-1", "hello")

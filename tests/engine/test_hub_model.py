@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import hub_cache
 
 from pdserve.cluster.manifest import load_manifest
 from pdserve.engine.models.hub import is_hub_id
@@ -40,11 +40,8 @@ else:
 def hf_home(tmp_path_factory) -> Path:
     """An HF_HOME whose Hub cache holds REPO_ID at REVISION (and refs/main pointing at it)."""
     home = tmp_path_factory.mktemp("hf-home")
-    repo = home / "hub" / f"models--{REPO_ID.replace('/', '--')}"
-    snapshot = repo / "snapshots" / REVISION
-    shutil.copytree(make_model("tiny-llama", tmp_path_factory.mktemp("built") / "tiny-llama", seed=0), snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REVISION)
+    hub_cache(home, REPO_ID, make_model("tiny-llama", tmp_path_factory.mktemp("built") / "tiny-llama", seed=0),
+              REVISION)
     return home
 
 
