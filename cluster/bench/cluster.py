@@ -297,6 +297,6 @@ def markdown(results: dict) -> str:
     rows = [DeploymentResult(**r) for r in results["results"]]
     return (f"Every deployment at once in one Ray instance on {results['model']}; requests one at a time, each "
             f"prompt to every deployment in turn ({results['rounds']} rounds of {results['prompt_lengths']} prompt "
-            f"lengths from {results['workload']}, fresh tokens each round); times in ms, medians. Every "
+            f"lengths from {Path(results['workload']).name}, fresh tokens each round); times in ms, medians. Every "
             "disaggregated request goes through the KV transfer (no local prefill, no recompute).\n\n"
             + summary_table(rows))

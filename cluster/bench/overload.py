@@ -159,7 +159,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"{m['model']} ({m['mode']}; {pools} worker(s); admission at most {m['router']['max_queued_prefills']} "
         f"prompts waiting per prefill worker and {m['router']['max_active_decodes']} requests per decode worker). "
-        f"{c['num_requests']:,} greedy requests ({result['workload']}; outputs capped at {c['max_tokens']} tokens) "
+        f"{c['num_requests']:,} greedy requests (lengths from {Path(result['workload']).name}, prompts × 1/4; "
+        f"outputs capped at {c['max_tokens']} tokens) "
         f"sent evenly over {c['burst_s']:g} s: {result['offered_rate_rps']:.0f} req/s offered; each with a "
         f"{c['deadline_s']:g} s deadline.",
         "",

@@ -50,7 +50,7 @@ def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prom
 
     Falls back to a seeded log-normal with the conversation trace's median lengths when the default
     trace is absent (another one that is absent is an error); the second value says which source was
-    used.
+    used: the trace file's name (where it was found depends on the machine), or what stood in for it.
     """
     check_azure_trace(trace)
     try:
@@ -63,7 +63,7 @@ def azure_trace_shapes(n: int, input_scale: float, output_scale: float, max_prom
         source = "synthetic log-normal (trace not found)"
     else:
         lengths = [(r.prompt_len, r.output_len) for r in load_azure_trace(path, n)]
-        source = str(path)
+        source = path.name
     shapes = [RequestShape(max(4, min(max_prompt, round(prompt * input_scale))),
                            max(2, min(max_output, round(output * output_scale))))
               for prompt, output in lengths]
