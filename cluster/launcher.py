@@ -199,7 +199,7 @@ class Cluster:
             self.router.transfer.observe(tokens, probe["handoff_s"])
 
     def _request_snapshot(self, worker_name: str) -> None:
-        """The KV event hub lost events of a worker: fetch its snapshot off the hub's thread."""
+        """The KV event hub lost events of a worker: fetch its snapshot off the router's event loop."""
         worker = next((w for w in self.workers if w.name == worker_name), None)
         if worker is None:  # the hub then asks again on the worker's next batch
             raise KeyError(f"no worker named {worker_name!r} in this cluster")

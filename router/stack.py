@@ -106,8 +106,10 @@ class RouterStack:
             self.server = None
 
     def close(self) -> None:
-        """Stop serving and close the channels (once the workers are gone: they send on them to the end)."""
-        self.stop_serving()
-        self.tokens.close()
-        self.kv_events.close()
-        self.loop.stop()
+        """Stop serving and close the channels (once the workers are gone: they send on them to the end);
+        every part is closed, whichever fails first."""
+        with contextlib.ExitStack() as closing:  # run last to first
+            closing.callback(self.loop.stop)
+            closing.callback(self.kv_events.close)
+            closing.callback(self.tokens.close)
+            closing.callback(self.stop_serving)

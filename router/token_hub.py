@@ -1,12 +1,12 @@
 """The router's receiving end of token streaming: one PULL socket, fanned out to per-request queues.
 
-Messages are `pdserve.wire.TokenMessage`s, each engine step's in one `TokenBatch`. Each request's reach its queue in output order
-(`OutputOrder`): its first token comes from the prefill worker and the rest from the decode worker,
-over two sockets that the PULL socket reads fairly, not in the order they were sent. One that does
-not parse (a batch) is dropped and counted (`malformed`), never fatal: the hub serves every other request on.
-If the hub's receiving task itself fails, every waiting request gets an INTERNAL error naming the
-cause and `error` is set (the router then refuses new requests and reports NOT_SERVING) instead of leaving
-streams waiting forever.
+Messages are `pdserve.wire.TokenMessage`s, each engine step's in one `TokenBatch`. Each request's
+reach its queue in output order (`OutputOrder`): its first token comes from the prefill worker and
+the rest from the decode worker, over two sockets that the PULL socket reads fairly, not in the
+order they were sent. One that does not parse (a batch) is dropped and counted (`malformed`), never
+fatal: the hub serves every other request on. If the hub's receiving task itself fails, every
+waiting request gets an INTERNAL error naming the cause and `error` is set (the router then refuses
+new requests and reports NOT_SERVING) instead of leaving streams waiting forever.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class TokenStreamHub(PullHub):
         """How long messages of `request_id` have been held for one before them that has not come
         (0 when none is held). A gap that lasts means a message was lost: its worker died with it
         unsent."""
+        self._check_on_loop()
         subscriber = self._subscribers.get(request_id)
         since = subscriber.order.held_since if subscriber is not None else None
         return 0.0 if since is None else time.monotonic() - since
@@ -106,7 +107,10 @@ class TokenStreamHub(PullHub):
     def deliver(self, message: TokenMessage) -> None:
         """Hand one of the router's own messages (such as a failed dispatch) to its request's stream,
         from any thread."""
-        self._loop.call_soon_threadsafe(self._hand, message)
+        try:
+            self._loop.call_soon_threadsafe(self._hand, message)
+        except RuntimeError:  # the router's loop is closed (shutting down): no stream waits any more
+            log.debug("dropped a message for %s: the router's event loop is closed", message.request_id)
 
     def _check_on_loop(self) -> None:
         if not on_loop(self._loop):

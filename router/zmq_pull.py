@@ -36,11 +36,15 @@ class PullHub(ABC):
     def __init__(self, name: str, host: str, secret: ClusterSecret | None, loop: asyncio.AbstractEventLoop) -> None:
         # On the process's one libzmq context, so that one ZAP handler serves its blocking sockets too.
         socket = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying).socket(zmq.PULL)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if secret is not None:
-            secret.server(socket)
-        port = socket.bind_to_random_port(f"tcp://{host}")
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if secret is not None:
+                secret.server(socket)
+            port = socket.bind_to_random_port(f"tcp://{host}")
+        except BaseException:
+            socket.close()
+            raise
         self.address = f"tcp://{host}:{port}"
         self._socket = socket
         self._name = name
@@ -76,13 +80,14 @@ class PullHub(ABC):
             self._task.cancel()
 
     async def _drain(self) -> None:
-        try:
-            while True:
-                self._on_message(await self._socket.recv())
-        finally:
-            self._socket.close()
+        while True:
+            self._on_message(await self._socket.recv())
+            # A message already queued comes back as a finished future, and awaiting one gives the
+            # loop no turn: without this, a steady flow of messages would starve every stream.
+            await asyncio.sleep(0)
 
     def _finished(self, task: asyncio.Task) -> None:
+        self._socket.close()  # here, not in `_drain`: a task cancelled before its first step never runs it
         try:
             if not task.cancelled() and task.exception() is not None:
                 log.error("the router's %s failed", self._name, exc_info=task.exception())

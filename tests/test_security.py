@@ -112,16 +112,20 @@ def test_token_stream_takes_messages_only_from_members(secret, router_loop):
 def test_a_hub_with_the_secret_refuses_a_member_of_another_cluster(secret, router_loop):
     hub = TokenStreamHub(router_loop.loop, "127.0.0.1", secret)
 
-    async def run() -> bool:
+    async def run() -> list[list[int]]:
         queue = hub.subscribe("r1")
         other = TokenSink(hub.address, ClusterSecret.generate())
-        other.send("r1", [7])
-        await asyncio.sleep(1.0)
+        other.send("r1", [7], first_index=0)
+        await asyncio.sleep(1.0)  # time enough for it to arrive, had it been let in
         other.close()
-        return queue.empty()
+        member = TokenSink(hub.address, secret)  # and the hub does take its own members' messages
+        member.send("r1", [8], first_index=0)
+        got = [list((await asyncio.wait_for(queue.get(), 5)).token_ids)]
+        member.close()
+        return got + [list(queue.get_nowait().token_ids) for _ in range(queue.qsize())]
 
     try:
-        assert router_loop.run(run())
+        assert router_loop.run(run()) == [[8]]
     finally:
         hub.close()
 

@@ -15,6 +15,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch
 from pdserve.router.token_hub import OutputOrder, TokenStreamHub
 from pdserve.wire import (
+    INTERNAL,
     LifetimeEvent,
     MalformedMessage,
     TokenMessage,
@@ -102,10 +103,37 @@ def test_the_hub_is_read_on_its_own_event_loop_only():
     async def make() -> TokenStreamHub:
         return TokenStreamHub(asyncio.get_running_loop(), "127.0.0.1")
 
-    hub = asyncio.run(make())  # its loop is closed now, as is its socket
+    hub = asyncio.run(make())  # its loop is closed now, as is its socket (its task never ran a step)
+    assert hub._socket.closed
     with pytest.raises(RuntimeError, match="on the router's event loop only"):
         hub.subscribe("r1")
     hub.close()  # and closing it again is harmless
+
+
+def test_a_failed_hub_fails_every_waiting_stream_and_each_new_one():
+    """The hub's receiving task fails: each stream waiting on it gets an INTERNAL error naming the
+    cause at once (none waits forever), the router hears of it (`on_error`: NOT_SERVING), and a
+    stream that subscribes afterwards gets the same error."""
+    async def scenario() -> tuple[TokenMessage, TokenMessage, int, TokenStreamHub]:
+        hub = TokenStreamHub(asyncio.get_running_loop(), "127.0.0.1")
+        told: list[str] = []
+        hub.on_error = lambda: told.append(hub.error)
+        hub._on_message = lambda data: (_ for _ in ()).throw(ValueError("injected"))  # noqa: E731
+        sink = TokenSink(hub.address)
+        try:
+            waiting = hub.subscribe("r1")
+            sink.send("r1", [5], first_index=0)
+            failed = await asyncio.wait_for(waiting.get(), 5)
+            later = await asyncio.wait_for(hub.subscribe("r2").get(), 5)
+            return failed, later, len(told), hub
+        finally:
+            sink.close()
+            hub.close()
+
+    failed, later, told, hub = asyncio.run(scenario())
+    assert failed.error_code == INTERNAL and "token stream failed: ValueError: injected" in failed.error
+    assert later.request_id == "r2" and later.error == failed.error
+    assert told == 1 and hub.error == "ValueError: injected"
 
 
 def test_a_request_s_messages_reach_it_in_output_order_across_workers():

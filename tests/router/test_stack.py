@@ -57,6 +57,8 @@ def test_the_stack_places_and_serves_as_the_manifest_says(stack):
     assert health(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no decode worker left
 
     stack.close()
-    host, port = address.rsplit(":", 1)
-    with pytest.raises(OSError):
-        socket.create_connection((host, int(port)), timeout=2).close()
+    channels = [stack.tokens.address, stack.kv_events.address]  # tcp://HOST:PORT
+    for host, port in [address.rsplit(":", 1)] + [a.removeprefix("tcp://").rsplit(":", 1) for a in channels]:
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=2).close()
+    assert stack.loop.loop.is_closed()
