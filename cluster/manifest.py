@@ -210,7 +210,7 @@ class KVTransferSpec(_Strict):
     def deadlines(self) -> KVDeadlines:
         commit = self.commit_timeout_s if self.commit_timeout_s is not None else self.lease_s
         return KVDeadlines(lease_s=self.lease_s, reserve_wait_s=self.reserve_wait_s, commit_timeout_s=commit,
-                           reserve_margin_s=self.reserve_answer_margin_s)
+                           reserve_answer_margin_s=self.reserve_answer_margin_s)
 
     @model_validator(mode="after")
     def _deadlines_in_order(self) -> "KVTransferSpec":

@@ -43,7 +43,7 @@ from pdserve.worker_base import WorkerBase
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
 # that free blocks could not run. As many as there are ordinary threads: one queued for a thread starts
-# its own `reserve_wait_s` late, and the prefill side gives up on it `reserve_margin_s` after that.
+# its own `reserve_wait_s` late, and the prefill side gives up on it `reserve_answer_margin_s` later.
 RESERVE_GROUP = "reserve"
 RESERVE_THREADS = 64
 

@@ -36,12 +36,13 @@ class KVDeadlines:
     # The prefill side's lease outlasts the decode side's by this much, so the decode side's lapses first
     # (and frees its blocks) rather than the prefill side failing a transfer the decode side still holds.
     lease_margin_s: float = 2.0
-    reserve_margin_s: float = 10.0  # the prefill side's wait for a lease, on top of the decode side's own
+    reserve_answer_margin_s: float = 10.0  # the prefill side's wait for a lease beyond the decode side's own
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be positive, got {value}" for name, value in (
             ("lease_s", self.lease_s), ("commit_timeout_s", self.commit_timeout_s),
-            ("lease_margin_s", self.lease_margin_s), ("reserve_margin_s", self.reserve_margin_s)) if not value > 0]
+            ("lease_margin_s", self.lease_margin_s),
+            ("reserve_answer_margin_s", self.reserve_answer_margin_s)) if not value > 0]
         if not self.reserve_wait_s >= 0:
             problems.append(f"reserve_wait_s must be at least 0, got {self.reserve_wait_s}")
         if not problems and self.commit_timeout_s > self.sender_lease_s:
@@ -59,7 +60,7 @@ class KVDeadlines:
     @property
     def reservation_bound_s(self) -> float:
         """How long the prefill side waits for a lease before it takes the decode worker for hung."""
-        return self.reserve_wait_s + self.reserve_margin_s
+        return self.reserve_wait_s + self.reserve_answer_margin_s
 
     @property
     def lease_check_s(self) -> float:

@@ -275,7 +275,7 @@ def test_a_reservation_refused_fails_the_transfer_with_its_status(sides, error, 
 
 
 def test_a_reservation_left_unanswered_closes_the_peer_until_it_answers(sides):
-    sender = sides.make(reserve_margin_s=0.2)
+    sender = sides.make(reserve_answer_margin_s=0.2)
     sides.peer.hold("reserve")
     kv, _ = sides.transfer(prompt_of(sides, 40, seed=5), sender=sender)
     outcome = sides.outcome(kv)
