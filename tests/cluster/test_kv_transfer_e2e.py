@@ -580,31 +580,61 @@ def committed(self) -> int:
     return len(self.sender.transfer_log)
 
 
+# A reservation left unanswered is found out 1 + 4 s after it was asked for (10 + 10 s by default).
+QUICK_RESERVATIONS = {"reserve_wait_s": 1, "reserve_answer_margin_s": 4}
+TWO_DECODE_POOLS = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+
+
+@pytest.fixture(scope="module")
+def two_decode_cluster(model_dirs):
+    """One prefill and two decode workers, the default reservation bounds."""
+    with Cluster(manifest(model_dirs[ARCH], pools=TWO_DECODE_POOLS), log=lambda _: None) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_decode_quick_cluster(model_dirs):
+    """One prefill and two decode workers; an unanswered reservation is found out quickly, and the
+    router alternates between the decode workers."""
+    with Cluster(manifest(model_dirs[ARCH], pools=TWO_DECODE_POOLS, kv_transfer=QUICK_RESERVATIONS,
+                          router={"decode_policy": "round_robin"}), log=lambda _: None) as c:
+        yield c
+
+
 @contextlib.contextmanager
-def one_of_two_decode_workers_hung_in(model_dirs, method: str, **extra):
-    """A cluster of one prefill and two decode workers whose first decode worker hangs in `method` (alive:
-    its pings answer) until the block ends; yields (cluster, prefill, hung, healthy) and checks
-    afterwards that every pool ends free."""
-    pools = {"prefill": {"num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
-    with Cluster(manifest(model_dirs[ARCH], pools=pools, **extra), log=lambda _: None) as c:
-        prefill = worker(c, "prefill")
-        hung, healthy = [w for w in c.workers if w.pool == "decode"]
-        on_worker(hung, install_gate, method)
-        try:
-            yield c, prefill, hung, healthy
-        finally:
-            on_worker(hung, open_gate)
-        idle, status = c.wait_idle(60)
-        assert idle, status
+def one_of_two_decode_workers_hung_in(cluster: Cluster, method: str):
+    """The cluster's first decode worker hangs in `method` (alive: its pings answer) until the block
+    ends; yields (prefill, hung, healthy) and checks afterwards that every pool ends free."""
+    prefill = worker(cluster, "prefill")
+    hung, healthy = [w for w in cluster.workers if w.pool == "decode"]
+    on_worker(hung, install_gate, method)
+    try:
+        yield prefill, hung, healthy
+    finally:
+        on_worker(hung, open_gate)
+    idle, status = cluster.wait_idle(60)
+    assert idle, status
+    assert wait_until(lambda: on_worker(prefill, refuses_no_decode_worker), 10), "a decode worker stayed refused"
 
 
-def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(model_dirs, hf_reference):
+def refuses_no_decode_worker(self) -> bool:
+    """On a prefill worker: whether it would start a prompt for every decode worker it knows."""
+    return all(self.sender.refusal(peer) is None for peer in self._peers.values())
+
+
+def unanswered_reservations(self) -> int:
+    """On a prefill worker: how many decode workers' reservations it has found unanswered."""
+    return self.counters["reservations_unanswered"]
+
+
+def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(two_decode_cluster, hf_reference):
     """One decode worker hangs in every commit with more commits waiting on it than the prefill worker
     had commit threads in all. A transfer to the other decode worker still commits at once: within the
     lease, where behind the hung worker's commits it waited until its own lease lapsed. The hung
     transfers end in lease expiry."""
     prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=41)
-    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.commit") as (c, prefill, hung, healthy):
+    c = two_decode_cluster
+    with one_of_two_decode_workers_hung_in(c, "receiver.commit") as (prefill, hung, healthy):
         for prompt in prompts[:5]:
             dispatch(prefill, prompt, hung, "to-hung")
         assert wait_until(lambda: on_worker(prefill, prefill_job_states).count("committing") == 5, 20), \
@@ -615,13 +645,15 @@ def test_a_decode_worker_hanging_in_its_commits_holds_up_no_transfer_to_another(
             "the transfer to the healthy decode worker waited behind the hung one"  # till its own lease lapsed
 
 
-def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_another(model_dirs, hf_reference):
+def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_another(two_decode_cluster,
+                                                                                       hf_reference):
     """One decode worker hangs in its reservations, with prompts started for it (one, or a batch of
     shorts) and any others queued behind them. A prompt for the other decode worker starts and commits
     at once, where it waited behind the hung reservation for its whole bounded wait (`reserve_wait_s`
     + 10 s); those for the hung worker stay where they were."""
     prompts = random_prompts(5, hf_reference[ARCH].vocab_size, 40, 40, seed=42)
-    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve") as (c, prefill, hung, healthy):
+    c = two_decode_cluster
+    with one_of_two_decode_workers_hung_in(c, "receiver.reserve") as (prefill, hung, healthy):
         for prompt in prompts[:4]:
             dispatch(prefill, prompt, hung, "to-hung")
 
@@ -640,7 +672,8 @@ def test_a_decode_worker_not_answering_its_reservation_holds_up_no_prompt_for_an
 
 
 def record_errors(self) -> None:
-    """On a prefill worker: keep each error it reports to the router (`self.test_errors`: request -> code)."""
+    """On a prefill worker: keep each error it reports to the router (`self.test_errors`: request -> code)
+    until `stop_recording_errors`."""
     self.test_errors, send = {}, self.sink.send
 
     def recording(request_id, *args, **kwargs):
@@ -651,51 +684,54 @@ def record_errors(self) -> None:
     self.sink.send = recording
 
 
-# A reservation left unanswered is found out 1 + 4 s after it was asked for (10 + 10 s by default).
-QUICK_RESERVATIONS = {"reserve_wait_s": 1, "reserve_answer_margin_s": 4}
+def stop_recording_errors(self) -> None:
+    vars(self.sink).pop("send")
 
 
-def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_it_answers(model_dirs,
+def test_a_decode_worker_leaving_a_reservation_unanswered_gets_no_prompt_until_it_answers(two_decode_quick_cluster,
                                                                                          hf_reference):
     """A decode worker hangs in its reservations (its pings answer). Once the first one outlives its
     bound, the prompts queued for it fail at once with UNAVAILABLE (the router places them elsewhere),
     where each waited out the bound in turn, filling `max_queued` for every decode worker; a new prompt
     for it fails at once too. When it answers that reservation, it takes prompts again."""
     prompts = random_prompts(6, hf_reference[ARCH].vocab_size, 40, 40, seed=43)
-    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve",
-                                           kv_transfer=QUICK_RESERVATIONS) as (c, prefill, hung, healthy):
+    c = two_decode_quick_cluster
+    with one_of_two_decode_workers_hung_in(c, "receiver.reserve") as (prefill, hung, healthy):
         on_worker(prefill, record_errors)
-        bound = c.manifest.deadlines.kv.reservation_bound_s
-        for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
-            dispatch(prefill, prompt, hung, "queued-for-hung")
-        assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \
-            "the prompts queued for the unanswering decode worker did not all fail"  # one per bound before
-        assert set(on_worker(prefill, lambda self: self.test_errors).values()) == {"UNAVAILABLE"}
-        assert on_worker(prefill, lambda self: self.counters["reservations_unanswered"]) == 1
+        try:
+            unanswered = on_worker(prefill, unanswered_reservations)
+            bound = c.manifest.deadlines.kv.reservation_bound_s
+            for prompt in prompts[:4]:  # the first waits for its lease; the others queue behind it
+                dispatch(prefill, prompt, hung, "queued-for-hung")
+            assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 4, bound + 5), \
+                "the prompts queued for the unanswering decode worker did not all fail"  # one per bound before
+            assert set(on_worker(prefill, lambda self: self.test_errors).values()) == {"UNAVAILABLE"}
+            assert on_worker(prefill, unanswered_reservations) == unanswered + 1
 
-        dispatch(prefill, prompts[4], hung, "new-for-hung")  # refused on arrival: not queued
-        assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 5, 2)
-        assert on_worker(prefill, prefill_job_states) == []
+            dispatch(prefill, prompts[4], hung, "new-for-hung")  # refused on arrival: not queued
+            assert wait_until(lambda: len(on_worker(prefill, lambda self: self.test_errors)) == 5, 2)
+            assert on_worker(prefill, prefill_job_states) == []
 
-        before = on_worker(prefill, committed)
-        on_worker(hung, open_gate)  # the reservation is answered (refused: its transfer was aborted)
-        assert wait_until(lambda: on_worker(prefill, lambda self: all(self.sender.refusal(peer) is None
-                                                                      for peer in self._peers.values())), 10)
-        dispatch(prefill, prompts[5], hung, "after-answer")
-        assert wait_until(lambda: on_worker(prefill, committed) > before, 10), "the decode worker got no prompt again"
-        assert len(on_worker(prefill, lambda self: self.test_errors)) == 5
+            before = on_worker(prefill, committed)
+            on_worker(hung, open_gate)  # the reservation is answered (refused: its transfer was aborted)
+            assert wait_until(lambda: on_worker(prefill, refuses_no_decode_worker), 10)
+            dispatch(prefill, prompts[5], hung, "after-answer")
+            assert wait_until(lambda: on_worker(prefill, committed) > before, 10), "the decode worker got no prompt again"
+            assert len(on_worker(prefill, lambda self: self.test_errors)) == 5
+        finally:
+            on_worker(prefill, stop_recording_errors)
 
 
 def test_every_request_completes_through_the_router_while_a_decode_worker_leaves_reservations_unanswered(
-        model_dirs, hf_reference):
+        two_decode_quick_cluster, hf_reference):
     """Requests through the router, half of them placed on a decode worker that hangs in its
     reservations: each completes with transformers' tokens. Those placed on it fail over to the other
     decode worker, the ones queued behind the first unanswered reservation as soon as it outlives its
     bound, not one bound after another."""
     prompts = random_prompts(8, hf_reference[ARCH].vocab_size, 30, 60, seed=44)
-    with one_of_two_decode_workers_hung_in(model_dirs, "receiver.reserve", kv_transfer=QUICK_RESERVATIONS,
-                                           router={"decode_policy": "round_robin"}) as (c, prefill, hung, healthy):
-        retries = c.router.stats.retries
+    c = two_decode_quick_cluster
+    with one_of_two_decode_workers_hung_in(c, "receiver.reserve") as (prefill, hung, healthy):
+        retries, unanswered = c.router.stats.retries, on_worker(prefill, unanswered_reservations)
         with Client(c.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
                                                               ignore_eos=True).token_ids, prompts))
@@ -703,7 +739,7 @@ def test_every_request_completes_through_the_router_while_a_decode_worker_leaves
         assert c.router.stats.retries - retries >= len(prompts) // 2  # each one placed on the hung worker
         # One unanswered reservation failed every transfer queued behind it: each waiting out a bound
         # of its own would count one each.
-        assert on_worker(prefill, lambda self: self.counters["reservations_unanswered"]) == 1
+        assert on_worker(prefill, unanswered_reservations) == unanswered + 1
 
 
 def test_the_trained_model_serves_with_cachegen_frames():
