@@ -102,7 +102,7 @@ def _soak(args: argparse.Namespace) -> int:
 
 # `bench serve` options that belong to one of its two benchmarks (--policies picks the second).
 SERVE_ONLY = ("configs", "requests_per_rate", "start_rate", "min_rate", "trace", "trace_arrivals", "input_scale",
-              "output_scale", "tight", "loose", "cdf_rate", "baseline_threads")
+              "output_scale", "tight", "loose", "cdf_rate", "baseline_threads", "docs")
 POLICIES_ONLY = ("traces", "requests", "rate", "load", "prefill_replicas", "decode_replicas", "objective")
 
 
@@ -133,6 +133,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         out_dir=Path(args.out_dir or ServeBenchConfig.out_dir), progress=not args.no_progress,
     )
     run(cfg.quick() if args.quick else cfg)
+    _publish(args, cfg.out_dir / "results.json")
     return 0
 
 
@@ -322,6 +323,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--out-dir", default=None, help="default: bench-results/serve, with --policies "
                     "bench-results/policies")
     bs.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _docs_option(bs)
     bs.add_argument("--quick", action="store_true", help="a tiny smoke run (6 requests a rate, 2 runs each; with "
                     "--policies: the first 2 configurations on the first trace, 8 requests, 1 run)")
     pol = bs.add_argument_group("placement policies (pdserve bench serve --policies; cluster/bench/policies.py)")

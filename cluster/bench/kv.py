@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from pdserve.cluster.bench.kv_receiving import receive_into_one_buffer
 from pdserve.cluster.bench.report import provenance
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.model_loader import cache_argument, cache_of, load_model, load_tokenizer
@@ -49,7 +50,7 @@ from pdserve.engine.models.training import heldout_text
 from pdserve.kv_transfer.codecs import checksum, make_codec
 from pdserve.kv_transfer.frames import FRAME_TOKENS
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, Codec, FrameHeader
-from pdserve.kv_transfer.transports import make_sender, start_receiver
+from pdserve.kv_transfer.transports import make_sender
 
 
 @dataclass
@@ -76,48 +77,6 @@ class KVBenchConfig:
 
 
 # --- transports ----------------------------------------------------------------------------------
-def _receiving_process(kind: str, capacity: int, conn) -> None:
-    """Child: a receiving half (or a TCP listener) that copies every frame into one buffer."""
-    buffer = np.empty(capacity, dtype=np.uint8)
-    if kind == "socket":
-        listener = socket.create_server(("127.0.0.1", 0))
-        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
-        peer, _ = listener.accept()
-        view = memoryview(buffer)
-        while (want := conn.recv()) is not None:  # bytes to take, then answer one byte
-            got = 0
-            while got < want:
-                got += peer.recv_into(view[got % capacity :], min(want - got, capacity - got % capacity))
-            peer.sendall(b"k")
-        peer.close()
-        listener.close()
-        return
-    position = [0]
-    if kind == "nccl":  # the receiving rank on a GPU of its own: NCCL refuses two ranks on one device
-        if torch.cuda.device_count() < 2:
-            conn.send(None)  # the parent says why, instead of waiting for an address
-            return
-        torch.cuda.set_device(1)
-        on_gpu = torch.empty(capacity, dtype=torch.uint8, device="cuda")
-
-    class Sink:
-        def admit_frame(self, header: FrameHeader) -> None:
-            pass
-
-        def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
-            start = position[0] % (capacity - header.payload_bytes + 1)
-            if isinstance(payload, torch.Tensor):
-                on_gpu[start : start + header.payload_bytes].copy_(payload)
-            else:
-                buffer[start : start + header.payload_bytes] = np.frombuffer(payload, np.uint8)
-            position[0] += header.payload_bytes
-
-    receiver = start_receiver(kind, Sink())
-    conn.send(receiver.address)
-    conn.recv()  # told to stop
-    receiver.stop()
-
-
 def _frames(num_layers: int, per_token: int, num_tokens: int) -> list[tuple[FrameHeader, np.ndarray]]:
     rng = np.random.default_rng(0)
     frames = []
@@ -138,7 +97,7 @@ class _TransportRun:
         self.total = sum(d.nbytes for _, d in frames)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_receiving_process,
+        self._process = ctx.Process(target=receive_into_one_buffer,
                                     args=(kind, max(d.nbytes for _, d in frames) * 4, child))
         self._process.start()
         self._runs = 0

@@ -51,7 +51,6 @@ worker; and goodput. The targets are checked side by side (TARGETS).
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import math
 import multiprocessing
@@ -82,6 +81,7 @@ from pdserve.cluster.bench.workload import (
     load_azure_trace,
     load_mooncake_trace,
     prefix_group_sample,
+    run_seed,
     scale_requests,
 )
 from pdserve.engine.block_pool import hash_prompt_blocks
@@ -210,11 +210,6 @@ def parse_rates(items: Iterable[str], traces: Iterable[str]) -> dict[str, float]
             raise ValueError(f"--rate names trace {name!r}; the traces are {', '.join(traces)}")
         out.update({name: rate} if name else dict.fromkeys(traces, rate))
     return out
-
-
-def run_seed(seed: int, *parts: object) -> int:
-    """The seed of one run's token contents: stable across processes (unlike hash()), distinct per part."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()[:8], "big")
 
 
 def estimate_s(cfg: PolicyBenchConfig, rates: dict[str, float]) -> float:
@@ -527,7 +522,7 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
         "benchmark": "pdserve bench serve --policies",
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
-        "machine": bench_serve.machine_info(),
+        "software": bench_serve.software(),
         "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},
         "cluster": {"mode": "disaggregated", "prefill_replicas": cfg.prefill_replicas,
                     "decode_replicas": cfg.decode_replicas, "threads": 1,

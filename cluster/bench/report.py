@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -87,8 +88,9 @@ def commit() -> str:
     return head.stdout.strip() + (" + local changes" if dirty else "")
 
 
-def section(key: str, results: dict[str, Any]) -> str:
-    """A benchmark's section: its title, provenance and figures (its module's `markdown`)."""
+def section(key: str, results: dict[str, Any], images: list[str] = ()) -> str:
+    """A benchmark's section: its title, provenance and figures (its module's `markdown`), then
+    `images` (paths relative to the page)."""
     title, module = SECTIONS[key]
     p = results["provenance"]
     lines = [f"## {title}", "", f"`{p['command']}` on {p['machine']}, {p['date']}, commit "
@@ -97,14 +99,22 @@ def section(key: str, results: dict[str, Any]) -> str:
         lines += ["", "**A smoke run (`--quick`)**: too few requests for its figures or ratios to mean anything; "
                       "run without `--quick` for a measurement."]
     body = importlib.import_module(module).markdown(results)
-    return "\n".join([*lines, "", body.strip(), ""])
+    pictures = [f"![{Path(image).stem.removeprefix(key + '-').replace('_', ' ')}]({image})" for image in images]
+    return "\n".join([*lines, "", body.strip(), *([""] + pictures if pictures else []), ""])
 
 
 def publish(page: Path, key: str, results: dict[str, Any]) -> None:
     """Write `key`'s section into `page` (made if missing), in place of the one there, keeping the
-    sections' order."""
+    sections' order; the run's plots (`plots` in its results, where they still are) are copied beside
+    the page, into img/, and shown in the section."""
     text = page.read_text() if page.exists() else HEADER
-    block = f"{_begin(key)}\n{section(key, results)}{_end(key)}\n"
+    images = []
+    for plot in map(Path, results.get("plots", [])):
+        if plot.is_file():
+            images.append(f"img/{key}-{plot.name}")
+            (page.parent / "img").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, page.parent / images[-1])
+    block = f"{_begin(key)}\n{section(key, results, images)}{_end(key)}\n"
     pattern = re.compile(re.escape(_begin(key)) + r".*?" + re.escape(_end(key)) + r"\n?", re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text, count=1)

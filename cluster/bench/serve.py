@@ -17,6 +17,9 @@ the scrape's counts are checked against the run's own records (`metrics_check`).
 Workload: Azure conversation trace lengths scaled to the model (prompts x input_scale, outputs x
 output_scale, clipped to max_model_len), random prompts that tokenize back to themselves (so the
 text-only baseline gets the same tokens), greedy, exactly the trace's output length (EOS ignored).
+Every run draws prompts of its own (the warm-up, the calibration and each rate too; the same ones at a
+given rate in every configuration), so no run is served from a prefix cache an earlier one filled;
+each run's share of prompt tokens served from cache, from /metrics, says so.
 Arrivals are Poisson at the searched rate, or the trace's own timestamps scaled to that rate.
 
 Objectives: a few requests one at a time on the disaggregated configuration give the idle TTFT and
@@ -35,12 +38,10 @@ import multiprocessing
 import os
 import platform
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from pdserve.cluster.bench.loadgen import (
     trace_arrivals,
     write_jsonl,
 )
+from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -69,7 +71,7 @@ from pdserve.cluster.bench.serve_metrics import (
     summarize_runs,
 )
 from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, check_azure_trace, find_trace,
-                                            load_azure_trace, scale_requests)
+                                            load_azure_trace, run_seed, scale_requests)
 
 DEFAULT_CONFIGS = ("disaggregated", "colocated-chunked", "colocated", "transformers-serve")
 CONFIGS = DEFAULT_CONFIGS + ("disaggregated-1p2d", "disaggregated-http")  # on request: a rebalanced split; HTTP
@@ -119,10 +121,12 @@ class ServeBenchConfig:
     baseline_threads: int = 2  # transformers serve's torch threads: the cores pdserve's two workers get
     out_dir: Path = Path("bench-results/serve")
     progress: bool = True
+    smoke: bool = False  # a --quick run: its figures are marked as no measurement
 
     def quick(self) -> "ServeBenchConfig":
         """A smoke run: few short requests, two runs per configuration."""
-        return replace(self, requests_per_rate=6, calibration_requests=3, max_runs=2, max_output=8, rel_tol=0.5)
+        return replace(self, requests_per_rate=6, calibration_requests=3, max_runs=2, max_output=8, rel_tol=0.5,
+                       smoke=True)
 
 
 # --- workload -------------------------------------------------------------------------------------
@@ -141,17 +145,32 @@ def roundtrip_prompt(tokenizer: Any, n: int, rng: random.Random, attempts: int =
     raise RuntimeError(f"no prompt of {n} tokens survived decode/encode in {attempts} attempts")
 
 
-def build_workload(cfg: ServeBenchConfig, tokenizer: Any) -> tuple[list[Request], list[TraceRequest], str]:
+@dataclass
+class ServeWorkload:
+    """The trace's request shapes; every run draws token contents of its own (`requests(tag)`), so
+    none is served from a prefix cache that an earlier run, the warm-up or the calibration filled."""
+
+    path: Path
+    shapes: list[TraceRequest]
+    tokenizer: Any
+    seed: int
+
+    def requests(self, tag: str) -> list[Request]:
+        """The shapes with prompts drawn for run `tag` (the same tag, the same prompts)."""
+        rng = random.Random(run_seed(self.seed, "serve", tag))
+        requests = []
+        for i, shape in enumerate(self.shapes):
+            ids = roundtrip_prompt(self.tokenizer, shape.prompt_len, rng)
+            requests.append(Request(f"{tag}-{i}", ids, shape.output_len, text=self.tokenizer.decode(ids)))
+        return requests
+
+
+def build_workload(cfg: ServeBenchConfig, tokenizer: Any) -> ServeWorkload:
     check_azure_trace(cfg.trace)
     path = find_trace(cfg.trace)
     shapes = scale_requests(load_azure_trace(path, cfg.requests_per_rate), cfg.input_scale, cfg.output_scale,
                             cfg.max_model_len, cfg.max_output)
-    rng = random.Random(cfg.seed)
-    requests = []
-    for i, s in enumerate(shapes):
-        ids = roundtrip_prompt(tokenizer, s.prompt_len, rng)
-        requests.append(Request(f"r{i}", ids, s.output_len, text=tokenizer.decode(ids)))
-    return requests, shapes, str(path)
+    return ServeWorkload(path, shapes, tokenizer, cfg.seed)
 
 
 def arrivals_for(cfg: ServeBenchConfig, shapes: list[TraceRequest], rate: float) -> list[float]:
@@ -312,7 +331,10 @@ def metrics_check(before: Scrape, after: Scrape, recs: list[RequestRecord], api:
     # Reported, not compared: a request that ends on its first token is placed for a transfer but never makes one.
     transfers = {"kv_transfers_ended": delta("pdserve_kv_transfers_total"),
                  "disaggregated_placements": delta("pdserve_router_decisions_total", pool="prefill")}
+    prompt_tokens = delta("pdserve_prompt_tokens_total")
+    cached = delta("pdserve_prompt_cached_tokens_total") / prompt_tokens if prompt_tokens else None
     return {"figures": {k: {"metrics": v[0], "records": v[1]} for k, v in pairs.items()}, "transfers": transfers,
+            "cached_prompt_share": cached,
             "missing_families": missing, "mismatches": mismatches, "consistent": not missing and not mismatches}
 
 
@@ -351,15 +373,15 @@ def calibrate(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: 
 IDLE_API_ROUNDS = 3
 
 
-def idle_apis(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: Target, requests: list[Request],
+def idle_apis(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: Target, workload: ServeWorkload,
               log: Callable[[str], None]) -> dict[str, Any]:
-    """The HTTP layer's cost at idle: the same requests one at a time over gRPC and over HTTP on one
-    cluster, in alternating rounds (so drift hits both); medians per API and their differences."""
+    """The HTTP layer's cost at idle: requests of the same shapes one at a time over gRPC and over HTTP
+    on one cluster, in alternating rounds (so drift hits both), each round with prompts of its own;
+    medians per API and their differences."""
     recs: dict[str, list[RequestRecord]] = {"grpc": [], "http": []}
-    reqs = requests[:max(cfg.calibration_requests, 8)]
     for round_ in range(IDLE_API_ROUNDS):
         for api, client in (("grpc", target.grpc_client), ("http", target.client)):
-            batch = [replace(r, request_id=f"idle-{api}-{round_}-{r.request_id}") for r in reqs]
+            batch = workload.requests(f"idle-{api}-{round_}")[:max(cfg.calibration_requests, 8)]
             recs[api] += pool.submit(run_sequential, client, batch, config=f"idle-{api}").result()
     bad = [r for rs in recs.values() for r in rs if r.outcome != "ok"]
     if bad:
@@ -401,9 +423,8 @@ def _warm_up(pool: concurrent.futures.Executor, target: Target, requests: list[R
         raise RuntimeError(f"{name}: warm-up failed: {next(r.error for r in recs if r.outcome != 'ok')}")
 
 
-def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, requests: list[Request],
-                 shapes: list[TraceRequest], pool: concurrent.futures.Executor, state: dict[str, Any],
-                 log: Callable[[str], None]) -> None:
+def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, workload: ServeWorkload,
+                 pool: concurrent.futures.Executor, state: dict[str, Any], log: Callable[[str], None]) -> None:
     """Start a configuration, calibrate if none has, search goodput per objective pair, stop.
 
     Fills `result` as it goes, so the runs measured before a failure are kept.
@@ -411,27 +432,28 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
     name = result.name
     jsonl = cfg.out_dir / "requests.jsonl"
     with serving(name, cfg, model_dir, log) as target:
-        _warm_up(pool, target, requests, name)
+        _warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
         if state.get("objectives") is None:
-            state["calibration"] = calibrate(cfg, pool, target, requests, log)
+            state["calibration"] = calibrate(cfg, pool, target, workload.requests("calibration"), log)
             state["objectives"] = objectives_from(cfg, state["calibration"])
             for o in state["objectives"]:
                 log(f"objective {o.name}: TTFT <= {o.ttft_s * 1e3:.1f} ms and TPOT <= {o.tpot_s * 1e3:.2f} ms")
         if name not in cfg.configs:  # started only to calibrate
             return
         if target.grpc_client is not None:
-            result.idle_apis = idle_apis(cfg, pool, target, requests, log)
+            result.idle_apis = idle_apis(cfg, pool, target, workload, log)
         start_rate = cfg.start_rate or 1 / state["calibration"]["e2e_mean_s"]
 
         def measure(rate: float) -> list[RequestRecord]:
-            reqs = [replace(r, request_id=f"{name}-{rate:g}-{r.request_id}") for r in requests]
+            # The same prompts at this rate in every configuration; none that an earlier run sent.
+            reqs = [replace(r, request_id=f"{name}-{r.request_id}") for r in workload.requests(f"rate-{rate:g}")]
             before = target.worker_stats() if target.worker_stats else None
             scraped = None
             if target.metrics_url:  # after the previous run's worker figures have arrived
                 time.sleep(METRICS_SETTLE_S)
                 scraped = scrape_metrics(target.metrics_url)
             load_before = os.getloadavg()[0]
-            recs = pool.submit(run_load, target.client, reqs, arrivals_for(cfg, shapes, rate), config=name,
+            recs = pool.submit(run_load, target.client, reqs, arrivals_for(cfg, workload.shapes, rate), config=name,
                                rate=rate, progress=cfg.progress).result()
             # The machine may be shared: a load above the cores in use says the figures are disturbed.
             result.load_avg[rate] = (load_before, os.getloadavg()[0])
@@ -441,6 +463,8 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
                 time.sleep(METRICS_SETTLE_S)  # workers' figures arrive with their next health reports
                 check = result.metrics_checks[rate] = metrics_check(scraped, scrape_metrics(target.metrics_url),
                                                                     recs, target.api, target.kv_transfers)
+                cached = check["cached_prompt_share"]
+                log(f"  prompt tokens served from a prefix cache: {'n/a' if cached is None else f'{cached:.1%}'}")
                 if not check["consistent"]:
                     log(f"  /metrics disagrees with the run's records: missing families {check['missing_families']}, "
                         f"(/metrics, records) differing {check['mismatches']}")
@@ -467,24 +491,13 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, r
 
 
 # --- report ---------------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine and software a benchmark ran on (the load average says whether it was shared)."""
+def software() -> dict[str, Any]:
+    """The software a benchmark ran on, and the machine's load at its end (whether it was shared)."""
     import torch
     import transformers
 
-    return {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform(),
-            "load_avg_1m_at_end": os.getloadavg()[0], "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"platform": platform.platform(), "load_avg_1m_at_end": os.getloadavg()[0],
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -492,26 +505,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def assemble(cfg: ServeBenchConfig, state: dict[str, Any], results: list[ConfigResult], model_dir: Path,
-             trace_path: str, requests: list[Request], cdf_rate: float | None) -> dict[str, Any]:
+             workload: ServeWorkload, cdf_rate: float | None) -> dict[str, Any]:
     objectives = state["objectives"]
     goodput = {r.name: {g.objective.name: g.rate for g in r.goodput} for r in results if not r.error}
     ratios = {o.name: {f"disaggregated/{other}": _ratio(goodput.get("disaggregated", {}).get(o.name),
                                                           goodput.get(other, {}).get(o.name))
                        for other in ("colocated-chunked", "transformers-serve")}
               for o in objectives}
-    prompt_lens = [len(r.token_ids) for r in requests]
-    output_lens = [r.max_tokens for r in requests]
+    prompt_lens = [s.prompt_len for s in workload.shapes]
+    output_lens = [s.output_len for s in workload.shapes]
     return {
-        "benchmark": "pdserve bench serve",
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "machine": machine_info(),
+        "benchmark": "serve",
+        "provenance": provenance(cfg.smoke),
+        "software": software(),
         "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},
         "workload": {
-            "trace": trace_path, "requests_per_rate": len(requests), "input_scale": cfg.input_scale,
+            "trace": str(workload.path), "requests_per_rate": len(workload.shapes), "input_scale": cfg.input_scale,
             "output_scale": cfg.output_scale, "max_output": cfg.max_output,
             "arrivals": "trace timestamps, scaled to the rate" if cfg.trace_arrivals else "poisson",
             "seed": cfg.seed, "sampling": "greedy, EOS ignored (exactly max_tokens)",
+            "tokens": "fresh per run (warm-up, calibration and each rate; seeded by run, the same at a rate in "
+                      "every configuration)",
             "prompt_len": {"mean": sum(prompt_lens) / len(prompt_lens), "p50": percentile(prompt_lens, 50),
                            "max": max(prompt_lens)},
             "output_len": {"mean": sum(output_lens) / len(output_lens), "p50": percentile(output_lens, 50),
@@ -605,6 +619,56 @@ def plot(results: list[ConfigResult], objectives: list[Objective], cdf_rate: flo
     return paths
 
 
+# --- the docs' section ----------------------------------------------------------------------------
+def _goodput_cell(g: dict[str, Any]) -> str:
+    """A goodput as the docs show it: the rate, the bracket when the search ran out, why it stopped."""
+    cell = f"{g['rate']:.2f}" if g["rate"] else "0"
+    if g["failed_rate"] is not None:
+        cell += f" (missed at {g['failed_rate']:.2f})" if not g["rate"] or not g["converged"] else ""
+    return cell + (f"; {g['note']}" if g["note"] else "")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The serve benchmark's section of docs/benchmarks.md: the workload, the objectives, each
+    deployment's goodput per objective and its latencies at the rate every deployment ran, the ratios."""
+    w, objectives, cdf = results["workload"], results["objectives"], results["cdf_rate"]
+    p, o = w["prompt_len"], w["output_len"]
+    cached = [run["metrics_check"]["cached_prompt_share"] for c in results["configs"].values() for run in c["runs"]
+              if run.get("metrics_check") and run["metrics_check"].get("cached_prompt_share") is not None]
+    lines = [
+        f"{results['model']['name']} (max_model_len {results['model']['max_model_len']}); "
+        f"{w['requests_per_rate']} requests per rate from {Path(w['trace']).name}, lengths x {w['input_scale']:g} "
+        f"(prompts) and x {w['output_scale']:g} (outputs): prompts mean {p['mean']:.0f} tokens (p50 {p['p50']:.0f}, "
+        f"max {p['max']}), outputs mean {o['mean']:.0f} (max {o['max']}); {w['arrivals']} arrivals; {w['sampling']}. "
+        f"Prompts drawn afresh for every run"
+        + (f" (the most any run served from a prefix cache: {max(cached):.1%} of its prompt tokens)." if cached else "."),
+        "",
+        "Objectives: " + "; ".join(f"**{x['name']}** TTFT ≤ {x['ttft_s'] * 1e3:.0f} ms and TPOT ≤ "
+                                    f"{x['tpot_s'] * 1e3:.1f} ms" for x in objectives)
+        + ". Goodput: the highest rate measured at which at least 90% of the requests sent met both.",
+        "",
+    ]
+    at = f" at {cdf:g} req/s" if cdf is not None else ""
+    header = ["deployment", *(f"goodput, {x['name']} (req/s)" for x in objectives), f"TTFT p50 / p90{at}",
+              f"TPOT p50 / p90{at}", f"output tok/s{at}"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, c in results["configs"].items():
+        if c["error"]:
+            lines.append(f"| {name} | failed: {c['error']} |" + " |" * (len(header) - 2))
+            continue
+        run = next((r for r in c["runs"] if cdf is not None and r["rate"] == cdf), None)
+        latency = ["n/a"] * 3 if run is None else [
+            f"{_ms(run['ttft_s']['p50'])} / {_ms(run['ttft_s']['p90'])}",
+            f"{_ms(run['tpot_s']['p50'])} / {_ms(run['tpot_s']['p90'])}", f"{run['output_tokens_per_s']:.0f}"]
+        goodputs = [_goodput_cell(c["goodput"][x["name"]]) if x["name"] in c["goodput"] else "n/a" for x in objectives]
+        lines.append(f"| {name} | " + " | ".join([*goodputs, *latency]) + " |")
+    ratios = [f"{pair} {ratio:.2f}x ({objective})" for objective, pairs in results["goodput_ratios"].items()
+              for pair, ratio in pairs.items() if ratio is not None]
+    if ratios:
+        lines += ["", "Goodput ratios: " + "; ".join(ratios) + "."]
+    return "\n".join(lines)
+
+
 # --- entry point ----------------------------------------------------------------------------------
 def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; write results.json, requests.jsonl and plots to cfg.out_dir; return the results."""
@@ -623,14 +687,15 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     if served < cfg.max_model_len:  # the workload would hold requests the cluster refuses or cuts short
         raise ValueError(f"model {cfg.model!r} serves at most {served} tokens: --max-model-len {cfg.max_model_len} "
                          f"is more")
-    requests, shapes, trace_path = build_workload(cfg, load_tokenizer(model_dir))
+    workload = build_workload(cfg, load_tokenizer(model_dir))
     if cfg.trace_arrivals:
-        arrivals_for(cfg, shapes, 1.0)  # a trace with no gaps to replay fails now, not after the clusters start
+        arrivals_for(cfg, workload.shapes, 1.0)  # a trace with no gaps to replay fails now, not after the clusters start
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "requests.jsonl").write_text("")
-    log(f"workload: {len(requests)} requests per rate from {trace_path}; prompts mean "
-        f"{sum(len(r.token_ids) for r in requests) / len(requests):.0f} tokens, outputs mean "
-        f"{sum(r.max_tokens for r in requests) / len(requests):.0f} tokens")
+    shapes = workload.shapes
+    log(f"workload: {len(shapes)} requests per rate from {workload.path}, prompts drawn afresh for every run; "
+        f"prompts mean {sum(s.prompt_len for s in shapes) / len(shapes):.0f} tokens, outputs mean "
+        f"{sum(s.output_len for s in shapes) / len(shapes):.0f} tokens")
 
     state: dict[str, Any] = {}
     if cfg.tight and cfg.loose and cfg.start_rate:
@@ -645,7 +710,7 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
             log(f"\n== {name}: {DESCRIPTIONS[name].format(threads=cfg.baseline_threads)}")
             r, t0 = ConfigResult(name), time.monotonic()
             try:
-                bench_config(r, cfg, model_dir, requests, shapes, pool, state, log)
+                bench_config(r, cfg, model_dir, workload, pool, state, log)
             except Exception as e:  # noqa: BLE001 (reported in the results; the other configurations go on)
                 if "objectives" not in state:
                     raise  # without the calibration there is nothing to measure against
@@ -660,9 +725,10 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     common = set.intersection(*measured) if measured else set()
     cdf_rate = rate_key(cfg.cdf_rate) if cfg.cdf_rate else max(common, default=None)
     cdf_rate = cdf_rate if cdf_rate in common else None
-    out = assemble(cfg, state, results, model_dir, trace_path, requests, cdf_rate)
-    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
+    out = assemble(cfg, state, results, model_dir, workload, cdf_rate)
     plots = plot(results, state["objectives"], cdf_rate, cfg.out_dir)
+    out["plots"] = [str(p) for p in plots]
+    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
 
     log("\ngoodput (req/s, >= 90% of requests within both objectives):")
     for o in state["objectives"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -282,3 +283,8 @@ def prefix_group_sample(requests: list[TraceRequest], n: int) -> list[TraceReque
             break
         picked += members[:n - len(picked)]
     return [requests[i] for i in sorted(picked)]
+
+
+def run_seed(seed: int, *parts: object) -> int:
+    """The seed of one run's token contents: stable across processes (unlike hash()), distinct per part."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()[:8], "big")

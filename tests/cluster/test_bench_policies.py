@@ -21,12 +21,11 @@ from pdserve.cluster.bench.policies import (
     parse_rates,
     plot,
     router_delta,
-    run_seed,
     short_cut,
     tables,
 )
 from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
-from pdserve.cluster.bench.workload import TraceRequest, prefix_group_sample
+from pdserve.cluster.bench.workload import TraceRequest, prefix_group_sample, run_seed
 from pdserve.cluster.cli import main
 from pdserve.cluster.manifest import load_manifest
 

@@ -83,3 +83,44 @@ def test_the_report_command_writes_a_results_file_into_the_page(tmp_path):
     page = tmp_path / "docs" / "benchmarks.md"
     assert cli.main(["bench", "report", str(made), "--docs", str(page)]) == 0
     assert "| tcp | 2,048 | 8 | 2.50 | 2.70 | 93% |" in page.read_text()
+
+
+def serve_results(tmp_path) -> dict:
+    """A serve benchmark's results as `assemble` makes them: two deployments, two rates each."""
+    from pdserve.cluster.bench.serve import ConfigResult, ServeBenchConfig, ServeWorkload, assemble
+    from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
+    from pdserve.cluster.bench.workload import TraceRequest
+
+    tight, loose = Objective("tight", 0.1, 0.02), Objective("loose", 0.3, 0.04)
+
+    def run(name: str, rate: float, step_s: float) -> list[RequestRecord]:
+        return [RequestRecord(f"{name}-{i}", name, rate, i / rate, 40, 8, i / rate + 0.05,
+                              [i / rate + 0.05 + k * step_s for k in range(8)], i / rate + 0.05 + 7 * step_s, 8)
+                for i in range(10)]
+
+    results = []
+    for name, step_s, rates in (("disaggregated", 0.015, (1.0, 2.0)), ("colocated-chunked", 0.03, (1.0, 2.0))):
+        r = ConfigResult(name, runs={rate: run(name, rate, step_s) for rate in rates})
+        r.metrics_checks = {rate: {"cached_prompt_share": 0.0} for rate in rates}
+        r.goodput = [Goodput(tight, 2.0 if step_s < 0.02 else 0.0, None if step_s < 0.02 else 1.0, 1.0, True),
+                     Goodput(loose, 2.0, 4.0, 1.0, False)]
+        results.append(r)
+    cfg = ServeBenchConfig(configs=("disaggregated", "colocated-chunked"))
+    workload = ServeWorkload(tmp_path / "azure2023_conv.csv", [TraceRequest(0.0, 40, 8)] * 10, None, 0)
+    out = assemble(cfg, {"objectives": [tight, loose], "calibration": None}, results, tmp_path, workload, 2.0)
+    plot = tmp_path / "attainment.png"
+    plot.write_bytes(b"\x89PNG not really")
+    return {**json.loads(json.dumps(out)), "plots": [str(plot), str(tmp_path / "gone.png")]}
+
+
+def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
+    page = tmp_path / "docs" / "benchmarks.md"
+    publish(page, key_of(serve_results(tmp_path)), serve_results(tmp_path))
+    text = page.read_text()
+    assert "## Serving under load: goodput" in text and "azure2023_conv.csv" in text
+    assert "| disaggregated | 2.00 | 2.00 (missed at 4.00) | 50.0 ms / 50.0 ms | 15.0 ms / 15.0 ms |" in text
+    assert "| colocated-chunked | 0 (missed at 1.00) | 2.00 (missed at 4.00) |" in text
+    assert "Goodput ratios: disaggregated/colocated-chunked 1.00x (loose)." in text  # none against 0 (tight)
+    assert "(the most any run served from a prefix cache: 0.0% of its prompt tokens)" in text
+    assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text  # a plot no longer there
+    assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"

@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -21,6 +22,7 @@ from pdserve.cluster.bench.serve import (
     METRIC_FAMILIES,
     METRICS_SETTLE_S,
     Scrape,
+    ServeWorkload,
     metrics_check,
     roundtrip_prompt,
     scrape_metrics,
@@ -39,6 +41,7 @@ from pdserve.cluster.bench.loadgen import (
 )
 from pdserve.cluster.bench.serve_baselines import TransformersServe
 from pdserve.cluster.bench.workload import (
+    TraceRequest,
     block_prompts,
     find_trace,
     load_azure_trace,
@@ -314,6 +317,9 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
                                progress=False)
             time.sleep(METRICS_SETTLE_S)
             runs[api] = records, metrics_check(before, scrape_metrics(url), records, api)
+    # The gRPC run met a cold cache; the HTTP run sent the same prompts again, and the check says so.
+    assert runs["grpc"][1]["cached_prompt_share"] == 0
+    assert runs["http"][1]["cached_prompt_share"] > 0.5
     for api, (records, check) in runs.items():
         assert check["consistent"], (api, check)
         assert check["figures"]["completed"]["metrics"] == check["transfers"]["kv_transfers_ended"] == len(reqs)
@@ -323,6 +329,23 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
             assert r.prompt_len == len(req.token_ids)
             assert 0 < r.ttft <= r.e2e and r.tpot is not None
             assert r.token_times == sorted(r.token_times)
+
+
+def test_every_serve_run_draws_prompts_of_its_own(model_dirs):
+    """The serve benchmark's runs share no prompt block (none can be served from another's prefix
+    cache); a run's prompts keep the trace's lengths, survive decode/encode, and are the same for the
+    same run (every configuration gets the same prompts at a rate)."""
+    tokenizer = load_tokenizer(model_dirs["tiny-llama"])
+    shapes = [TraceRequest(0.1 * i, n, 4 + i) for i, n in enumerate((16, 40, 33, 64))]
+    workload = ServeWorkload(Path("trace.csv"), shapes, tokenizer, seed=0)
+    runs = {tag: workload.requests(tag) for tag in ("warmup-disaggregated", "calibration", "rate-1", "rate-2")}
+    assert workload.requests("rate-1") == runs["rate-1"]
+    blocks = {tag: {tuple(r.token_ids[:16]) for r in reqs} for tag, reqs in runs.items()}
+    for tag, reqs in runs.items():
+        assert [(len(r.token_ids), r.max_tokens) for r in reqs] == [(s.prompt_len, s.output_len) for s in shapes]
+        assert all(tokenizer(r.text)["input_ids"] == r.token_ids for r in reqs)
+        assert len({r.request_id for r in reqs}) == len(reqs)
+        assert not any(blocks[tag] & blocks[other] for other in runs if other != tag)
 
 
 def test_a_colocated_cluster_s_metrics_are_complete_without_kv_transfer_families():
