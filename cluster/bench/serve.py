@@ -628,6 +628,12 @@ def _goodput_cell(g: dict[str, Any]) -> str:
     return cell + (f"; {g['note']}" if g["note"] else "")
 
 
+def _loops_busy(loops: dict[str, dict]) -> str:
+    """Each worker's engine-loop busy share of a run, and how much of that the forward pass took."""
+    return ", ".join(f"{worker} {loop['busy']:.2f} ({loop['forward_share'] / loop['busy']:.0%} of it the forward pass)"
+                     if loop["busy"] else f"{worker} idle" for worker, loop in sorted(loops.items()))
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The serve benchmark's section of docs/benchmarks.md: the workload, the objectives, each
     deployment's goodput per objective and its latencies at the rate every deployment ran, the ratios."""
@@ -652,16 +658,20 @@ def markdown(results: dict[str, Any]) -> str:
     header = ["deployment", *(f"goodput, {x['name']} (req/s)" for x in objectives), f"TTFT p50 / p90{at}",
               f"TPOT p50 / p90{at}", f"output tok/s{at}"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    at_cdf = {name: run for name, c in results["configs"].items() for run in c["runs"] if run["rate"] == cdf}
     for name, c in results["configs"].items():
         if c["error"]:
             lines.append(f"| {name} | failed: {c['error']} |" + " |" * (len(header) - 2))
             continue
-        run = next((r for r in c["runs"] if cdf is not None and r["rate"] == cdf), None)
+        run = at_cdf.get(name)
         latency = ["n/a"] * 3 if run is None else [
             f"{_ms(run['ttft_s']['p50'])} / {_ms(run['ttft_s']['p90'])}",
             f"{_ms(run['tpot_s']['p50'])} / {_ms(run['tpot_s']['p90'])}", f"{run['output_tokens_per_s']:.0f}"]
         goodputs = [_goodput_cell(c["goodput"][x["name"]]) if x["name"] in c["goodput"] else "n/a" for x in objectives]
         lines.append(f"| {name} | " + " | ".join([*goodputs, *latency]) + " |")
+    busy = [f"{name}: {_loops_busy(run['worker_loop'])}" for name, run in at_cdf.items() if run.get("worker_loop")]
+    if busy:  # where the time goes
+        lines += ["", f"Engine loops busy{at} (share of the run's wall time): " + "; ".join(busy) + "."]
     ratios = [f"{pair} {ratio:.2f}x ({objective})" for objective, pairs in results["goodput_ratios"].items()
               for pair, ratio in pairs.items() if ratio is not None]
     if ratios:

@@ -102,6 +102,7 @@ def serve_results(tmp_path) -> dict:
     for name, step_s, rates in (("disaggregated", 0.015, (1.0, 2.0)), ("colocated-chunked", 0.03, (1.0, 2.0))):
         r = ConfigResult(name, runs={rate: run(name, rate, step_s) for rate in rates})
         r.metrics_checks = {rate: {"cached_prompt_share": 0.0} for rate in rates}
+        r.loops = {2.0: {"worker-1": {"busy": 0.5, "forward_share": 0.45}, "worker-0": {"busy": 0.0}}}
         r.goodput = [Goodput(tight, 2.0 if step_s < 0.02 else 0.0, None if step_s < 0.02 else 1.0, 1.0, True),
                      Goodput(loose, 2.0, 4.0, 1.0, False)]
         results.append(r)
@@ -122,5 +123,7 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
     assert "| colocated-chunked | 0 (missed at 1.00) | 2.00 (missed at 4.00) |" in text
     assert "Goodput ratios: disaggregated/colocated-chunked 1.00x (loose)." in text  # none against 0 (tight)
     assert "(the most any run served from a prefix cache: 0.0% of its prompt tokens)" in text
+    assert ("Engine loops busy at 2 req/s (share of the run's wall time): disaggregated: worker-0 idle, worker-1 "
+            "0.50 (90% of it the forward pass); colocated-chunked:") in text
     assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text  # a plot no longer there
     assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"
