@@ -64,6 +64,7 @@ from typing import Any
 
 from pdserve.cluster.bench import serve as bench_serve
 from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
+from pdserve.cluster.bench.report import machine
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -522,6 +523,7 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
         "benchmark": "pdserve bench serve --policies",
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
+        "machine": machine(),
         "software": bench_serve.software(),
         "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},
         "cluster": {"mode": "disaggregated", "prefill_replicas": cfg.prefill_replicas,

@@ -9,6 +9,7 @@ does it at once. A `--quick` run is marked a smoke test: its ratios are no measu
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import platform
@@ -108,13 +109,12 @@ def publish(page: Path, key: str, results: dict[str, Any]) -> None:
     sections' order; the run's plots (`plots` in its results, where they still are) are copied beside
     the page, into img/, and shown in the section."""
     text = page.read_text() if page.exists() else HEADER
-    images = []
-    for plot in map(Path, results.get("plots", [])):
-        if plot.is_file():
-            images.append(f"img/{key}-{plot.name}")
-            (page.parent / "img").mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(plot, page.parent / images[-1])
-    block = f"{_begin(key)}\n{section(key, results, images)}{_end(key)}\n"
+    plots = {f"img/{key}-{Path(p['path']).name}": Path(p["path"]) for p in results.get("plots", [])
+             if Path(p["path"]).is_file() and _sha256(Path(p["path"])) == p["sha256"]}  # the run's own, still there
+    block = f"{_begin(key)}\n{section(key, results, list(plots))}{_end(key)}\n"
+    for image, plot in plots.items():
+        (page.parent / "img").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(plot, page.parent / image)
     pattern = re.compile(re.escape(_begin(key)) + r".*?" + re.escape(_end(key)) + r"\n?", re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text, count=1)
@@ -129,8 +129,18 @@ def publish(page: Path, key: str, results: dict[str, Any]) -> None:
 def key_of(results: dict[str, Any]) -> str:
     """The section a results file belongs to (its `benchmark`)."""
     key = results.get("benchmark")
-    if key not in SECTIONS:
-        raise ValueError(f"not a results file of a pdserve benchmark (benchmark {key!r}; known: {', '.join(SECTIONS)})")
-    if "provenance" not in results:
+    if key in SECTIONS and "provenance" in results:
+        return key
+    if key in SECTIONS or str(key).startswith("pdserve bench"):
         raise ValueError("the results file has no provenance (made by an older pdserve): run the benchmark again")
-    return key
+    raise ValueError(f"not a results file of a pdserve benchmark (benchmark {key!r}; known: {', '.join(SECTIONS)})")
+
+
+def plot_record(path: Path) -> dict[str, str]:
+    """A plot as a results file names it: where it is and what it held, so that a later run's plot in
+    the same place is not shown for this one."""
+    return {"path": str(path.resolve()), "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -58,7 +58,7 @@ from pdserve.cluster.bench.loadgen import (
     trace_arrivals,
     write_jsonl,
 )
-from pdserve.cluster.bench.report import provenance
+from pdserve.cluster.bench.report import plot_record, provenance
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -155,11 +155,11 @@ class ServeWorkload:
     tokenizer: Any
     seed: int
 
-    def requests(self, tag: str) -> list[Request]:
-        """The shapes with prompts drawn for run `tag` (the same tag, the same prompts)."""
+    def requests(self, tag: str, n: int | None = None) -> list[Request]:
+        """The first `n` shapes (all: None) with prompts drawn for run `tag` (the same tag, the same prompts)."""
         rng = random.Random(run_seed(self.seed, "serve", tag))
         requests = []
-        for i, shape in enumerate(self.shapes):
+        for i, shape in enumerate(self.shapes[:n]):
             ids = roundtrip_prompt(self.tokenizer, shape.prompt_len, rng)
             requests.append(Request(f"{tag}-{i}", ids, shape.output_len, text=self.tokenizer.decode(ids)))
         return requests
@@ -381,7 +381,7 @@ def idle_apis(cfg: ServeBenchConfig, pool: concurrent.futures.Executor, target: 
     recs: dict[str, list[RequestRecord]] = {"grpc": [], "http": []}
     for round_ in range(IDLE_API_ROUNDS):
         for api, client in (("grpc", target.grpc_client), ("http", target.client)):
-            batch = workload.requests(f"idle-{api}-{round_}")[:max(cfg.calibration_requests, 8)]
+            batch = workload.requests(f"idle-{api}-{round_}", max(cfg.calibration_requests, 8))
             recs[api] += pool.submit(run_sequential, client, batch, config=f"idle-{api}").result()
     bad = [r for rs in recs.values() for r in rs if r.outcome != "ok"]
     if bad:
@@ -434,7 +434,8 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, w
     with serving(name, cfg, model_dir, log) as target:
         _warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
         if state.get("objectives") is None:
-            state["calibration"] = calibrate(cfg, pool, target, workload.requests("calibration"), log)
+            state["calibration"] = calibrate(cfg, pool, target, workload.requests("calibration", cfg.calibration_requests),
+                                             log)
             state["objectives"] = objectives_from(cfg, state["calibration"])
             for o in state["objectives"]:
                 log(f"objective {o.name}: TTFT <= {o.ttft_s * 1e3:.1f} ms and TPOT <= {o.tpot_s * 1e3:.2f} ms")
@@ -622,9 +623,11 @@ def plot(results: list[ConfigResult], objectives: list[Objective], cdf_rate: flo
 # --- the docs' section ----------------------------------------------------------------------------
 def _goodput_cell(g: dict[str, Any]) -> str:
     """A goodput as the docs show it: the rate, the bracket when the search ran out, why it stopped."""
-    cell = f"{g['rate']:.2f}" if g["rate"] else "0"
-    if g["failed_rate"] is not None:
-        cell += f" (missed at {g['failed_rate']:.2f})" if not g["rate"] or not g["converged"] else ""
+    if not g["rate"]:  # the note would say the same: missed even at the lowest rate
+        return "0" if g["failed_rate"] is None else f"0 (missed at {g['failed_rate']:.2f})"
+    cell = f"{g['rate']:.2f}"
+    if g["failed_rate"] is not None and not g["converged"]:
+        cell += f" (missed at {g['failed_rate']:.2f})"
     return cell + (f"; {g['note']}" if g["note"] else "")
 
 
@@ -661,7 +664,8 @@ def markdown(results: dict[str, Any]) -> str:
     at_cdf = {name: run for name, c in results["configs"].items() for run in c["runs"] if run["rate"] == cdf}
     for name, c in results["configs"].items():
         if c["error"]:
-            lines.append(f"| {name} | failed: {c['error']} |" + " |" * (len(header) - 2))
+            error = " ".join(c["error"].split()).replace("|", "\\|")  # one table cell
+            lines.append(f"| {name} | failed: {error} |" + " |" * (len(header) - 2))
             continue
         run = at_cdf.get(name)
         latency = ["n/a"] * 3 if run is None else [
@@ -736,8 +740,9 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     cdf_rate = rate_key(cfg.cdf_rate) if cfg.cdf_rate else max(common, default=None)
     cdf_rate = cdf_rate if cdf_rate in common else None
     out = assemble(cfg, state, results, model_dir, workload, cdf_rate)
+    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))  # kept should the plotting fail
     plots = plot(results, state["objectives"], cdf_rate, cfg.out_dir)
-    out["plots"] = [str(p) for p in plots]
+    out["plots"] = [plot_record(p) for p in plots]
     (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
 
     log("\ngoodput (req/s, >= 90% of requests within both objectives):")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pdserve.cluster import cli
-from pdserve.cluster.bench.report import SECTIONS, key_of, provenance, publish
+from pdserve.cluster.bench.report import SECTIONS, key_of, plot_record, provenance, publish
 
 KV_RESULTS = {
     "benchmark": "kv", "model": "pystd-llama", "kv_per_token_layer": "2 KV heads x 64, float32", "codecs": [],
@@ -109,9 +109,12 @@ def serve_results(tmp_path) -> dict:
     cfg = ServeBenchConfig(configs=("disaggregated", "colocated-chunked"))
     workload = ServeWorkload(tmp_path / "azure2023_conv.csv", [TraceRequest(0.0, 40, 8)] * 10, None, 0)
     out = assemble(cfg, {"objectives": [tight, loose], "calibration": None}, results, tmp_path, workload, 2.0)
-    plot = tmp_path / "attainment.png"
+    plot, replaced = tmp_path / "attainment.png", tmp_path / "latency_cdf.png"
     plot.write_bytes(b"\x89PNG not really")
-    return {**json.loads(json.dumps(out)), "plots": [str(plot), str(tmp_path / "gone.png")]}
+    replaced.write_bytes(b"this run's plot")
+    plots = [plot_record(plot), plot_record(replaced), {"path": str(tmp_path / "gone.png"), "sha256": "0" * 64}]
+    replaced.write_bytes(b"a later run's plot, in the same place")
+    return {**json.loads(json.dumps(out)), "plots": plots}
 
 
 def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
@@ -125,5 +128,6 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
     assert "(the most any run served from a prefix cache: 0.0% of its prompt tokens)" in text
     assert ("Engine loops busy at 2 req/s (share of the run's wall time): disaggregated: worker-0 idle, worker-1 "
             "0.50 (90% of it the forward pass); colocated-chunked:") in text
-    assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text  # a plot no longer there
+    # A plot no longer there, or replaced by a later run's, is not shown.
+    assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text and "latency" not in text
     assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"

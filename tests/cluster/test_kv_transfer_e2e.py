@@ -604,14 +604,21 @@ def two_decode_quick_cluster(model_dirs):
 @contextlib.contextmanager
 def one_of_two_decode_workers_hung_in(cluster: Cluster, method: str):
     """The cluster's first decode worker hangs in `method` (alive: its pings answer) until the block
-    ends; yields (prefill, hung, healthy) and checks afterwards that every pool ends free."""
+    ends; yields (prefill, hung, healthy) and checks afterwards that every pool ends free. Starts once
+    whatever an earlier test on the cluster left (had it failed) has ended."""
     prefill = worker(cluster, "prefill")
     hung, healthy = [w for w in cluster.workers if w.pool == "decode"]
+    settle(cluster, prefill)
     on_worker(hung, install_gate, method)
     try:
         yield prefill, hung, healthy
     finally:
         on_worker(hung, open_gate)
+    settle(cluster, prefill)
+
+
+def settle(cluster: Cluster, prefill) -> None:
+    """Until every pool is free and the prefill worker refuses no decode worker (bounded)."""
     idle, status = cluster.wait_idle(60)
     assert idle, status
     assert wait_until(lambda: on_worker(prefill, refuses_no_decode_worker), 10), "a decode worker stayed refused"
