@@ -9,6 +9,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pdserve.cluster.bench.cli import add_commands as add_bench_commands
+from pdserve.cluster.plan.cli import add_plan_commands
 from pdserve.cluster.cli_help import examples
 from pdserve.cluster.overrides import add_override_options
 
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_status)
 
     add_bench_commands(sub)
+    add_plan_commands(sub)
     return parser
 
 

@@ -21,7 +21,10 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from pdserve.engine.cost_model import StepCost
 
 J = TypeVar("J")
 # Shorts of one key (decode worker) in one batch, at most. Each holds a reservation there, and a decode
@@ -30,14 +33,53 @@ J = TypeVar("J")
 SHORTS_PER_KEY = 8
 
 
+@dataclass(frozen=True)
+class LapsSettings:
+    """How a prefill worker queues and chunks its prompts (`PrefillQueues.configure`, the engine's chunk)."""
+
+    length_aware: bool
+    short_tokens: int = 0
+    window_s: float = 0.0
+    short_room: int = 0  # prompt tokens of shorts one step takes beside a long chunk
+    chunk_tokens: int | None = None  # the engine's prefill chunk (None: the step budget)
+
+
+def laps_settings(length_aware: bool, short_tokens: int | None, window_s: float | None, chunk_tokens: int | None,
+                  cost: StepCost, step_budget: int, max_model_len: int) -> LapsSettings:
+    """A prefill worker's LAPS settings, from the manifest's (None: derived) and its measured step cost:
+    a prompt is short when its compute costs no more than a step's fixed cost (batching shorts then
+    nearly divides their cost); shorts wait at most one fixed cost to be batched; long prompts are
+    chunked at half the step budget, the other half being the shorts' room, so a short waits behind
+    at most one step of long work (a chunk, and the last chunk of the long before it where the two
+    share a step). Smaller chunks (where the fixed cost was 1/8 of a chunk's compute, ~250 tokens
+    here) cost long prompts a third more TTFT p90 with four workers sharing two cores
+    (docs/benchmarks.md). The simulator derives them here too."""
+    if not length_aware or (cost.a <= 0 and short_tokens is None):  # no fixed cost measured: no shorts
+        return LapsSettings(False)
+    half = max(1, step_budget // 2)  # a step holds a chunk and a batch of shorts
+    limit = min(half, max_model_len)
+    short = min(short_tokens or max(1, cost.max_tokens_within(cost.a, limit)), half)
+    chunk = min(max(chunk_tokens or half, short), step_budget - short)  # short <= half: room for one short
+    window = cost.a if window_s is None else window_s
+    return LapsSettings(True, short, window, step_budget - chunk, chunk)
+
+
 class PrefillQueues(Generic[J]):
+    """`clock`: seconds, monotonic (the simulator passes its own)."""
+
     def __init__(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0,
-                 key: Callable[[J], Hashable] = id) -> None:
+                 key: Callable[[J], Hashable] = id, clock: Callable[[], float] = time.monotonic) -> None:
         self._key = key
+        self._clock = clock
         self._short: deque[tuple[J, int, float]] = deque()  # (job, new tokens, enqueued at)
         self._long: deque[J] = deque()
         self._cv = threading.Condition()
         self.configure(length_aware, short_tokens, window_s, short_room)
+
+    @property
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._short) + len(self._long)
 
     def configure(self, length_aware: bool, short_tokens: int = 0, window_s: float = 0.0, short_room: int = 0) -> None:
         """Set how jobs are queued from now on (the worker sets LAPS up once its costs are measured).
@@ -62,7 +104,7 @@ class PrefillQueues(Generic[J]):
             if short is None:
                 short = self.is_short(new_tokens)
             if short:
-                self._short.append((job, new_tokens, time.monotonic()))
+                self._short.append((job, new_tokens, self._clock()))
             else:
                 self._long.append(job)
             self._cv.notify()
@@ -75,7 +117,7 @@ class PrefillQueues(Generic[J]):
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                due = self._due(long_busy, short_inflight, set(busy_keys()))
+                due = self.due(long_busy, short_inflight, busy_keys)
                 if due:
                     return due
                 remaining = deadline - time.monotonic()
@@ -100,11 +142,17 @@ class PrefillQueues(Generic[J]):
         with self._cv:
             self._cv.notify_all()
 
+    def due(self, long_busy: Callable[[], bool], short_inflight: Callable[[], int],
+            busy_keys: Callable[[], Collection[Hashable]] = frozenset) -> list[J]:
+        """The jobs to start now (as `take`, without waiting): [] when none is due."""
+        with self._cv:
+            return self._due(long_busy, short_inflight, set(busy_keys()))
+
     def _due(self, long_busy: Callable[[], bool], short_inflight: Callable[[], int], busy: set[Hashable]) -> list[J]:
         free = [entry for entry in self._short if self._key(entry[0]) not in busy]  # (the others wait)
         if free:
             queued = sum(n for _, n, _ in free)
-            waited = time.monotonic() - free[0][2]
+            waited = self._clock() - free[0][2]
             room = self.short_room - short_inflight()
             if room > 0 and (waited >= self.window_s or queued >= room):
                 batch, tokens, per_key = [], 0, Counter()

@@ -47,7 +47,7 @@ from pdserve.kv_transfer.interface import Lease
 from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
-from pdserve.prefill_worker.queues import PrefillQueues
+from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
 from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
                           WorkerStatus, WorkRequest, token_message)
@@ -132,25 +132,14 @@ class PrefillWorker(WorkerBase):
 
     def _laps_settings(self, length_aware: bool, short_tokens: int | None, window_s: float | None,
                        chunk_tokens: int | None) -> tuple[bool, int, float, int]:
-        """The queues' settings (`PrefillQueues.configure`). LAPS settings not given are derived: a
-        prompt is short when its compute costs no more than a step's fixed cost (measured; batching
-        shorts then nearly divides their cost); shorts wait at most one fixed cost to be batched; long
-        prompts are chunked at half the step budget, the other half being the shorts' room, so a short
-        waits behind at most one step of long work (a chunk, and the last chunk of the long before it
-        where the two share a step). Smaller chunks (where the fixed cost was 1/8 of a chunk's compute,
-        ~250 tokens here) cost long prompts a third more TTFT p90 with four workers sharing two cores
-        (docs/benchmarks.md)."""
-        config, cost = self.engine.config, self.engine.step_costs.coefficients
-        if not length_aware or (cost.a <= 0 and short_tokens is None):  # no fixed cost measured: no shorts
-            return False, 0, 0.0, 0
-        budget = config.max_num_batched_tokens
-        half = max(1, budget // 2)  # a step holds a chunk and a batch of shorts
-        limit = min(half, self.engine.max_model_len)
-        short = min(short_tokens or max(1, cost.max_tokens_within(cost.a, limit)), half)
-        chunk = min(max(chunk_tokens or half, short), budget - short)  # short <= half: room for one short
-        config.prefill_chunk_size = chunk
-        window = cost.a if window_s is None else window_s
-        return True, short, window, config.max_num_batched_tokens - chunk
+        """The queues' settings (`PrefillQueues.configure`), derived where the manifest leaves them
+        (`queues.laps_settings`); sets the engine's prefill chunk."""
+        config = self.engine.config
+        laps = laps_settings(length_aware, short_tokens, window_s, chunk_tokens, self.engine.step_costs.coefficients,
+                             config.max_num_batched_tokens, self.engine.max_model_len)
+        if laps.chunk_tokens is not None:
+            config.prefill_chunk_size = laps.chunk_tokens
+        return laps.length_aware, laps.short_tokens, laps.window_s, laps.short_room
 
     def ping(self) -> WorkerStatus:
         with self._lock:

@@ -52,6 +52,17 @@ class RoutingSettings:
     max_active_decodes: int = 128
     max_model_len: int = 2048
 
+    @classmethod
+    def from_spec(cls, spec: Any, max_model_len: int) -> "RoutingSettings":
+        """From a manifest's `router` section (`cluster.manifest.RouterSpec`, read by attribute: the
+        router imports nothing of the cluster): the cluster's router and the simulator's alike."""
+        prefill_policy, decode_policy = spec.pool_policies
+        return cls(prefill_policy=prefill_policy, decode_policy=decode_policy,
+                   policy_options={**spec.cache_aware.model_dump(), "overlap_weight": spec.kv_overlap_weight},
+                   prefix_index=spec.prefix_index, ttft_slo_s=spec.ttft_slo_s, reject_factor=spec.reject_factor,
+                   local_prefill_tokens=spec.local_prefill_tokens, max_queued_prefills=spec.max_queued_prefills,
+                   max_active_decodes=spec.max_active_decodes, max_model_len=max_model_len)
+
 
 @dataclass
 class RoutingStats:

@@ -49,14 +49,8 @@ class RouterStack:
 
     def place(self, workers: list[WorkerRef], served: ServedModel) -> Router:
         """Build the placement core over the workers (each with its first health report)."""
-        m, r = self.manifest, self.manifest.router
-        prefill_policy, decode_policy = r.pool_policies
-        settings = RoutingSettings(
-            prefill_policy=prefill_policy, decode_policy=decode_policy,
-            policy_options={**r.cache_aware.model_dump(), "overlap_weight": r.kv_overlap_weight},
-            prefix_index=r.prefix_index, ttft_slo_s=r.ttft_slo_s, reject_factor=r.reject_factor,
-            local_prefill_tokens=r.local_prefill_tokens, max_queued_prefills=r.max_queued_prefills,
-            max_active_decodes=r.max_active_decodes, max_model_len=served.info.max_model_len)
+        m = self.manifest
+        settings = RoutingSettings.from_spec(m.router, served.info.max_model_len)
         prefill = [w for w in workers if w.pool == "prefill"]
         decode = [w for w in workers if w.pool != "prefill"]
         self.placement = Router(m.mode, prefill, decode, m.block_size, settings, self.kv_events.index)

@@ -1,0 +1,140 @@
+"""The command line's planning commands: `pdserve profile` and `pdserve plan`.
+
+`pdserve.cluster.cli` builds the command line and calls `add_plan_commands` for these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from pdserve.cluster.bench.workload import DEFAULT_TRACE
+from pdserve.cluster.cli_help import examples
+
+
+def default_profile_path(model: str, model_digest: str, hardware: str) -> Path:
+    """Where a model's profile on this kind of machine is kept: beside the model cache, keyed by the
+    model's digest and the machine's description."""
+    from pdserve.engine.models.presets import default_cache_dir
+
+    machine = hashlib.sha256(hardware.encode()).hexdigest()[:12]
+    name = Path(model).name or "model"
+    return default_cache_dir().parent / "profiles" / f"{name}-{model_digest[:12]}-{machine}.json"
+
+
+def _base_manifest(args: argparse.Namespace) -> Any:
+    from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
+
+    import yaml
+
+    data = yaml.safe_load(Path(args.manifest or DEFAULT_MANIFEST).read_text())
+    if args.model:
+        data["model"] = args.model
+    if args.max_model_len:
+        data["max_model_len"] = args.max_model_len
+    return load_manifest(data)
+
+
+def _profile_path(args: argparse.Namespace, manifest: Any) -> Path:
+    from pdserve.cluster.bench.report import machine
+    from pdserve.engine.model_store import model_digest
+    from pdserve.engine.models.presets import resolve_model
+
+    if args.profile:
+        return Path(args.profile)
+    return default_profile_path(manifest.model, model_digest(resolve_model(manifest.model)), machine())
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pdserve.cluster.plan.profiler import profile
+
+    manifest = _base_manifest(args)
+    threads = tuple(sorted({int(t) for t in args.threads.split(",")}))
+    if not threads or min(threads) < 1:
+        raise ValueError(f"--threads takes positive thread counts, comma-separated; got {args.threads!r}")
+    transports = tuple(t for t in args.transports.split(",") if t)
+    result = profile(manifest, threads, transports, seed=args.seed)
+    path = _profile_path(args, manifest)
+    result.save(path)
+    print(f"wrote {path}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.serve_metrics import Objective
+    from pdserve.cluster.bench.workload import check_azure_trace, find_trace, load_azure_trace, scale_requests
+    from pdserve.cluster.plan.costs import HardwareProfile
+    from pdserve.cluster.plan.planner import plan, plot_frontier, write_manifest
+
+    if args.slo_ttft <= 0 or args.slo_tpot <= 0 or args.cpus < 1 or (args.rate is not None and args.rate <= 0):
+        raise ValueError("--slo-ttft, --slo-tpot, --cpus and --rate must be positive")
+    manifest = _base_manifest(args)
+    path = _profile_path(args, manifest)
+    if not path.is_file():
+        raise FileNotFoundError(f"no profile of {manifest.model} on this machine at {path}: measure it first with "
+                                f"`pdserve profile{' --model ' + args.model if args.model else ''}` (a few minutes)")
+    profile = HardwareProfile.load(path)
+    check_azure_trace(args.trace)
+    shapes = scale_requests(load_azure_trace(find_trace(args.trace), args.requests), args.input_scale,
+                            args.output_scale, manifest.max_model_len)
+    objective = Objective("plan", args.slo_ttft / 1e3, args.slo_tpot / 1e3)
+    print(f"planning for {manifest.model} on {profile.hardware}, {len(shapes)} requests of {args.trace} per rate")
+    result = plan(manifest, profile, shapes, objective, args.cpus, args.rate, seed=args.seed)
+    best = result.best
+    print(f"best: {best.candidate.name} ({best.candidate.cpus} CPUs), predicted goodput {best.goodput.rate:.2f} req/s")
+    write_manifest(result, manifest, args.out, profile)
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot_frontier(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def add_plan_commands(sub: Any) -> None:
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--manifest", default=None, help="the manifest whose model and limits to use (default: "
+                                                        "deploy/local.yaml)")
+        p.add_argument("--model", default=None, help="the model (overrides the manifest's)")
+        p.add_argument("--max-model-len", type=int, default=None, help="the context limit (overrides the manifest's)")
+        p.add_argument("--profile", type=Path, default=None,
+                       help="the profile file (default: kept beside the model cache, by model and machine)")
+        p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: %(default)s)")
+
+    pr = sub.add_parser("profile", help="measure a model's step and KV handoff costs on this machine (for plan)",
+                        description="Measure prompt passes, decode steps over batch size and context, mixed steps, "
+                                    "and, in a 1P+1D cluster, the KV handoff per transport and what serving adds; "
+                                    "store them by model and machine for `pdserve plan`. Run it on an idle machine.",
+                        **examples("pdserve profile --model llama-20m --threads 1,2",
+                                   "pdserve profile --manifest my.yaml --transports shm,tcp"))
+    model_options(pr)
+    pr.add_argument("--threads", default="1", help="torch thread counts per worker to measure, comma-separated "
+                                                   "(default: %(default)s)")
+    pr.add_argument("--transports", default="shm", help="KV transports to measure, comma-separated (default: "
+                                                        "%(default)s)")
+    pr.set_defaults(func=_profile)
+
+    pl = sub.add_parser("plan", help="choose the deployment for a workload and latency objectives, by simulation",
+                        description="Simulate colocated and disaggregated deployments within a CPU budget on a "
+                                    "trace's request lengths (the router's own placement, the profiled costs) and "
+                                    "write the manifest with the best goodput; with --rate, the fewest CPUs that "
+                                    "carry it.",
+                        **examples("pdserve plan --slo-ttft 250 --slo-tpot 30 --cpus 2 --model llama-20m",
+                                   "pdserve plan --slo-ttft 500 --slo-tpot 50 --cpus 4 --rate 6 --out plan.yaml"))
+    model_options(pl)
+    pl.add_argument("--slo-ttft", type=float, required=True, help="the TTFT objective (ms)")
+    pl.add_argument("--slo-tpot", type=float, required=True, help="the TPOT objective (ms)")
+    pl.add_argument("--cpus", type=int, required=True, help="CPUs the deployment may use (torch threads over all "
+                                                            "workers)")
+    pl.add_argument("--rate", type=float, default=None, help="the request rate to carry (req/s): the fewest CPUs "
+                                                             "that carry it; default: the highest goodput")
+    pl.add_argument("--trace", default=DEFAULT_TRACE, help="an Azure-style CSV trace: its lengths (default: "
+                                                           "%(default)s, shipped)")
+    pl.add_argument("--requests", type=int, default=400, help="requests per simulated run (default: %(default)s)")
+    pl.add_argument("--input-scale", type=float, default=0.25, help="scale of prompt lengths (default: %(default)s)")
+    pl.add_argument("--output-scale", type=float, default=0.25, help="scale of output lengths (default: %(default)s)")
+    pl.add_argument("--out", type=Path, default=Path("planned.yaml"), help="the manifest to write "
+                                                                         "(default: %(default)s)")
+    pl.add_argument("--plot", type=Path, default=None, help="also plot the goodput of every deployment tried (PNG)")
+    pl.set_defaults(func=_plan)

@@ -1,0 +1,153 @@
+"""What a deployment's parts cost on one machine, for one model: the profile the simulator times its
+steps with (`pdserve profile` measures it; `HardwareProfile.load` reads it back).
+
+A worker's step is timed from two measured parts, because on a CPU they do not add up as one line:
+
+- a prompt pass of N new tokens with attention term Q = Σ m·(p + m) (the router's cost model,
+  `engine.cost_model.StepCost`: a + b·N + c·Q);
+- a decode step of B sequences with mean context L, read off a measured table (B × L, interpolated):
+  a batch of 4 costs twice a batch of 1 and a batch of 48 only three times (the per-layer fixed cost
+  dominates), which no line through the origin of B fits.
+
+A step that mixes both costs the decode table's time plus the prompt part's marginal cost (b·N + c·Q,
+its fixed cost already paid); the profiler measures mixed steps to say how far that is off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.cost_model import StepCost
+
+PROFILE_FORMAT = 1
+
+
+def _interpolate(xs: tuple[int, ...], x: float) -> tuple[int, int, float]:
+    """Indices (i, j) of the grid points around `x` and the weight of j; beyond the grid, the last
+    two points' line is extended (clamped at the first point below)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return 0, 0, 0.0
+    j = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    i = j - 1
+    return i, j, (x - xs[i]) / (xs[j] - xs[i])
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """Seconds of a decode step over batch size and mean context (rows: batches, columns: contexts)."""
+
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if (not self.batches or not self.contexts or list(self.batches) != sorted(set(self.batches))
+                or list(self.contexts) != sorted(set(self.contexts))):
+            raise ValueError("a decode table needs increasing batch sizes and contexts")
+        if len(self.seconds) != len(self.batches) or any(len(row) != len(self.contexts) for row in self.seconds):
+            raise ValueError("a decode table needs one time per batch size and context")
+
+    def step_s(self, batch: int, context: float) -> float:
+        bi, bj, bw = _interpolate(self.batches, batch)
+        ci, cj, cw = _interpolate(self.contexts, context)
+
+        def at(b: int) -> float:
+            row = self.seconds[b]
+            return row[ci] + (row[cj] - row[ci]) * cw
+
+        return max(0.0, at(bi) + (at(bj) - at(bi)) * bw)
+
+
+@dataclass(frozen=True)
+class WorkerCosts:
+    """One worker's step costs at a number of torch threads."""
+
+    threads: int
+    prefill: StepCost
+    decode: DecodeTable
+
+    def step_s(self, decode_seqs: int, decode_context: int, prompt_tokens: int, prompt_quad: int) -> float:
+        """A step of `decode_seqs` decoding sequences (their contexts summing to `decode_context`) and
+        `prompt_tokens` prompt tokens (attention term `prompt_quad`)."""
+        if not decode_seqs:
+            return self.prefill.step_s(prompt_tokens, prompt_quad) if prompt_tokens else 0.0
+        decode = self.decode.step_s(decode_seqs, decode_context / decode_seqs)
+        return decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """Seconds from a prompt's last pass to its KV committed on the decode worker: x0 + x1·tokens."""
+
+    x0_s: float
+    x1_s_per_token: float
+
+    def handoff_s(self, tokens: int) -> float:
+        return self.x0_s + self.x1_s_per_token * tokens
+
+
+@dataclass
+class HardwareProfile:
+    """A model's costs on one kind of machine. `workers` by torch threads; `transfers` by transport."""
+
+    model: str
+    model_digest: str
+    hardware: str  # `cluster.bench.report.machine()`
+    dtype: str
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    workers: dict[int, WorkerCosts]
+    transfers: dict[str, TransferCost]
+    # What serving adds, measured in a running cluster (`profiler.ServingCosts`):
+    dispatch_s: float = 0.0  # the router's accepting a request to its prompt pass's start
+    delivery_s: float = 0.0  # a prompt pass's end to its first token leaving the router
+    step_overhead_s: float = 0.0  # a serving decode step beyond the engine's own
+    checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
+    created: str = ""
+
+    def costs(self, threads: int) -> WorkerCosts:
+        if threads not in self.workers:
+            raise ValueError(f"the profile has no worker with {threads} thread(s): measured "
+                             f"{sorted(self.workers)} (`pdserve profile --threads`)")
+        return self.workers[threads]
+
+    def transfer(self, transport: str) -> TransferCost:
+        if transport not in self.transfers:
+            raise ValueError(f"the profile has no KV transfer cost for {transport!r}: measured {sorted(self.transfers)}")
+        return self.transfers[transport]
+
+    def kv_blocks(self, kv_memory_mb: int) -> int:
+        """A worker's KV blocks with `kv_memory_mb` of KV memory (as the engine sizes its pool)."""
+        return kv_memory_mb * 2**20 // (self.kv_bytes_per_token * self.block_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, **asdict(self)}
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HardwareProfile":
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"not a pdserve profile of format {PROFILE_FORMAT} (found {data.get('format')!r}): "
+                             f"measure it again with `pdserve profile`")
+        data = {k: v for k, v in data.items() if k != "format"}
+        workers = {int(t): WorkerCosts(w["threads"], StepCost(**w["prefill"]),
+                                       DecodeTable(tuple(w["decode"]["batches"]), tuple(w["decode"]["contexts"]),
+                                                   tuple(tuple(row) for row in w["decode"]["seconds"])))
+                   for t, w in data.pop("workers").items()}
+        transfers = {name: TransferCost(**t) for name, t in data.pop("transfers").items()}
+        return cls(workers=workers, transfers=transfers, **data)
+
+    @classmethod
+    def load(cls, path: Path) -> "HardwareProfile":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read the profile {path}: {e}") from None

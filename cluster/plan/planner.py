@@ -1,0 +1,207 @@
+"""`pdserve plan`: the deployment to run, chosen by simulating every candidate on the user's workload.
+
+Candidates, within a budget of CPUs (each worker takes its torch threads' worth): colocated with k
+workers of t threads, at the manifest's step budget and at a chunked one; disaggregated with P
+prefill and D decode workers of the thread counts the profile measured. Each candidate's goodput
+(DistServe's: the highest rate at which 90% of requests meet both objectives) is searched with the
+benchmark's own search (`serve_metrics.GoodputSearch`) over simulated runs, fresh Poisson arrivals of
+the trace's lengths at each rate. Without a target rate the best goodput wins (ties: fewer CPUs);
+with one, the fewest CPUs whose goodput carries it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.cluster.bench.loadgen import poisson_arrivals
+from pdserve.cluster.bench.serve_metrics import Goodput, GoodputSearch, Objective, RequestRecord
+from pdserve.cluster.bench.workload import TraceRequest, run_seed
+from pdserve.cluster.plan.costs import HardwareProfile
+from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+
+CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
+MIN_DURATION_S = 30.0  # of arrivals in a simulated run
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mode: str
+    prefill: tuple[int, int]  # (replicas, threads); colocated: (0, 0)
+    decode: tuple[int, int]  # (replicas, threads): colocated workers in colocated mode
+    step_budget: int
+
+    @property
+    def cpus(self) -> int:
+        return self.prefill[0] * self.prefill[1] + self.decode[0] * self.decode[1]
+
+    @property
+    def name(self) -> str:
+        def pool(p: tuple[int, int]) -> str:
+            return f"{p[0]}x{p[1]}t"
+
+        if self.mode == "colocated":
+            return f"colocated {pool(self.decode)} budget {self.step_budget}"
+        return f"disaggregated {pool(self.prefill)}P+{pool(self.decode)}D"
+
+    def manifest(self, base: Any) -> Any:
+        data = base.model_dump(mode="json")
+        data.update(mode=self.mode, max_num_batched_tokens=self.step_budget)
+        for pool, (replicas, threads) in (("prefill", self.prefill), ("decode", self.decode)):
+            data["pools"][pool].update(replicas=replicas, threads=max(threads, 1), num_cpus=max(threads, 1))
+        return type(base).model_validate(data)
+
+
+def candidates(base: Any, profile: HardwareProfile, cpus: int) -> list[Candidate]:
+    threads = sorted(profile.workers)
+    budgets = sorted({base.max_num_batched_tokens, min(CHUNKED_BUDGET, base.max_num_batched_tokens)})
+    out = []
+    for t in threads:
+        for k in range(1, cpus // t + 1):
+            out += [Candidate("colocated", (0, 0), (k, t), b) for b in budgets]
+    for tp in threads:
+        for td in threads:
+            for p in range(1, cpus // tp + 1):
+                for d in range(1, (cpus - p * tp) // td + 1):
+                    out.append(Candidate("disaggregated", (p, tp), (d, td), base.max_num_batched_tokens))
+    return out
+
+
+class Infeasible(ValueError):
+    """No candidate meets the objective at any rate; the message names the bottleneck."""
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    goodput: Goodput
+    runs: int
+
+
+@dataclass
+class Plan:
+    best: Evaluated
+    tried: list[Evaluated]
+    objective: Objective
+    target_rate: float | None
+
+
+def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], seed: int,
+                   name: str = "", transport: str = "shm",
+                   min_duration_s: float = MIN_DURATION_S) -> Callable[[float], list[RequestRecord]]:
+    """`measure(rate)` for `GoodputSearch`: the shapes (over again, for runs of at least `min_duration_s`
+    of arrivals: a short run at a high rate ends before its queues build up) at Poisson arrivals of
+    `rate`, each run fresh (its own prompts and arrivals) on a fresh simulated cluster."""
+    def measure(rate: float) -> list[RequestRecord]:
+        n = max(len(shapes), math.ceil(rate * min_duration_s))
+        arrivals = poisson_arrivals(n, rate, run_seed(seed, "plan", rate))
+        # every run starts a fresh simulated cluster, whose caches hold nothing of the runs before
+        requests = [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len),
+                               shapes[i % len(shapes)].output_len) for i, t in enumerate(arrivals)]
+        return ClusterSimulator(manifest, profile, transport, name).run(requests, rate).records
+
+    return measure
+
+
+def evaluate(candidate: Candidate, base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest],
+             objective: Objective, seed: int = 0, max_runs: int = 12, rel_tol: float = 0.05,
+             min_duration_s: float = MIN_DURATION_S) -> Evaluated:
+    manifest = candidate.manifest(base)
+    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s=min_duration_s)
+    search = GoodputSearch(measure, start_rate=1.0,
+                           min_rate=0.01, max_rate=10_000, rel_tol=rel_tol, max_runs=max_runs)
+    return Evaluated(candidate, search.goodput(objective), len(search.runs))
+
+
+def bottleneck(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], objective: Objective) -> str:
+    """Why nothing meets `objective`: what one request alone costs on the fastest worker measured."""
+    costs = min(profile.workers.values(), key=lambda c: c.prefill.prefill_s(512))
+    prompts = sorted(s.prompt_len for s in shapes)
+    p90 = prompts[min(len(prompts) - 1, math.ceil(0.9 * len(prompts)) - 1)]
+    ttft = profile.dispatch_s + costs.prefill.prefill_s(p90) + profile.delivery_s
+    tpot = costs.decode.step_s(1, p90) + profile.step_overhead_s
+    reasons = []
+    if ttft > objective.ttft_s:
+        reasons.append(f"prefill: the trace's p90 prompt ({p90} tokens) alone takes {ttft * 1e3:.0f} ms to its first "
+                       f"token at {costs.threads} thread(s), over the TTFT objective of {objective.ttft_s * 1e3:.0f} ms")
+    if tpot > objective.tpot_s:
+        reasons.append(f"decode: one decode step alone takes {tpot * 1e3:.1f} ms at {costs.threads} thread(s), over "
+                       f"the TPOT objective of {objective.tpot_s * 1e3:.1f} ms")
+    return "; ".join(reasons) or ("queueing: even at the lowest rate tried, fewer than 90% of requests meet both "
+                                  "objectives (the trace's longest prompts and outputs miss them)")
+
+
+def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], objective: Objective, cpus: int,
+         target_rate: float | None = None, seed: int = 0, min_duration_s: float = MIN_DURATION_S,
+         log: Callable[[str], None] = print) -> Plan:
+    """Simulate every candidate within `cpus`; raises Infeasible when none meets `objective` (or, with
+    `target_rate`, none carries it)."""
+    if cpus < min(profile.workers):
+        raise ValueError(f"{cpus} CPU(s) fit no worker: the profile's fewest threads per worker is {min(profile.workers)}")
+    tried = []
+    for i, candidate in enumerate(candidates(base, profile, cpus), 1):
+        result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s)
+        tried.append(result)
+        log(f"  [{i}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} req/s")
+    if all(e.goodput.rate <= 0 for e in tried):
+        raise Infeasible(f"no deployment within {cpus} CPU(s) meets TTFT <= {objective.ttft_s * 1e3:.0f} ms and "
+                         f"TPOT <= {objective.tpot_s * 1e3:.1f} ms for 90% of requests at any rate: "
+                         f"{bottleneck(base, profile, shapes, objective)}")
+    if target_rate is None:
+        best = max(tried, key=lambda e: (e.goodput.rate, -e.candidate.cpus))
+    else:
+        carrying = [e for e in tried if e.goodput.rate >= target_rate]
+        if not carrying:
+            top = max(tried, key=lambda e: e.goodput.rate)
+            raise Infeasible(f"no deployment within {cpus} CPU(s) carries {target_rate:g} req/s: the best, "
+                             f"{top.candidate.name}, carries {top.goodput.rate:.2f} req/s")
+        best = min(carrying, key=lambda e: (e.candidate.cpus, -e.goodput.rate))
+    return Plan(best, tried, objective, target_rate)
+
+
+def write_manifest(result: Plan, base: Any, path: Path, profile: HardwareProfile) -> None:
+    import yaml
+
+    best = result.best
+    o = result.objective
+    header = (f"# Planned by `pdserve plan` for TTFT <= {o.ttft_s * 1e3:.0f} ms, TPOT <= {o.tpot_s * 1e3:.1f} ms"
+              f" (90% of requests), on {profile.hardware}:\n"
+              f"# {best.candidate.name}, predicted goodput {best.goodput.rate:.2f} req/s"
+              f" (simulated; {len(result.tried)} deployments tried).\n")
+    data = best.candidate.manifest(base).model_dump(mode="json", exclude_defaults=True)
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
+
+
+def plot_frontier(result: Plan, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, marker in (("colocated", "o"), ("disaggregated", "s")):
+        points = [(e.candidate.cpus, e.goodput.rate) for e in result.tried if e.candidate.mode == mode]
+        if points:
+            ax.scatter(*zip(*points), marker=marker, label=mode, alpha=0.7)
+    frontier: dict[int, float] = {}
+    for e in result.tried:
+        frontier[e.candidate.cpus] = max(frontier.get(e.candidate.cpus, 0.0), e.goodput.rate)
+    xs = sorted(frontier)
+    best_so_far, ys = 0.0, []
+    for x in xs:
+        best_so_far = max(best_so_far, frontier[x])
+        ys.append(best_so_far)
+    ax.step(xs, ys, where="post", color="grey", linewidth=1, label="frontier")
+    ax.annotate(result.best.candidate.name, (result.best.candidate.cpus, result.best.goodput.rate),
+                textcoords="offset points", xytext=(5, 5), fontsize=8)
+    o = result.objective
+    ax.set_xlabel("CPUs (torch threads over all workers)")
+    ax.set_ylabel("predicted goodput (req/s)")
+    ax.set_title(f"TTFT <= {o.ttft_s * 1e3:.0f} ms, TPOT <= {o.tpot_s * 1e3:.1f} ms (90% of requests)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,253 @@
+"""`pdserve profile`: what a model's steps and KV handoffs cost on this machine, for the simulator.
+
+For each number of torch threads, in this process, on an engine with the manifest's limits:
+
+- prompt passes: fresh prompts of powers of four up to the step budget, and prompts whose first half
+  is in the prefix cache (their attention term reaches back over it); the fit a + b·N + c·Q
+  (`engine.cost_model`), non-negative, as the workers fit theirs;
+- decode steps over a grid of batch sizes and contexts: a batch of B prompts of L tokens prefilled,
+  then the median of its decode steps (`costs.DecodeTable`);
+- mixed steps, a decode batch with one prompt chunk beside it, predicted from the two parts: their
+  error is reported (`checks`), not fitted.
+
+Then, for each KV transport, a 1P+1D cluster of the manifest on this machine: prompts of several
+lengths one at a time, the router's own fit of the handoff (prefill end to decode start, every cost
+of the transfer in it) and the time from a prompt pass's end to its first token at the client (the
+router's delivery).
+
+The first pass of each shape is a warm-up and is not kept; every prompt is random tokens, fresh.
+Run it on an otherwise idle machine: what else runs is measured too.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from pdserve.cluster.plan.costs import DecodeTable, HardwareProfile, TransferCost, WorkerCosts
+from pdserve.engine.cost_model import StepCost, fit_nonnegative
+from pdserve.wire import LifetimeEvent
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_CONTEXTS = (16, 128, 512)
+DECODE_STEPS = 6  # decode steps timed per cell (after one warm-up step)
+TRANSFER_PROMPTS = (16, 64, 128, 256, 512, 900)
+
+
+def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+class _EngineProfiler:
+    def __init__(self, engine: Any, seed: int, log: Callable[[str], None]) -> None:
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.log = log
+
+    def prompt(self, n: int) -> list[int]:
+        return _random_prompt(self.rng, self.engine.vocab_size, n)
+
+    def _run(self, prompts: list[list[int]], max_tokens: int, keep: Callable[[Any], bool]) -> list[Any]:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        for p in prompts:
+            self.engine.add_request(p, SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True))
+        kept = []
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            step = self.engine.last_step
+            if keep(step):
+                kept.append(replace(step))
+        return kept
+
+    def prefill_samples(self, step_budget: int, max_model_len: int) -> list[tuple[int, int, float]]:
+        """(tokens, quad, seconds) of single prompt passes, fresh and behind a cached half."""
+        limit = min(step_budget, max_model_len - 1)
+        lengths = sorted({min(n, limit) for n in (8, 32, 128, 512, 2048, limit)})
+        samples = []
+        for n in lengths:
+            for round_ in range(3):
+                steps = self._run([self.prompt(n)], 1, lambda s: s.num_seqs == 1 and s.num_tokens == n)
+                if round_:
+                    samples += [(s.num_tokens, s.quad_tokens, s.total_s) for s in steps]
+            half = n // 2
+            if half >= 16 and n <= limit:  # the second half computed after a cached first half
+                for round_ in range(3):
+                    first = self.prompt(n)
+                    self._run([first], 1, lambda s: False)
+                    steps = self._run([first[:half] + self.prompt(n - half)], 1,
+                                      lambda s: s.num_seqs == 1 and s.quad_tokens > s.num_tokens ** 2)
+                    if round_:
+                        samples += [(s.num_tokens, s.quad_tokens, s.total_s) for s in steps]
+        return samples
+
+    def decode_cell(self, batch: int, context: int) -> tuple[float, float] | None:
+        """Median seconds and mean context of the decode steps of `batch` prompts of `context` tokens;
+        None when they do not fit the engine's KV memory or batch."""
+        e = self.engine
+        blocks = -(-(context + DECODE_STEPS + 2) // e.config.block_size) * batch
+        if batch > e.config.max_num_seqs or blocks > e.num_free_blocks:
+            return None
+        steps = self._run([self.prompt(context) for _ in range(batch)], DECODE_STEPS + 2,
+                          lambda s: s.num_seqs == batch and s.num_decode_seqs == batch)
+        timed = steps[1:]  # the first decode step of a batch is its warm-up
+        if not timed:
+            return None
+        return statistics.median(s.total_s for s in timed), statistics.mean(s.quad_tokens / batch for s in timed)
+
+    def mixed_errors(self, costs: WorkerCosts, step_budget: int) -> list[float]:
+        """Relative errors of the mixed-step prediction: a decode batch with one prompt chunk beside it."""
+        from pdserve.engine.sampling_params import SamplingParams
+
+        e, errors = self.engine, []
+        for batch, chunk in ((4, 64), (16, 256), (8, min(512, step_budget - 8))):
+            if batch > e.config.max_num_seqs:
+                continue
+            for p in [self.prompt(128) for _ in range(batch)]:
+                e.add_request(p, SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+            for _ in range(batch + 4):  # until the batch is decoding (each prompt's pass is one step at most)
+                e.step()
+                if e.last_step.num_decode_seqs == batch:
+                    break
+            e.add_request(self.prompt(chunk), SamplingParams.greedy(max_tokens=1, ignore_eos=True))
+            while e.has_unfinished_requests():
+                e.step()
+                s = e.last_step
+                prompt_tokens = s.num_tokens - s.num_decode_seqs
+                if s.num_decode_seqs == batch and prompt_tokens == chunk:
+                    decode_quad = s.quad_tokens - chunk * chunk
+                    predicted = costs.step_s(batch, decode_quad, chunk, chunk * chunk)
+                    errors.append(predicted / s.total_s - 1)
+        return errors
+
+
+def profile_threads(model_dir: Any, threads: int, engine_config: dict[str, Any], seed: int,
+                    log: Callable[[str], None]) -> tuple[WorkerCosts, dict[str, Any]]:
+    """One thread count's costs, and how well they predict what was measured."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(**{**engine_config, "num_threads": threads, "enable_prefix_caching": True})
+    return profile_engine(LLMEngine(model_dir, config), threads, seed, log)
+
+
+def profile_engine(engine: Any, threads: int, seed: int, log: Callable[[str], None]) -> tuple[WorkerCosts, dict[str, Any]]:
+    """Measure `engine` (an `LLMEngine`, or anything that steps and times its steps alike)."""
+    config = engine.config
+    p = _EngineProfiler(engine, seed, log)
+    started = time.monotonic()
+    samples = p.prefill_samples(config.max_num_batched_tokens, engine.max_model_len)
+    data = np.array(samples, dtype=float)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    prefill = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
+    prefill_errors = (features @ np.array(prefill.as_tuple())) / data[:, 2] - 1
+    log(f"  {threads} thread(s): prompt passes a={prefill.a * 1e3:.2f} ms, b={prefill.b * 1e6:.2f} us/token, "
+        f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} passes "
+        f"(median error {np.median(np.abs(prefill_errors)):.1%}, max {np.max(np.abs(prefill_errors)):.1%})")
+    contexts = tuple(c for c in DECODE_CONTEXTS if c < engine.max_model_len - DECODE_STEPS - 2)
+    rows, batches, measured_contexts = [], [], None
+    for batch in DECODE_BATCHES:
+        cells = [p.decode_cell(batch, c) for c in contexts]
+        if any(cell is None for cell in cells):
+            break  # larger batches fit no better
+        batches.append(batch)
+        rows.append(tuple(seconds for seconds, _ in cells))
+        measured_contexts = measured_contexts or tuple(round(ctx) for _, ctx in cells)
+        log(f"  {threads} thread(s): decode batch {batch:3d}: " +
+            ", ".join(f"{ctx:.0f} tokens {seconds * 1e3:.1f} ms" for seconds, ctx in cells))
+    if not batches:
+        raise RuntimeError("no decode batch fits the engine's KV memory: raise kv_memory_mb")
+    costs = WorkerCosts(threads, prefill, DecodeTable(tuple(batches), measured_contexts, tuple(rows)))
+    mixed = p.mixed_errors(costs, config.max_num_batched_tokens)
+    log(f"  {threads} thread(s): mixed steps predicted within " +
+        ", ".join(f"{e:+.0%}" for e in mixed) + f" ({time.monotonic() - started:.0f} s)")
+    checks = {"prefill_error_median": float(np.median(np.abs(prefill_errors))),
+              "prefill_error_max": float(np.max(np.abs(prefill_errors))),
+              "mixed_errors": [float(e) for e in mixed]}
+    return costs, checks
+
+
+@dataclass(frozen=True)
+class ServingCosts:
+    """What serving adds to the engine's steps, measured in a running 1P+1D cluster."""
+
+    handoff: TransferCost
+    dispatch_s: float  # the router's accepting a request to its prompt pass's start (placement, the Ray call)
+    delivery_s: float  # a prompt pass's end to its first token leaving the router (the token stream)
+    step_overhead_s: float  # a serving decode step beyond the engine's own (token sending, the loop's other work)
+
+
+def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int,
+                    log: Callable[[str], None]) -> ServingCosts:
+    """A 1P+1D cluster of `manifest` with `transport`, its workers at `costs.threads` threads; prompts
+    of several lengths one at a time, streamed: the router's own fit of the handoff, and what serving
+    adds to the engine's steps (`ServingCosts`)."""
+    from pdserve.client import Client
+    from pdserve.cluster.launcher import Cluster
+
+    data = manifest.model_dump(mode="json")
+    data.update(mode="disaggregated")
+    for pool in ("prefill", "decode"):
+        data["pools"][pool].update(replicas=1, threads=costs.threads)
+    data["kv_transfer"]["transport"] = transport
+    data["server"].update(address="127.0.0.1:0", http_address=None)
+    m = type(manifest).model_validate(data)
+    rng = random.Random(seed)
+    dispatch, delivery, overhead = [], [], []
+    output_tokens = DECODE_STEPS + 2
+    with Cluster(m, log=lambda s: None) as cluster, Client(cluster.address, timeout=60) as client:
+        vocab = client.model_info().vocab_size
+        for round_, n in enumerate(TRANSFER_PROMPTS * 3):
+            n = min(n, m.max_model_len - output_tokens - 1)
+            events = client.generate(_random_prompt(rng, vocab, n), max_tokens=output_tokens, ignore_eos=True).events
+            if round_ < len(TRANSFER_PROMPTS):
+                continue  # the first round warms every length up
+            dispatch.append(events[LifetimeEvent.PREFILL_START] - events[LifetimeEvent.ACCEPTED])
+            delivery.append(events[LifetimeEvent.FIRST_TOKEN] - events[LifetimeEvent.PREFILL_END])
+            step = (events[LifetimeEvent.DECODE_END] - events[LifetimeEvent.DECODE_START]) / (output_tokens - 1)
+            overhead.append(step - costs.decode.step_s(1, n + output_tokens / 2))
+        transfer = cluster.router.transfer
+        line = TransferCost(transfer.x0, transfer.x1)
+    serving = ServingCosts(line, statistics.median(dispatch), statistics.median(delivery),
+                           max(0.0, statistics.median(overhead)))
+    log(f"  {transport}: handoff {line.x0_s * 1e3:.2f} ms + {line.x1_s_per_token * 1e6:.2f} us/token; dispatch "
+        f"{serving.dispatch_s * 1e3:.2f} ms, delivery {serving.delivery_s * 1e3:.2f} ms, decode step overhead "
+        f"{serving.step_overhead_s * 1e3:.2f} ms")
+    return serving
+
+
+def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...], seed: int = 0,
+            log: Callable[[str], None] = print) -> HardwareProfile:
+    from pdserve.cluster.bench.report import machine
+    from pdserve.cluster.bench.serve import kv_bytes_per_token
+    from pdserve.engine.model_store import model_digest
+    from pdserve.engine.models.presets import resolve_model
+
+    model_dir = resolve_model(manifest.model)
+    pool = manifest.pools.decode
+    engine_config = manifest.engine_config(pool)
+    engine_config.pop("num_threads")
+    workers, checks = {}, {}
+    log(f"profiling {manifest.model} on {machine()}")
+    for t in threads:
+        workers[t], checks[f"threads_{t}"] = profile_threads(model_dir, t, engine_config, seed, log)
+    transfers, serving = {}, None
+    for transport in transports:  # at the fewest threads measured: the default manifest's workers
+        measured = profile_serving(manifest, transport, workers[min(threads)], seed, log)
+        transfers[transport] = measured.handoff
+        serving = serving or measured
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[manifest.dtype]
+    return HardwareProfile(
+        model=manifest.model, model_digest=model_digest(model_dir), hardware=machine(), dtype=manifest.dtype,
+        block_size=manifest.block_size, kv_bytes_per_token=kv_bytes_per_token(model_dir, dtype_bytes),
+        max_model_len=manifest.max_model_len, workers=workers, transfers=transfers,
+        dispatch_s=serving.dispatch_s if serving else 0.0, delivery_s=serving.delivery_s if serving else 0.0,
+        step_overhead_s=serving.step_overhead_s if serving else 0.0, checks=checks,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -1,0 +1,303 @@
+"""A simulated engine: the scheduler of `engine.scheduler` at the level of token and block counts, its
+steps timed by a measured profile (`costs.WorkerCosts`) instead of run.
+
+It keeps what decides latency: continuous batching under a per-step token budget and `max_num_seqs`,
+chunked prompts (`chunk_limit`), running sequences first, then committed imports, then waiting
+prompts; KV blocks, with the most recently admitted sequence preempted (and recomputed) when a
+running one needs a block and none is free; and a prefix cache of chained block hashes (blocks in use
+shared, freed ones evictable, least recently freed first) whose stores and removals are reported to
+a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
+values, sampling, stop strings (every request generates its trace's output length).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from pdserve.cluster.plan.costs import WorkerCosts
+
+
+class IndexEvent(NamedTuple):
+    """A block stored in or removed from a worker's prefix cache: the fields `PrefixIndex.apply` reads of
+    a worker's `KVEvent`."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    removed: bool
+
+
+@dataclass(eq=False)
+class SimSequence:
+    """One request in one engine. `num_tokens`: prompt + tokens generated so far (the newest has no KV
+    yet while decoding)."""
+
+    request_id: str
+    prompt_len: int
+    output_len: int
+    block_hashes: list[bytes]  # the prompt's cacheable full blocks, chained
+    prefill_only: bool = False  # a prefill worker's: ends at its first token, its blocks held until handed off
+    short: bool = False  # in LAPS's short queue
+    num_tokens: int = 0
+    computed: int = 0
+    generated: int = 0
+    cached_tokens: int = 0  # found in the prefix cache when first admitted
+    preemptions: int = 0
+    plain_blocks: int = 0  # blocks it holds that no hash names
+    refs: list[bytes] = field(default_factory=list)  # cached blocks it holds, in order (its leading blocks)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.num_tokens or self.prompt_len
+
+    @property
+    def uncomputed(self) -> int:
+        return self.num_tokens - self.computed
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plain_blocks + len(self.refs)
+
+
+class EngineListener(Protocol):
+    def sampled(self, engine: "SimEngine", seq: SimSequence, now: float) -> None:
+        """A step ending at `now` sampled `seq`'s next token (its `generated` already counts it)."""
+
+    def step_ended(self, engine: "SimEngine", now: float) -> None:
+        """A step ended; blocks may have come free."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    total_blocks: int
+    block_size: int
+    step_budget: int  # max_num_batched_tokens
+    chunk_limit: int  # the longest prompt chunk of one sequence in one step
+    max_num_seqs: int
+
+
+class SimEngine:
+    def __init__(self, name: str, costs: WorkerCosts, limits: EngineLimits, listener: EngineListener,
+                 schedule_at: Callable[[float, Callable[[float], None]], None],
+                 on_cache_events: Callable[[str, list[IndexEvent]], None] | None = None,
+                 step_overhead_s: float = 0.0) -> None:
+        self.name = name
+        self.step_overhead_s = step_overhead_s  # what a serving worker adds to a step that streams tokens
+        self.costs = costs
+        self.limits = limits
+        self.listener = listener
+        self._schedule_at = schedule_at  # the simulator's clock: run a callback at a time
+        self._on_cache_events = on_cache_events
+        self.free_plain = limits.total_blocks  # blocks neither held nor cached
+        self.evictable: OrderedDict[bytes, bytes | None] = OrderedDict()  # cached, held by none (hash -> parent)
+        self.in_use: dict[bytes, int] = {}  # cached blocks held, by how many sequences
+        self.waiting: deque[SimSequence] = deque()
+        self.ready: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.busy = False  # a step is running
+        self.busy_s = 0.0
+        self.steps = 0
+        self.preemptions = 0
+        self._events: list[IndexEvent] = []
+
+    # --- what the simulator asks ----------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self.free_plain + len(self.evictable)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.ready) + len(self.running)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(s.uncomputed for queue in (self.waiting, self.ready, self.running) for s in queue)
+
+    def add(self, seq: SimSequence, now: float) -> None:
+        self.waiting.append(seq)
+        self.kick(now)
+
+    def add_import(self, seq: SimSequence, now: float) -> bool:
+        """A handed-off sequence whose prompt KV arrives now; False (nothing taken) when its blocks do
+        not fit (the caller tries again once blocks come free)."""
+        need = -(-seq.computed // self.limits.block_size)
+        if not self._allocate(need):
+            return False
+        seq.plain_blocks = need
+        self.ready.append(seq)
+        self.kick(now)
+        return True
+
+    def release(self, seq: SimSequence) -> None:
+        """Free what `seq` holds (a prefill-only sequence once its KV is handed off)."""
+        self._free(seq)
+        self._flush_events()
+
+    def kick(self, now: float) -> None:
+        """Start a step if idle with work to do."""
+        if self.busy or not (self.waiting or self.ready or self.running):
+            return
+        chunks = self._schedule()
+        self._flush_events()
+        if not chunks:
+            return  # blocked on blocks: a release or a step elsewhere kicks it again
+        decode_seqs = decode_context = prompt_tokens = prompt_quad = 0
+        for seq, n in chunks:
+            if seq.generated and n == 1:
+                decode_seqs += 1
+                decode_context += seq.computed + 1
+            else:
+                prompt_tokens += n
+                prompt_quad += n * (seq.computed + n)
+        seconds = self.costs.step_s(decode_seqs, decode_context, prompt_tokens, prompt_quad)
+        if decode_seqs:
+            seconds += self.step_overhead_s
+        self.busy = True
+        self.busy_s += seconds
+        self.steps += 1
+        self._schedule_at(now + seconds, lambda end: self._end_step(chunks, end))
+
+    # --- one step -------------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[SimSequence, int]]:
+        lim = self.limits
+        chunks: list[tuple[SimSequence, int]] = []
+        budget, preempted, index = lim.step_budget, False, 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            n = min(seq.uncomputed, budget, lim.chunk_limit)
+            need = self._blocks_needed(seq, n)
+            while not self._allocate(need):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.plain_blocks += need
+                chunks.append((seq, n))
+                budget -= n
+                index += 1
+                continue
+            break
+        while self.ready and budget > 0 and not preempted and len(self.running) < lim.max_num_seqs:
+            seq = self.ready[0]
+            n = min(seq.uncomputed, budget, lim.chunk_limit)
+            need = self._blocks_needed(seq, n)
+            if not self._allocate(need):
+                break
+            self.ready.popleft()
+            seq.plain_blocks += need
+            self.running.append(seq)
+            chunks.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and not preempted and len(self.running) < lim.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if not n:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append((seq, n))
+            budget -= n
+        return chunks
+
+    def _admit(self, seq: SimSequence, budget: int) -> int:
+        """Take `seq`'s cached leading blocks and the blocks of its first chunk; the chunk's tokens, or 0
+        (nothing taken) when its blocks do not fit."""
+        hits = 0
+        for h in seq.block_hashes:  # the cacheable blocks only: at least one token is left to compute
+            if h not in self.in_use and h not in self.evictable:
+                break
+            hits += 1
+        for h in seq.block_hashes[:hits]:
+            self._hold(h)
+        seq.refs = list(seq.block_hashes[:hits])
+        seq.computed = hits * self.limits.block_size
+        n = min(seq.uncomputed, budget, self.limits.chunk_limit)
+        need = self._blocks_needed(seq, n)
+        if not self._allocate(need):
+            self._free(seq)
+            seq.computed = 0
+            return 0
+        seq.plain_blocks = need
+        if not seq.preemptions:
+            seq.cached_tokens = seq.computed
+        return n
+
+    def _end_step(self, chunks: list[tuple[SimSequence, int]], now: float) -> None:
+        self.busy = False
+        for seq, n in chunks:
+            seq.computed += n
+            self._publish(seq)
+            if seq.computed < seq.num_tokens:
+                continue
+            seq.generated += 1
+            if seq.prefill_only or seq.generated >= seq.output_len:
+                self.running.remove(seq)
+                if not seq.prefill_only:
+                    self._free(seq)
+            else:
+                seq.num_tokens += 1
+            self.listener.sampled(self, seq, now)
+        self._flush_events()
+        self.listener.step_ended(self, now)
+        self.kick(now)
+
+    # --- blocks ---------------------------------------------------------------------------------
+    def _blocks_needed(self, seq: SimSequence, n: int) -> int:
+        return max(0, -(-(seq.computed + n) // self.limits.block_size) - seq.num_blocks)
+
+    def _allocate(self, n: int) -> bool:
+        if n > self.free_blocks:
+            return False
+        take = min(n, self.free_plain)
+        self.free_plain -= take
+        for _ in range(n - take):  # evict the least recently freed cached blocks
+            h, _parent = self.evictable.popitem(last=False)
+            self._events.append(IndexEvent(h, None, True))
+        return True
+
+    def _hold(self, h: bytes) -> None:
+        if h in self.in_use:
+            self.in_use[h] += 1
+        else:
+            self.evictable.pop(h)
+            self.in_use[h] = 1
+
+    def _publish(self, seq: SimSequence) -> None:
+        """The full prompt blocks `seq` computed become cached blocks (shared from now on)."""
+        full = min(seq.computed // self.limits.block_size, len(seq.block_hashes))
+        for i in range(len(seq.refs), full):
+            h = seq.block_hashes[i]
+            seq.plain_blocks -= 1
+            seq.refs.append(h)
+            if h in self.in_use or h in self.evictable:  # computed twice at once: one copy is kept
+                self.free_plain += 1
+                self._hold(h)
+            else:
+                self.in_use[h] = 1
+                self._events.append(IndexEvent(h, seq.block_hashes[i - 1] if i else None, False))
+
+    def _free(self, seq: SimSequence) -> None:
+        self.free_plain += seq.plain_blocks
+        for h, parent in zip(seq.refs, [None, *seq.refs]):
+            left = self.in_use[h] - 1
+            if left:
+                self.in_use[h] = left
+            else:
+                del self.in_use[h]
+                self.evictable[h] = parent
+        seq.plain_blocks, seq.refs = 0, []
+
+    def _preempt(self, seq: SimSequence) -> None:
+        self._free(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _flush_events(self) -> None:
+        if self._events and self._on_cache_events is not None:
+            self._on_cache_events(self.name, self._events)
+        self._events = []

@@ -1,0 +1,327 @@
+"""A discrete-event simulator of a whole pdserve cluster, for a manifest, a profile and a workload.
+
+Requests are placed by the router's own placement (`router.routing.Router`, its policies, admission
+control and prefix index: the objects a cluster's router uses, over `WorkerRef`s whose health reports
+the simulator writes every `ping_interval_s`, as the supervisor does); prefill workers queue their
+prompts in the worker's own queues (`prefill_worker.queues`, LAPS included, on the simulated clock)
+and run them in simulated engines (`sim_engine`); a prompt's KV reaches its decode worker the
+profiled handoff time after its last pass, and joins that worker's batch as a committed import
+does. Every request's first token and end become a `RequestRecord`, so the figures are
+`pdserve bench serve`'s own (`serve_metrics`): TTFT and TPOT percentiles, attainment, goodput.
+
+Left out, as they do not shape latency at a steady state: worker faults and retries, the KV
+reservation ahead of a prompt's pass (a decode worker's blocks are taken when the KV arrives; one that
+has no room holds the import until it has), codecs, and token values.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.cluster.bench.serve_metrics import RequestRecord
+from pdserve.cluster.plan.costs import HardwareProfile
+from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine, SimSequence
+from pdserve.engine.block_pool import KVPoolStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
+from pdserve.router.admission import Overloaded
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.routing import Placement, Router, RoutingSettings
+from pdserve.router.workers import NoHealthyWorker, WorkerRef
+from pdserve.wire import LifetimeEvent, WorkRequest, WorkerStatus
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a workload: when it arrives (seconds from the start), its prompt's token ids
+    (their blocks decide prefix sharing) and how many tokens it generates."""
+
+    arrival_s: float
+    prompt: list[int]
+    output_len: int
+
+
+def unique_prompt(index: int, length: int) -> list[int]:
+    """A prompt of `length` tokens that shares no block with any other index's (hashes are chained,
+    so a different first token makes every block different)."""
+    return [index] + [0] * (length - 1)
+
+
+@dataclass
+class WorkerLoad:
+    """What one simulated worker did over a run."""
+
+    role: str
+    busy_s: float
+    steps: int
+    preemptions: int
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    workers: dict[str, WorkerLoad]
+    routing: dict[str, Any]  # the router's counts (`Router.snapshot_stats`)
+    events: int  # the simulator's events, over
+    wall_s: float  # the simulation's own time
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A request between arrival and end."""
+
+    request_id: str
+    spec: SimRequest
+    record: RequestRecord
+    placement: Placement
+    prefill_end_s: float | None = None
+    decode_start_s: float | None = None
+
+
+class _Clock:
+    """The event queue: callbacks at simulated times, in order (ties in the order they were set)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[float], None]]] = []
+        self._order = itertools.count()
+        self.events = 0
+
+    def at(self, when: float, callback: Callable[[float], None]) -> None:
+        heapq.heappush(self._queue, (max(when, self.now), next(self._order), callback))
+
+    def run(self) -> None:
+        while self._queue:
+            self.now, _, callback = heapq.heappop(self._queue)
+            self.events += 1
+            callback(self.now)
+
+
+class _PrefillSide:
+    """A prefill worker's queues in front of its engine, fed as the worker's feeder does: LAPS's jobs as
+    soon as they are due, FCFS jobs while the engine has less than a step's budget ahead."""
+
+    def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
+                 short_room: int) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.queues: PrefillQueues[SimSequence] = PrefillQueues(laps_on, short_tokens, window_s, short_room,
+                                                                clock=lambda: clock.now)
+        self.started: dict[str, SimSequence] = {}  # in the engine, not past their first token
+        self.new_tokens: dict[str, int] = {}  # the router's count of each queued or started prompt's uncached part
+        self._poll_at: float | None = None
+
+    def put(self, seq: SimSequence, new_tokens: int, now: float) -> None:
+        seq.short = self.queues.is_short(new_tokens)
+        self.new_tokens[seq.request_id] = new_tokens
+        self.queues.put(seq, new_tokens, seq.short)
+        self.feed(now)
+
+    def first_token(self, seq: SimSequence) -> None:
+        self.started.pop(seq.request_id, None)
+        self.new_tokens.pop(seq.request_id, None)
+
+    def feed(self, now: float) -> None:
+        budget = self.engine.limits.step_budget
+        while True:
+            if not self.queues.length_aware and self.engine.pending_tokens >= budget:
+                return
+            jobs = self.queues.due(self._long_busy, self._short_inflight)
+            if not jobs:
+                break
+            for seq in jobs:
+                self.started[seq.request_id] = seq
+                self.engine.add(seq, now)
+        if self.queues.length_aware and self.queues.queued and self._poll_at is None:
+            # shorts gather for a window that no event ends: look again, as the worker's feeder polls
+            self._poll_at = now + max(self.queues.window_s / 2, 0.002)
+            self.clock.at(self._poll_at, self._poll)
+
+    def _poll(self, now: float) -> None:
+        self._poll_at = None
+        self.feed(now)
+
+    def _long_busy(self) -> bool:
+        chunk = self.engine.limits.chunk_limit
+        return any(not s.short and s.uncomputed > chunk for s in self.started.values())
+
+    def _short_inflight(self) -> int:
+        return sum(self.new_tokens[s.request_id] for s in self.started.values() if s.short)
+
+
+class ClusterSimulator:
+    """One run of a workload on a manifest's deployment. `transport`: the profiled KV transport its
+    disaggregated handoffs take."""
+
+    def __init__(self, manifest: Any, profile: HardwareProfile, transport: str = "shm", name: str = "") -> None:
+        self.manifest = m = manifest
+        self.profile = profile
+        self.name = name or m.mode
+        self.clock = _Clock()
+        self.index = PrefixIndex()
+        self.handoff = profile.transfer(transport) if m.mode == "disaggregated" else None
+        self.engines: dict[str, SimEngine] = {}
+        self.prefill_sides: dict[str, _PrefillSide] = {}
+        self.refs: dict[str, WorkerRef] = {}
+        self.pending_imports: dict[str, deque[tuple[SimSequence, _Flight]]] = {}
+        self.flights: dict[str, _Flight] = {}
+        self.records: list[RequestRecord] = []
+        self._laps: dict[str, tuple[int, int]] = {}  # prefill worker -> (short tokens, chunk)
+        max_model_len = min(m.max_model_len or profile.max_model_len, profile.max_model_len)
+        for role, worker, spec in m.workers():
+            costs = profile.costs(spec.threads)
+            chunk = m.max_num_batched_tokens
+            laps = None
+            if role == "prefill":
+                laps = laps_settings(m.router.laps, m.router.short_prompt_tokens,
+                                     None if m.router.short_batch_window_ms is None
+                                     else m.router.short_batch_window_ms / 1e3,
+                                     m.router.long_prompt_chunk_tokens, costs.prefill, m.max_num_batched_tokens,
+                                     max_model_len)
+                chunk = laps.chunk_tokens or chunk
+            limits = EngineLimits(profile.kv_blocks(m.kv_memory_mb), m.block_size, m.max_num_batched_tokens,
+                                  chunk, m.max_num_seqs)
+            engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead_s)
+            self.engines[worker] = engine
+            self.pending_imports[worker] = deque()
+            if laps is not None:
+                self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
+                                                          laps.window_s, laps.short_room)
+            pool = "prefill" if role == "prefill" else "decode"
+            self.refs[worker] = WorkerRef(worker, pool, handle=None)
+            self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
+        self._report(0.0)
+        refs = list(self.refs.values())
+        self.router = Router(m.mode, [w for w in refs if w.pool == "prefill"], [w for w in refs if w.pool == "decode"],
+                             m.block_size, RoutingSettings.from_spec(m.router, max_model_len), self.index)
+        if self.handoff is not None:  # the cluster's start-up probe: two transfer sizes
+            for tokens in (16, max_model_len):
+                self.router.transfer.observe(tokens, self.handoff.handoff_s(tokens))
+        self._outstanding = 0
+        self._rate = 0.0
+
+    # --- a run ----------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest], rate: float = 0.0) -> SimResult:
+        """Simulate `requests` to their ends; `rate` labels the records (as a benchmark's run)."""
+        started = time.perf_counter()
+        self._rate = rate
+        self._outstanding = len(requests)
+        for i, spec in enumerate(requests):
+            self.clock.at(spec.arrival_s, lambda now, i=i, spec=spec: self._arrive(i, spec, now))
+        self.clock.at(self.manifest.supervision.ping_interval_s, self._report_tick)
+        self.clock.run()
+        workers = {n: WorkerLoad(self.refs[n].pool if self.manifest.mode == "disaggregated" else "colocated",
+                                 e.busy_s, e.steps, e.preemptions) for n, e in self.engines.items()}
+        records = sorted(self.records, key=lambda r: r.send_time)
+        return SimResult(records, workers, self.router.snapshot_stats(), self.clock.events,
+                         time.perf_counter() - started)
+
+    def _arrive(self, i: int, spec: SimRequest, now: float) -> None:
+        request_id = f"{self.name}-{i}"
+        record = RequestRecord(request_id, self.name, self._rate, now, len(spec.prompt), spec.output_len)
+        self.records.append(record)
+        work = WorkRequest(request_id, spec.prompt, SamplingParams.greedy(max_tokens=spec.output_len, ignore_eos=True))
+        try:
+            placement = self.router.place(work)
+        except (Overloaded, NoHealthyWorker) as e:
+            record.outcome = "rejected" if isinstance(e, Overloaded) else "error"
+            record.error = str(e)
+            self._outstanding -= 1
+            return
+        flight = _Flight(request_id, spec, record, placement)
+        self.flights[request_id] = flight
+        # the worker hears of it a dispatch later (the router's own work, the Ray call)
+        self.clock.at(now + self.profile.dispatch_s, lambda t: self._dispatch(flight, t))
+
+    def _dispatch(self, flight: _Flight, now: float) -> None:
+        placement, spec, request_id = flight.placement, flight.spec, flight.request_id
+        hashes = placement.request.block_hashes
+        if placement.prefill is None:
+            self.engines[placement.decode.name].add(SimSequence(request_id, len(spec.prompt), spec.output_len, hashes),
+                                                    now)
+        else:
+            seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True)
+            self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill), now)
+
+    # --- what the engines report ----------------------------------------------------------------
+    def sampled(self, engine: SimEngine, seq: SimSequence, now: float) -> None:
+        flight = self.flights[seq.request_id]
+        seen = now + self.profile.delivery_s
+        if seq.generated == 1:
+            flight.record.first_token_time = seen
+            flight.record.cached_tokens = seq.cached_tokens
+            self.router.first_token(flight.placement)
+        if seq.prefill_only:
+            self.prefill_sides[engine.name].first_token(seq)
+            flight.prefill_end_s = now
+            if seq.output_len <= 1:
+                engine.release(seq)
+                self._finish(flight, seen, 1)
+            else:
+                self.clock.at(now + self.handoff.handoff_s(seq.prompt_len),
+                              lambda t: self._hand_off(engine, seq, flight, t))
+        elif seq.generated >= seq.output_len:
+            self._finish(flight, seen, seq.generated)
+
+    def step_ended(self, engine: SimEngine, now: float) -> None:
+        self._retry_imports(engine.name, now)
+        side = self.prefill_sides.get(engine.name)
+        if side is not None:
+            side.feed(now)
+
+    def _hand_off(self, source: SimEngine, seq: SimSequence, flight: _Flight, now: float) -> None:
+        source.release(seq)
+        self.step_ended(source, now)  # its blocks are free: a prompt may now fit
+        decode = flight.placement.decode.name
+        imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes,
+                               num_tokens=seq.prompt_len + 1, computed=seq.prompt_len, generated=1)
+        self.pending_imports[decode].append((imported, flight))
+        self._retry_imports(decode, now)
+
+    def _retry_imports(self, worker: str, now: float) -> None:
+        pending = self.pending_imports[worker]
+        while pending:
+            seq, flight = pending[0]
+            if not self.engines[worker].add_import(seq, now):
+                return
+            pending.popleft()
+            flight.decode_start_s = now
+
+    def _finish(self, flight: _Flight, seen: float, tokens: int) -> None:
+        flight.record.end_time = seen
+        flight.record.output_tokens = tokens
+        events = {}
+        if flight.prefill_end_s is not None and flight.decode_start_s is not None:
+            events = {LifetimeEvent.PREFILL_END: flight.prefill_end_s, LifetimeEvent.DECODE_START: flight.decode_start_s}
+        self.router.finished(flight.placement, events)
+        del self.flights[flight.request_id]
+        self._outstanding -= 1
+
+    def _cache_events(self, worker: str, events: list[IndexEvent]) -> None:
+        self.index.apply(worker, events)
+
+    # --- health reports -------------------------------------------------------------------------
+    def _report_tick(self, now: float) -> None:
+        self._report(now)
+        if self._outstanding > 0:
+            self.clock.at(now + self.manifest.supervision.ping_interval_s, self._report_tick)
+
+    def _report(self, now: float) -> None:
+        for name, engine in self.engines.items():
+            ref = self.refs[name]
+            short_tokens, chunk = self._laps[name]
+            lim = engine.limits
+            ref.status = WorkerStatus(
+                worker_id=name, node_id="sim", node_ip="", model_digest=self.profile.model_digest, alive=True,
+                fault=None, profiled=True,
+                kv=KVPoolStatus(engine.free_blocks, lim.total_blocks, len(engine.evictable) + len(engine.in_use), 0, 0),
+                requests=engine.num_requests, transfers=0, step_cost=engine.costs.prefill, step_budget=lim.step_budget,
+                jobs=self.prefill_sides[name].queues.queued if name in self.prefill_sides else 0,
+                chunk_tokens=chunk, short_prompt_tokens=short_tokens)
+            ref.reported_at = now

@@ -1,0 +1,243 @@
+"""The profiler, the cluster simulator and the planner (`pdserve.cluster.plan`): queueing against closed
+forms, the router's own placement inside, a known cost function recovered, and the planner's choices."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from pdserve.cluster.bench.serve_metrics import Objective, summarize
+from pdserve.cluster.bench.workload import TraceRequest
+from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
+from pdserve.cluster.plan.costs import DecodeTable, HardwareProfile, TransferCost, WorkerCosts
+from pdserve.cluster.plan.planner import Infeasible, plan
+from pdserve.cluster.plan.profiler import profile_engine
+from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+from pdserve.engine.cost_model import StepCost
+from pdserve.engine.llm_engine import StepStats
+
+
+def synthetic_profile(prefill: StepCost, decode_s: float = 0.01, handoff: TransferCost = TransferCost(0.002, 0.0),
+                      threads: tuple[int, ...] = (1,)) -> HardwareProfile:
+    table = DecodeTable((1, 64), (16, 1024), ((decode_s, decode_s), (decode_s, decode_s)))
+    return HardwareProfile(model="synthetic", model_digest="0" * 64, hardware="test", dtype="float32", block_size=16,
+                           kv_bytes_per_token=1024, max_model_len=4096,
+                           workers={t: WorkerCosts(t, prefill, table) for t in threads},
+                           transfers={"shm": handoff})
+
+
+def manifest(**changes) -> object:
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data.update(model="llama-20m", max_model_len=4096, max_num_batched_tokens=4096)
+    for key, value in changes.items():
+        if key == "pools":
+            for pool, spec in value.items():
+                data["pools"][pool].update(spec)
+        elif key == "router":
+            data["router"].update(value)
+        else:
+            data[key] = value
+    return load_manifest(data)
+
+
+def single_server(**changes) -> object:
+    """One colocated worker taking one request at a time: a single-server queue."""
+    return manifest(**{"mode": "colocated", "max_num_seqs": 1,
+                       "pools": {"prefill": {"replicas": 0}, "decode": {"replicas": 1}}, **changes})
+
+
+def poisson(n: int, rate: float, lengths, seed: int = 1) -> list[SimRequest]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        out.append(SimRequest(t, unique_prompt(i + 1, lengths(rng)), 1))
+    return out
+
+
+def mean_ttft(records) -> float:
+    return statistics.fmean(r.ttft for r in records)
+
+
+# --- queueing against closed forms -------------------------------------------------------------------
+def test_deterministic_service_queues_as_m_d_1():
+    service = 0.010  # every prompt pass: a + b·n with one length
+    profile = synthetic_profile(StepCost(0.002, 0.008 / 100, 0.0))
+    rate = 70.0  # ρ = 0.7
+    records = ClusterSimulator(single_server(), profile).run(poisson(20_000, rate, lambda rng: 100)).records
+    rho = rate * service
+    expected = service + rho * service / (2 * (1 - rho))  # Pollaczek-Khinchine, deterministic service
+    assert mean_ttft(records) == pytest.approx(expected, rel=0.05)
+    assert all(r.outcome == "ok" for r in records)
+
+
+def test_exponential_service_queues_as_m_m_1():
+    mean_tokens, per_token = 200, 0.00005  # a geometric length: exponential service of mean 10 ms
+    profile = synthetic_profile(StepCost(0.0, per_token, 0.0))
+    rate = 60.0
+    records = ClusterSimulator(single_server(), profile).run(
+        poisson(20_000, rate, lambda rng: 1 + int(rng.expovariate(1 / mean_tokens)))).records
+    mu = 1 / (mean_tokens * per_token)
+    assert mean_ttft(records) == pytest.approx(1 / (mu - rate), rel=0.07)
+
+
+# --- the cluster inside -------------------------------------------------------------------------------
+def test_a_disaggregated_run_goes_through_the_routers_placement_and_hands_every_prompt_off():
+    profile = synthetic_profile(StepCost(0.003, 0.0001, 0.0), decode_s=0.005, handoff=TransferCost(0.004, 0.0))
+    m = manifest(pools={"prefill": {"replicas": 1}, "decode": {"replicas": 2}}, router={"local_prefill_tokens": 0})
+    requests = [SimRequest(i * 0.01, unique_prompt(i + 1, 200), 10) for i in range(60)]
+    result = ClusterSimulator(m, profile).run(requests, rate=100.0)
+    assert result.routing["requests_routed"] == 60 and result.routing["local_prefills"] == 0
+    assert sorted(result.routing["per_worker"]) == ["prefill-0"]
+    decode_steps = [result.workers[w].steps for w in ("decode-1", "decode-2")]
+    assert all(decode_steps), decode_steps  # both decode workers got requests
+    for r in result.records:
+        assert r.outcome == "ok" and r.output_tokens == 10
+        # the handoff comes between the first token and the second: TPOT over 9 steps carries it
+        assert r.end_time - r.first_token_time >= 0.004 + 9 * 0.005 - 1e-9
+
+
+def test_shared_prefixes_are_found_through_the_routers_index():
+    profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0))
+    m = manifest(mode="colocated", pools={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    system = list(range(1, 513))  # a 512-token prefix every request shares
+    requests = [SimRequest(i * 0.2, system + [1000 + i] * 64, 4) for i in range(20)]
+    records = ClusterSimulator(m, profile).run(requests).records
+    assert records[0].cached_tokens == 0
+    assert all(r.cached_tokens == 512 for r in records[1:])
+
+
+def test_a_full_kv_pool_preempts_and_every_request_still_ends_whole():
+    profile = synthetic_profile(StepCost(0.001, 0.00001, 0.0), decode_s=0.001)
+    m = single_server(max_num_seqs=32, kv_memory_mb=1)  # 64 blocks of 16 tokens
+    requests = [SimRequest(0.0, unique_prompt(i + 1, 100), 200) for i in range(16)]
+    result = ClusterSimulator(m, profile).run(requests)
+    assert result.workers["colocated-0"].preemptions > 0
+    assert all(r.outcome == "ok" and r.output_tokens == 200 for r in result.records)
+
+
+def test_early_rejection_refuses_what_cannot_meet_the_ttft_objective():
+    profile = synthetic_profile(StepCost(0.01, 0.0001, 0.0))  # a 900-token prompt's pass: 100 ms
+    m = manifest(router={"ttft_slo_s": 0.1})  # refused past 2 x 100 ms: the third in line
+    records = ClusterSimulator(m, profile).run([SimRequest(0.0, unique_prompt(i + 1, 900), 2) for i in range(10)]).records
+    outcomes = [r.outcome for r in records]
+    assert "rejected" in outcomes and "ok" in outcomes
+    assert summarize(records)["rejected"] == outcomes.count("rejected")
+
+
+# --- the profiler's fit -------------------------------------------------------------------------------
+class SyntheticEngine:
+    """Continuous batching with a known step cost: a waiting prompt's pass runs alone, else every
+    decoding sequence decodes one token. Enough of `LLMEngine` for the profiler."""
+
+    def __init__(self, prefill: StepCost, decode) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.config = SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=64, block_size=16)
+        self.max_model_len, self.vocab_size = 1024, 100
+        self.waiting: deque[list[int]] = deque()
+        self.decoding: list[list[int]] = []  # [context, tokens left]
+        self.last_step = StepStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return 100_000
+
+    def add_request(self, prompt, params) -> None:
+        self.waiting.append([len(prompt), params.max_tokens])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.decoding)
+
+    def step(self) -> None:
+        if self.waiting:
+            n, left = self.waiting.popleft()
+            self.last_step = StepStats(1, n, n * n, 0, total_s=self.prefill.step_s(n, n * n))
+            if left > 1:
+                self.decoding.append([n + 1, left - 1])
+            return
+        batch = len(self.decoding)
+        context = sum(c for c, _ in self.decoding)
+        self.last_step = StepStats(batch, batch, context, batch, total_s=self.decode(batch, context / batch))
+        for seq in self.decoding:
+            seq[0] += 1
+            seq[1] -= 1
+        self.decoding = [s for s in self.decoding if s[1] > 0]
+
+
+def test_the_profilers_fit_recovers_a_known_cost_function():
+    prefill = StepCost(0.004, 0.0002, 3e-8)
+
+    def decode(batch: int, context: float) -> float:  # bilinear: the table interpolates it exactly
+        return 0.008 + 0.0005 * batch + 2e-6 * context + 1e-7 * batch * context
+
+    costs, checks = profile_engine(SyntheticEngine(prefill, decode), threads=1, seed=0, log=lambda s: None)
+    assert costs.prefill.as_tuple() == pytest.approx(prefill.as_tuple(), rel=1e-6)
+    assert checks["prefill_error_max"] < 1e-6
+    for batch, context in ((1, 20), (6, 300), (24, 77), (64, 500)):
+        assert costs.decode.step_s(batch, context) == pytest.approx(decode(batch, context), rel=0.01)
+
+
+def test_a_profile_round_trips_through_its_file(tmp_path):
+    profile = synthetic_profile(StepCost(0.001, 0.0002, 1e-8), threads=(1, 2))
+    profile.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json") == profile
+    (tmp_path / "old.json").write_text('{"format": 0}')
+    with pytest.raises(ValueError, match="pdserve profile"):
+        HardwareProfile.load(tmp_path / "old.json")
+
+
+# --- the planner --------------------------------------------------------------------------------------
+def shapes(n: int, prompt: int = 64, output: int = 8) -> list[TraceRequest]:
+    return [TraceRequest(0.0, prompt, output) for _ in range(n)]
+
+
+def test_the_planner_carries_a_rate_with_the_fewest_cpus_that_can():
+    # A worker decodes 4 requests at a time, 8 tokens of 50 ms each: about 10 req/s at most.
+    profile = synthetic_profile(StepCost(0.02, 0.00001, 0.0), decode_s=0.05, threads=(1,))
+    base = manifest(max_num_seqs=4)
+    objective = Objective("test", ttft_s=1.0, tpot_s=0.2)
+    one = plan(base, profile, shapes(50), objective, cpus=1, min_duration_s=10, log=lambda s: None)
+    three = plan(base, profile, shapes(50), objective, cpus=3, target_rate=one.best.goodput.rate * 2.5,
+                 min_duration_s=10, log=lambda s: None)
+    assert one.best.candidate.cpus == 1 and one.best.goodput.rate > 0
+    assert three.best.candidate.cpus == 3  # 2.5 workers' worth needs three
+    assert three.best.goodput.rate >= one.best.goodput.rate * 2.5
+    cheaper = [e for e in three.tried if e.candidate.cpus < three.best.candidate.cpus]
+    assert all(e.goodput.rate < one.best.goodput.rate * 2.5 for e in cheaper)
+
+
+def test_the_planner_refuses_an_impossible_objective_naming_the_bottleneck():
+    profile = synthetic_profile(StepCost(0.02, 0.0001, 0.0), decode_s=0.005)
+    with pytest.raises(Infeasible, match=r"prefill: the trace's p90 prompt \(64 tokens\) alone takes 26 ms"):
+        plan(manifest(), profile, shapes(40), Objective("t", ttft_s=0.010, tpot_s=1.0), cpus=2, log=lambda s: None)
+    with pytest.raises(Infeasible, match=r"decode: one decode step alone takes 5.0 ms"):
+        plan(manifest(), profile, shapes(40), Objective("t", ttft_s=1.0, tpot_s=0.001), cpus=2, log=lambda s: None)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+def test_pdserve_plan_writes_a_manifest_that_loads_and_its_plot(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+
+    synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005, threads=(1,)).save(tmp_path / "p.json")
+    args = ["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--model", "llama-20m", "--profile",
+            str(tmp_path / "p.json"), "--requests", "30", "--out", str(tmp_path / "planned.yaml"), "--plot",
+            str(tmp_path / "frontier.png")]
+    assert main(args) == 0
+    planned = (tmp_path / "planned.yaml").read_text()
+    assert planned.startswith("# Planned by `pdserve plan`") and "predicted goodput" in planned
+    assert load_manifest(yaml.safe_load(planned)).model == "llama-20m"
+    assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "best:" in capsys.readouterr().out
+
+
+def test_pdserve_plan_without_a_profile_says_how_to_make_one(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+
+    assert main(["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--profile",
+                 str(tmp_path / "none.json")]) == 2
+    assert "measure it first with `pdserve profile" in capsys.readouterr().err
