@@ -137,6 +137,22 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_simulator(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.simulator import DEFAULT_CONFIGS, DEFAULT_TRACES, SimulatorBenchConfig, run
+
+    cfg = SimulatorBenchConfig(
+        model=args.model, profile=args.profile, traces=tuple(args.traces or DEFAULT_TRACES),
+        configs=tuple(args.configs or DEFAULT_CONFIGS),
+        loads=tuple(args.loads), requests=args.requests, max_model_len=args.max_model_len, seed=args.seed,
+        out_dir=Path(args.out_dir), progress=not args.no_progress)
+    if any(not 0 < load <= 1 for load in cfg.loads) or cfg.requests < 2:
+        raise ValueError("--loads are fractions of the capacity in (0, 1], and --requests at least 2")
+    cfg = cfg.quick() if args.quick else cfg
+    run(cfg)
+    _publish(args, cfg.out_dir / "results.json")
+    return 0
+
+
 def _bench_policies(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.policies import TRACES, PolicyBenchConfig, parse_rates, run
     from pdserve.cluster.bench.policies import DEFAULT_CONFIGS as POLICY_DEFAULT_CONFIGS
@@ -343,3 +359,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     pol.add_argument("--objective", type=float, nargs=2, metavar=("TTFT_S", "TPOT_S"), default=None,
                      help="goodput objective for every trace (default: 5 x idle p90 TTFT, 3 x idle TPOT, per trace)")
     bs.set_defaults(func=_bench_serve)
+
+    bsim = bench_sub.add_parser("simulator", help="the cluster simulator (pdserve plan's) against real runs of the "
+                                                  "same deployments: TTFT and TPOT side by side",
+                                description="For each trace and deployment: a real cluster on this machine and the "
+                                            "simulator, given the same prompts, lengths and send times; a burst "
+                                            "measures capacity, then Poisson runs at fractions of it. Needs this "
+                                            "machine's profile (`pdserve profile`).",
+                                **examples("pdserve bench simulator --quick",
+                                           "pdserve bench simulator --docs docs/benchmarks.md"))
+    bsim.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
+    bsim.add_argument("--profile", type=Path, default=None, help="the profile (default: the model's on this machine)")
+    bsim.add_argument("--traces", nargs="+", default=None, help="shipped traces or files (default: the three "
+                                                                "shipped)")
+    bsim.add_argument("--configs", nargs="+", default=None, help="deployments, as `bench serve` names them (default: "
+                                                                 "colocated, disaggregated, disaggregated-1p2d)")
+    bsim.add_argument("--loads", nargs="+", type=float, default=[0.3, 0.6, 0.9],
+                      help="rates as fractions of the measured capacity (default: %(default)s)")
+    bsim.add_argument("--requests", type=int, default=64, help="requests per run (default: %(default)s)")
+    bsim.add_argument("--max-model-len", type=int, default=1024, help="context limit (default: %(default)s)")
+    bsim.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: %(default)s)")
+    bsim.add_argument("--out-dir", default="bench-results/simulator", help="results (default: %(default)s)")
+    bsim.add_argument("--quick", action="store_true", help="a smoke run: one trace, two deployments, 8 requests")
+    bsim.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _docs_option(bsim)
+    bsim.set_defaults(func=_bench_simulator)

@@ -406,7 +406,7 @@ def bench_config(config: str, cfg: PolicyBenchConfig, workloads: dict[str, Workl
         record_settings()
         log(f"  router: {', '.join(f'{k} {v}' for k, v in settings[config].items())}")
         target = bench_serve.Target(GrpcClient(cluster.address, timeout=cfg.timeout_s))
-        bench_serve._warm_up(pool, target, _interleave([w.requests(cfg.seed, "warmup") for w in workloads.values()]),
+        bench_serve.warm_up(pool, target, _interleave([w.requests(cfg.seed, "warmup") for w in workloads.values()]),
                              config)
         if any(w.rate is None for w in workloads.values()):
             for w in workloads.values():

@@ -406,7 +406,7 @@ def _ms(seconds: float | None) -> str:
 WARM_BURST = 24  # requests sent at once after the sequential warm-up
 
 
-def _warm_up(pool: concurrent.futures.Executor, target: Target, requests: list[Request], name: str) -> None:
+def warm_up(pool: concurrent.futures.Executor, target: Target, requests: list[Request], name: str) -> None:
     # First requests pay one-off costs (connections, lazy initialisation, transformers serve's batching
     # manager: ~10 s, kernels for new shapes): the shortest, a middle and the longest prompt, not measured.
     by_len = sorted(requests, key=lambda r: len(r.token_ids))
@@ -432,7 +432,7 @@ def bench_config(result: ConfigResult, cfg: ServeBenchConfig, model_dir: Path, w
     name = result.name
     jsonl = cfg.out_dir / "requests.jsonl"
     with serving(name, cfg, model_dir, log) as target:
-        _warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
+        warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
         if state.get("objectives") is None:
             state["calibration"] = calibrate(cfg, pool, target, workload.requests("calibration", cfg.calibration_requests),
                                              log)

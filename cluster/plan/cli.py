@@ -62,6 +62,19 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_profile(profile: Any, manifest: Any, path: Path) -> None:
+    """A profile of another model, or of another dtype, predicts nothing about this one."""
+    from pdserve.engine.model_store import model_digest
+    from pdserve.engine.models.presets import resolve_model
+
+    digest = model_digest(resolve_model(manifest.model))
+    if profile.model_digest != digest:
+        raise ValueError(f"the profile {path} is of another model ({profile.model}, digest {profile.model_digest[:12]}) "
+                         f"than {manifest.model} (digest {digest[:12]}): profile this one (`pdserve profile`)")
+    if profile.dtype != manifest.dtype:
+        raise ValueError(f"the profile {path} measured {profile.dtype}, the manifest serves {manifest.dtype}")
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.serve_metrics import Objective
     from pdserve.cluster.bench.workload import check_azure_trace, find_trace, load_azure_trace, scale_requests
@@ -70,18 +83,25 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.slo_ttft <= 0 or args.slo_tpot <= 0 or args.cpus < 1 or (args.rate is not None and args.rate <= 0):
         raise ValueError("--slo-ttft, --slo-tpot, --cpus and --rate must be positive")
+    if args.requests < 2 or args.run_seconds <= 0:
+        raise ValueError("--requests must be at least 2 and --run-seconds positive")
     manifest = _base_manifest(args)
     path = _profile_path(args, manifest)
     if not path.is_file():
+        given = [f"{flag} {value}" for flag, value in (("--manifest", args.manifest), ("--model", args.model),
+                                                        ("--max-model-len", args.max_model_len),
+                                                        ("--profile", args.profile)) if value]
         raise FileNotFoundError(f"no profile of {manifest.model} on this machine at {path}: measure it first with "
-                                f"`pdserve profile{' --model ' + args.model if args.model else ''}` (a few minutes)")
+                                f"`{' '.join(['pdserve profile', *given])}` (a few minutes)")
     profile = HardwareProfile.load(path)
+    _check_profile(profile, manifest, path)
     check_azure_trace(args.trace)
     shapes = scale_requests(load_azure_trace(find_trace(args.trace), args.requests), args.input_scale,
                             args.output_scale, manifest.max_model_len)
     objective = Objective("plan", args.slo_ttft / 1e3, args.slo_tpot / 1e3)
     print(f"planning for {manifest.model} on {profile.hardware}, {len(shapes)} requests of {args.trace} per rate")
-    result = plan(manifest, profile, shapes, objective, args.cpus, args.rate, seed=args.seed)
+    result = plan(manifest, profile, shapes, objective, args.cpus, args.rate, seed=args.seed,
+                  min_duration_s=args.run_seconds)
     best = result.best
     print(f"best: {best.candidate.name} ({best.candidate.cpus} CPUs), predicted goodput {best.goodput.rate:.2f} req/s")
     write_manifest(result, manifest, args.out, profile)
@@ -132,6 +152,8 @@ def add_plan_commands(sub: Any) -> None:
     pl.add_argument("--trace", default=DEFAULT_TRACE, help="an Azure-style CSV trace: its lengths (default: "
                                                            "%(default)s, shipped)")
     pl.add_argument("--requests", type=int, default=400, help="requests per simulated run (default: %(default)s)")
+    pl.add_argument("--run-seconds", type=float, default=30.0, help="arrivals in each simulated run, at least "
+                                                                   "(seconds; default: %(default)s)")
     pl.add_argument("--input-scale", type=float, default=0.25, help="scale of prompt lengths (default: %(default)s)")
     pl.add_argument("--output-scale", type=float, default=0.25, help="scale of output lengths (default: %(default)s)")
     pl.add_argument("--out", type=Path, default=Path("planned.yaml"), help="the manifest to write "

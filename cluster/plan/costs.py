@@ -106,7 +106,9 @@ class HardwareProfile:
     # What serving adds, measured in a running cluster (`profiler.ServingCosts`):
     dispatch_s: float = 0.0  # the router's accepting a request to its prompt pass's start
     delivery_s: float = 0.0  # a prompt pass's end to its first token leaving the router
-    step_overhead_s: float = 0.0  # a serving decode step beyond the engine's own
+    step_overhead_s: float = 0.0  # a serving decode step beyond the engine's own: this ...
+    step_overhead_per_seq_s: float = 0.0  # ... and this per sequence decoding in it
+    cores: int = 0  # the machine's (0: not known)
     checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
     created: str = ""
 
@@ -121,9 +123,13 @@ class HardwareProfile:
             raise ValueError(f"the profile has no KV transfer cost for {transport!r}: measured {sorted(self.transfers)}")
         return self.transfers[transport]
 
-    def kv_blocks(self, kv_memory_mb: int) -> int:
-        """A worker's KV blocks with `kv_memory_mb` of KV memory (as the engine sizes its pool)."""
-        return kv_memory_mb * 2**20 // (self.kv_bytes_per_token * self.block_size)
+    def step_overhead(self, decode_seqs: int) -> float:
+        return self.step_overhead_s + self.step_overhead_per_seq_s * decode_seqs
+
+    def kv_blocks(self, kv_memory_mb: int, block_size: int) -> int:
+        """A worker's KV blocks of `block_size` tokens with `kv_memory_mb` of KV memory (as the engine sizes
+        its pool)."""
+        return kv_memory_mb * 2**20 // (self.kv_bytes_per_token * block_size)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, **asdict(self)}

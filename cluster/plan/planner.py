@@ -5,8 +5,9 @@ workers of t threads, at the manifest's step budget and at a chunked one; disagg
 prefill and D decode workers of the thread counts the profile measured. Each candidate's goodput
 (DistServe's: the highest rate at which 90% of requests meet both objectives) is searched with the
 benchmark's own search (`serve_metrics.GoodputSearch`) over simulated runs, fresh Poisson arrivals of
-the trace's lengths at each rate. Without a target rate the best goodput wins (ties: fewer CPUs);
-with one, the fewest CPUs whose goodput carries it.
+the trace's lengths at each rate. Without a target rate the best goodput wins (goodputs within the
+search's 5% of each other are a tie, won by fewer CPUs); with one, the fewest CPUs at which 90% of
+requests meet the objective at that rate.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.bench.loadgen import poisson_arrivals
-from pdserve.cluster.bench.serve_metrics import Goodput, GoodputSearch, Objective, RequestRecord
+from pdserve.cluster.bench.serve_metrics import (TARGET_ATTAINMENT, Goodput, GoodputSearch, Objective, RequestRecord,
+                                                attainment)
 from pdserve.cluster.bench.workload import TraceRequest, run_seed
 from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
 
 CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
 MIN_DURATION_S = 30.0  # of arrivals in a simulated run
+REL_TOL = 0.05  # the goodput search's resolution: goodputs closer than this are a tie
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Evaluated:
     candidate: Candidate
     goodput: Goodput
     runs: int
+    carries: bool | None = None  # with a target rate: whether 90% of requests met the objective at it
 
 
 @dataclass
@@ -90,8 +94,7 @@ class Plan:
 
 
 def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], seed: int,
-                   name: str = "", transport: str = "shm",
-                   min_duration_s: float = MIN_DURATION_S) -> Callable[[float], list[RequestRecord]]:
+                   name: str = "", min_duration_s: float = MIN_DURATION_S) -> Callable[[float], list[RequestRecord]]:
     """`measure(rate)` for `GoodputSearch`: the shapes (over again, for runs of at least `min_duration_s`
     of arrivals: a short run at a high rate ends before its queues build up) at Poisson arrivals of
     `rate`, each run fresh (its own prompts and arrivals) on a fresh simulated cluster."""
@@ -101,19 +104,20 @@ def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[Tra
         # every run starts a fresh simulated cluster, whose caches hold nothing of the runs before
         requests = [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len),
                                shapes[i % len(shapes)].output_len) for i, t in enumerate(arrivals)]
-        return ClusterSimulator(manifest, profile, transport, name).run(requests, rate).records
+        return ClusterSimulator(manifest, profile, name).run(requests, rate).records
 
     return measure
 
 
 def evaluate(candidate: Candidate, base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest],
-             objective: Objective, seed: int = 0, max_runs: int = 12, rel_tol: float = 0.05,
-             min_duration_s: float = MIN_DURATION_S) -> Evaluated:
+             objective: Objective, seed: int = 0, max_runs: int = 12, rel_tol: float = REL_TOL,
+             min_duration_s: float = MIN_DURATION_S, target_rate: float | None = None) -> Evaluated:
     manifest = candidate.manifest(base)
     measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s=min_duration_s)
-    search = GoodputSearch(measure, start_rate=1.0,
-                           min_rate=0.01, max_rate=10_000, rel_tol=rel_tol, max_runs=max_runs)
-    return Evaluated(candidate, search.goodput(objective), len(search.runs))
+    search = GoodputSearch(measure, start_rate=target_rate or 1.0, min_rate=0.01, max_rate=10_000, rel_tol=rel_tol,
+                           max_runs=max_runs)
+    carries = None if target_rate is None else attainment(search.records(target_rate), objective) >= TARGET_ATTAINMENT
+    return Evaluated(candidate, search.goodput(objective), len(search.runs), carries)
 
 
 def bottleneck(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], objective: Objective) -> str:
@@ -139,21 +143,28 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
          log: Callable[[str], None] = print) -> Plan:
     """Simulate every candidate within `cpus`; raises Infeasible when none meets `objective` (or, with
     `target_rate`, none carries it)."""
+    if len(shapes) < 2:
+        raise ValueError(f"a plan needs at least 2 requests of the trace, got {len(shapes)}")
     if cpus < min(profile.workers):
         raise ValueError(f"{cpus} CPU(s) fit no worker: the profile's fewest threads per worker is {min(profile.workers)}")
     tried = []
     for i, candidate in enumerate(candidates(base, profile, cpus), 1):
-        result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s)
+        result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,
+                          target_rate=target_rate)
         tried.append(result)
-        log(f"  [{i}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} req/s")
+        carries = "" if result.carries is None else f" ({'carries' if result.carries else 'misses'} {target_rate:g})"
+        log(f"  [{i}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} req/s{carries}")
     if all(e.goodput.rate <= 0 for e in tried):
         raise Infeasible(f"no deployment within {cpus} CPU(s) meets TTFT <= {objective.ttft_s * 1e3:.0f} ms and "
                          f"TPOT <= {objective.tpot_s * 1e3:.1f} ms for 90% of requests at any rate: "
                          f"{bottleneck(base, profile, shapes, objective)}")
     if target_rate is None:
-        best = max(tried, key=lambda e: (e.goodput.rate, -e.candidate.cpus))
+        # Goodputs within the search's tolerance of the best are a tie: the fewest CPUs among them wins.
+        top = max(e.goodput.rate for e in tried)
+        best = min((e for e in tried if e.goodput.rate >= top / (1 + REL_TOL)),
+                   key=lambda e: (e.candidate.cpus, -e.goodput.rate))
     else:
-        carrying = [e for e in tried if e.goodput.rate >= target_rate]
+        carrying = [e for e in tried if e.carries]
         if not carrying:
             top = max(tried, key=lambda e: e.goodput.rate)
             raise Infeasible(f"no deployment within {cpus} CPU(s) carries {target_rate:g} req/s: the best, "

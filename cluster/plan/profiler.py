@@ -21,9 +21,11 @@ Run it on an otherwise idle machine: what else runs is measured too.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -39,6 +41,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (16, 128, 512)
 DECODE_STEPS = 6  # decode steps timed per cell (after one warm-up step)
 TRANSFER_PROMPTS = (16, 64, 128, 256, 512, 900)
+BURST = 8  # requests sent at once to measure what serving adds per decoding sequence
 
 
 def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -92,10 +95,13 @@ class _EngineProfiler:
         """Median seconds and mean context of the decode steps of `batch` prompts of `context` tokens;
         None when they do not fit the engine's KV memory or batch."""
         e = self.engine
-        blocks = -(-(context + DECODE_STEPS + 2) // e.config.block_size) * batch
-        if batch > e.config.max_num_seqs or blocks > e.num_free_blocks:
+        # the batch's prompts take several steps when they exceed the step budget: the first ones decode
+        # meanwhile, and must still be decoding when the last one joins
+        tokens = DECODE_STEPS + 2 + -(-batch * context // e.config.max_num_batched_tokens)
+        blocks = -(-(context + tokens) // e.config.block_size) * batch
+        if batch > e.config.max_num_seqs or blocks > e.num_free_blocks or context + tokens > e.max_model_len:
             return None
-        steps = self._run([self.prompt(context) for _ in range(batch)], DECODE_STEPS + 2,
+        steps = self._run([self.prompt(context) for _ in range(batch)], tokens,
                           lambda s: s.num_seqs == batch and s.num_decode_seqs == batch)
         timed = steps[1:]  # the first decode step of a batch is its warm-up
         if not timed:
@@ -107,10 +113,12 @@ class _EngineProfiler:
         from pdserve.engine.sampling_params import SamplingParams
 
         e, errors = self.engine, []
-        for batch, chunk in ((4, 64), (16, 256), (8, min(512, step_budget - 8))):
-            if batch > e.config.max_num_seqs:
+        context = min(128, e.max_model_len // 4)
+        for batch, chunk in ((4, 64), (16, 256), (8, 512)):
+            chunk = min(chunk, step_budget - batch, e.max_model_len - 2)
+            if batch > e.config.max_num_seqs or chunk < 1:
                 continue
-            for p in [self.prompt(128) for _ in range(batch)]:
+            for p in [self.prompt(context) for _ in range(batch)]:
                 e.add_request(p, SamplingParams.greedy(max_tokens=12, ignore_eos=True))
             for _ in range(batch + 4):  # until the batch is decoding (each prompt's pass is one step at most)
                 e.step()
@@ -151,24 +159,33 @@ def profile_engine(engine: Any, threads: int, seed: int, log: Callable[[str], No
     log(f"  {threads} thread(s): prompt passes a={prefill.a * 1e3:.2f} ms, b={prefill.b * 1e6:.2f} us/token, "
         f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} passes "
         f"(median error {np.median(np.abs(prefill_errors)):.1%}, max {np.max(np.abs(prefill_errors)):.1%})")
-    contexts = tuple(c for c in DECODE_CONTEXTS if c < engine.max_model_len - DECODE_STEPS - 2)
-    rows, batches, measured_contexts = [], [], None
+    contexts = tuple(c for c in DECODE_CONTEXTS if c < engine.max_model_len // 2) or (engine.max_model_len // 4,)
+    rows, batches, measured_contexts, extrapolated = [], [], None, 0
     for batch in DECODE_BATCHES:
         cells = [p.decode_cell(batch, c) for c in contexts]
-        if any(cell is None for cell in cells):
+        if cells[0] is None or (not rows and None in cells):
             break  # larger batches fit no better
-        batches.append(batch)
-        rows.append(tuple(seconds for seconds, _ in cells))
         measured_contexts = measured_contexts or tuple(round(ctx) for _, ctx in cells)
+        row = []
+        for i, cell in enumerate(cells):
+            if cell is None:  # a long context that does not fit this batch: the row before's growth with context
+                row.append(row[i - 1] * rows[-1][i] / rows[-1][i - 1])
+                extrapolated += 1
+            else:
+                row.append(cell[0])
+        batches.append(batch)
+        rows.append(tuple(row))
         log(f"  {threads} thread(s): decode batch {batch:3d}: " +
-            ", ".join(f"{ctx:.0f} tokens {seconds * 1e3:.1f} ms" for seconds, ctx in cells))
+            ", ".join(f"{ctx} tokens {seconds * 1e3:.1f} ms{'' if cell else ' (extrapolated)'}"
+                      for ctx, seconds, cell in zip(measured_contexts, row, cells)))
     if not batches:
         raise RuntimeError("no decode batch fits the engine's KV memory: raise kv_memory_mb")
     costs = WorkerCosts(threads, prefill, DecodeTable(tuple(batches), measured_contexts, tuple(rows)))
     mixed = p.mixed_errors(costs, config.max_num_batched_tokens)
     log(f"  {threads} thread(s): mixed steps predicted within " +
         ", ".join(f"{e:+.0%}" for e in mixed) + f" ({time.monotonic() - started:.0f} s)")
-    checks = {"prefill_error_median": float(np.median(np.abs(prefill_errors))),
+    checks = {"max_model_len": engine.max_model_len, "decode_cells_extrapolated": extrapolated,
+              "prefill_error_median": float(np.median(np.abs(prefill_errors))),
               "prefill_error_max": float(np.max(np.abs(prefill_errors))),
               "mixed_errors": [float(e) for e in mixed]}
     return costs, checks
@@ -181,14 +198,15 @@ class ServingCosts:
     handoff: TransferCost
     dispatch_s: float  # the router's accepting a request to its prompt pass's start (placement, the Ray call)
     delivery_s: float  # a prompt pass's end to its first token leaving the router (the token stream)
-    step_overhead_s: float  # a serving decode step beyond the engine's own (token sending, the loop's other work)
+    step_overhead_s: float  # a serving decode step beyond the engine's own (token sending, the loop's other work) ...
+    step_overhead_per_seq_s: float  # ... and per sequence in it
 
 
 def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int,
                     log: Callable[[str], None]) -> ServingCosts:
     """A 1P+1D cluster of `manifest` with `transport`, its workers at `costs.threads` threads; prompts
-    of several lengths one at a time, streamed: the router's own fit of the handoff, and what serving
-    adds to the engine's steps (`ServingCosts`)."""
+    of several lengths one at a time, then bursts of short ones: the router's own fit of the handoff,
+    and what serving adds to the engine's steps (`ServingCosts`)."""
     from pdserve.client import Client
     from pdserve.cluster.launcher import Cluster
 
@@ -197,6 +215,7 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     for pool in ("prefill", "decode"):
         data["pools"][pool].update(replicas=1, threads=costs.threads)
     data["kv_transfer"]["transport"] = transport
+    data["router"]["local_prefill_tokens"] = 0  # every prompt hands its KV off: that is what is measured
     data["server"].update(address="127.0.0.1:0", http_address=None)
     m = type(manifest).model_validate(data)
     rng = random.Random(seed)
@@ -204,6 +223,10 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     output_tokens = DECODE_STEPS + 2
     with Cluster(m, log=lambda s: None) as cluster, Client(cluster.address, timeout=60) as client:
         vocab = client.model_info().vocab_size
+
+        def decode_step_s(events: dict[str, float], tokens: int) -> float:
+            return (events[LifetimeEvent.DECODE_END] - events[LifetimeEvent.DECODE_START]) / (tokens - 1)
+
         for round_, n in enumerate(TRANSFER_PROMPTS * 3):
             n = min(n, m.max_model_len - output_tokens - 1)
             events = client.generate(_random_prompt(rng, vocab, n), max_tokens=output_tokens, ignore_eos=True).events
@@ -211,15 +234,24 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
                 continue  # the first round warms every length up
             dispatch.append(events[LifetimeEvent.PREFILL_START] - events[LifetimeEvent.ACCEPTED])
             delivery.append(events[LifetimeEvent.FIRST_TOKEN] - events[LifetimeEvent.PREFILL_END])
-            step = (events[LifetimeEvent.DECODE_END] - events[LifetimeEvent.DECODE_START]) / (output_tokens - 1)
-            overhead.append(step - costs.decode.step_s(1, n + output_tokens / 2))
+            overhead.append(decode_step_s(events, output_tokens) - costs.decode.step_s(1, n + output_tokens / 2))
+        # A batch of short prompts sent at once decodes together: what serving adds per sequence.
+        burst_prompt, burst_output = 16, min(64, m.max_model_len - 17)
+        with ThreadPoolExecutor(BURST) as pool:
+            for _ in range(3):  # the last burst is measured; the others warm the batch shapes up
+                completions = list(pool.map(
+                    lambda _: client.generate(_random_prompt(rng, vocab, burst_prompt), max_tokens=burst_output,
+                                              ignore_eos=True), range(BURST)))
+        burst_step = statistics.median(decode_step_s(c.events, burst_output) for c in completions)
         transfer = cluster.router.transfer
         line = TransferCost(transfer.x0, transfer.x1)
-    serving = ServingCosts(line, statistics.median(dispatch), statistics.median(delivery),
-                           max(0.0, statistics.median(overhead)))
+    alone = max(0.0, statistics.median(overhead))
+    in_burst = burst_step - costs.decode.step_s(BURST, burst_prompt + burst_output / 2)
+    per_seq = max(0.0, (in_burst - alone) / (BURST - 1))
+    serving = ServingCosts(line, statistics.median(dispatch), statistics.median(delivery), alone, per_seq)
     log(f"  {transport}: handoff {line.x0_s * 1e3:.2f} ms + {line.x1_s_per_token * 1e6:.2f} us/token; dispatch "
         f"{serving.dispatch_s * 1e3:.2f} ms, delivery {serving.delivery_s * 1e3:.2f} ms, decode step overhead "
-        f"{serving.step_overhead_s * 1e3:.2f} ms")
+        f"{serving.step_overhead_s * 1e3:.2f} ms + {serving.step_overhead_per_seq_s * 1e3:.2f} ms per sequence")
     return serving
 
 
@@ -247,7 +279,9 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
     return HardwareProfile(
         model=manifest.model, model_digest=model_digest(model_dir), hardware=machine(), dtype=manifest.dtype,
         block_size=manifest.block_size, kv_bytes_per_token=kv_bytes_per_token(model_dir, dtype_bytes),
-        max_model_len=manifest.max_model_len, workers=workers, transfers=transfers,
+        max_model_len=checks[f"threads_{threads[0]}"]["max_model_len"], workers=workers, transfers=transfers,
         dispatch_s=serving.dispatch_s if serving else 0.0, delivery_s=serving.delivery_s if serving else 0.0,
-        step_overhead_s=serving.step_overhead_s if serving else 0.0, checks=checks,
+        step_overhead_s=serving.step_overhead_s if serving else 0.0,
+        step_overhead_per_seq_s=serving.step_overhead_per_seq_s if serving else 0.0, cores=os.cpu_count() or 0,
+        checks=checks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -61,6 +61,9 @@ class SimSequence:
 
 
 class EngineListener(Protocol):
+    def step_started(self, engine: "SimEngine") -> float:
+        """A step starts: how many times longer than alone it takes (cores shared with other workers)."""
+
     def sampled(self, engine: "SimEngine", seq: SimSequence, now: float) -> None:
         """A step ending at `now` sampled `seq`'s next token (its `generated` already counts it)."""
 
@@ -81,9 +84,9 @@ class SimEngine:
     def __init__(self, name: str, costs: WorkerCosts, limits: EngineLimits, listener: EngineListener,
                  schedule_at: Callable[[float, Callable[[float], None]], None],
                  on_cache_events: Callable[[str, list[IndexEvent]], None] | None = None,
-                 step_overhead_s: float = 0.0) -> None:
+                 step_overhead: Callable[[int], float] = lambda decode_seqs: 0.0) -> None:
         self.name = name
-        self.step_overhead_s = step_overhead_s  # what a serving worker adds to a step that streams tokens
+        self.step_overhead = step_overhead  # what a serving worker adds to a step streaming tokens of this many
         self.costs = costs
         self.limits = limits
         self.listener = listener
@@ -110,6 +113,12 @@ class SimEngine:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.ready) + len(self.running)
 
+    def check_drained(self) -> None:
+        """After a run: every block back, nothing held (a leak in the simulation is a bug)."""
+        if self.num_requests or self.in_use or self.free_blocks != self.limits.total_blocks:
+            raise RuntimeError(f"{self.name}: the run ended holding {self.num_requests} requests and "
+                               f"{self.limits.total_blocks - self.free_blocks} blocks")
+
     @property
     def pending_tokens(self) -> int:
         return sum(s.uncomputed for queue in (self.waiting, self.ready, self.running) for s in queue)
@@ -129,19 +138,22 @@ class SimEngine:
         self.kick(now)
         return True
 
-    def release(self, seq: SimSequence) -> None:
+    def release(self, seq: SimSequence, now: float) -> None:
         """Free what `seq` holds (a prefill-only sequence once its KV is handed off)."""
         self._free(seq)
         self._flush_events()
+        self.kick(now)
 
     def kick(self, now: float) -> None:
         """Start a step if idle with work to do."""
         if self.busy or not (self.waiting or self.ready or self.running):
             return
-        chunks = self._schedule()
+        chunks, preempted = self._schedule()
+        while not chunks and preempted:  # what it preempted freed blocks: the engine loop steps again
+            chunks, preempted = self._schedule()
         self._flush_events()
         if not chunks:
-            return  # blocked on blocks: a release or a step elsewhere kicks it again
+            return  # waiting for blocks a handoff releases (it kicks again)
         decode_seqs = decode_context = prompt_tokens = prompt_quad = 0
         for seq, n in chunks:
             if seq.generated and n == 1:
@@ -152,14 +164,16 @@ class SimEngine:
                 prompt_quad += n * (seq.computed + n)
         seconds = self.costs.step_s(decode_seqs, decode_context, prompt_tokens, prompt_quad)
         if decode_seqs:
-            seconds += self.step_overhead_s
+            seconds += self.step_overhead(decode_seqs)
+        seconds *= self.listener.step_started(self)
         self.busy = True
         self.busy_s += seconds
         self.steps += 1
         self._schedule_at(now + seconds, lambda end: self._end_step(chunks, end))
 
     # --- one step -------------------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[SimSequence, int]]:
+    def _schedule(self) -> tuple[list[tuple[SimSequence, int]], bool]:
+        """This step's chunks, and whether it preempted anything (as `Scheduler.schedule`)."""
         lim = self.limits
         chunks: list[tuple[SimSequence, int]] = []
         budget, preempted, index = lim.step_budget, False, 0
@@ -184,7 +198,12 @@ class SimEngine:
             seq = self.ready[0]
             n = min(seq.uncomputed, budget, lim.chunk_limit)
             need = self._blocks_needed(seq, n)
-            if not self._allocate(need):
+            # Imports queued behind it give their blocks back (recomputed later); with nothing running
+            # to finish, at last the head itself does.
+            while need > self.free_blocks and (len(self.ready) > 1 or not self.running):
+                self._preempt(self.ready.pop())
+                preempted = True
+            if not self.ready or not self._allocate(need):
                 break
             self.ready.popleft()
             seq.plain_blocks += need
@@ -200,7 +219,7 @@ class SimEngine:
             self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
-        return chunks
+        return chunks, preempted
 
     def _admit(self, seq: SimSequence, budget: int) -> int:
         """Take `seq`'s cached leading blocks and the blocks of its first chunk; the chunk's tokens, or 0
@@ -280,8 +299,10 @@ class SimEngine:
                 self._events.append(IndexEvent(h, seq.block_hashes[i - 1] if i else None, False))
 
     def _free(self, seq: SimSequence) -> None:
+        """Give back `seq`'s blocks; its cached ones become evictable last block first, so a prefix is
+        evicted from its end (as `BlockPool.free`)."""
         self.free_plain += seq.plain_blocks
-        for h, parent in zip(seq.refs, [None, *seq.refs]):
+        for h, parent in reversed(list(zip(seq.refs, [None, *seq.refs]))):
             left = self.in_use[h] - 1
             if left:
                 self.in_use[h] = left

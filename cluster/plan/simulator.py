@@ -96,6 +96,10 @@ class _Clock:
     def at(self, when: float, callback: Callable[[float], None]) -> None:
         heapq.heappush(self._queue, (max(when, self.now), next(self._order), callback))
 
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
     def run(self) -> None:
         while self._queue:
             self.now, _, callback = heapq.heappop(self._queue)
@@ -111,21 +115,25 @@ class _PrefillSide:
                  short_room: int) -> None:
         self.engine = engine
         self.clock = clock
+        self.new_tokens: dict[str, int] = {}  # the router's count of each queued or started prompt's uncached part
+        self.decode_of: dict[str, str] = {}  # each queued or started prompt's decode worker: its queue key
         self.queues: PrefillQueues[SimSequence] = PrefillQueues(laps_on, short_tokens, window_s, short_room,
+                                                                key=lambda seq: self.decode_of[seq.request_id],
                                                                 clock=lambda: clock.now)
         self.started: dict[str, SimSequence] = {}  # in the engine, not past their first token
-        self.new_tokens: dict[str, int] = {}  # the router's count of each queued or started prompt's uncached part
         self._poll_at: float | None = None
 
-    def put(self, seq: SimSequence, new_tokens: int, now: float) -> None:
+    def put(self, seq: SimSequence, new_tokens: int, decode: str, now: float) -> None:
         seq.short = self.queues.is_short(new_tokens)
         self.new_tokens[seq.request_id] = new_tokens
+        self.decode_of[seq.request_id] = decode
         self.queues.put(seq, new_tokens, seq.short)
         self.feed(now)
 
     def first_token(self, seq: SimSequence) -> None:
         self.started.pop(seq.request_id, None)
         self.new_tokens.pop(seq.request_id, None)
+        self.decode_of.pop(seq.request_id, None)
 
     def feed(self, now: float) -> None:
         budget = self.engine.limits.step_budget
@@ -156,15 +164,32 @@ class _PrefillSide:
 
 
 class ClusterSimulator:
-    """One run of a workload on a manifest's deployment. `transport`: the profiled KV transport its
-    disaggregated handoffs take."""
+    """One run of a workload on a manifest's deployment; its handoffs take the manifest's KV transport
+    (`auto`: shm on one machine, tcp across machines), as profiled. `shared_cores`: the cores every worker shares, where the whole
+    deployment runs on one machine (None: a manifest that starts its own local Ray cluster runs on the
+    profiled machine's cores; one that joins a cluster, on workers' own): a step that starts while
+    workers with more threads than that are stepping takes as many times longer (processor sharing)."""
 
-    def __init__(self, manifest: Any, profile: HardwareProfile, transport: str = "shm", name: str = "") -> None:
+    def __init__(self, manifest: Any, profile: HardwareProfile, name: str = "",
+                 shared_cores: int | None = None) -> None:
         self.manifest = m = manifest
         self.profile = profile
+        on_one_machine = m.ray.address == "local"
+        if shared_cores is None and on_one_machine:
+            shared_cores = profile.cores or None
+        self.shared_cores = shared_cores
+        self._stepping_threads = 0
+        self.max_model_len = min(m.max_model_len or profile.max_model_len, profile.max_model_len)
+        total_blocks = profile.kv_blocks(m.kv_memory_mb, m.block_size)
+        if total_blocks * m.block_size < self.max_model_len:  # as the engine refuses to start
+            raise ValueError(f"kv_memory_mb {m.kv_memory_mb} holds {total_blocks * m.block_size} tokens of "
+                             f"{profile.model}'s KV, less than one sequence of max_model_len {self.max_model_len}")
         self.name = name or m.mode
         self.clock = _Clock()
         self.index = PrefixIndex()
+        transport = m.kv_transfer.transport
+        if transport == "auto":  # shared memory within a node, tcp across nodes
+            transport = "shm" if on_one_machine else "tcp"
         self.handoff = profile.transfer(transport) if m.mode == "disaggregated" else None
         self.engines: dict[str, SimEngine] = {}
         self.prefill_sides: dict[str, _PrefillSide] = {}
@@ -173,7 +198,7 @@ class ClusterSimulator:
         self.flights: dict[str, _Flight] = {}
         self.records: list[RequestRecord] = []
         self._laps: dict[str, tuple[int, int]] = {}  # prefill worker -> (short tokens, chunk)
-        max_model_len = min(m.max_model_len or profile.max_model_len, profile.max_model_len)
+        max_model_len = self.max_model_len
         for role, worker, spec in m.workers():
             costs = profile.costs(spec.threads)
             chunk = m.max_num_batched_tokens
@@ -185,9 +210,8 @@ class ClusterSimulator:
                                      m.router.long_prompt_chunk_tokens, costs.prefill, m.max_num_batched_tokens,
                                      max_model_len)
                 chunk = laps.chunk_tokens or chunk
-            limits = EngineLimits(profile.kv_blocks(m.kv_memory_mb), m.block_size, m.max_num_batched_tokens,
-                                  chunk, m.max_num_seqs)
-            engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead_s)
+            limits = EngineLimits(total_blocks, m.block_size, m.max_num_batched_tokens, chunk, m.max_num_seqs)
+            engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead)
             self.engines[worker] = engine
             self.pending_imports[worker] = deque()
             if laps is not None:
@@ -216,6 +240,8 @@ class ClusterSimulator:
             self.clock.at(spec.arrival_s, lambda now, i=i, spec=spec: self._arrive(i, spec, now))
         self.clock.at(self.manifest.supervision.ping_interval_s, self._report_tick)
         self.clock.run()
+        for engine in self.engines.values():
+            engine.check_drained()
         workers = {n: WorkerLoad(self.refs[n].pool if self.manifest.mode == "disaggregated" else "colocated",
                                  e.busy_s, e.steps, e.preemptions) for n, e in self.engines.items()}
         records = sorted(self.records, key=lambda r: r.send_time)
@@ -226,6 +252,10 @@ class ClusterSimulator:
         request_id = f"{self.name}-{i}"
         record = RequestRecord(request_id, self.name, self._rate, now, len(spec.prompt), spec.output_len)
         self.records.append(record)
+        if len(spec.prompt) + spec.output_len > self.max_model_len:  # the router refuses it, as the API does
+            record.outcome, record.error = "error", f"longer than max_model_len {self.max_model_len}"
+            self._outstanding -= 1
+            return
         work = WorkRequest(request_id, spec.prompt, SamplingParams.greedy(max_tokens=spec.output_len, ignore_eos=True))
         try:
             placement = self.router.place(work)
@@ -247,9 +277,16 @@ class ClusterSimulator:
                                                     now)
         else:
             seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True)
-            self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill), now)
+            self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill),
+                                                           placement.decode.name, now)
 
     # --- what the engines report ----------------------------------------------------------------
+    def step_started(self, engine: SimEngine) -> float:
+        self._stepping_threads += engine.costs.threads
+        if not self.shared_cores:
+            return 1.0
+        return max(1.0, self._stepping_threads / self.shared_cores)
+
     def sampled(self, engine: SimEngine, seq: SimSequence, now: float) -> None:
         flight = self.flights[seq.request_id]
         seen = now + self.profile.delivery_s
@@ -261,7 +298,7 @@ class ClusterSimulator:
             self.prefill_sides[engine.name].first_token(seq)
             flight.prefill_end_s = now
             if seq.output_len <= 1:
-                engine.release(seq)
+                engine.release(seq, now)
                 self._finish(flight, seen, 1)
             else:
                 self.clock.at(now + self.handoff.handoff_s(seq.prompt_len),
@@ -270,14 +307,19 @@ class ClusterSimulator:
             self._finish(flight, seen, seq.generated)
 
     def step_ended(self, engine: SimEngine, now: float) -> None:
+        self._stepping_threads -= engine.costs.threads
+        self._after_step(engine, now)
+
+    def _after_step(self, engine: SimEngine, now: float) -> None:
         self._retry_imports(engine.name, now)
         side = self.prefill_sides.get(engine.name)
         if side is not None:
             side.feed(now)
 
     def _hand_off(self, source: SimEngine, seq: SimSequence, flight: _Flight, now: float) -> None:
-        source.release(seq)
-        self.step_ended(source, now)  # its blocks are free: a prompt may now fit
+        source.release(seq, now)
+        self._after_step(source, now)  # its blocks are free: a prompt may now fit
+        flight.decode_start_s = now  # committed (live, the decode blocks were reserved before the pass)
         decode = flight.placement.decode.name
         imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes,
                                num_tokens=seq.prompt_len + 1, computed=seq.prompt_len, generated=1)
@@ -291,7 +333,6 @@ class ClusterSimulator:
             if not self.engines[worker].add_import(seq, now):
                 return
             pending.popleft()
-            flight.decode_start_s = now
 
     def _finish(self, flight: _Flight, seen: float, tokens: int) -> None:
         flight.record.end_time = seen
@@ -309,8 +350,12 @@ class ClusterSimulator:
     # --- health reports -------------------------------------------------------------------------
     def _report_tick(self, now: float) -> None:
         self._report(now)
-        if self._outstanding > 0:
-            self.clock.at(now + self.manifest.supervision.ping_interval_s, self._report_tick)
+        if self._outstanding <= 0:
+            return
+        if not self.clock.pending and not any(e.busy for e in self.engines.values()):
+            # nothing left to happen, and requests in flight: a bug, not a result (a run must not spin)
+            raise RuntimeError(f"the simulation stalled at {now:.3f} s with {self._outstanding} requests in flight")
+        self.clock.at(now + self.manifest.supervision.ping_interval_s, self._report_tick)
 
     def _report(self, now: float) -> None:
         for name, engine in self.engines.items():

@@ -131,3 +131,26 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
     # A plot no longer there, or replaced by a later run's, is not shown.
     assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text and "latency" not in text
     assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"
+
+
+def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_its_error(tmp_path):
+    from pdserve.cluster.bench.serve_metrics import RequestRecord
+    from pdserve.cluster.bench.simulator import compare
+
+    def records(ttft: float, tpot: float) -> list[RequestRecord]:
+        return [RequestRecord(f"r{i}", "c", 1.0, send_time=i, prompt_len=10, max_tokens=5, first_token_time=i + ttft,
+                              end_time=i + ttft + 4 * tpot, output_tokens=5) for i in range(10)]
+
+    row = {"load": 0.3, "rate": 2.4, **compare(records(0.100, 0.020), records(0.105, 0.030))}
+    assert row["error"]["ttft_s_p50"] == pytest.approx(0.05) and row["error"]["tpot_s_p90"] == pytest.approx(0.5)
+    results = {"benchmark": "simulator", "provenance": provenance(), "model": "llama-20m",
+               "profile": {"created": "2026-11-29T10:00:00+00:00"},
+               "deployments": [{"trace": "azure2023_conv.csv", "config": "colocated",
+                                "capacity": {"real": 8.0, "sim": 9.0}, "runs": [row]}]}
+    page = tmp_path / "benchmarks.md"
+    publish(page, key_of(results), results)
+    text = page.read_text()
+    assert "## The cluster simulator against measured runs" in text
+    assert "**2 of 4 figures within 10%**; the largest error +50%." in text
+    assert "| azure2023_conv.csv | colocated | 8.00 / 9.00 | 30% (2.40 req/s) | 100 / 105 (+5%) |" in text
+    assert "20 / 30 (+50%) ✗" in text

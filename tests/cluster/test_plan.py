@@ -114,20 +114,29 @@ def test_shared_prefixes_are_found_through_the_routers_index():
 
 def test_a_full_kv_pool_preempts_and_every_request_still_ends_whole():
     profile = synthetic_profile(StepCost(0.001, 0.00001, 0.0), decode_s=0.001)
-    m = single_server(max_num_seqs=32, kv_memory_mb=1)  # 64 blocks of 16 tokens
+    m = single_server(max_num_seqs=32, kv_memory_mb=1, max_model_len=1024)  # 64 blocks of 16 tokens
     requests = [SimRequest(0.0, unique_prompt(i + 1, 100), 200) for i in range(16)]
-    result = ClusterSimulator(m, profile).run(requests)
+    result = ClusterSimulator(m, profile).run(requests)  # the run checks every block came back
     assert result.workers["colocated-0"].preemptions > 0
     assert all(r.outcome == "ok" and r.output_tokens == 200 for r in result.records)
 
 
+def test_decode_workers_short_of_kv_preempt_imports_and_every_request_still_ends_whole():
+    profile = synthetic_profile(StepCost(0.002, 0.00001, 0.0), decode_s=0.002)
+    m = manifest(max_model_len=1024, kv_memory_mb=1, max_num_seqs=32, router={"local_prefill_tokens": 0},
+                 pools={"prefill": {"replicas": 2}, "decode": {"replicas": 1}})
+    requests = [SimRequest(i * 0.001, unique_prompt(i + 1, 300), 300) for i in range(24)]
+    result = ClusterSimulator(m, profile).run(requests)  # the run checks every block came back
+    assert result.workers["decode-2"].preemptions > 0
+    assert all(r.outcome == "ok" and r.output_tokens == 300 for r in result.records)
+
+
 def test_early_rejection_refuses_what_cannot_meet_the_ttft_objective():
     profile = synthetic_profile(StepCost(0.01, 0.0001, 0.0))  # a 900-token prompt's pass: 100 ms
-    m = manifest(router={"ttft_slo_s": 0.1})  # refused past 2 x 100 ms: the third in line
+    m = manifest(router={"ttft_slo_s": 0.1})  # refused past 2 x 100 ms: the second in line would wait 200 ms
     records = ClusterSimulator(m, profile).run([SimRequest(0.0, unique_prompt(i + 1, 900), 2) for i in range(10)]).records
-    outcomes = [r.outcome for r in records]
-    assert "rejected" in outcomes and "ok" in outcomes
-    assert summarize(records)["rejected"] == outcomes.count("rejected")
+    assert [r.outcome for r in records] == ["ok"] + ["rejected"] * 9
+    assert summarize(records)["rejected"] == 9 and "no prefill worker can meet the TTFT objective" in records[1].error
 
 
 # --- the profiler's fit -------------------------------------------------------------------------------
@@ -223,14 +232,20 @@ def test_the_planner_refuses_an_impossible_objective_naming_the_bottleneck():
 def test_pdserve_plan_writes_a_manifest_that_loads_and_its_plot(tmp_path, capsys):
     from pdserve.cluster.cli import main
 
-    synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005, threads=(1,)).save(tmp_path / "p.json")
+    from pdserve.engine.model_store import model_digest
+    from pdserve.engine.models.presets import resolve_model
+
+    profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005, threads=(1,))
+    profile.model_digest = model_digest(resolve_model("llama-20m"))
+    profile.save(tmp_path / "p.json")
     args = ["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--model", "llama-20m", "--profile",
-            str(tmp_path / "p.json"), "--requests", "30", "--out", str(tmp_path / "planned.yaml"), "--plot",
+            str(tmp_path / "p.json"), "--requests", "30", "--run-seconds", "3", "--out", str(tmp_path / "planned.yaml"), "--plot",
             str(tmp_path / "frontier.png")]
     assert main(args) == 0
     planned = (tmp_path / "planned.yaml").read_text()
     assert planned.startswith("# Planned by `pdserve plan`") and "predicted goodput" in planned
-    assert load_manifest(yaml.safe_load(planned)).model == "llama-20m"
+    chosen = load_manifest(yaml.safe_load(planned))
+    assert chosen.model == "llama-20m" and chosen.mode in planned.splitlines()[1]
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert "best:" in capsys.readouterr().out
 
@@ -240,4 +255,25 @@ def test_pdserve_plan_without_a_profile_says_how_to_make_one(tmp_path, capsys):
 
     assert main(["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--profile",
                  str(tmp_path / "none.json")]) == 2
-    assert "measure it first with `pdserve profile" in capsys.readouterr().err
+    assert f"measure it first with `pdserve profile --profile {tmp_path / 'none.json'}`" in capsys.readouterr().err
+
+
+def test_pdserve_plan_refuses_a_profile_of_another_model(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+
+    synthetic_profile(StepCost(0.002, 0.0001, 0.0)).save(tmp_path / "p.json")
+    assert main(["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--model", "llama-20m",
+                 "--profile", str(tmp_path / "p.json")]) == 2
+    assert "is of another model (synthetic" in capsys.readouterr().err
+
+
+def test_kv_memory_that_cannot_hold_one_sequence_is_refused_as_the_engine_does():
+    with pytest.raises(ValueError, match="holds 1024 tokens of synthetic's KV, less than one sequence of max_model_len"):
+        ClusterSimulator(single_server(kv_memory_mb=1), synthetic_profile(StepCost(0.001, 0.0, 0.0)))
+
+
+def test_a_request_longer_than_the_context_is_refused():
+    m = single_server(kv_memory_mb=1, max_model_len=1024)
+    records = ClusterSimulator(m, synthetic_profile(StepCost(0.001, 0.0, 0.0))).run(
+        [SimRequest(0.0, unique_prompt(1, 1000), 100), SimRequest(0.0, unique_prompt(2, 100), 2)]).records
+    assert [r.outcome for r in records] == ["error", "ok"] and "longer than max_model_len 1024" in records[0].error

@@ -1,0 +1,214 @@
+"""`pdserve bench simulator`: the cluster simulator against real runs of the same manifests.
+
+For each trace and deployment (the serve benchmark's configurations: `serve.manifest_for`), a real
+cluster on this machine is measured, and the simulator (`cluster.plan.simulator`, with this machine's
+profile from `pdserve profile`) is given exactly what that run was given: the same prompts (their
+blocks decide prefix sharing) and output lengths, sent at the run's own send times. First a burst of
+every request at once measures the deployment's capacity (completed requests over the burst's span,
+real and simulated); then Poisson runs at fractions of the measured capacity (30%, 60%, 90% by
+default). Every run draws fresh prompts. TTFT and TPOT p50 and p90 are compared side by side, with the
+simulator's error relative to the measurement.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.cluster.bench.loadgen import Request, poisson_arrivals, run_load, write_jsonl
+from pdserve.cluster.bench.report import provenance
+from pdserve.cluster.bench.serve import ServeBenchConfig, manifest_for, serving, software, warm_up
+from pdserve.cluster.bench.serve_metrics import RequestRecord, summarize
+from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, block_prompts, find_trace, load_azure_trace,
+                                            load_mooncake_trace, random_token_prompts, run_seed, scale_requests)
+
+DEFAULT_TRACES = ("azure2023_conv.csv", "azure2023_code.csv", "mooncake_synthetic_trace.jsonl")
+DEFAULT_CONFIGS = ("colocated", "disaggregated", "disaggregated-1p2d")
+FIGURES = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
+WITHIN = 0.10  # the target: each figure within 10% of the measured one
+
+
+@dataclass
+class SimulatorBenchConfig:
+    model: str = "llama-20m"
+    profile: Path | None = None  # None: the model's profile on this machine (`pdserve profile`)
+    traces: tuple[str, ...] = DEFAULT_TRACES
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    loads: tuple[float, ...] = (0.3, 0.6, 0.9)  # of the measured capacity
+    requests: int = 64  # per run
+    input_scale: float = 0.25
+    output_scale: float = 0.25
+    max_model_len: int = 1024
+    seed: int = 0
+    out_dir: Path = Path("bench-results/simulator")
+    progress: bool = True
+    smoke: bool = False
+
+    def quick(self) -> "SimulatorBenchConfig":
+        return replace(self, traces=(DEFAULT_TRACE,), configs=("colocated", "disaggregated"), loads=(0.5,),
+                       requests=8, smoke=True)
+
+
+@dataclass
+class TraceWorkload:
+    """A trace's request shapes; each run draws prompts of its own (`prompts(tag)`), keeping the
+    trace's prefix sharing (Mooncake's hash ids) within the run."""
+
+    name: str
+    shapes: list[TraceRequest]
+    vocab_size: int
+    seed: int
+
+    def prompts(self, tag: str) -> list[list[int]]:
+        seed = run_seed(self.seed, "simulator", self.name, tag)
+        if any(s.hash_ids for s in self.shapes):
+            return block_prompts(self.shapes, self.vocab_size, seed)
+        return random_token_prompts(self.shapes, self.vocab_size, seed)
+
+    def requests(self, tag: str) -> list[Request]:
+        return [Request(f"{tag}-{i}", ids, s.output_len)
+                for i, (ids, s) in enumerate(zip(self.prompts(tag), self.shapes))]
+
+
+def load_workload(trace: str, cfg: SimulatorBenchConfig, vocab_size: int) -> TraceWorkload:
+    path = find_trace(trace)
+    jsonl = path.name.endswith((".jsonl", ".jsonl.gz"))
+    raw = load_mooncake_trace(path, cfg.requests) if jsonl else load_azure_trace(path, cfg.requests)
+    shapes = scale_requests(raw, cfg.input_scale, cfg.output_scale, cfg.max_model_len)
+    return TraceWorkload(path.name, shapes, vocab_size, cfg.seed)
+
+
+def figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    s = summarize(records)
+    return {"ok": s["ok"], "sent": s["sent"], "requests_per_s": s["requests_per_s"],
+            **{f"{metric}_{p}": s[metric][p] for metric, p in FIGURES}}
+
+
+def capacity(records: Sequence[RequestRecord]) -> float:
+    """Completed requests per second over a burst's span."""
+    return summarize(records)["requests_per_s"]
+
+
+def _error(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or not real else sim / real - 1
+
+
+def compare(real: Sequence[RequestRecord], sim: Sequence[RequestRecord]) -> dict[str, Any]:
+    r, s = figures(real), figures(sim)
+    return {"real": r, "sim": s, "error": {f"{m}_{p}": _error(s[f"{m}_{p}"], r[f"{m}_{p}"]) for m, p in FIGURES}}
+
+
+def bench_deployment(name: str, workload: TraceWorkload, cfg: SimulatorBenchConfig, profile: Any, model_dir: Path,
+                     pool: concurrent.futures.Executor, log: Callable[[str], None]) -> dict[str, Any]:
+    from pdserve.cluster.manifest import load_manifest
+    from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest
+
+    serve_cfg = ServeBenchConfig(model=cfg.model, max_model_len=cfg.max_model_len, out_dir=cfg.out_dir)
+    manifest = load_manifest(manifest_for(name, serve_cfg))
+    jsonl = cfg.out_dir / "requests.jsonl"
+
+    def simulate(requests: list[Request], real: list[RequestRecord], rate: float) -> list[RequestRecord]:
+        runs = [SimRequest(rec.send_time, req.token_ids, req.max_tokens) for req, rec in zip(requests, real)]
+        return ClusterSimulator(manifest, profile, name=name).run(runs, rate).records
+
+    def measure(target: Any, tag: str, arrivals: list[float], rate: float) -> tuple[list[Request], list[RequestRecord]]:
+        requests = [replace(r, request_id=f"{workload.name}-{name}-{r.request_id}") for r in workload.requests(tag)]
+        real = pool.submit(run_load, target.client, requests, arrivals, config=name, rate=rate,
+                           progress=cfg.progress).result()
+        write_jsonl(real, jsonl)
+        return requests, real
+
+    out: dict[str, Any] = {"trace": workload.name, "config": name, "runs": []}
+    with serving(name, serve_cfg, model_dir, log) as target:
+        warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
+        requests, real = measure(target, "burst", [0.0] * len(workload.shapes), 0.0)
+        sim = simulate(requests, real, 0.0)
+        out["capacity"] = {"real": capacity(real), "sim": capacity(sim)}
+        log(f"  {workload.name} {name}: capacity {out['capacity']['real']:.2f} req/s measured, "
+            f"{out['capacity']['sim']:.2f} simulated")
+        for load in cfg.loads:
+            rate = load * out["capacity"]["real"]
+            arrivals = poisson_arrivals(len(workload.shapes), rate, run_seed(cfg.seed, workload.name, name, load))
+            requests, real = measure(target, f"load-{load:g}", arrivals, rate)
+            row = {"load": load, "rate": rate, **compare(real, simulate(requests, real, rate))}
+            out["runs"].append(row)
+            log(f"  {workload.name} {name} @ {load:.0%} ({rate:.2f} req/s): " + ", ".join(
+                f"{m[:-2].upper()} {p} {_ms(row['real'][f'{m}_{p}'])} real / {_ms(row['sim'][f'{m}_{p}'])} sim"
+                for m, p in FIGURES))
+    return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from pdserve.cluster.bench.report import machine
+    from pdserve.cluster.plan.cli import default_profile_path
+    from pdserve.cluster.plan.costs import HardwareProfile
+    from pdserve.engine.model_store import model_digest
+    from pdserve.engine.models.presets import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    profile_path = cfg.profile or default_profile_path(cfg.model, model_digest(model_dir), machine())
+    if not Path(profile_path).is_file():
+        raise FileNotFoundError(f"no profile of {cfg.model} on this machine at {profile_path}: measure it first with "
+                                f"`pdserve profile --model {cfg.model}`")
+    profile = HardwareProfile.load(profile_path)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "requests.jsonl").unlink(missing_ok=True)
+    results: dict[str, Any] = {
+        "benchmark": "simulator", "provenance": provenance(cfg.smoke), "software": software(),
+        "model": cfg.model, "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "profile": {"path": str(profile_path), "hardware": profile.hardware, "created": profile.created,
+                    "checks": profile.checks},
+        "deployments": [],
+    }
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for trace in cfg.traces:
+            workload = load_workload(trace, cfg, vocab)
+            for name in cfg.configs:
+                results["deployments"].append(bench_deployment(name, workload, cfg, profile, model_dir, pool, log))
+                (cfg.out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    log(f"wrote {cfg.out_dir / 'results.json'}")
+    return results
+
+
+# --- report ---------------------------------------------------------------------------------------
+def _cell(row: dict[str, Any], key: str) -> str:
+    real, sim, err = row["real"][key], row["sim"][key], row["error"][key]
+    if real is None or sim is None:
+        return "n/a"
+    mark = "" if abs(err) <= WITHIN else " ✗"
+    return f"{real * 1e3:.0f} / {sim * 1e3:.0f} ({err:+.0%}){mark}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    deployments = results["deployments"]
+    errors = [e for d in deployments for row in d["runs"] for e in row["error"].values() if e is not None]
+    within = sum(abs(e) <= WITHIN for e in errors)
+    lines = [
+        f"The simulator (`pdserve plan`'s) against real runs of the same manifests on this machine, {results['model']}, "
+        f"profile made {results['profile']['created']}: each run's prompts, output lengths and send times given to "
+        f"both; loads are fractions of the capacity a burst of every request at once measured. Cells: measured / "
+        f"simulated, in ms, and the simulator's error (✗: off by more than {WITHIN:.0%}).",
+        "",
+        f"**{within} of {len(errors)} figures within {WITHIN:.0%}**"
+        + (f"; the largest error {max(errors, key=abs):+.0%}." if errors else "."),
+        "",
+        "| trace | deployment | capacity measured / simulated (req/s) | load | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for d in deployments:
+        head = [d["trace"], d["config"], f"{d['capacity']['real']:.2f} / {d['capacity']['sim']:.2f}"]
+        for i, row in enumerate(d["runs"]):
+            cells = (head if i == 0 else ["", "", ""]) + [f"{row['load']:.0%} ({row['rate']:.2f} req/s)"]
+            lines.append("| " + " | ".join(cells + [_cell(row, f"{m}_{p}") for m, p in FIGURES]) + " |")
+    return "\n".join(lines) + "\n"
