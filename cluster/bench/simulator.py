@@ -195,7 +195,8 @@ def markdown(results: dict[str, Any]) -> str:
     errors = [e for d in deployments for row in d["runs"] for e in row["error"].values() if e is not None]
     within = sum(abs(e) <= WITHIN for e in errors)
     lines = [
-        f"The simulator (`pdserve plan`'s) against real runs of the same manifests on this machine, {results['model']}, "
+        f"The simulator (`pdserve plan`'s) against real runs of the same manifests on this machine, "
+        f"{results['model']}, "
         f"profile made {results['profile']['created']}: each run's prompts, output lengths and send times given to "
         f"both; loads are fractions of the capacity a burst of every request at once measured. Cells: measured / "
         f"simulated, in ms, and the simulator's error (✗: off by more than {WITHIN:.0%}).",
@@ -203,7 +204,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"**{within} of {len(errors)} figures within {WITHIN:.0%}**"
         + (f"; the largest error {max(errors, key=abs):+.0%}." if errors else "."),
         "",
-        "| trace | deployment | capacity measured / simulated (req/s) | load | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |",
+        "| trace | deployment | capacity measured / simulated (req/s) | load | TTFT p50 | TTFT p90 | TPOT p50 "
+        "| TPOT p90 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for d in deployments:

@@ -69,7 +69,8 @@ def _check_profile(profile: Any, manifest: Any, path: Path) -> None:
 
     digest = model_digest(resolve_model(manifest.model))
     if profile.model_digest != digest:
-        raise ValueError(f"the profile {path} is of another model ({profile.model}, digest {profile.model_digest[:12]}) "
+        raise ValueError(f"the profile {path} is of another model ({profile.model}, digest "
+                         f"{profile.model_digest[:12]}) "
                          f"than {manifest.model} (digest {digest[:12]}): profile this one (`pdserve profile`)")
     if profile.dtype != manifest.dtype:
         raise ValueError(f"the profile {path} measured {profile.dtype}, the manifest serves {manifest.dtype}")
@@ -100,8 +101,9 @@ def _plan(args: argparse.Namespace) -> int:
                             args.output_scale, manifest.max_model_len)
     objective = Objective("plan", args.slo_ttft / 1e3, args.slo_tpot / 1e3)
     print(f"planning for {manifest.model} on {profile.hardware}, {len(shapes)} requests of {args.trace} per rate")
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else None
     result = plan(manifest, profile, shapes, objective, args.cpus, args.rate, seed=args.seed,
-                  min_duration_s=args.run_seconds)
+                  min_duration_s=args.run_seconds, threads=threads)
     best = result.best
     print(f"best: {best.candidate.name} ({best.candidate.cpus} CPUs), predicted goodput {best.goodput.rate:.2f} req/s")
     write_manifest(result, manifest, args.out, profile)
@@ -152,6 +154,8 @@ def add_plan_commands(sub: Any) -> None:
     pl.add_argument("--trace", default=DEFAULT_TRACE, help="an Azure-style CSV trace: its lengths (default: "
                                                            "%(default)s, shipped)")
     pl.add_argument("--requests", type=int, default=400, help="requests per simulated run (default: %(default)s)")
+    pl.add_argument("--threads", default=None, help="torch threads per worker to consider, comma-separated "
+                                                    "(default: every count the profile measured)")
     pl.add_argument("--run-seconds", type=float, default=30.0, help="arrivals in each simulated run, at least "
                                                                    "(seconds; default: %(default)s)")
     pl.add_argument("--input-scale", type=float, default=0.25, help="scale of prompt lengths (default: %(default)s)")

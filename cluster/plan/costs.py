@@ -10,7 +10,8 @@ A worker's step is timed from two measured parts, because on a CPU they do not a
   dominates), which no line through the origin of B fits.
 
 A step that mixes both costs the decode table's time plus the prompt part's marginal cost (b·N + c·Q,
-its fixed cost already paid); the profiler measures mixed steps to say how far that is off.
+its fixed cost already paid), times the ratio of measured mixed steps to that sum (`mixed_scale`:
+on 2 cores, mixed steps cost about a fifth more than their parts).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class WorkerCosts:
     threads: int
     prefill: StepCost
     decode: DecodeTable
+    mixed_scale: float = 1.0  # measured mixed steps over the sum of their parts
 
     def step_s(self, decode_seqs: int, decode_context: int, prompt_tokens: int, prompt_quad: int) -> float:
         """A step of `decode_seqs` decoding sequences (their contexts summing to `decode_context`) and
@@ -76,7 +78,9 @@ class WorkerCosts:
         if not decode_seqs:
             return self.prefill.step_s(prompt_tokens, prompt_quad) if prompt_tokens else 0.0
         decode = self.decode.step_s(decode_seqs, decode_context / decode_seqs)
-        return decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad
+        if not prompt_tokens:
+            return decode
+        return (decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad) * self.mixed_scale
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,12 @@ class HardwareProfile:
     workers: dict[int, WorkerCosts]
     transfers: dict[str, TransferCost]
     # What serving adds, measured in a running cluster (`profiler.ServingCosts`):
-    dispatch_s: float = 0.0  # the router's accepting a request to its prompt pass's start
+    dispatch_s: float = 0.0  # the router's accepting a request to its worker taking it
+    prefill_setup_s: float = 0.0  # a prefill worker's taking a prompt to its pass (its transfer's set-up)
     delivery_s: float = 0.0  # a prompt pass's end to its first token leaving the router
     step_overhead_s: float = 0.0  # a serving decode step beyond the engine's own: this ...
     step_overhead_per_seq_s: float = 0.0  # ... and this per sequence decoding in it
+    router_cpu_s_per_token: float = 0.0  # CPU the router and its clients spend per output token
     cores: int = 0  # the machine's (0: not known)
     checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
     created: str = ""
@@ -120,7 +126,8 @@ class HardwareProfile:
 
     def transfer(self, transport: str) -> TransferCost:
         if transport not in self.transfers:
-            raise ValueError(f"the profile has no KV transfer cost for {transport!r}: measured {sorted(self.transfers)}")
+            raise ValueError(f"the profile has no KV transfer cost for {transport!r}: measured "
+                             f"{sorted(self.transfers)} (`pdserve profile --transports`)")
         return self.transfers[transport]
 
     def step_overhead(self, decode_seqs: int) -> float:
@@ -146,7 +153,8 @@ class HardwareProfile:
         data = {k: v for k, v in data.items() if k != "format"}
         workers = {int(t): WorkerCosts(w["threads"], StepCost(**w["prefill"]),
                                        DecodeTable(tuple(w["decode"]["batches"]), tuple(w["decode"]["contexts"]),
-                                                   tuple(tuple(row) for row in w["decode"]["seconds"])))
+                                                   tuple(tuple(row) for row in w["decode"]["seconds"])),
+                                       w["mixed_scale"])
                    for t, w in data.pop("workers").items()}
         transfers = {name: TransferCost(**t) for name, t in data.pop("transfers").items()}
         return cls(workers=workers, transfers=transfers, **data)

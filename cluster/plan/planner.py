@@ -58,8 +58,12 @@ class Candidate:
         return type(base).model_validate(data)
 
 
-def candidates(base: Any, profile: HardwareProfile, cpus: int) -> list[Candidate]:
-    threads = sorted(profile.workers)
+def candidates(base: Any, profile: HardwareProfile, cpus: int,
+               threads: Sequence[int] | None = None) -> list[Candidate]:
+    """The deployments within `cpus`, their workers at the thread counts given (None: all profiled)."""
+    threads = sorted(threads or profile.workers)
+    if missing := [t for t in threads if t not in profile.workers]:
+        raise ValueError(f"the profile has no worker with {missing} thread(s): measured {sorted(profile.workers)}")
     budgets = sorted({base.max_num_batched_tokens, min(CHUNKED_BUDGET, base.max_num_batched_tokens)})
     out = []
     for t in threads:
@@ -130,7 +134,8 @@ def bottleneck(base: Any, profile: HardwareProfile, shapes: Sequence[TraceReques
     reasons = []
     if ttft > objective.ttft_s:
         reasons.append(f"prefill: the trace's p90 prompt ({p90} tokens) alone takes {ttft * 1e3:.0f} ms to its first "
-                       f"token at {costs.threads} thread(s), over the TTFT objective of {objective.ttft_s * 1e3:.0f} ms")
+                       f"token at {costs.threads} thread(s), over the TTFT objective of "
+                       f"{objective.ttft_s * 1e3:.0f} ms")
     if tpot > objective.tpot_s:
         reasons.append(f"decode: one decode step alone takes {tpot * 1e3:.1f} ms at {costs.threads} thread(s), over "
                        f"the TPOT objective of {objective.tpot_s * 1e3:.1f} ms")
@@ -140,15 +145,16 @@ def bottleneck(base: Any, profile: HardwareProfile, shapes: Sequence[TraceReques
 
 def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], objective: Objective, cpus: int,
          target_rate: float | None = None, seed: int = 0, min_duration_s: float = MIN_DURATION_S,
-         log: Callable[[str], None] = print) -> Plan:
+         threads: Sequence[int] | None = None, log: Callable[[str], None] = print) -> Plan:
     """Simulate every candidate within `cpus`; raises Infeasible when none meets `objective` (or, with
     `target_rate`, none carries it)."""
     if len(shapes) < 2:
         raise ValueError(f"a plan needs at least 2 requests of the trace, got {len(shapes)}")
     if cpus < min(profile.workers):
-        raise ValueError(f"{cpus} CPU(s) fit no worker: the profile's fewest threads per worker is {min(profile.workers)}")
+        raise ValueError(f"{cpus} CPU(s) fit no worker: the profile's fewest threads per worker is "
+                         f"{min(profile.workers)}")
     tried = []
-    for i, candidate in enumerate(candidates(base, profile, cpus), 1):
+    for i, candidate in enumerate(candidates(base, profile, cpus, threads), 1):
         result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,
                           target_rate=target_rate)
         tried.append(result)

@@ -7,8 +7,8 @@ For each number of torch threads, in this process, on an engine with the manifes
   (`engine.cost_model`), non-negative, as the workers fit theirs;
 - decode steps over a grid of batch sizes and contexts: a batch of B prompts of L tokens prefilled,
   then the median of its decode steps (`costs.DecodeTable`);
-- mixed steps, a decode batch with one prompt chunk beside it, predicted from the two parts: their
-  error is reported (`checks`), not fitted.
+- mixed steps, a decode batch with one prompt chunk beside it: the median ratio of their time to the
+  sum of the two parts' is the profile's `mixed_scale`.
 
 Then, for each KV transport, a 1P+1D cluster of the manifest on this machine: prompts of several
 lengths one at a time, the router's own fit of the handoff (prefill end to decode start, every cost
@@ -39,8 +39,9 @@ from pdserve.wire import LifetimeEvent
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (16, 128, 512)
-DECODE_STEPS = 6  # decode steps timed per cell (after one warm-up step)
+DECODE_STEPS = 16  # decode steps timed per cell (after one warm-up step): a shared machine is noisy
 TRANSFER_PROMPTS = (16, 64, 128, 256, 512, 900)
+PREFILL_PASSES = 5  # passes timed per prompt shape (after one warm-up pass)
 BURST = 8  # requests sent at once to measure what serving adds per decoding sequence
 
 
@@ -71,24 +72,31 @@ class _EngineProfiler:
         return kept
 
     def prefill_samples(self, step_budget: int, max_model_len: int) -> list[tuple[int, int, float]]:
-        """(tokens, quad, seconds) of single prompt passes, fresh and behind a cached half."""
+        """(tokens, quad, seconds) of single prompt passes, fresh and behind a cached half: per shape, the
+        median of `PREFILL_PASSES` passes after a warm-up one (a shared machine's passes vary by half)."""
         limit = min(step_budget, max_model_len - 1)
         lengths = sorted({min(n, limit) for n in (8, 32, 128, 512, 2048, limit)})
         samples = []
-        for n in lengths:
-            for round_ in range(3):
-                steps = self._run([self.prompt(n)], 1, lambda s: s.num_seqs == 1 and s.num_tokens == n)
+
+        def median_pass(make_prompt: Callable[[], list[int]], alone: Callable[[Any], bool]) -> None:
+            passes = []
+            for round_ in range(PREFILL_PASSES + 1):
+                steps = self._run([make_prompt()], 1, alone)
                 if round_:
-                    samples += [(s.num_tokens, s.quad_tokens, s.total_s) for s in steps]
-            half = n // 2
-            if half >= 16 and n <= limit:  # the second half computed after a cached first half
-                for round_ in range(3):
-                    first = self.prompt(n)
-                    self._run([first], 1, lambda s: False)
-                    steps = self._run([first[:half] + self.prompt(n - half)], 1,
-                                      lambda s: s.num_seqs == 1 and s.quad_tokens > s.num_tokens ** 2)
-                    if round_:
-                        samples += [(s.num_tokens, s.quad_tokens, s.total_s) for s in steps]
+                    passes += [(s.num_tokens, s.quad_tokens, s.total_s) for s in steps]
+            if passes:
+                samples.append((passes[0][0], passes[0][1], statistics.median(p[2] for p in passes)))
+
+        def behind_cached_half(n: int) -> list[int]:
+            first = self.prompt(n)
+            self._run([first], 1, lambda s: False)  # its blocks are now in the prefix cache
+            return first[:n // 2] + self.prompt(n - n // 2)
+
+        for n in lengths:
+            median_pass(lambda: self.prompt(n), lambda s: s.num_seqs == 1 and s.num_tokens == n)
+            if n // 2 >= 16:
+                median_pass(lambda: behind_cached_half(n),
+                            lambda s: s.num_seqs == 1 and s.quad_tokens > s.num_tokens ** 2)
         return samples
 
     def decode_cell(self, batch: int, context: int) -> tuple[float, float] | None:
@@ -108,11 +116,12 @@ class _EngineProfiler:
             return None
         return statistics.median(s.total_s for s in timed), statistics.mean(s.quad_tokens / batch for s in timed)
 
-    def mixed_errors(self, costs: WorkerCosts, step_budget: int) -> list[float]:
-        """Relative errors of the mixed-step prediction: a decode batch with one prompt chunk beside it."""
+    def mixed_ratios(self, costs: WorkerCosts, step_budget: int) -> list[float]:
+        """Measured over predicted seconds of mixed steps (a decode batch with one prompt chunk beside it),
+        predicted from the parts alone (`costs.mixed_scale` 1)."""
         from pdserve.engine.sampling_params import SamplingParams
 
-        e, errors = self.engine, []
+        e, ratios = self.engine, []
         context = min(128, e.max_model_len // 4)
         for batch, chunk in ((4, 64), (16, 256), (8, 512)):
             chunk = min(chunk, step_budget - batch, e.max_model_len - 2)
@@ -132,8 +141,8 @@ class _EngineProfiler:
                 if s.num_decode_seqs == batch and prompt_tokens == chunk:
                     decode_quad = s.quad_tokens - chunk * chunk
                     predicted = costs.step_s(batch, decode_quad, chunk, chunk * chunk)
-                    errors.append(predicted / s.total_s - 1)
-        return errors
+                    ratios.append(s.total_s / predicted)
+        return ratios
 
 
 def profile_threads(model_dir: Any, threads: int, engine_config: dict[str, Any], seed: int,
@@ -146,7 +155,8 @@ def profile_threads(model_dir: Any, threads: int, engine_config: dict[str, Any],
     return profile_engine(LLMEngine(model_dir, config), threads, seed, log)
 
 
-def profile_engine(engine: Any, threads: int, seed: int, log: Callable[[str], None]) -> tuple[WorkerCosts, dict[str, Any]]:
+def profile_engine(engine: Any, threads: int, seed: int,
+                   log: Callable[[str], None]) -> tuple[WorkerCosts, dict[str, Any]]:
     """Measure `engine` (an `LLMEngine`, or anything that steps and times its steps alike)."""
     config = engine.config
     p = _EngineProfiler(engine, seed, log)
@@ -159,7 +169,7 @@ def profile_engine(engine: Any, threads: int, seed: int, log: Callable[[str], No
     log(f"  {threads} thread(s): prompt passes a={prefill.a * 1e3:.2f} ms, b={prefill.b * 1e6:.2f} us/token, "
         f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} passes "
         f"(median error {np.median(np.abs(prefill_errors)):.1%}, max {np.max(np.abs(prefill_errors)):.1%})")
-    contexts = tuple(c for c in DECODE_CONTEXTS if c < engine.max_model_len // 2) or (engine.max_model_len // 4,)
+    contexts = tuple(c for c in DECODE_CONTEXTS if c <= engine.max_model_len // 2) or (engine.max_model_len // 4,)
     rows, batches, measured_contexts, extrapolated = [], [], None, 0
     for batch in DECODE_BATCHES:
         cells = [p.decode_cell(batch, c) for c in contexts]
@@ -181,13 +191,15 @@ def profile_engine(engine: Any, threads: int, seed: int, log: Callable[[str], No
     if not batches:
         raise RuntimeError("no decode batch fits the engine's KV memory: raise kv_memory_mb")
     costs = WorkerCosts(threads, prefill, DecodeTable(tuple(batches), measured_contexts, tuple(rows)))
-    mixed = p.mixed_errors(costs, config.max_num_batched_tokens)
-    log(f"  {threads} thread(s): mixed steps predicted within " +
-        ", ".join(f"{e:+.0%}" for e in mixed) + f" ({time.monotonic() - started:.0f} s)")
+    mixed = p.mixed_ratios(costs, config.max_num_batched_tokens)
+    if mixed:
+        costs = replace(costs, mixed_scale=statistics.median(mixed))
+    log(f"  {threads} thread(s): mixed steps measured at " + ", ".join(f"{r:.2f}" for r in mixed) +
+        f" x the sum of their parts (scale {costs.mixed_scale:.2f}; {time.monotonic() - started:.0f} s)")
     checks = {"max_model_len": engine.max_model_len, "decode_cells_extrapolated": extrapolated,
               "prefill_error_median": float(np.median(np.abs(prefill_errors))),
               "prefill_error_max": float(np.max(np.abs(prefill_errors))),
-              "mixed_errors": [float(e) for e in mixed]}
+              "mixed_ratios": [float(r) for r in mixed]}
     return costs, checks
 
 
@@ -196,17 +208,19 @@ class ServingCosts:
     """What serving adds to the engine's steps, measured in a running 1P+1D cluster."""
 
     handoff: TransferCost
-    dispatch_s: float  # the router's accepting a request to its prompt pass's start (placement, the Ray call)
+    dispatch_s: float  # the router's accepting a request to its worker taking it (placement, the Ray call)
+    prefill_setup_s: float  # a prefill worker's taking a prompt to its pass, beyond the pass (its transfer's set-up)
     delivery_s: float  # a prompt pass's end to its first token leaving the router (the token stream)
     step_overhead_s: float  # a serving decode step beyond the engine's own (token sending, the loop's other work) ...
     step_overhead_per_seq_s: float  # ... and per sequence in it
+    router_cpu_s_per_token: float  # CPU the router (and its client) spend per output token
 
 
 def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int,
                     log: Callable[[str], None]) -> ServingCosts:
     """A 1P+1D cluster of `manifest` with `transport`, its workers at `costs.threads` threads; prompts
-    of several lengths one at a time, then bursts of short ones: the router's own fit of the handoff,
-    and what serving adds to the engine's steps (`ServingCosts`)."""
+    of several lengths one at a time, then bursts of short ones: the handoff's line over prompt length
+    (from each request's lifetime events), and what serving adds to the engine's steps (`ServingCosts`)."""
     from pdserve.client import Client
     from pdserve.cluster.launcher import Cluster
 
@@ -219,7 +233,7 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     data["server"].update(address="127.0.0.1:0", http_address=None)
     m = type(manifest).model_validate(data)
     rng = random.Random(seed)
-    dispatch, delivery, overhead = [], [], []
+    dispatch, setup, delivery, overhead, handoffs = [], [], [], [], []
     output_tokens = DECODE_STEPS + 2
     with Cluster(m, log=lambda s: None) as cluster, Client(cluster.address, timeout=60) as client:
         vocab = client.model_info().vocab_size
@@ -231,10 +245,18 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
             n = min(n, m.max_model_len - output_tokens - 1)
             events = client.generate(_random_prompt(rng, vocab, n), max_tokens=output_tokens, ignore_eos=True).events
             if round_ < len(TRANSFER_PROMPTS):
+                cpu_from, tokens = time.process_time(), 0
                 continue  # the first round warms every length up
+            tokens += output_tokens
+            handoffs.append((n, events[LifetimeEvent.DECODE_START] - events[LifetimeEvent.PREFILL_END]))
             dispatch.append(events[LifetimeEvent.PREFILL_START] - events[LifetimeEvent.ACCEPTED])
+            setup.append(events[LifetimeEvent.PREFILL_END] - events[LifetimeEvent.PREFILL_START]
+                         - costs.prefill.prefill_s(n))
             delivery.append(events[LifetimeEvent.FIRST_TOKEN] - events[LifetimeEvent.PREFILL_END])
             overhead.append(decode_step_s(events, output_tokens) - costs.decode.step_s(1, n + output_tokens / 2))
+        # This process is the router (and the client): its CPU per output token, which it takes from the
+        # workers where they share a machine.
+        router_cpu = (time.process_time() - cpu_from) / tokens
         # A batch of short prompts sent at once decodes together: what serving adds per sequence.
         burst_prompt, burst_output = 16, min(64, m.max_model_len - 17)
         with ThreadPoolExecutor(BURST) as pool:
@@ -243,15 +265,18 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
                     lambda _: client.generate(_random_prompt(rng, vocab, burst_prompt), max_tokens=burst_output,
                                               ignore_eos=True), range(BURST)))
         burst_step = statistics.median(decode_step_s(c.events, burst_output) for c in completions)
-        transfer = cluster.router.transfer
-        line = TransferCost(transfer.x0, transfer.x1)
+    data = np.array(handoffs, dtype=float)
+    line = TransferCost(*fit_nonnegative(np.column_stack([np.ones(len(data)), data[:, 0]]), data[:, 1]).tolist())
     alone = max(0.0, statistics.median(overhead))
     in_burst = burst_step - costs.decode.step_s(BURST, burst_prompt + burst_output / 2)
     per_seq = max(0.0, (in_burst - alone) / (BURST - 1))
-    serving = ServingCosts(line, statistics.median(dispatch), statistics.median(delivery), alone, per_seq)
+    serving = ServingCosts(line, statistics.median(dispatch), max(0.0, statistics.median(setup)),
+                           statistics.median(delivery), alone, per_seq, router_cpu)
     log(f"  {transport}: handoff {line.x0_s * 1e3:.2f} ms + {line.x1_s_per_token * 1e6:.2f} us/token; dispatch "
-        f"{serving.dispatch_s * 1e3:.2f} ms, delivery {serving.delivery_s * 1e3:.2f} ms, decode step overhead "
-        f"{serving.step_overhead_s * 1e3:.2f} ms + {serving.step_overhead_per_seq_s * 1e3:.2f} ms per sequence")
+        f"{serving.dispatch_s * 1e3:.2f} ms, prefill set-up {serving.prefill_setup_s * 1e3:.2f} ms, delivery "
+        f"{serving.delivery_s * 1e3:.2f} ms, decode step overhead "
+        f"{serving.step_overhead_s * 1e3:.2f} ms + {serving.step_overhead_per_seq_s * 1e3:.2f} ms per sequence; the "
+        f"router's CPU {serving.router_cpu_s_per_token * 1e3:.2f} ms per output token")
     return serving
 
 
@@ -280,8 +305,10 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
         model=manifest.model, model_digest=model_digest(model_dir), hardware=machine(), dtype=manifest.dtype,
         block_size=manifest.block_size, kv_bytes_per_token=kv_bytes_per_token(model_dir, dtype_bytes),
         max_model_len=checks[f"threads_{threads[0]}"]["max_model_len"], workers=workers, transfers=transfers,
-        dispatch_s=serving.dispatch_s if serving else 0.0, delivery_s=serving.delivery_s if serving else 0.0,
+        dispatch_s=serving.dispatch_s if serving else 0.0, prefill_setup_s=serving.prefill_setup_s if serving else 0.0,
+        delivery_s=serving.delivery_s if serving else 0.0,
         step_overhead_s=serving.step_overhead_s if serving else 0.0,
-        step_overhead_per_seq_s=serving.step_overhead_per_seq_s if serving else 0.0, cores=os.cpu_count() or 0,
+        step_overhead_per_seq_s=serving.step_overhead_per_seq_s if serving else 0.0,
+        router_cpu_s_per_token=serving.router_cpu_s_per_token if serving else 0.0, cores=os.cpu_count() or 0,
         checks=checks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -112,9 +112,10 @@ class _PrefillSide:
     soon as they are due, FCFS jobs while the engine has less than a step's budget ahead."""
 
     def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
-                 short_room: int) -> None:
+                 short_room: int, setup_s: float) -> None:
         self.engine = engine
         self.clock = clock
+        self.setup_s = setup_s  # from taking a job to its prompt in the engine (the transfer's set-up)
         self.new_tokens: dict[str, int] = {}  # the router's count of each queued or started prompt's uncached part
         self.decode_of: dict[str, str] = {}  # each queued or started prompt's decode worker: its queue key
         self.queues: PrefillQueues[SimSequence] = PrefillQueues(laps_on, short_tokens, window_s, short_room,
@@ -145,7 +146,10 @@ class _PrefillSide:
                 break
             for seq in jobs:
                 self.started[seq.request_id] = seq
-                self.engine.add(seq, now)
+                if self.setup_s:
+                    self.clock.at(now + self.setup_s, lambda t, seq=seq: self.engine.add(seq, t))
+                else:
+                    self.engine.add(seq, now)
         if self.queues.length_aware and self.queues.queued and self._poll_at is None:
             # shorts gather for a window that no event ends: look again, as the worker's feeder polls
             self._poll_at = now + max(self.queues.window_s / 2, 0.002)
@@ -165,10 +169,11 @@ class _PrefillSide:
 
 class ClusterSimulator:
     """One run of a workload on a manifest's deployment; its handoffs take the manifest's KV transport
-    (`auto`: shm on one machine, tcp across machines), as profiled. `shared_cores`: the cores every worker shares, where the whole
-    deployment runs on one machine (None: a manifest that starts its own local Ray cluster runs on the
-    profiled machine's cores; one that joins a cluster, on workers' own): a step that starts while
-    workers with more threads than that are stepping takes as many times longer (processor sharing)."""
+    (`auto`: shm on one machine, tcp across machines), as profiled. `shared_cores`: the cores every
+    worker shares, where the whole deployment runs on one machine (None: a manifest that starts its own
+    local Ray cluster runs on the profiled machine's cores; one that joins a cluster, on workers' own):
+    a step that starts while workers with more threads than that are stepping, with the router's CPU
+    for the tokens of the last second, takes as many times longer (processor sharing)."""
 
     def __init__(self, manifest: Any, profile: HardwareProfile, name: str = "",
                  shared_cores: int | None = None) -> None:
@@ -179,6 +184,7 @@ class ClusterSimulator:
             shared_cores = profile.cores or None
         self.shared_cores = shared_cores
         self._stepping_threads = 0
+        self._recent_tokens: deque[float] = deque()  # when tokens were streamed, over the last second
         self.max_model_len = min(m.max_model_len or profile.max_model_len, profile.max_model_len)
         total_blocks = profile.kv_blocks(m.kv_memory_mb, m.block_size)
         if total_blocks * m.block_size < self.max_model_len:  # as the engine refuses to start
@@ -216,7 +222,7 @@ class ClusterSimulator:
             self.pending_imports[worker] = deque()
             if laps is not None:
                 self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
-                                                          laps.window_s, laps.short_room)
+                                                          laps.window_s, laps.short_room, profile.prefill_setup_s)
             pool = "prefill" if role == "prefill" else "decode"
             self.refs[worker] = WorkerRef(worker, pool, handle=None)
             self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
@@ -285,11 +291,17 @@ class ClusterSimulator:
         self._stepping_threads += engine.costs.threads
         if not self.shared_cores:
             return 1.0
-        return max(1.0, self._stepping_threads / self.shared_cores)
+        # the router's own CPU: the tokens it streamed over the last second
+        while self._recent_tokens and self._recent_tokens[0] < self.clock.now - 1.0:
+            self._recent_tokens.popleft()
+        router = len(self._recent_tokens) * self.profile.router_cpu_s_per_token
+        return max(1.0, (self._stepping_threads + router) / self.shared_cores)
 
     def sampled(self, engine: SimEngine, seq: SimSequence, now: float) -> None:
         flight = self.flights[seq.request_id]
         seen = now + self.profile.delivery_s
+        if self.shared_cores:
+            self._recent_tokens.append(now)
         if seq.generated == 1:
             flight.record.first_token_time = seen
             flight.record.cached_tokens = seq.cached_tokens
@@ -339,7 +351,8 @@ class ClusterSimulator:
         flight.record.output_tokens = tokens
         events = {}
         if flight.prefill_end_s is not None and flight.decode_start_s is not None:
-            events = {LifetimeEvent.PREFILL_END: flight.prefill_end_s, LifetimeEvent.DECODE_START: flight.decode_start_s}
+            events = {LifetimeEvent.PREFILL_END: flight.prefill_end_s,
+                      LifetimeEvent.DECODE_START: flight.decode_start_s}
         self.router.finished(flight.placement, events)
         del self.flights[flight.request_id]
         self._outstanding -= 1

@@ -134,7 +134,8 @@ def test_decode_workers_short_of_kv_preempt_imports_and_every_request_still_ends
 def test_early_rejection_refuses_what_cannot_meet_the_ttft_objective():
     profile = synthetic_profile(StepCost(0.01, 0.0001, 0.0))  # a 900-token prompt's pass: 100 ms
     m = manifest(router={"ttft_slo_s": 0.1})  # refused past 2 x 100 ms: the second in line would wait 200 ms
-    records = ClusterSimulator(m, profile).run([SimRequest(0.0, unique_prompt(i + 1, 900), 2) for i in range(10)]).records
+    requests = [SimRequest(0.0, unique_prompt(i + 1, 900), 2) for i in range(10)]
+    records = ClusterSimulator(m, profile).run(requests).records
     assert [r.outcome for r in records] == ["ok"] + ["rejected"] * 9
     assert summarize(records)["rejected"] == 9 and "no prefill worker can meet the TTFT objective" in records[1].error
 
@@ -239,7 +240,8 @@ def test_pdserve_plan_writes_a_manifest_that_loads_and_its_plot(tmp_path, capsys
     profile.model_digest = model_digest(resolve_model("llama-20m"))
     profile.save(tmp_path / "p.json")
     args = ["plan", "--slo-ttft", "300", "--slo-tpot", "40", "--cpus", "2", "--model", "llama-20m", "--profile",
-            str(tmp_path / "p.json"), "--requests", "30", "--run-seconds", "3", "--out", str(tmp_path / "planned.yaml"), "--plot",
+            str(tmp_path / "p.json"), "--requests", "30", "--run-seconds", "3", "--out", str(tmp_path / "planned.yaml"),
+            "--plot",
             str(tmp_path / "frontier.png")]
     assert main(args) == 0
     planned = (tmp_path / "planned.yaml").read_text()
@@ -268,7 +270,7 @@ def test_pdserve_plan_refuses_a_profile_of_another_model(tmp_path, capsys):
 
 
 def test_kv_memory_that_cannot_hold_one_sequence_is_refused_as_the_engine_does():
-    with pytest.raises(ValueError, match="holds 1024 tokens of synthetic's KV, less than one sequence of max_model_len"):
+    with pytest.raises(ValueError, match="holds 1024 tokens of synthetic's KV, less than one sequence of max_model_l"):
         ClusterSimulator(single_server(kv_memory_mb=1), synthetic_profile(StepCost(0.001, 0.0, 0.0)))
 
 
@@ -277,3 +279,25 @@ def test_a_request_longer_than_the_context_is_refused():
     records = ClusterSimulator(m, synthetic_profile(StepCost(0.001, 0.0, 0.0))).run(
         [SimRequest(0.0, unique_prompt(1, 1000), 100), SimRequest(0.0, unique_prompt(2, 100), 2)]).records
     assert [r.outcome for r in records] == ["error", "ok"] and "longer than max_model_len 1024" in records[0].error
+
+
+def test_workers_sharing_too_few_cores_step_in_proportion_slower():
+    profile = synthetic_profile(StepCost(0.010, 0.0, 0.0))
+    m = manifest(mode="colocated", pools={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                 router={"policy": "round_robin"})
+    both = [SimRequest(0.0, unique_prompt(i + 1, 32), 1) for i in range(2)]  # one prompt pass on each worker
+    apart = ClusterSimulator(m, profile, shared_cores=2).run(both).records
+    shared = ClusterSimulator(m, profile, shared_cores=1).run(both).records
+    assert [r.ttft for r in apart] == pytest.approx([0.010, 0.010])
+    assert sorted(r.ttft for r in shared) == pytest.approx([0.010, 0.020])  # the second starts beside the first
+
+
+def test_what_serving_adds_lands_where_it_is_measured():
+    base = synthetic_profile(StepCost(0.010, 0.0, 0.0), decode_s=0.005, handoff=TransferCost(0.0, 0.0))
+    added = synthetic_profile(StepCost(0.010, 0.0, 0.0), decode_s=0.005, handoff=TransferCost(0.0, 0.0))
+    added.dispatch_s, added.prefill_setup_s, added.delivery_s, added.step_overhead_s = 0.002, 0.030, 0.001, 0.004
+    m = manifest(router={"local_prefill_tokens": 0})
+    request = [SimRequest(0.0, unique_prompt(1, 64), 5)]
+    plain, serving = (ClusterSimulator(m, p).run(request).records[0] for p in (base, added))
+    assert serving.ttft - plain.ttft == pytest.approx(0.002 + 0.030 + 0.001)
+    assert serving.tpot - plain.tpot == pytest.approx(0.004)
