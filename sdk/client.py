@@ -85,6 +85,7 @@ class StreamChunk:
     request_id: str
     prompt_tokens: int = 0  # set on the first chunk
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (first chunk)
+    events: dict[str, float] | None = None  # the request's lifetime events (Unix seconds), on the last chunk
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Completion:
                                       "decode": t.decode_s, "ttft": t.ttft_s, "e2e": t.e2e_s}
             self.events = dict(t.events)
         return StreamChunk(list(r.token_ids), r.text_delta, list(r.logprobs), r.finish_reason or None, timings,
-                           r.request_id, r.prompt_tokens, r.cached_tokens)
+                           r.request_id, r.prompt_tokens, r.cached_tokens, self.events if r.finish_reason else None)
 
 
 @contextmanager

@@ -40,6 +40,7 @@ class Delta:
     tokens: int
     total_tokens: int | None = None  # the server's own count of output tokens (final message)
     cached_tokens: int | None = None
+    events: dict[str, float] | None = None  # the request's lifetime events, where the server sends them
 
 
 class Rejected(Exception):
@@ -99,7 +100,8 @@ class GrpcClient:
                     request.token_ids, temperature=0, max_tokens=request.max_tokens, ignore_eos=True,
                     request_id=request.request_id, timeout=self.timeout):
                 first = chunk.prompt_tokens > 0  # only the first chunk carries the prompt's counts
-                yield Delta(len(chunk.token_ids), cached_tokens=chunk.cached_tokens if first else None)
+                yield Delta(len(chunk.token_ids), cached_tokens=chunk.cached_tokens if first else None,
+                            events=chunk.events)
         except pdserve.ResourceExhausted as e:
             raise Rejected(e.message) from None
 
@@ -179,6 +181,7 @@ async def _one(client: StreamClient, req: Request, at: float, start: float, conf
             rec.token_times += [now] * delta.tokens
             reported = delta.total_tokens if delta.total_tokens is not None else reported
             rec.cached_tokens = delta.cached_tokens if delta.cached_tokens is not None else rec.cached_tokens
+            rec.events = delta.events or rec.events
     except Rejected as e:
         rec.outcome, rec.error = "rejected", str(e)
     except Exception as e:  # noqa: BLE001 (every failure is recorded, and counts as a miss)

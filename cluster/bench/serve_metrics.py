@@ -36,6 +36,9 @@ class RequestRecord:
     outcome: Outcome = "ok"
     error: str = ""
     cached_tokens: int | None = None  # None: the client could not see it
+    # The server's lifetime events (`LifetimeEvent` names; seconds on the server's clock, so only their
+    # differences mean anything), where its API sends them.
+    events: dict[str, float] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:

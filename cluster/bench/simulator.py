@@ -7,13 +7,16 @@ blocks decide prefix sharing) and output lengths, sent at the run's own send tim
 every request at once measures the deployment's capacity (completed requests over the burst's span,
 real and simulated); then Poisson runs at fractions of the measured capacity (30%, 60%, 90% by
 default). Every run draws fresh prompts. TTFT and TPOT p50 and p90 are compared side by side, with the
-simulator's error relative to the measurement.
+simulator's error relative to the measurement, and where the time to the first token goes (phases
+between lifetime events, which the gRPC API sends with a request's last message and the simulator
+records alike).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,10 +28,16 @@ from pdserve.cluster.bench.serve import ServeBenchConfig, manifest_for, serving,
 from pdserve.cluster.bench.serve_metrics import RequestRecord, summarize
 from pdserve.cluster.bench.workload import (DEFAULT_TRACE, TraceRequest, block_prompts, find_trace, load_azure_trace,
                                             load_mooncake_trace, random_token_prompts, run_seed, scale_requests)
+from pdserve.wire import LifetimeEvent
 
 DEFAULT_TRACES = ("azure2023_conv.csv", "azure2023_code.csv", "mooncake_synthetic_trace.jsonl")
 DEFAULT_CONFIGS = ("colocated", "disaggregated", "disaggregated-1p2d")
+PDSERVE_CONFIGS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-1p2d")  # `serve.manifest_for`
 FIGURES = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
+# Where a request's time goes, from its lifetime events: (name, from, to).
+PHASES = (("to its pass", LifetimeEvent.ACCEPTED, LifetimeEvent.PREFILL_START),
+          ("pass", LifetimeEvent.PREFILL_START, LifetimeEvent.PREFILL_END),
+          ("handoff", LifetimeEvent.PREFILL_END, LifetimeEvent.DECODE_START))
 WITHIN = 0.10  # the target: each figure within 10% of the measured one
 
 
@@ -97,9 +106,19 @@ def _error(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else sim / real - 1
 
 
+def phase_medians(records: Sequence[RequestRecord]) -> dict[str, float | None]:
+    """Each phase's median over the requests whose events hold both its ends."""
+    out = {}
+    for name, start, end in PHASES:
+        spans = [r.events[end] - r.events[start] for r in records if start in r.events and end in r.events]
+        out[name] = statistics.median(spans) if spans else None
+    return out
+
+
 def compare(real: Sequence[RequestRecord], sim: Sequence[RequestRecord]) -> dict[str, Any]:
     r, s = figures(real), figures(sim)
-    return {"real": r, "sim": s, "error": {f"{m}_{p}": _error(s[f"{m}_{p}"], r[f"{m}_{p}"]) for m, p in FIGURES}}
+    return {"real": r, "sim": s, "error": {f"{m}_{p}": _error(s[f"{m}_{p}"], r[f"{m}_{p}"]) for m, p in FIGURES},
+            "phases": {"real": phase_medians(real), "sim": phase_medians(sim)}}
 
 
 def bench_deployment(name: str, workload: TraceWorkload, cfg: SimulatorBenchConfig, profile: Any, model_dir: Path,
@@ -123,6 +142,7 @@ def bench_deployment(name: str, workload: TraceWorkload, cfg: SimulatorBenchConf
         return requests, real
 
     out: dict[str, Any] = {"trace": workload.name, "config": name, "runs": []}
+    ClusterSimulator(manifest, profile, name=name)  # a manifest the profile cannot simulate fails here, first
     with serving(name, serve_cfg, model_dir, log) as target:
         warm_up(pool, target, workload.requests(f"warmup-{name}"), name)
         requests, real = measure(target, "burst", [0.0] * len(workload.shapes), 0.0)
@@ -130,6 +150,8 @@ def bench_deployment(name: str, workload: TraceWorkload, cfg: SimulatorBenchConf
         out["capacity"] = {"real": capacity(real), "sim": capacity(sim)}
         log(f"  {workload.name} {name}: capacity {out['capacity']['real']:.2f} req/s measured, "
             f"{out['capacity']['sim']:.2f} simulated")
+        if not out["capacity"]["real"]:
+            raise RuntimeError(f"no request of the burst completed: {next(r.error for r in real if r.outcome != 'ok')}")
         for load in cfg.loads:
             rate = load * out["capacity"]["real"]
             arrivals = poisson_arrivals(len(workload.shapes), rate, run_seed(cfg.seed, workload.name, name, load))
@@ -150,17 +172,23 @@ def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[s
     from transformers import AutoConfig
 
     from pdserve.cluster.bench.report import machine
-    from pdserve.cluster.plan.cli import default_profile_path
+    from pdserve.cluster.manifest import load_manifest
+    from pdserve.cluster.plan.cli import check_profile, default_profile_path
     from pdserve.cluster.plan.costs import HardwareProfile
     from pdserve.engine.model_store import model_digest
     from pdserve.engine.models.presets import resolve_model
 
+    if unknown := [c for c in cfg.configs if c not in PDSERVE_CONFIGS]:
+        raise ValueError(f"not a pdserve deployment the simulator can run: {', '.join(unknown)} (one of "
+                         f"{', '.join(PDSERVE_CONFIGS)})")
     model_dir = resolve_model(cfg.model)
     profile_path = cfg.profile or default_profile_path(cfg.model, model_digest(model_dir), machine())
     if not Path(profile_path).is_file():
         raise FileNotFoundError(f"no profile of {cfg.model} on this machine at {profile_path}: measure it first with "
                                 f"`pdserve profile --model {cfg.model}`")
     profile = HardwareProfile.load(profile_path)
+    check_profile(profile, load_manifest(manifest_for(cfg.configs[0], ServeBenchConfig(model=cfg.model))),
+                  Path(profile_path))
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "requests.jsonl").unlink(missing_ok=True)
@@ -175,7 +203,12 @@ def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[s
         for trace in cfg.traces:
             workload = load_workload(trace, cfg, vocab)
             for name in cfg.configs:
-                results["deployments"].append(bench_deployment(name, workload, cfg, profile, model_dir, pool, log))
+                try:
+                    deployment = bench_deployment(name, workload, cfg, profile, model_dir, pool, log)
+                except Exception as e:  # noqa: BLE001 (the other deployments still run; the table says which failed)
+                    log(f"  {workload.name} {name} failed: {type(e).__name__}: {e}")
+                    deployment = {"trace": workload.name, "config": name, "error": f"{type(e).__name__}: {e}"}
+                results["deployments"].append(deployment)
                 (cfg.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     log(f"wrote {cfg.out_dir / 'results.json'}")
     return results
@@ -184,14 +217,15 @@ def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[s
 # --- report ---------------------------------------------------------------------------------------
 def _cell(row: dict[str, Any], key: str) -> str:
     real, sim, err = row["real"][key], row["sim"][key], row["error"][key]
-    if real is None or sim is None:
-        return "n/a"
+    if real is None or sim is None or err is None:
+        return "n/a" if real is None or sim is None else f"{real * 1e3:.0f} / {sim * 1e3:.0f}"
     mark = "" if abs(err) <= WITHIN else " ✗"
     return f"{real * 1e3:.0f} / {sim * 1e3:.0f} ({err:+.0%}){mark}"
 
 
 def markdown(results: dict[str, Any]) -> str:
-    deployments = results["deployments"]
+    failed = [d for d in results["deployments"] if "error" in d]
+    deployments = [d for d in results["deployments"] if "error" not in d]
     errors = [e for d in deployments for row in d["runs"] for e in row["error"].values() if e is not None]
     within = sum(abs(e) <= WITHIN for e in errors)
     lines = [
@@ -213,4 +247,23 @@ def markdown(results: dict[str, Any]) -> str:
         for i, row in enumerate(d["runs"]):
             cells = (head if i == 0 else ["", "", ""]) + [f"{row['load']:.0%} ({row['rate']:.2f} req/s)"]
             lines.append("| " + " | ".join(cells + [_cell(row, f"{m}_{p}") for m, p in FIGURES]) + " |")
+    lines += [f"| {d['trace']} | {d['config']} | failed: {' '.join(str(d['error']).split())[:200]} | | | | | |"
+              for d in failed]
+    phased = [(d, row) for d in deployments for row in d["runs"] if "phases" in row]
+    if phased:
+        lines += ["", "Where the time to the first token goes (medians from each request's lifetime events, "
+                      "measured / simulated, ms): placed to its prompt pass's start (queues included), the pass "
+                      "(its transfer's set-up included), the KV handoff after it.", "",
+                  "| trace | deployment | load | " + " | ".join(name for name, _, _ in PHASES) + " |",
+                  "|---|---|---|" + "---|" * len(PHASES)]
+        for d, row in phased:
+            cells = [_phase(row["phases"], name) for name, _, _ in PHASES]
+            lines.append(f"| {d['trace']} | {d['config']} | {row['load']:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _phase(phases: dict[str, dict[str, float | None]], name: str) -> str:
+    real, sim = phases["real"][name], phases["sim"][name]
+    if real is None and sim is None:
+        return "–"
+    return f"{'n/a' if real is None else f'{real * 1e3:.0f}'} / {'n/a' if sim is None else f'{sim * 1e3:.0f}'}"

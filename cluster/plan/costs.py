@@ -24,7 +24,7 @@ from typing import Any
 
 from pdserve.engine.cost_model import StepCost
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
 
 
 def _interpolate(xs: tuple[int, ...], x: float) -> tuple[int, int, float]:
@@ -80,7 +80,7 @@ class WorkerCosts:
         decode = self.decode.step_s(decode_seqs, decode_context / decode_seqs)
         if not prompt_tokens:
             return decode
-        return (decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad) * self.mixed_scale
+        return max(decode, (decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad) * self.mixed_scale)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class HardwareProfile:
     workers: dict[int, WorkerCosts]
     transfers: dict[str, TransferCost]
     # What serving adds, measured in a running cluster (`profiler.ServingCosts`):
-    dispatch_s: float = 0.0  # the router's accepting a request to its worker taking it
+    dispatch_s: float = 0.0  # the router's accepting a request to its worker's queue
     prefill_setup_s: float = 0.0  # a prefill worker's taking a prompt to its pass (its transfer's set-up)
     delivery_s: float = 0.0  # a prompt pass's end to its first token leaving the router
     step_overhead_s: float = 0.0  # a serving decode step beyond the engine's own: this ...

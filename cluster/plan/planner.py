@@ -150,9 +150,9 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
     `target_rate`, none carries it)."""
     if len(shapes) < 2:
         raise ValueError(f"a plan needs at least 2 requests of the trace, got {len(shapes)}")
-    if cpus < min(profile.workers):
-        raise ValueError(f"{cpus} CPU(s) fit no worker: the profile's fewest threads per worker is "
-                         f"{min(profile.workers)}")
+    fewest = min(threads or profile.workers)
+    if cpus < fewest:
+        raise ValueError(f"{cpus} CPU(s) fit no worker of {fewest} thread(s)")
     tried = []
     for i, candidate in enumerate(candidates(base, profile, cpus, threads), 1):
         result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,

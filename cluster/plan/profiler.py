@@ -10,10 +10,14 @@ For each number of torch threads, in this process, on an engine with the manifes
 - mixed steps, a decode batch with one prompt chunk beside it: the median ratio of their time to the
   sum of the two parts' is the profile's `mixed_scale`.
 
-Then, for each KV transport, a 1P+1D cluster of the manifest on this machine: prompts of several
-lengths one at a time, the router's own fit of the handoff (prefill end to decode start, every cost
-of the transfer in it) and the time from a prompt pass's end to its first token at the client (the
-router's delivery).
+Then, for each KV transport, a 1P+1D cluster of the manifest on this machine (local prefill off):
+prompts of several lengths one at a time, and from each one's lifetime events the handoff (prefill
+end to decode start, every cost of the transfer in it; a line over prompt length), the dispatch (the
+router's accepting it to the prefill worker's queue), the prefill worker's set-up (taking it to its
+pass's end, beyond the pass), the delivery (the pass's end to the first token leaving the router) and
+a serving decode step's overhead; a burst of short prompts for that overhead per sequence; and this
+process's (the router's and its client's) CPU per output token, less its idle share. The serving
+costs are measured with the first transport only.
 
 The first pass of each shape is a warm-up and is not kept; every prompt is random tokens, fresh.
 Run it on an otherwise idle machine: what else runs is measured too.
@@ -208,7 +212,7 @@ class ServingCosts:
     """What serving adds to the engine's steps, measured in a running 1P+1D cluster."""
 
     handoff: TransferCost
-    dispatch_s: float  # the router's accepting a request to its worker taking it (placement, the Ray call)
+    dispatch_s: float  # the router's accepting a request to its worker's queue (placement, the Ray call)
     prefill_setup_s: float  # a prefill worker's taking a prompt to its pass, beyond the pass (its transfer's set-up)
     delivery_s: float  # a prompt pass's end to its first token leaving the router (the token stream)
     step_overhead_s: float  # a serving decode step beyond the engine's own (token sending, the loop's other work) ...
@@ -237,6 +241,8 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     output_tokens = DECODE_STEPS + 2
     with Cluster(m, log=lambda s: None) as cluster, Client(cluster.address, timeout=60) as client:
         vocab = client.model_info().vocab_size
+        idle_cpu = _cpu_share_idle()  # what this process spends with nothing to serve (pings, Ray's threads)
+        cpu_from, wall_from, tokens = time.process_time(), time.monotonic(), 0
 
         def decode_step_s(events: dict[str, float], tokens: int) -> float:
             return (events[LifetimeEvent.DECODE_END] - events[LifetimeEvent.DECODE_START]) / (tokens - 1)
@@ -245,18 +251,20 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
             n = min(n, m.max_model_len - output_tokens - 1)
             events = client.generate(_random_prompt(rng, vocab, n), max_tokens=output_tokens, ignore_eos=True).events
             if round_ < len(TRANSFER_PROMPTS):
-                cpu_from, tokens = time.process_time(), 0
+                cpu_from, wall_from = time.process_time(), time.monotonic()
                 continue  # the first round warms every length up
             tokens += output_tokens
             handoffs.append((n, events[LifetimeEvent.DECODE_START] - events[LifetimeEvent.PREFILL_END]))
-            dispatch.append(events[LifetimeEvent.PREFILL_START] - events[LifetimeEvent.ACCEPTED])
+            # to the prefill worker's queue (the simulator runs the queue itself, LAPS's window included)
+            dispatch.append(events[LifetimeEvent.PREFILL_QUEUED] - events[LifetimeEvent.ACCEPTED])
             setup.append(events[LifetimeEvent.PREFILL_END] - events[LifetimeEvent.PREFILL_START]
-                         - costs.prefill.prefill_s(n))
+                         - costs.prefill.work_s(n, n * n, max(1, m.max_num_batched_tokens // 2)))
             delivery.append(events[LifetimeEvent.FIRST_TOKEN] - events[LifetimeEvent.PREFILL_END])
             overhead.append(decode_step_s(events, output_tokens) - costs.decode.step_s(1, n + output_tokens / 2))
         # This process is the router (and the client): its CPU per output token, which it takes from the
         # workers where they share a machine.
-        router_cpu = (time.process_time() - cpu_from) / tokens
+        busy = time.process_time() - cpu_from - idle_cpu * (time.monotonic() - wall_from)
+        router_cpu = max(0.0, busy) / tokens
         # A batch of short prompts sent at once decodes together: what serving adds per sequence.
         burst_prompt, burst_output = 16, min(64, m.max_model_len - 17)
         with ThreadPoolExecutor(BURST) as pool:
@@ -278,6 +286,13 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
         f"{serving.step_overhead_s * 1e3:.2f} ms + {serving.step_overhead_per_seq_s * 1e3:.2f} ms per sequence; the "
         f"router's CPU {serving.router_cpu_s_per_token * 1e3:.2f} ms per output token")
     return serving
+
+
+def _cpu_share_idle(seconds: float = 1.0) -> float:
+    """This process's CPU per wall second over `seconds` of doing nothing itself."""
+    cpu, wall = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    return (time.process_time() - cpu) / (time.monotonic() - wall)
 
 
 def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...], seed: int = 0,

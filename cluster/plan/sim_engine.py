@@ -124,7 +124,11 @@ class SimEngine:
         return sum(s.uncomputed for queue in (self.waiting, self.ready, self.running) for s in queue)
 
     def add(self, seq: SimSequence, now: float) -> None:
-        self.waiting.append(seq)
+        self.add_many([seq], now)
+
+    def add_many(self, seqs: list[SimSequence], now: float) -> None:
+        """Queue `seqs` at once: an idle engine's next step can take them all."""
+        self.waiting.extend(seqs)
         self.kick(now)
 
     def add_import(self, seq: SimSequence, now: float) -> bool:

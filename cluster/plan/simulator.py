@@ -78,10 +78,12 @@ class _Flight:
 
     request_id: str
     spec: SimRequest
-    record: RequestRecord
+    record: RequestRecord  # its `events` are the request's lifetime events, in simulated seconds
     placement: Placement
-    prefill_end_s: float | None = None
-    decode_start_s: float | None = None
+
+    @property
+    def events(self) -> dict[str, float]:
+        return self.record.events
 
 
 class _Clock:
@@ -108,20 +110,24 @@ class _Clock:
 
 
 class _PrefillSide:
-    """A prefill worker's queues in front of its engine, fed as the worker's feeder does: LAPS's jobs as
-    soon as they are due, FCFS jobs while the engine has less than a step's budget ahead."""
+    """A prefill worker's queues in front of its engine, fed as the worker's feeder thread does: LAPS's
+    jobs as soon as they are due, FCFS jobs while the engine has less than a step's budget ahead; the
+    jobs taken together are set up (their transfers) for `setup_s`, during which the feeder takes
+    nothing more, then join the engine in one command, so that they share a step."""
 
     def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
-                 short_room: int, setup_s: float) -> None:
+                 short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None]) -> None:
         self.engine = engine
         self.clock = clock
+        self.on_start = on_start  # a job taken from the queues (its PREFILL_START)
         self.setup_s = setup_s  # from taking a job to its prompt in the engine (the transfer's set-up)
         self.new_tokens: dict[str, int] = {}  # the router's count of each queued or started prompt's uncached part
         self.decode_of: dict[str, str] = {}  # each queued or started prompt's decode worker: its queue key
         self.queues: PrefillQueues[SimSequence] = PrefillQueues(laps_on, short_tokens, window_s, short_room,
                                                                 key=lambda seq: self.decode_of[seq.request_id],
                                                                 clock=lambda: clock.now)
-        self.started: dict[str, SimSequence] = {}  # in the engine, not past their first token
+        self.started: dict[str, SimSequence] = {}  # taken from the queues, not past their first token
+        self._setting_up = False  # the feeder is starting a batch
         self._poll_at: float | None = None
 
     def put(self, seq: SimSequence, new_tokens: int, decode: str, now: float) -> None:
@@ -138,7 +144,7 @@ class _PrefillSide:
 
     def feed(self, now: float) -> None:
         budget = self.engine.limits.step_budget
-        while True:
+        while not self._setting_up:
             if not self.queues.length_aware and self.engine.pending_tokens >= budget:
                 return
             jobs = self.queues.due(self._long_busy, self._short_inflight)
@@ -146,20 +152,28 @@ class _PrefillSide:
                 break
             for seq in jobs:
                 self.started[seq.request_id] = seq
-                if self.setup_s:
-                    self.clock.at(now + self.setup_s, lambda t, seq=seq: self.engine.add(seq, t))
-                else:
-                    self.engine.add(seq, now)
+                self.on_start(seq, now)
+            if self.setup_s:
+                self._setting_up = True
+                self.clock.at(now + self.setup_s, lambda t, jobs=jobs: self._set_up(jobs, t))
+                return
+            self.engine.add_many(jobs, now)
         if self.queues.length_aware and self.queues.queued and self._poll_at is None:
             # shorts gather for a window that no event ends: look again, as the worker's feeder polls
             self._poll_at = now + max(self.queues.window_s / 2, 0.002)
             self.clock.at(self._poll_at, self._poll)
+
+    def _set_up(self, jobs: list[SimSequence], now: float) -> None:
+        self._setting_up = False
+        self.engine.add_many(jobs, now)
+        self.feed(now)
 
     def _poll(self, now: float) -> None:
         self._poll_at = None
         self.feed(now)
 
     def _long_busy(self) -> bool:
+        """A long prompt holds the engine beyond its last chunk (as the worker's `_long_busy`)."""
         chunk = self.engine.limits.chunk_limit
         return any(not s.short and s.uncomputed > chunk for s in self.started.values())
 
@@ -222,7 +236,8 @@ class ClusterSimulator:
             self.pending_imports[worker] = deque()
             if laps is not None:
                 self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
-                                                          laps.window_s, laps.short_room, profile.prefill_setup_s)
+                                                          laps.window_s, laps.short_room, profile.prefill_setup_s,
+                                                          self._prefill_started)
             pool = "prefill" if role == "prefill" else "decode"
             self.refs[worker] = WorkerRef(worker, pool, handle=None)
             self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
@@ -271,6 +286,7 @@ class ClusterSimulator:
             self._outstanding -= 1
             return
         flight = _Flight(request_id, spec, record, placement)
+        flight.events[LifetimeEvent.ACCEPTED] = now
         self.flights[request_id] = flight
         # the worker hears of it a dispatch later (the router's own work, the Ray call)
         self.clock.at(now + self.profile.dispatch_s, lambda t: self._dispatch(flight, t))
@@ -278,13 +294,18 @@ class ClusterSimulator:
     def _dispatch(self, flight: _Flight, now: float) -> None:
         placement, spec, request_id = flight.placement, flight.spec, flight.request_id
         hashes = placement.request.block_hashes
+        flight.events[LifetimeEvent.PREFILL_QUEUED] = now
         if placement.prefill is None:
+            flight.events[LifetimeEvent.PREFILL_START] = now  # as a decode worker records a local prefill
             self.engines[placement.decode.name].add(SimSequence(request_id, len(spec.prompt), spec.output_len, hashes),
                                                     now)
         else:
             seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True)
             self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill),
                                                            placement.decode.name, now)
+
+    def _prefill_started(self, seq: SimSequence, now: float) -> None:
+        self.flights[seq.request_id].events[LifetimeEvent.PREFILL_START] = now
 
     # --- what the engines report ----------------------------------------------------------------
     def step_started(self, engine: SimEngine) -> float:
@@ -294,7 +315,7 @@ class ClusterSimulator:
         # the router's own CPU: the tokens it streamed over the last second
         while self._recent_tokens and self._recent_tokens[0] < self.clock.now - 1.0:
             self._recent_tokens.popleft()
-        router = len(self._recent_tokens) * self.profile.router_cpu_s_per_token
+        router = min(1.0, len(self._recent_tokens) * self.profile.router_cpu_s_per_token)  # one event loop: a core
         return max(1.0, (self._stepping_threads + router) / self.shared_cores)
 
     def sampled(self, engine: SimEngine, seq: SimSequence, now: float) -> None:
@@ -305,12 +326,12 @@ class ClusterSimulator:
         if seq.generated == 1:
             flight.record.first_token_time = seen
             flight.record.cached_tokens = seq.cached_tokens
+            flight.events.update({LifetimeEvent.PREFILL_END: now, LifetimeEvent.FIRST_TOKEN: seen})
             self.router.first_token(flight.placement)
         if seq.prefill_only:
             self.prefill_sides[engine.name].first_token(seq)
-            flight.prefill_end_s = now
-            if seq.output_len <= 1:
-                engine.release(seq, now)
+            if seq.output_len <= 1:  # released once the step that sampled it has ended
+                self.clock.at(now, lambda t: engine.release(seq, t))
                 self._finish(flight, seen, 1)
             else:
                 self.clock.at(now + self.handoff.handoff_s(seq.prompt_len),
@@ -331,7 +352,8 @@ class ClusterSimulator:
     def _hand_off(self, source: SimEngine, seq: SimSequence, flight: _Flight, now: float) -> None:
         source.release(seq, now)
         self._after_step(source, now)  # its blocks are free: a prompt may now fit
-        flight.decode_start_s = now  # committed (live, the decode blocks were reserved before the pass)
+        # committed (live, the decode blocks were reserved before the pass)
+        flight.events[LifetimeEvent.DECODE_START] = now
         decode = flight.placement.decode.name
         imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes,
                                num_tokens=seq.prompt_len + 1, computed=seq.prompt_len, generated=1)
@@ -349,11 +371,8 @@ class ClusterSimulator:
     def _finish(self, flight: _Flight, seen: float, tokens: int) -> None:
         flight.record.end_time = seen
         flight.record.output_tokens = tokens
-        events = {}
-        if flight.prefill_end_s is not None and flight.decode_start_s is not None:
-            events = {LifetimeEvent.PREFILL_END: flight.prefill_end_s,
-                      LifetimeEvent.DECODE_START: flight.decode_start_s}
-        self.router.finished(flight.placement, events)
+        flight.events[LifetimeEvent.FINISHED] = seen
+        self.router.finished(flight.placement, flight.events)  # it learns each handoff's time, as live
         del self.flights[flight.request_id]
         self._outstanding -= 1
 

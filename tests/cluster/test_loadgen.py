@@ -329,6 +329,9 @@ def test_grpc_and_http_clients_against_a_real_cluster_agree_with_its_metrics(mod
             assert r.prompt_len == len(req.token_ids)
             assert 0 < r.ttft <= r.e2e and r.tpot is not None
             assert r.token_times == sorted(r.token_times)
+    for r in runs["grpc"][0]:  # the gRPC API sends each request's lifetime events with its last message
+        e = r.events
+        assert e["accepted"] <= e["prefill_start"] <= e["prefill_end"] <= e["decode_start"] <= e["finished"], e
 
 
 def test_every_serve_run_draws_prompts_of_its_own(model_dirs):

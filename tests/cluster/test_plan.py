@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import deque
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -194,6 +195,8 @@ def test_the_profilers_fit_recovers_a_known_cost_function():
 
 def test_a_profile_round_trips_through_its_file(tmp_path):
     profile = synthetic_profile(StepCost(0.001, 0.0002, 1e-8), threads=(1, 2))
+    profile.workers[2] = replace(profile.workers[2], mixed_scale=1.2)
+    profile.dispatch_s, profile.prefill_setup_s, profile.router_cpu_s_per_token, profile.cores = 0.003, 0.005, 0.002, 2
     profile.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == profile
     (tmp_path / "old.json").write_text('{"format": 0}')
@@ -301,3 +304,34 @@ def test_what_serving_adds_lands_where_it_is_measured():
     plain, serving = (ClusterSimulator(m, p).run(request).records[0] for p in (base, added))
     assert serving.ttft - plain.ttft == pytest.approx(0.002 + 0.030 + 0.001)
     assert serving.tpot - plain.tpot == pytest.approx(0.004)
+
+
+def test_simulated_records_carry_lifetime_events_in_order():
+    profile = synthetic_profile(StepCost(0.005, 0.0, 0.0), decode_s=0.002, handoff=TransferCost(0.003, 0.0))
+    profile.dispatch_s = 0.001
+    m = manifest(router={"local_prefill_tokens": 0, "length_aware": False})  # no short-batch window
+    events = ClusterSimulator(m, profile).run([SimRequest(0.0, unique_prompt(1, 64), 4)]).records[0].events
+    order = ["accepted", "prefill_queued", "prefill_start", "prefill_end", "first_token", "decode_start", "finished"]
+    assert list(sorted(events, key=events.get)) == order
+    assert events["prefill_start"] - events["accepted"] == pytest.approx(0.001)
+    assert events["decode_start"] - events["prefill_end"] == pytest.approx(0.003)
+
+
+def test_a_mixed_step_costs_its_parts_times_the_measured_scale_and_never_less_than_its_decode():
+    table = DecodeTable((1, 64), (16, 1024), ((0.010, 0.010), (0.010, 0.010)))
+    costs = WorkerCosts(1, StepCost(0.004, 0.0001, 0.0), table, mixed_scale=1.5)
+    assert costs.step_s(4, 400, 0, 0) == pytest.approx(0.010)  # decode alone: unscaled
+    assert costs.step_s(4, 400, 100, 10_000) == pytest.approx((0.010 + 0.010) * 1.5)
+    assert replace(costs, mixed_scale=0.1).step_s(4, 400, 100, 10_000) == pytest.approx(0.010)
+
+
+def test_the_routers_cpu_slows_workers_that_share_its_cores():
+    profile = synthetic_profile(StepCost(0.010, 0.0, 0.0), decode_s=0.010)
+    m = single_server(max_num_seqs=8)
+    requests = [SimRequest(0.0, unique_prompt(i + 1, 32), 50) for i in range(4)]
+    alone = ClusterSimulator(m, profile, shared_cores=1).run(requests).records
+    profile.router_cpu_s_per_token = 0.05  # a core from 20 tokens a second on (capped at one core)
+    shared = ClusterSimulator(m, profile, shared_cores=1).run(requests).records
+    assert statistics.median(r.tpot for r in alone) == pytest.approx(0.010)
+    assert statistics.median(r.tpot for r in shared) == pytest.approx(0.020, rel=0.1)
+
