@@ -171,7 +171,7 @@ def profile_engine(engine: Any, threads: int, seed: int,
     prefill = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
     prefill_errors = (features @ np.array(prefill.as_tuple())) / data[:, 2] - 1
     log(f"  {threads} thread(s): prompt passes a={prefill.a * 1e3:.2f} ms, b={prefill.b * 1e6:.2f} us/token, "
-        f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} passes "
+        f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} prompt shapes ({PREFILL_PASSES} passes each) "
         f"(median error {np.median(np.abs(prefill_errors)):.1%}, max {np.max(np.abs(prefill_errors)):.1%})")
     contexts = tuple(c for c in DECODE_CONTEXTS if c <= engine.max_model_len // 2) or (engine.max_model_len // 4,)
     rows, batches, measured_contexts, extrapolated = [], [], None, 0
