@@ -182,13 +182,14 @@ def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[s
         raise ValueError(f"not a pdserve deployment the simulator can run: {', '.join(unknown)} (one of "
                          f"{', '.join(PDSERVE_CONFIGS)})")
     model_dir = resolve_model(cfg.model)
-    profile_path = cfg.profile or default_profile_path(cfg.model, model_digest(model_dir), machine())
+    digest = model_digest(model_dir)
+    profile_path = cfg.profile or default_profile_path(cfg.model, digest, machine())
     if not Path(profile_path).is_file():
         raise FileNotFoundError(f"no profile of {cfg.model} on this machine at {profile_path}: measure it first with "
                                 f"`pdserve profile --model {cfg.model}`")
     profile = HardwareProfile.load(profile_path)
     check_profile(profile, load_manifest(manifest_for(cfg.configs[0], ServeBenchConfig(model=cfg.model))),
-                  Path(profile_path))
+                  Path(profile_path), digest)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "requests.jsonl").unlink(missing_ok=True)

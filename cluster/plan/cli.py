@@ -39,14 +39,17 @@ def _base_manifest(args: argparse.Namespace) -> Any:
     return load_manifest(data)
 
 
-def _profile_path(args: argparse.Namespace, manifest: Any) -> Path:
-    from pdserve.cluster.bench.report import machine
+def _model_digest(manifest: Any) -> str:
     from pdserve.engine.model_store import model_digest
     from pdserve.engine.models.presets import resolve_model
 
-    if args.profile:
-        return Path(args.profile)
-    return default_profile_path(manifest.model, model_digest(resolve_model(manifest.model)), machine())
+    return model_digest(resolve_model(manifest.model))
+
+
+def _profile_path(args: argparse.Namespace, manifest: Any, digest: str) -> Path:
+    from pdserve.cluster.bench.report import machine
+
+    return Path(args.profile) if args.profile else default_profile_path(manifest.model, digest, machine())
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -58,18 +61,15 @@ def _profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads takes positive thread counts, comma-separated; got {args.threads!r}")
     transports = tuple(t for t in args.transports.split(",") if t)
     result = profile(manifest, threads, transports, seed=args.seed)
-    path = _profile_path(args, manifest)
+    path = _profile_path(args, manifest, result.model_digest)
     result.save(path)
     print(f"wrote {path}")
     return 0
 
 
-def check_profile(profile: Any, manifest: Any, path: Path) -> None:
-    """A profile of another model, or of another dtype, predicts nothing about this one; ValueError."""
-    from pdserve.engine.model_store import model_digest
-    from pdserve.engine.models.presets import resolve_model
-
-    digest = model_digest(resolve_model(manifest.model))
+def check_profile(profile: Any, manifest: Any, path: Path, digest: str) -> None:
+    """A profile of another model (`digest`: the manifest's model's), or of another dtype, predicts
+    nothing about this one; ValueError."""
     if profile.model_digest != digest:
         raise ValueError(f"the profile {path} is of another model ({profile.model}, digest "
                          f"{profile.model_digest[:12]}) "
@@ -89,7 +89,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.requests < 2 or args.run_seconds <= 0:
         raise ValueError("--requests must be at least 2 and --run-seconds positive")
     manifest = _base_manifest(args)
-    path = _profile_path(args, manifest)
+    digest = _model_digest(manifest)
+    path = _profile_path(args, manifest, digest)
     if not path.is_file():
         given = [f"{flag} {value}" for flag, value in (("--manifest", args.manifest), ("--model", args.model),
                                                         ("--max-model-len", args.max_model_len),
@@ -97,7 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no profile of {manifest.model} on this machine at {path}: measure it first with "
                                 f"`{' '.join(['pdserve profile', *given])}` (a few minutes)")
     profile = HardwareProfile.load(path)
-    check_profile(profile, manifest, path)
+    check_profile(profile, manifest, path, digest)
     check_azure_trace(args.trace)
     shapes = scale_requests(load_azure_trace(find_trace(args.trace), args.requests), args.input_scale,
                             args.output_scale, manifest.max_model_len)
