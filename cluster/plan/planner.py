@@ -2,7 +2,10 @@
 
 Candidates, within a budget of CPUs (each worker takes its torch threads' worth): colocated with k
 workers of t threads, at the manifest's step budget and at a chunked one; disaggregated with P
-prefill and D decode workers of the thread counts the profile measured. Each candidate's goodput
+prefill and D decode workers of the thread counts the profile measured. The deployments within a
+quarter of the best are then tuned, one setting at a time: a colocated one's step budget, a
+disaggregated one's local-prefill threshold (off, or the trace's median prompt) and LAPS's chunk
+for long prompts (a quarter of the step budget, or all of it). Each candidate's goodput
 (DistServe's: the highest rate at which 90% of requests meet both objectives) is searched with the
 benchmark's own search (`serve_metrics.GoodputSearch`) over simulated runs, fresh Poisson arrivals of
 the trace's lengths at each rate. Without a target rate the best goodput wins (goodputs within the
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
 
 CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
+TUNED_BUDGETS = (512, 1024)  # a colocated deployment's step budgets tried when it is tuned
+TUNE_WITHIN = 0.25  # the deployments this close to the best goodput are tuned
 MIN_DURATION_S = 30.0  # of arrivals in a simulated run
 REL_TOL = 0.05  # the goodput search's resolution: goodputs closer than this are a tie
 
@@ -36,6 +41,7 @@ class Candidate:
     prefill: tuple[int, int]  # (replicas, threads); colocated: (0, 0)
     decode: tuple[int, int]  # (replicas, threads): colocated workers in colocated mode
     step_budget: int
+    router: tuple[tuple[str, int], ...] = ()  # router settings changed from the manifest's (name, value)
 
     @property
     def cpus(self) -> int:
@@ -46,13 +52,15 @@ class Candidate:
         def pool(p: tuple[int, int]) -> str:
             return f"{p[0]}x{p[1]}t"
 
+        settings = "".join(f", {key} {value}" for key, value in self.router)
         if self.mode == "colocated":
-            return f"colocated {pool(self.decode)} budget {self.step_budget}"
-        return f"disaggregated {pool(self.prefill)}P+{pool(self.decode)}D"
+            return f"colocated {pool(self.decode)} budget {self.step_budget}{settings}"
+        return f"disaggregated {pool(self.prefill)}P+{pool(self.decode)}D{settings}"
 
     def manifest(self, base: Any) -> Any:
         data = base.model_dump(mode="json")
         data.update(mode=self.mode, max_num_batched_tokens=self.step_budget)
+        data["router"].update(self.router)
         for pool, (replicas, threads) in (("prefill", self.prefill), ("decode", self.decode)):
             data["pools"][pool].update(replicas=replicas, threads=max(threads, 1), num_cpus=max(threads, 1))
         return type(base).model_validate(data)
@@ -75,6 +83,22 @@ def candidates(base: Any, profile: HardwareProfile, cpus: int,
                 for d in range(1, (cpus - p * tp) // td + 1):
                     out.append(Candidate("disaggregated", (p, tp), (d, td), base.max_num_batched_tokens))
     return out
+
+
+def tunings(candidate: Candidate, base: Any, shapes: Sequence[TraceRequest]) -> list[Candidate]:
+    """`candidate` with one setting changed: a colocated one's step budget; a disaggregated one's
+    local-prefill threshold (off, or the trace's median prompt: the shorter half prefills on its decode
+    worker) and LAPS's chunk for long prompts (a quarter of the step budget: shorts wait less behind a
+    long one; the whole budget: a long prompt takes fewer steps)."""
+    if candidate.mode == "colocated":
+        return [replace(candidate, step_budget=b) for b in TUNED_BUDGETS
+                if CHUNKED_BUDGET < b < base.max_num_batched_tokens]
+    median = sorted(s.prompt_len for s in shapes)[len(shapes) // 2]
+    budget = candidate.step_budget
+    settings = [("local_prefill_tokens", 0), ("local_prefill_tokens", median),
+                ("long_prompt_chunk_tokens", max(1, budget // 4)), ("long_prompt_chunk_tokens", budget)]
+    return [replace(candidate, router=(setting,)) for setting in settings
+            if getattr(base.router, setting[0]) != setting[1]]
 
 
 class Infeasible(ValueError):
@@ -153,13 +177,24 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
     fewest = min(threads or profile.workers)
     if cpus < fewest:
         raise ValueError(f"{cpus} CPU(s) fit no worker of {fewest} thread(s)")
-    tried = []
-    for i, candidate in enumerate(candidates(base, profile, cpus, threads), 1):
-        result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,
-                          target_rate=target_rate)
-        tried.append(result)
-        carries = "" if result.carries is None else f" ({'carries' if result.carries else 'misses'} {target_rate:g})"
-        log(f"  [{i}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} req/s{carries}")
+    tried: list[Evaluated] = []
+
+    def run(batch: list[Candidate]) -> None:
+        for candidate in batch:
+            result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,
+                              target_rate=target_rate)
+            tried.append(result)
+            carries = "" if result.carries is None else \
+                f" ({'carries' if result.carries else 'misses'} {target_rate:g})"
+            log(f"  [{len(tried)}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} "
+                f"req/s{carries}")
+
+    run(candidates(base, profile, cpus, threads))
+    top = max(e.goodput.rate for e in tried)
+    if top > 0:
+        near = [e.candidate for e in tried if e.goodput.rate >= top * (1 - TUNE_WITHIN)]
+        log(f"tuning the {len(near)} deployment(s) within {TUNE_WITHIN:.0%} of the best:")
+        run([t for c in near for t in tunings(c, base, shapes)])
     if all(e.goodput.rate <= 0 for e in tried):
         raise Infeasible(f"no deployment within {cpus} CPU(s) meets TTFT <= {objective.ttft_s * 1e3:.0f} ms and "
                          f"TPOT <= {objective.tpot_s * 1e3:.1f} ms for 90% of requests at any rate: "

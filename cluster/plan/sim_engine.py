@@ -3,7 +3,9 @@ steps timed by a measured profile (`costs.WorkerCosts`) instead of run.
 
 It keeps what decides latency: continuous batching under a per-step token budget and `max_num_seqs`,
 chunked prompts (`chunk_limit`), running sequences first, then committed imports, then waiting
-prompts; KV blocks, with the most recently admitted sequence preempted (and recomputed) when a
+prompts; imports whose blocks are reserved before their KV arrives (`reserve_import`, as
+`LLMEngine.begin_import`, prefix hits included) and queued when committed; a worker's calls run
+between steps, as its engine loop runs them (`call`); KV blocks, with the most recently admitted sequence preempted (and recomputed) when a
 running one needs a block and none is free; and a prefix cache of chained block hashes (blocks in use
 shared, freed ones evictable, least recently freed first) whose stores and removals are reported to
 a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
@@ -98,6 +100,8 @@ class SimEngine:
         self.waiting: deque[SimSequence] = deque()
         self.ready: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
+        self.importing: set[SimSequence] = set()  # blocks reserved, KV not yet committed
+        self._calls: deque[Callable[[float], None]] = deque()  # run when the step ends
         self.busy = False  # a step is running
         self.busy_s = 0.0
         self.steps = 0
@@ -111,11 +115,11 @@ class SimEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.ready) + len(self.running)
+        return len(self.waiting) + len(self.ready) + len(self.running) + len(self.importing)
 
     def check_drained(self) -> None:
         """After a run: every block back, nothing held (a leak in the simulation is a bug)."""
-        if self.num_requests or self.in_use or self.free_blocks != self.limits.total_blocks:
+        if self.num_requests or self._calls or self.in_use or self.free_blocks != self.limits.total_blocks:
             raise RuntimeError(f"{self.name}: the run ended holding {self.num_requests} requests and "
                                f"{self.limits.total_blocks - self.free_blocks} blocks")
 
@@ -131,16 +135,40 @@ class SimEngine:
         self.waiting.extend(seqs)
         self.kick(now)
 
-    def add_import(self, seq: SimSequence, now: float) -> bool:
-        """A handed-off sequence whose prompt KV arrives now; False (nothing taken) when its blocks do
-        not fit (the caller tries again once blocks come free)."""
-        need = -(-seq.computed // self.limits.block_size)
-        if not self._allocate(need):
+    def call(self, command: Callable[[float], None], now: float) -> None:
+        """Run `command` as the engine loop runs a worker's call: between steps (now, when idle)."""
+        if self.busy:
+            self._calls.append(command)
+        else:
+            command(now)
+
+    def reserve_import(self, seq: SimSequence) -> bool:
+        """Take the blocks of an incoming sequence's prompt KV, its cached leading blocks shared; False
+        (nothing taken) when they do not fit (the caller tries again once blocks come free)."""
+        hits = self._lookup(seq)
+        need = -(-seq.prompt_len // self.limits.block_size) - hits
+        if need > self.free_blocks - sum(h in self.evictable for h in seq.block_hashes[:hits]):
             return False
-        seq.plain_blocks = need
+        for h in seq.block_hashes[:hits]:
+            self._hold(h)
+        self._allocate(need)
+        seq.refs, seq.plain_blocks = list(seq.block_hashes[:hits]), need
+        self.importing.add(seq)
+        return True
+
+    def commit_import(self, seq: SimSequence, now: float) -> None:
+        """Its KV arrived with its first token: it joins the batch (its full blocks now cached)."""
+        self.importing.remove(seq)
+        seq.num_tokens, seq.computed, seq.generated = seq.prompt_len + 1, seq.prompt_len, 1
+        self._publish(seq)
+        self._flush_events()
         self.ready.append(seq)
         self.kick(now)
-        return True
+
+    def cancel_import(self, seq: SimSequence, now: float) -> None:
+        """The request ended before its KV came (done at its first token): its reservation is freed."""
+        self.importing.remove(seq)
+        self.release(seq, now)
 
     def release(self, seq: SimSequence, now: float) -> None:
         """Free what `seq` holds (a prefill-only sequence once its KV is handed off)."""
@@ -225,14 +253,20 @@ class SimEngine:
             budget -= n
         return chunks, preempted
 
-    def _admit(self, seq: SimSequence, budget: int) -> int:
-        """Take `seq`'s cached leading blocks and the blocks of its first chunk; the chunk's tokens, or 0
-        (nothing taken) when its blocks do not fit."""
+    def _lookup(self, seq: SimSequence) -> int:
+        """How many of `seq`'s leading blocks the prefix cache holds (only the cacheable blocks: at least
+        one token is left to compute)."""
         hits = 0
-        for h in seq.block_hashes:  # the cacheable blocks only: at least one token is left to compute
+        for h in seq.block_hashes:
             if h not in self.in_use and h not in self.evictable:
                 break
             hits += 1
+        return hits
+
+    def _admit(self, seq: SimSequence, budget: int) -> int:
+        """Take `seq`'s cached leading blocks and the blocks of its first chunk; the chunk's tokens, or 0
+        (nothing taken) when its blocks do not fit."""
+        hits = self._lookup(seq)
         for h in seq.block_hashes[:hits]:
             self._hold(h)
         seq.refs = list(seq.block_hashes[:hits])
@@ -264,6 +298,8 @@ class SimEngine:
                 seq.num_tokens += 1
             self.listener.sampled(self, seq, now)
         self._flush_events()
+        while self._calls:
+            self._calls.popleft()(now)
         self.listener.step_ended(self, now)
         self.kick(now)
 

@@ -4,14 +4,17 @@ Requests are placed by the router's own placement (`router.routing.Router`, its 
 control and prefix index: the objects a cluster's router uses, over `WorkerRef`s whose health reports
 the simulator writes every `ping_interval_s`, as the supervisor does); prefill workers queue their
 prompts in the worker's own queues (`prefill_worker.queues`, LAPS included, on the simulated clock)
-and run them in simulated engines (`sim_engine`); a prompt's KV reaches its decode worker the
-profiled handoff time after its last pass, and joins that worker's batch as a committed import
-does. Every request's first token and end become a `RequestRecord`, so the figures are
-`pdserve bench serve`'s own (`serve_metrics`): TTFT and TPOT percentiles, attainment, goodput.
+and run them in simulated engines (`sim_engine`). The KV protocol's timing is the sender's: a job
+taken from the queues asks its decode worker to reserve the prompt's blocks, which that worker's
+engine loop answers between its steps (waiting for room when its pool is full), and no other job for
+that decode worker starts while the reservation is unanswered (the sender's `reserving`); the KV
+reaches the decode worker the profiled handoff time after both the last pass and the reservation,
+and joins its batch when the commit runs there, again between steps. Every request's first token and
+end become a `RequestRecord`, so the figures are `pdserve bench serve`'s own (`serve_metrics`): TTFT
+and TPOT percentiles, attainment, goodput.
 
-Left out, as they do not shape latency at a steady state: worker faults and retries, the KV
-reservation ahead of a prompt's pass (a decode worker's blocks are taken when the KV arrives; one that
-has no room holds the import until it has), codecs, and token values.
+Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
+that waits past `reserve_wait_s` (it waits here as long as it must), codecs, and token values.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class _Flight:
     spec: SimRequest
     record: RequestRecord  # its `events` are the request's lifetime events, in simulated seconds
     placement: Placement
+    imported: SimSequence | None = None  # its decode worker's reservation, once answered
+    waits_for_lease: SimSequence | None = None  # its prefill sequence, past its pass before the reservation
+    done: bool = False
 
     @property
     def events(self) -> dict[str, float]:
@@ -116,8 +122,10 @@ class _PrefillSide:
     nothing more, then join the engine in one command, so that they share a step."""
 
     def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
-                 short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None]) -> None:
+                 short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None],
+                 busy_keys: Callable[[], set[str]]) -> None:
         self.engine = engine
+        self.busy_keys = busy_keys  # decode workers with a reservation unanswered: their jobs wait
         self.clock = clock
         self.on_start = on_start  # a job taken from the queues (its PREFILL_START)
         self.setup_s = setup_s  # from taking a job to its prompt in the engine (the transfer's set-up)
@@ -147,7 +155,7 @@ class _PrefillSide:
         while not self._setting_up:
             if not self.queues.length_aware and self.engine.pending_tokens >= budget:
                 return
-            jobs = self.queues.due(self._long_busy, self._short_inflight)
+            jobs = self.queues.due(self._long_busy, self._short_inflight, self.busy_keys)
             if not jobs:
                 break
             for seq in jobs:
@@ -214,7 +222,8 @@ class ClusterSimulator:
         self.engines: dict[str, SimEngine] = {}
         self.prefill_sides: dict[str, _PrefillSide] = {}
         self.refs: dict[str, WorkerRef] = {}
-        self.pending_imports: dict[str, deque[tuple[SimSequence, _Flight]]] = {}
+        self.unanswered: dict[str, int] = {}  # decode worker -> reservations it has not answered
+        self.waiting_for_room: dict[str, deque[tuple[_Flight, SimSequence]]] = {}  # reservations, by decode worker
         self.flights: dict[str, _Flight] = {}
         self.records: list[RequestRecord] = []
         self._laps: dict[str, tuple[int, int]] = {}  # prefill worker -> (short tokens, chunk)
@@ -233,11 +242,11 @@ class ClusterSimulator:
             limits = EngineLimits(total_blocks, m.block_size, m.max_num_batched_tokens, chunk, m.max_num_seqs)
             engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead)
             self.engines[worker] = engine
-            self.pending_imports[worker] = deque()
+            self.unanswered[worker], self.waiting_for_room[worker] = 0, deque()
             if laps is not None:
                 self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
                                                           laps.window_s, laps.short_room, profile.prefill_setup_s,
-                                                          self._prefill_started)
+                                                          self._prefill_started, self._reserving)
             pool = "prefill" if role == "prefill" else "decode"
             self.refs[worker] = WorkerRef(worker, pool, handle=None)
             self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
@@ -305,7 +314,31 @@ class ClusterSimulator:
                                                            placement.decode.name, now)
 
     def _prefill_started(self, seq: SimSequence, now: float) -> None:
-        self.flights[seq.request_id].events[LifetimeEvent.PREFILL_START] = now
+        """A job taken from the queues: its transfer asks the decode worker for a reservation."""
+        flight = self.flights[seq.request_id]
+        flight.events[LifetimeEvent.PREFILL_START] = now
+        decode = flight.placement.decode.name
+        self.unanswered[decode] += 1
+        imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes)
+        # the call reaches the decode worker after the current event: a step it starts now goes first
+        self.clock.at(now, lambda t: self.engines[decode].call(lambda t2: self._reserve(flight, imported, t2), t))
+
+    def _reserving(self) -> set[str]:
+        return {name for name, n in self.unanswered.items() if n}
+
+    def _reserve(self, flight: _Flight, imported: SimSequence, now: float) -> None:
+        decode = flight.placement.decode.name
+        if not flight.done and not self.engines[decode].reserve_import(imported):  # (done: ended at its first token)
+            self.waiting_for_room[decode].append((flight, imported))
+            return
+        self.unanswered[decode] -= 1
+        for side in self.prefill_sides.values():  # a decode worker's jobs may start again
+            side.feed(now)
+        if flight.done:
+            return
+        flight.imported = imported
+        if flight.waits_for_lease is not None:
+            self._send_kv(flight, flight.waits_for_lease, now)
 
     # --- what the engines report ----------------------------------------------------------------
     def step_started(self, engine: SimEngine) -> float:
@@ -332,10 +365,13 @@ class ClusterSimulator:
             self.prefill_sides[engine.name].first_token(seq)
             if seq.output_len <= 1:  # released once the step that sampled it has ended
                 self.clock.at(now, lambda t: engine.release(seq, t))
+                if flight.imported is not None:
+                    self.engines[flight.placement.decode.name].cancel_import(flight.imported, now)
                 self._finish(flight, seen, 1)
+            elif flight.imported is None:  # the KV goes once the decode worker has answered
+                flight.waits_for_lease = seq
             else:
-                self.clock.at(now + self.handoff.handoff_s(seq.prompt_len),
-                              lambda t: self._hand_off(engine, seq, flight, t))
+                self._send_kv(flight, seq, now)
         elif seq.generated >= seq.output_len:
             self._finish(flight, seen, seq.generated)
 
@@ -344,31 +380,31 @@ class ClusterSimulator:
         self._after_step(engine, now)
 
     def _after_step(self, engine: SimEngine, now: float) -> None:
-        self._retry_imports(engine.name, now)
+        waiting = self.waiting_for_room[engine.name]
+        for _ in range(len(waiting)):  # blocks may have come free: each waiting reservation tries again
+            self._reserve(*waiting.popleft(), now)
         side = self.prefill_sides.get(engine.name)
         if side is not None:
             side.feed(now)
 
-    def _hand_off(self, source: SimEngine, seq: SimSequence, flight: _Flight, now: float) -> None:
-        source.release(seq, now)
-        self._after_step(source, now)  # its blocks are free: a prompt may now fit
-        # committed (live, the decode blocks were reserved before the pass)
-        flight.events[LifetimeEvent.DECODE_START] = now
-        decode = flight.placement.decode.name
-        imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes,
-                               num_tokens=seq.prompt_len + 1, computed=seq.prompt_len, generated=1)
-        self.pending_imports[decode].append((imported, flight))
-        self._retry_imports(decode, now)
+    def _send_kv(self, flight: _Flight, seq: SimSequence, now: float) -> None:
+        """The prompt's KV leaves for its reserved blocks; the decode worker commits it between steps."""
+        source = self.engines[flight.placement.prefill.name]
+        decode = self.engines[flight.placement.decode.name]
 
-    def _retry_imports(self, worker: str, now: float) -> None:
-        pending = self.pending_imports[worker]
-        while pending:
-            seq, flight = pending[0]
-            if not self.engines[worker].add_import(seq, now):
-                return
-            pending.popleft()
+        def commit(t: float) -> None:
+            flight.events[LifetimeEvent.DECODE_START] = t
+            decode.commit_import(flight.imported, t)
+
+        def delivered(t: float) -> None:
+            source.release(seq, t)
+            self._after_step(source, t)  # its blocks are free: a prompt may now fit
+            decode.call(commit, t)
+
+        self.clock.at(now + self.handoff.handoff_s(seq.prompt_len), delivered)
 
     def _finish(self, flight: _Flight, seen: float, tokens: int) -> None:
+        flight.done = True
         flight.record.end_time = seen
         flight.record.output_tokens = tokens
         flight.events[LifetimeEvent.FINISHED] = seen

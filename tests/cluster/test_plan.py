@@ -16,11 +16,12 @@ from pdserve.cluster.bench.serve_metrics import Objective, summarize
 from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
 from pdserve.cluster.plan.costs import DecodeTable, HardwareProfile, TransferCost, WorkerCosts
-from pdserve.cluster.plan.planner import Infeasible, plan
+from pdserve.cluster.plan.planner import Infeasible, candidates, plan
 from pdserve.cluster.plan.profiler import profile_engine
 from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.llm_engine import StepStats
+from pdserve.wire import LifetimeEvent
 
 
 def synthetic_profile(prefill: StepCost, decode_s: float = 0.01, handoff: TransferCost = TransferCost(0.002, 0.0),
@@ -132,6 +133,21 @@ def test_decode_workers_short_of_kv_preempt_imports_and_every_request_still_ends
     assert all(r.outcome == "ok" and r.output_tokens == 300 for r in result.records)
 
 
+def test_a_decode_worker_answers_reservations_between_steps_and_its_next_prompt_waits_for_the_answer():
+    step = 0.05
+    profile = synthetic_profile(StepCost(0.002, 0.00001, 0.0), decode_s=step)
+    m = manifest(router={"local_prefill_tokens": 0}, pools={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    busy = SimRequest(0.0, unique_prompt(1, 100), 40)  # keeps the decode worker stepping for 2 s
+    longs = [SimRequest(0.2, unique_prompt(i + 2, 1500), 2) for i in range(4)]  # 17 ms passes
+    records = ClusterSimulator(m, profile).run([busy, *longs]).records
+    starts = sorted(r.events[LifetimeEvent.PREFILL_START] for r in records[1:])
+    # each prompt's pass starts once the previous one's reservation was answered: the first at the end of
+    # the decode step running when it was asked, each later one a whole step after it was asked
+    assert starts[1] > starts[0] and all(b - a >= step - 1e-9 for a, b in zip(starts[1:], starts[2:])), starts
+    for r in records[1:]:  # its KV waited for that answer too, and was committed between decode steps
+        assert r.events[LifetimeEvent.DECODE_START] - r.events[LifetimeEvent.PREFILL_START] >= step - 1e-9
+
+
 def test_early_rejection_refuses_what_cannot_meet_the_ttft_objective():
     profile = synthetic_profile(StepCost(0.01, 0.0001, 0.0))  # a 900-token prompt's pass: 100 ms
     m = manifest(router={"ttft_slo_s": 0.1})  # refused past 2 x 100 ms: the second in line would wait 200 ms
@@ -222,6 +238,33 @@ def test_the_planner_carries_a_rate_with_the_fewest_cpus_that_can():
     assert three.best.goodput.rate >= one.best.goodput.rate * 2.5
     cheaper = [e for e in three.tried if e.candidate.cpus < three.best.candidate.cpus]
     assert all(e.goodput.rate < one.best.goodput.rate * 2.5 for e in cheaper)
+
+
+def test_the_planner_tunes_the_deployments_near_the_best_one_setting_at_a_time():
+    profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005)
+    base = manifest(max_num_batched_tokens=2048)
+    trace = shapes(40, prompt=200)
+    result = plan(base, profile, trace, Objective("t", ttft_s=0.3, tpot_s=0.04), cpus=2, min_duration_s=3,
+                  log=lambda s: None)
+    first = candidates(base, profile, 2)
+    tried = [e.candidate for e in result.tried]
+    assert tried[:len(first)] == first
+    top = max(e.goodput.rate for e in result.tried[:len(first)])
+    near = [e.candidate for e in result.tried[:len(first)] if e.goodput.rate >= top * 0.75]
+    tuned = tried[len(first):]
+    assert near and tuned
+    for c in near:
+        variants = [t for t in tuned if (t.mode, t.prefill, t.decode) == (c.mode, c.prefill, c.decode)]
+        if c.mode == "colocated" and c.step_budget == 2048:
+            assert {t.step_budget for t in variants} >= {512, 1024}
+        elif c.mode == "disaggregated":
+            assert {t.router for t in variants} == {(("local_prefill_tokens", 0),), (("local_prefill_tokens", 200),),
+                                                   (("long_prompt_chunk_tokens", 512),),
+                                                   (("long_prompt_chunk_tokens", 2048),)}
+            tuned_manifest = next(t for t in variants if t.router[0][1] == 200).manifest(base)
+            assert tuned_manifest.router.local_prefill_tokens == 200 and tuned_manifest.mode == "disaggregated"
+    best = max(e.goodput.rate for e in result.tried)
+    assert result.best.goodput.rate >= best / 1.05
 
 
 def test_the_planner_refuses_an_impossible_objective_naming_the_bottleneck():
