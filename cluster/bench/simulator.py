@@ -9,7 +9,9 @@ real and simulated); then Poisson runs at fractions of the measured capacity (30
 default). Every run draws fresh prompts. TTFT and TPOT p50 and p90 are compared side by side, with the
 simulator's error relative to the measurement, and where the time to the first token goes (phases
 between lifetime events, which the gRPC API sends with a request's last message and the simulator
-records alike).
+records alike). Last, the simulator's own speed on one core: the default trace's lengths over
+disaggregated deployments of growing size (a quarter of the workers prefill), each worker on cores
+of its own, at a request rate that keeps every worker busy.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ PHASES = (("to its pass", LifetimeEvent.ACCEPTED, LifetimeEvent.PREFILL_START),
           ("pass", LifetimeEvent.PREFILL_START, LifetimeEvent.PREFILL_END),
           ("handoff", LifetimeEvent.PREFILL_END, LifetimeEvent.DECODE_START))
 WITHIN = 0.10  # the target: each figure within 10% of the measured one
+# (requests, workers) of the speed runs; a rate of RATE_PER_WORKER req/s per worker
+SPEED_RUNS = ((20_000, 8), (20_000, 100), (5_000, 1000))
+SPEED_QUICK = ((500, 4), (500, 40))
+RATE_PER_WORKER = 1.0
 
 
 @dataclass
@@ -211,8 +217,42 @@ def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[s
                     deployment = {"trace": workload.name, "config": name, "error": f"{type(e).__name__}: {e}"}
                 results["deployments"].append(deployment)
                 (cfg.out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    results["speed"] = [simulator_speed(profile, cfg, n, w, log) for n, w in (SPEED_QUICK if cfg.smoke else SPEED_RUNS)]
+    (cfg.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     log(f"wrote {cfg.out_dir / 'results.json'}")
     return results
+
+
+def simulator_speed(profile: Any, cfg: SimulatorBenchConfig, requests: int, workers: int,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    """Simulate `requests` of the default trace's lengths over `workers` (a quarter prefill) on workers
+    of their own machines (no core sharing): the simulator's wall time, one core."""
+    from pdserve.cluster.manifest import load_manifest
+    from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+
+    prefill = max(1, workers // 4)
+    data = manifest_for("disaggregated", ServeBenchConfig(model=cfg.model, max_model_len=cfg.max_model_len))
+    data["ray"] = {"address": "auto"}  # each worker on cores of its own
+    data["kv_transfer"]["transport"] = next(iter(profile.transfers))  # one the profile measured
+    manifest = load_manifest(data)
+    # Past a manifest's 64 replicas per pool: sizes a real cluster would spread over several manifests.
+    pools = manifest.pools.model_copy(update={
+        "prefill": manifest.pools.prefill.model_copy(update={"replicas": prefill}),
+        "decode": manifest.pools.decode.model_copy(update={"replicas": workers - prefill})})
+    manifest = manifest.model_copy(update={"pools": pools})
+    shapes = scale_requests(load_azure_trace(find_trace(DEFAULT_TRACE), 1000), cfg.input_scale, cfg.output_scale,
+                            cfg.max_model_len)
+    rate = RATE_PER_WORKER * workers
+    arrivals = poisson_arrivals(requests, rate, run_seed(cfg.seed, "speed", workers))
+    runs = [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len), shapes[i % len(shapes)].output_len)
+            for i, t in enumerate(arrivals)]
+    result = ClusterSimulator(manifest, profile).run(runs, rate)
+    ok = sum(r.outcome == "ok" for r in result.records)
+    out = {"requests": requests, "workers": workers, "rate": rate, "ok": ok, "events": result.events,
+           "wall_s": result.wall_s, "us_per_request": result.wall_s / requests * 1e6}
+    log(f"  simulator speed: {requests:,} requests over {workers} workers in {result.wall_s:.1f} s "
+        f"({out['us_per_request']:.0f} us per request, {ok:,} completed)")
+    return out
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -260,6 +300,14 @@ def markdown(results: dict[str, Any]) -> str:
         for d, row in phased:
             cells = [_phase(row["phases"], name) for name, _, _ in PHASES]
             lines.append(f"| {d['trace']} | {d['config']} | {row['load']:.0%} | " + " | ".join(cells) + " |")
+    if results.get("speed"):
+        lines += ["", "The simulator's own speed, one core: the default trace's lengths over disaggregated "
+                      f"deployments (a quarter of the workers prefill), {RATE_PER_WORKER:g} req/s per worker.", "",
+                  "| requests | workers | completed | simulator wall time | per request | 1M requests at that pace |",
+                  "|---|---|---|---|---|---|"]
+        for run in results["speed"]:
+            lines.append(f"| {run['requests']:,} | {run['workers']} | {run['ok']:,} | {run['wall_s']:.1f} s | "
+                         f"{run['us_per_request']:.0f} µs | {run['us_per_request']:.0f} s |")
     return "\n".join(lines) + "\n"
 
 

@@ -194,16 +194,20 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
     if top > 0:
         near = [e.candidate for e in tried if e.goodput.rate >= top * (1 - TUNE_WITHIN)]
         log(f"tuning the {len(near)} deployment(s) within {TUNE_WITHIN:.0%} of the best:")
-        run([t for c in near for t in tunings(c, base, shapes)])
+        tried_already = {e.candidate for e in tried}
+        variants = dict.fromkeys(t for c in near for t in tunings(c, base, shapes))  # two may tune alike
+        run([t for t in variants if t not in tried_already])
     if all(e.goodput.rate <= 0 for e in tried):
         raise Infeasible(f"no deployment within {cpus} CPU(s) meets TTFT <= {objective.ttft_s * 1e3:.0f} ms and "
                          f"TPOT <= {objective.tpot_s * 1e3:.1f} ms for 90% of requests at any rate: "
                          f"{bottleneck(base, profile, shapes, objective)}")
     if target_rate is None:
-        # Goodputs within the search's tolerance of the best are a tie: the fewest CPUs among them wins.
+        # Goodputs within the search's tolerance of the best are a tie: the fewest CPUs among them wins,
+        # then the one whose bracket reaches higher (the first rate it missed) and with more margin there.
         top = max(e.goodput.rate for e in tried)
         best = min((e for e in tried if e.goodput.rate >= top / (1 + REL_TOL)),
-                   key=lambda e: (e.candidate.cpus, -e.goodput.rate))
+                   key=lambda e: (e.candidate.cpus, -e.goodput.rate, -(e.goodput.failed_rate or math.inf),
+                                  -(e.goodput.attainment or 0.0)))
     else:
         carrying = [e for e in tried if e.carries]
         if not carrying:

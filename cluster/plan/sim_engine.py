@@ -5,8 +5,8 @@ It keeps what decides latency: continuous batching under a per-step token budget
 chunked prompts (`chunk_limit`), running sequences first, then committed imports, then waiting
 prompts; imports whose blocks are reserved before their KV arrives (`reserve_import`, as
 `LLMEngine.begin_import`, prefix hits included) and queued when committed; a worker's calls run
-between steps, as its engine loop runs them (`call`); KV blocks, with the most recently admitted sequence preempted (and recomputed) when a
-running one needs a block and none is free; and a prefix cache of chained block hashes (blocks in use
+between steps, as its engine loop runs them (`call`); KV blocks, with the most recently admitted
+sequence preempted (and recomputed) when a running one needs a block and none is free; and a prefix cache of chained block hashes (blocks in use
 shared, freed ones evictable, least recently freed first) whose stores and removals are reported to
 a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
 values, sampling, stop strings (every request generates its trace's output length).

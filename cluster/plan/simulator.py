@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,7 +222,8 @@ class ClusterSimulator:
         self.engines: dict[str, SimEngine] = {}
         self.prefill_sides: dict[str, _PrefillSide] = {}
         self.refs: dict[str, WorkerRef] = {}
-        self.unanswered: dict[str, int] = {}  # decode worker -> reservations it has not answered
+        self.unanswered: Counter[str] = Counter()  # decode worker -> reservations it has not answered
+        self.reserving: set[str] = set()  # the decode workers with any (their prefill jobs wait)
         self.waiting_for_room: dict[str, deque[tuple[_Flight, SimSequence]]] = {}  # reservations, by decode worker
         self.flights: dict[str, _Flight] = {}
         self.records: list[RequestRecord] = []
@@ -242,11 +243,11 @@ class ClusterSimulator:
             limits = EngineLimits(total_blocks, m.block_size, m.max_num_batched_tokens, chunk, m.max_num_seqs)
             engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead)
             self.engines[worker] = engine
-            self.unanswered[worker], self.waiting_for_room[worker] = 0, deque()
+            self.waiting_for_room[worker] = deque()
             if laps is not None:
                 self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
                                                           laps.window_s, laps.short_room, profile.prefill_setup_s,
-                                                          self._prefill_started, self._reserving)
+                                                          self._prefill_started, lambda: self.reserving)
             pool = "prefill" if role == "prefill" else "decode"
             self.refs[worker] = WorkerRef(worker, pool, handle=None)
             self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
@@ -319,12 +320,10 @@ class ClusterSimulator:
         flight.events[LifetimeEvent.PREFILL_START] = now
         decode = flight.placement.decode.name
         self.unanswered[decode] += 1
+        self.reserving.add(decode)
         imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes)
         # the call reaches the decode worker after the current event: a step it starts now goes first
         self.clock.at(now, lambda t: self.engines[decode].call(lambda t2: self._reserve(flight, imported, t2), t))
-
-    def _reserving(self) -> set[str]:
-        return {name for name, n in self.unanswered.items() if n}
 
     def _reserve(self, flight: _Flight, imported: SimSequence, now: float) -> None:
         decode = flight.placement.decode.name
@@ -332,8 +331,11 @@ class ClusterSimulator:
             self.waiting_for_room[decode].append((flight, imported))
             return
         self.unanswered[decode] -= 1
-        for side in self.prefill_sides.values():  # a decode worker's jobs may start again
-            side.feed(now)
+        if not self.unanswered[decode]:
+            self.reserving.discard(decode)
+            for side in self.prefill_sides.values():  # its jobs may start now
+                if side.queues.queued:
+                    side.feed(now)
         if flight.done:
             return
         flight.imported = imported

@@ -31,16 +31,24 @@ from pdserve.router.workers import QueuedPrefill, WorkerRef
 
 class TransferCost:
     """Seconds from a prompt's first token to its KV committed on the decode worker, x0 + x1·tokens:
-    seeded by a probe at start-up, refitted from the transfers the router sees finish."""
+    seeded by a probe at start-up, refitted from the transfers the router sees finish: after each of
+    the first `refit_every`, then every `refit_every` (a fit costs a few hundred microseconds of the
+    router's event loop; one request moves a window of hundreds little)."""
 
-    def __init__(self, window: int = 256) -> None:
+    def __init__(self, window: int = 256, refit_every: int = 16) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._lock = threading.Lock()
         self._line: tuple[float, float] = (0.0, 0.0)
+        self._refit_every = refit_every
+        self._since_fit = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self._samples.append((tokens, seconds))
+            self._since_fit += 1
+            if len(self._samples) > self._refit_every and self._since_fit < self._refit_every:
+                return
+            self._since_fit = 0
             data = np.array(self._samples, dtype=float)  # one sample fits a constant; two or more, a line
             self._line = tuple(fit_nonnegative(np.column_stack([np.ones(len(data)), data[:, 0]]), data[:, 1]).tolist())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from plan_helpers import synthetic_profile
 
 from pdserve.cluster import cli
 from pdserve.cluster.bench.report import SECTIONS, key_of, plot_record, provenance, publish
@@ -135,7 +136,8 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
 
 def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_its_error(tmp_path):
     from pdserve.cluster.bench.serve_metrics import RequestRecord
-    from pdserve.cluster.bench.simulator import compare
+    from pdserve.cluster.bench.simulator import SimulatorBenchConfig, compare, simulator_speed
+    from pdserve.engine.cost_model import StepCost
 
     def records(ttft: float, tpot: float) -> list[RequestRecord]:
         return [RequestRecord(f"r{i}", "c", 1.0, send_time=i, prompt_len=10, max_tokens=5, first_token_time=i + ttft,
@@ -143,10 +145,13 @@ def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_i
 
     row = {"load": 0.3, "rate": 2.4, **compare(records(0.100, 0.020), records(0.105, 0.030))}
     assert row["error"]["ttft_s_p50"] == pytest.approx(0.05) and row["error"]["tpot_s_p90"] == pytest.approx(0.5)
+    profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005)
+    speed = simulator_speed(profile, SimulatorBenchConfig(), requests=300, workers=8, log=lambda s: None)
+    assert speed["ok"] == 300 and speed["events"] > 300 and speed["wall_s"] > 0
     results = {"benchmark": "simulator", "provenance": provenance(), "model": "llama-20m",
                "profile": {"created": "2026-11-29T10:00:00+00:00"},
                "deployments": [{"trace": "azure2023_conv.csv", "config": "colocated",
-                                "capacity": {"real": 8.0, "sim": 9.0}, "runs": [row]}]}
+                                "capacity": {"real": 8.0, "sim": 9.0}, "runs": [row]}], "speed": [speed]}
     page = tmp_path / "benchmarks.md"
     publish(page, key_of(results), results)
     text = page.read_text()
@@ -154,3 +159,4 @@ def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_i
     assert "**2 of 4 figures within 10%**; the largest error +50%." in text
     assert "| azure2023_conv.csv | colocated | 8.00 / 9.00 | 30% (2.40 req/s) | 100 / 105 (+5%) |" in text
     assert "20 / 30 (+50%) ✗" in text
+    assert f"| 300 | 8 | 300 | {speed['wall_s']:.1f} s |" in text

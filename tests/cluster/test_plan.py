@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from plan_helpers import synthetic_profile
 
 from pdserve.cluster.bench.serve_metrics import Objective, summarize
 from pdserve.cluster.bench.workload import TraceRequest
@@ -22,15 +23,6 @@ from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.llm_engine import StepStats
 from pdserve.wire import LifetimeEvent
-
-
-def synthetic_profile(prefill: StepCost, decode_s: float = 0.01, handoff: TransferCost = TransferCost(0.002, 0.0),
-                      threads: tuple[int, ...] = (1,)) -> HardwareProfile:
-    table = DecodeTable((1, 64), (16, 1024), ((decode_s, decode_s), (decode_s, decode_s)))
-    return HardwareProfile(model="synthetic", model_digest="0" * 64, hardware="test", dtype="float32", block_size=16,
-                           kv_bytes_per_token=1024, max_model_len=4096,
-                           workers={t: WorkerCosts(t, prefill, table) for t in threads},
-                           transfers={"shm": handoff})
 
 
 def manifest(**changes) -> object:
