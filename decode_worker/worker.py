@@ -110,6 +110,7 @@ class DecodeWorker(WorkerBase):
         request_id = handoff.request_id
         events = self._events[request_id] = {LifetimeEvent.TRANSFER_END: time.time()}  # every frame has been delivered
         try:
+            events[LifetimeEvent.KV_RESERVED] = self.receiver.reserved_at(transfer_id)
             events[LifetimeEvent.TRANSFER_START] = self.receiver.started_at(transfer_id)
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
             if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)

@@ -362,6 +362,10 @@ class KVReceiver:
         events = self._get(transfer_id).transfer.events
         return events.get(FIRST_FRAME, events[TransferState.TRANSFERRING.value])
 
+    def reserved_at(self, transfer_id: str) -> float:
+        """When the transfer's blocks were reserved."""
+        return self._get(transfer_id).transfer.events[TransferState.TRANSFERRING.value]
+
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Free the reservation (idempotent). True if this call did it."""
         with self._lock:  # the tombstone under the lock `reserve` inserts under, so it sees one or the other

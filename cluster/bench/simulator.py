@@ -39,7 +39,8 @@ FIGURES = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "
 # Where a request's time goes, from its lifetime events: (name, from, to).
 PHASES = (("to its pass", LifetimeEvent.ACCEPTED, LifetimeEvent.PREFILL_START),
           ("pass", LifetimeEvent.PREFILL_START, LifetimeEvent.PREFILL_END),
-          ("handoff", LifetimeEvent.PREFILL_END, LifetimeEvent.DECODE_START))
+          ("handoff", LifetimeEvent.PREFILL_END, LifetimeEvent.DECODE_START),
+          ("reserved", LifetimeEvent.PREFILL_START, LifetimeEvent.KV_RESERVED))
 WITHIN = 0.10  # the target: each figure within 10% of the measured one
 # (requests, workers) of the speed runs; a rate of RATE_PER_WORKER req/s per worker
 SPEED_RUNS = ((20_000, 8), (20_000, 100), (5_000, 1000))
@@ -228,7 +229,7 @@ def simulator_speed(profile: Any, cfg: SimulatorBenchConfig, requests: int, work
     """Simulate `requests` of the default trace's lengths over `workers` (a quarter prefill) on workers
     of their own machines (no core sharing): the simulator's wall time, one core."""
     from pdserve.cluster.manifest import load_manifest
-    from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+    from pdserve.cluster.plan.simulator import ClusterSimulator, trace_requests
 
     prefill = max(1, workers // 4)
     data = manifest_for("disaggregated", ServeBenchConfig(model=cfg.model, max_model_len=cfg.max_model_len))
@@ -244,11 +245,9 @@ def simulator_speed(profile: Any, cfg: SimulatorBenchConfig, requests: int, work
                             cfg.max_model_len)
     rate = RATE_PER_WORKER * workers
     arrivals = poisson_arrivals(requests, rate, run_seed(cfg.seed, "speed", workers))
-    runs = [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len), shapes[i % len(shapes)].output_len)
-            for i, t in enumerate(arrivals)]
-    result = ClusterSimulator(manifest, profile).run(runs, rate)
+    result = ClusterSimulator(manifest, profile).run(trace_requests(shapes, arrivals), rate)
     ok = sum(r.outcome == "ok" for r in result.records)
-    out = {"requests": requests, "workers": workers, "rate": rate, "ok": ok, "events": result.events,
+    out = {"requests": requests, "workers": len(result.workers), "rate": rate, "ok": ok, "events": result.events,
            "wall_s": result.wall_s, "us_per_request": result.wall_s / requests * 1e6}
     log(f"  simulator speed: {requests:,} requests over {workers} workers in {result.wall_s:.1f} s "
         f"({out['us_per_request']:.0f} us per request, {ok:,} completed)")
@@ -294,7 +293,8 @@ def markdown(results: dict[str, Any]) -> str:
     if phased:
         lines += ["", "Where the time to the first token goes (medians from each request's lifetime events, "
                       "measured / simulated, ms): placed to its prompt pass's start (queues included), the pass "
-                      "(its transfer's set-up included), the KV handoff after it.", "",
+                      "(its transfer's set-up included), the KV handoff after it, and the decode worker's answer to "
+                      "the KV reservation asked for at the pass's start (reserved).", "",
                   "| trace | deployment | load | " + " | ".join(name for name, _, _ in PHASES) + " |",
                   "|---|---|---|" + "---|" * len(PHASES)]
         for d, row in phased:

@@ -3,14 +3,15 @@
 Candidates, within a budget of CPUs (each worker takes its torch threads' worth): colocated with k
 workers of t threads, at the manifest's step budget and at a chunked one; disaggregated with P
 prefill and D decode workers of the thread counts the profile measured. The deployments within a
-quarter of the best are then tuned, one setting at a time: a colocated one's step budget, a
-disaggregated one's local-prefill threshold (off, or the trace's median prompt) and LAPS's chunk
-for long prompts (a quarter of the step budget, or all of it). Each candidate's goodput
+quarter of the best goodput (of the target rate, with one) are then tuned, one setting at a time: a
+colocated one's step budget, a disaggregated one's local-prefill threshold (off, or the trace's
+median prompt) and LAPS's chunk for long prompts (a quarter of the step budget, or all of it). Each
+candidate's goodput
 (DistServe's: the highest rate at which 90% of requests meet both objectives) is searched with the
 benchmark's own search (`serve_metrics.GoodputSearch`) over simulated runs, fresh Poisson arrivals of
 the trace's lengths at each rate. Without a target rate the best goodput wins (goodputs within the
-search's 5% of each other are a tie, won by fewer CPUs); with one, the fewest CPUs at which 90% of
-requests meet the objective at that rate.
+search's 5% of each other are a tie, won by fewer CPUs, then by the higher bracket: the first rate
+missed); with one, the fewest CPUs at which 90% of requests meet the objective at that rate.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pdserve.cluster.bench.serve_metrics import (TARGET_ATTAINMENT, Goodput, Goo
                                                 attainment)
 from pdserve.cluster.bench.workload import TraceRequest, run_seed
 from pdserve.cluster.plan.costs import HardwareProfile
-from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+from pdserve.cluster.plan.simulator import ClusterSimulator, trace_requests
 
 CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
 TUNED_BUDGETS = (512, 1024)  # a colocated deployment's step budgets tried when it is tuned
@@ -93,12 +94,17 @@ def tunings(candidate: Candidate, base: Any, shapes: Sequence[TraceRequest]) -> 
     if candidate.mode == "colocated":
         return [replace(candidate, step_budget=b) for b in TUNED_BUDGETS
                 if CHUNKED_BUDGET < b < base.max_num_batched_tokens]
+    r = base.router
     median = sorted(s.prompt_len for s in shapes)[len(shapes) // 2]
-    budget = candidate.step_budget
-    settings = [("local_prefill_tokens", 0), ("local_prefill_tokens", median),
-                ("long_prompt_chunk_tokens", max(1, budget // 4)), ("long_prompt_chunk_tokens", budget)]
-    return [replace(candidate, router=(setting,)) for setting in settings
-            if getattr(base.router, setting[0]) != setting[1]]
+    # unset, the threshold is measured with the estimated_ttft prefill policy, else off (0 already)
+    local_prefill = r.local_prefill_tokens if r.local_prefill_tokens is not None or \
+        r.pool_policies[0] == "estimated_ttft" else 0
+    settings = [("local_prefill_tokens", n) for n in (0, median) if n != local_prefill]
+    if r.laps:  # (the chunk is LAPS's)
+        budget = candidate.step_budget
+        settings += [("long_prompt_chunk_tokens", n) for n in (max(1, budget // 4), budget)
+                     if n != r.long_prompt_chunk_tokens]
+    return [replace(candidate, router=(setting,)) for setting in settings]
 
 
 class Infeasible(ValueError):
@@ -130,9 +136,7 @@ def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[Tra
         n = max(len(shapes), math.ceil(rate * min_duration_s))
         arrivals = poisson_arrivals(n, rate, run_seed(seed, "plan", rate))
         # every run starts a fresh simulated cluster, whose caches hold nothing of the runs before
-        requests = [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len),
-                               shapes[i % len(shapes)].output_len) for i, t in enumerate(arrivals)]
-        return ClusterSimulator(manifest, profile, name).run(requests, rate).records
+        return ClusterSimulator(manifest, profile, name).run(trace_requests(shapes, arrivals), rate).records
 
     return measure
 
@@ -190,32 +194,36 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
                 f"req/s{carries}")
 
     run(candidates(base, profile, cpus, threads))
-    top = max(e.goodput.rate for e in tried)
-    if top > 0:
-        near = [e.candidate for e in tried if e.goodput.rate >= top * (1 - TUNE_WITHIN)]
-        log(f"tuning the {len(near)} deployment(s) within {TUNE_WITHIN:.0%} of the best:")
-        tried_already = {e.candidate for e in tried}
-        variants = dict.fromkeys(t for c in near for t in tunings(c, base, shapes))  # two may tune alike
-        run([t for t in variants if t not in tried_already])
+    bar = target_rate or max(e.goodput.rate for e in tried)
+    near = [e.candidate for e in tried if e.goodput.rate > 0 and e.goodput.rate >= bar * (1 - TUNE_WITHIN)]
+    variants = list(dict.fromkeys(t for c in near for t in tunings(c, base, shapes)))  # two may tune alike
+    if variants:
+        log(f"tuning the {len(near)} deployment(s) within {TUNE_WITHIN:.0%} of the "
+            f"{'target rate' if target_rate else 'best'}:")
+        run(variants)
     if all(e.goodput.rate <= 0 for e in tried):
         raise Infeasible(f"no deployment within {cpus} CPU(s) meets TTFT <= {objective.ttft_s * 1e3:.0f} ms and "
                          f"TPOT <= {objective.tpot_s * 1e3:.1f} ms for 90% of requests at any rate: "
                          f"{bottleneck(base, profile, shapes, objective)}")
-    if target_rate is None:
-        # Goodputs within the search's tolerance of the best are a tie: the fewest CPUs among them wins,
-        # then the one whose bracket reaches higher (the first rate it missed) and with more margin there.
-        top = max(e.goodput.rate for e in tried)
-        best = min((e for e in tried if e.goodput.rate >= top / (1 + REL_TOL)),
-                   key=lambda e: (e.candidate.cpus, -e.goodput.rate, -(e.goodput.failed_rate or math.inf),
-                                  -(e.goodput.attainment or 0.0)))
-    else:
-        carrying = [e for e in tried if e.carries]
-        if not carrying:
-            top = max(tried, key=lambda e: e.goodput.rate)
-            raise Infeasible(f"no deployment within {cpus} CPU(s) carries {target_rate:g} req/s: the best, "
-                             f"{top.candidate.name}, carries {top.goodput.rate:.2f} req/s")
-        best = min(carrying, key=lambda e: (e.candidate.cpus, -e.goodput.rate))
+    if target_rate is not None and not any(e.carries for e in tried):
+        top = max(tried, key=lambda e: e.goodput.rate)
+        raise Infeasible(f"no deployment within {cpus} CPU(s) carries {target_rate:g} req/s: the best, "
+                         f"{top.candidate.name}, carries {top.goodput.rate:.2f} req/s")
+    best = choose(tried, target_rate)
     return Plan(best, tried, objective, target_rate)
+
+
+def choose(tried: Sequence[Evaluated], target_rate: float | None = None) -> Evaluated:
+    """The pick. Without a target rate, the best goodput: goodputs within the search's tolerance of it
+    are a tie, won by the fewest CPUs, then the higher goodput, then the bracket reaching higher (the
+    first rate missed) and the margin at the goodput. With one, the fewest CPUs among the deployments
+    that carry it (at least one does), then the higher goodput."""
+    if target_rate is not None:
+        return min((e for e in tried if e.carries), key=lambda e: (e.candidate.cpus, -e.goodput.rate))
+    top = max(e.goodput.rate for e in tried)
+    return min((e for e in tried if e.goodput.rate >= top / (1 + REL_TOL)),
+               key=lambda e: (e.candidate.cpus, -e.goodput.rate, -(e.goodput.failed_rate or math.inf),
+                              -(e.goodput.attainment or 0.0)))
 
 
 def write_manifest(result: Plan, base: Any, path: Path, profile: HardwareProfile) -> None:

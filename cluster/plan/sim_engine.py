@@ -6,9 +6,9 @@ chunked prompts (`chunk_limit`), running sequences first, then committed imports
 prompts; imports whose blocks are reserved before their KV arrives (`reserve_import`, as
 `LLMEngine.begin_import`, prefix hits included) and queued when committed; a worker's calls run
 between steps, as its engine loop runs them (`call`); KV blocks, with the most recently admitted
-sequence preempted (and recomputed) when a running one needs a block and none is free; and a prefix cache of chained block hashes (blocks in use
-shared, freed ones evictable, least recently freed first) whose stores and removals are reported to
-a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
+sequence preempted (and recomputed) when a running one needs a block and none is free; and a prefix
+cache of chained block hashes (blocks in use shared, freed ones evictable, least recently freed first)
+whose stores and removals are reported to a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
 values, sampling, stop strings (every request generates its trace's output length).
 """
 
@@ -120,8 +120,8 @@ class SimEngine:
     def check_drained(self) -> None:
         """After a run: every block back, nothing held (a leak in the simulation is a bug)."""
         if self.num_requests or self._calls or self.in_use or self.free_blocks != self.limits.total_blocks:
-            raise RuntimeError(f"{self.name}: the run ended holding {self.num_requests} requests and "
-                               f"{self.limits.total_blocks - self.free_blocks} blocks")
+            raise RuntimeError(f"{self.name}: the run ended holding {self.num_requests} requests, "
+                               f"{self.limits.total_blocks - self.free_blocks} blocks and {len(self._calls)} calls")
 
     @property
     def pending_tokens(self) -> int:
@@ -283,7 +283,8 @@ class SimEngine:
         return n
 
     def _end_step(self, chunks: list[tuple[SimSequence, int]], now: float) -> None:
-        self.busy = False
+        """The step's outputs, then the calls queued meanwhile (still busy: what they add waits for the
+        next step, as every command the engine loop holds runs before it steps again), then the next step."""
         for seq, n in chunks:
             seq.computed += n
             self._publish(seq)
@@ -300,6 +301,7 @@ class SimEngine:
         self._flush_events()
         while self._calls:
             self._calls.popleft()(now)
+        self.busy = False
         self.listener.step_ended(self, now)
         self.kick(now)
 

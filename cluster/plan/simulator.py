@@ -14,7 +14,8 @@ end become a `RequestRecord`, so the figures are `pdserve bench serve`'s own (`s
 and TPOT percentiles, attainment, goodput.
 
 Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
-that waits past `reserve_wait_s` (it waits here as long as it must), codecs, and token values.
+that waits past `reserve_wait_s` (it waits here as long as it must; pools too small to pass work on
+make the run raise), codecs, and token values.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.bench.serve_metrics import RequestRecord
+from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine, SimSequence
 from pdserve.engine.block_pool import KVPoolStatus
@@ -38,6 +40,9 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Placement, Router, RoutingSettings
 from pdserve.router.workers import NoHealthyWorker, WorkerRef
 from pdserve.wire import LifetimeEvent, WorkRequest, WorkerStatus
+
+
+STALL_S = 10.0  # simulated seconds with requests in flight and no step, arrival or end: the run raises
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,13 @@ def unique_prompt(index: int, length: int) -> list[int]:
     """A prompt of `length` tokens that shares no block with any other index's (hashes are chained,
     so a different first token makes every block different)."""
     return [index] + [0] * (length - 1)
+
+
+def trace_requests(shapes: Sequence[TraceRequest], arrivals: Sequence[float]) -> list[SimRequest]:
+    """A request at each of `arrivals`, with the lengths of `shapes` in turn (over again when there are
+    more arrivals), every prompt its own."""
+    return [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len), shapes[i % len(shapes)].output_len)
+            for i, t in enumerate(arrivals)]
 
 
 @dataclass
@@ -83,13 +95,23 @@ class _Flight:
     spec: SimRequest
     record: RequestRecord  # its `events` are the request's lifetime events, in simulated seconds
     placement: Placement
-    imported: SimSequence | None = None  # its decode worker's reservation, once answered
-    waits_for_lease: SimSequence | None = None  # its prefill sequence, past its pass before the reservation
-    done: bool = False
+    reservation: _Reservation | None = None  # its KV's on its decode worker, asked for when its pass starts
+    prefilled: SimSequence | None = None  # its prefill worker's sequence, past its pass (its KV to send)
 
     @property
     def events(self) -> dict[str, float]:
         return self.record.events
+
+
+@dataclass(eq=False)
+class _Reservation:
+    """A prompt's KV blocks asked of its decode worker (the sender's BOOTSTRAPPING until answered)."""
+
+    side: _PrefillSide  # the prefill worker that asked: its next jobs for that decode worker wait for the answer
+    decode: str
+    blocks: SimSequence  # the decode engine's sequence for the import
+    answered: bool = False
+    dropped: bool = False  # the request ended before the answer (the sender ended the transfer)
 
 
 class _Clock:
@@ -122,10 +144,9 @@ class _PrefillSide:
     nothing more, then join the engine in one command, so that they share a step."""
 
     def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
-                 short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None],
-                 busy_keys: Callable[[], set[str]]) -> None:
+                 short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None]) -> None:
         self.engine = engine
-        self.busy_keys = busy_keys  # decode workers with a reservation unanswered: their jobs wait
+        self.unanswered: Counter[str] = Counter()  # this worker's reservations not yet answered, by decode worker
         self.clock = clock
         self.on_start = on_start  # a job taken from the queues (its PREFILL_START)
         self.setup_s = setup_s  # from taking a job to its prompt in the engine (the transfer's set-up)
@@ -145,6 +166,17 @@ class _PrefillSide:
         self.queues.put(seq, new_tokens, seq.short)
         self.feed(now)
 
+    def asked(self, decode: str) -> None:
+        self.unanswered[decode] += 1
+
+    def answered(self, decode: str, now: float) -> None:
+        """A reservation was answered (or ended): once `decode` has none left, its jobs may start."""
+        self.unanswered[decode] -= 1
+        if not self.unanswered[decode]:
+            del self.unanswered[decode]
+            if self.queues.queued:
+                self.feed(now)
+
     def first_token(self, seq: SimSequence) -> None:
         self.started.pop(seq.request_id, None)
         self.new_tokens.pop(seq.request_id, None)
@@ -155,7 +187,7 @@ class _PrefillSide:
         while not self._setting_up:
             if not self.queues.length_aware and self.engine.pending_tokens >= budget:
                 return
-            jobs = self.queues.due(self._long_busy, self._short_inflight, self.busy_keys)
+            jobs = self.queues.due(self._long_busy, self._short_inflight, self.unanswered.keys)
             if not jobs:
                 break
             for seq in jobs:
@@ -222,9 +254,7 @@ class ClusterSimulator:
         self.engines: dict[str, SimEngine] = {}
         self.prefill_sides: dict[str, _PrefillSide] = {}
         self.refs: dict[str, WorkerRef] = {}
-        self.unanswered: Counter[str] = Counter()  # decode worker -> reservations it has not answered
-        self.reserving: set[str] = set()  # the decode workers with any (their prefill jobs wait)
-        self.waiting_for_room: dict[str, deque[tuple[_Flight, SimSequence]]] = {}  # reservations, by decode worker
+        self.waiting_for_room: dict[str, deque[_Flight]] = {}  # reservations a full KV pool holds, by decode worker
         self.flights: dict[str, _Flight] = {}
         self.records: list[RequestRecord] = []
         self._laps: dict[str, tuple[int, int]] = {}  # prefill worker -> (short tokens, chunk)
@@ -247,7 +277,7 @@ class ClusterSimulator:
             if laps is not None:
                 self.prefill_sides[worker] = _PrefillSide(engine, self.clock, laps.length_aware, laps.short_tokens,
                                                           laps.window_s, laps.short_room, profile.prefill_setup_s,
-                                                          self._prefill_started, lambda: self.reserving)
+                                                          self._prefill_started)
             pool = "prefill" if role == "prefill" else "decode"
             self.refs[worker] = WorkerRef(worker, pool, handle=None)
             self._laps[worker] = (laps.short_tokens if laps else 0, chunk)
@@ -260,6 +290,7 @@ class ClusterSimulator:
                 self.router.transfer.observe(tokens, self.handoff.handoff_s(tokens))
         self._outstanding = 0
         self._rate = 0.0
+        self._last_progress = 0.0  # the last request's arrival or end, or engine step's end
 
     # --- a run ----------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest], rate: float = 0.0) -> SimResult:
@@ -280,6 +311,7 @@ class ClusterSimulator:
                          time.perf_counter() - started)
 
     def _arrive(self, i: int, spec: SimRequest, now: float) -> None:
+        self._last_progress = now
         request_id = f"{self.name}-{i}"
         record = RequestRecord(request_id, self.name, self._rate, now, len(spec.prompt), spec.output_len)
         self.records.append(record)
@@ -318,29 +350,53 @@ class ClusterSimulator:
         """A job taken from the queues: its transfer asks the decode worker for a reservation."""
         flight = self.flights[seq.request_id]
         flight.events[LifetimeEvent.PREFILL_START] = now
-        decode = flight.placement.decode.name
-        self.unanswered[decode] += 1
-        self.reserving.add(decode)
-        imported = SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes)
-        # the call reaches the decode worker after the current event: a step it starts now goes first
-        self.clock.at(now, lambda t: self.engines[decode].call(lambda t2: self._reserve(flight, imported, t2), t))
+        side, decode = self.prefill_sides[flight.placement.prefill.name], flight.placement.decode.name
+        flight.reservation = _Reservation(side, decode, SimSequence(seq.request_id, seq.prompt_len, seq.output_len,
+                                                                    seq.block_hashes))
+        side.asked(decode)
+        self._on_engine_loop(self.engines[decode], lambda t: self._reserve(flight, t), now)
 
-    def _reserve(self, flight: _Flight, imported: SimSequence, now: float) -> None:
-        decode = flight.placement.decode.name
-        if not flight.done and not self.engines[decode].reserve_import(imported):  # (done: ended at its first token)
-            self.waiting_for_room[decode].append((flight, imported))
+    def _on_engine_loop(self, engine: SimEngine, command: Callable[[float], None], now: float) -> None:
+        """A call that reaches `engine`'s worker after the current event (a step it starts now goes
+        first), run between its steps."""
+        self.clock.at(now, lambda t: engine.call(command, t))
+
+    def _reserve(self, flight: _Flight, now: float) -> None:
+        r = flight.reservation
+        if r.dropped:  # the request ended meanwhile: the decode worker's wait ends on its tombstone
             return
-        self.unanswered[decode] -= 1
-        if not self.unanswered[decode]:
-            self.reserving.discard(decode)
-            for side in self.prefill_sides.values():  # its jobs may start now
-                if side.queues.queued:
-                    side.feed(now)
-        if flight.done:
+        if not self.engines[r.decode].reserve_import(r.blocks):
+            self.waiting_for_room[r.decode].append(flight)
             return
-        flight.imported = imported
-        if flight.waits_for_lease is not None:
-            self._send_kv(flight, flight.waits_for_lease, now)
+        r.answered = True
+        flight.events[LifetimeEvent.KV_RESERVED] = now
+        r.side.answered(r.decode, now)
+        if flight.prefilled is not None:
+            self._send_kv(flight, now)
+
+    def _retry_reservations(self, decode: str, now: float) -> None:
+        """Blocks may have come free on `decode`: each reservation waiting for room tries again."""
+        waiting = self.waiting_for_room[decode]
+        for _ in range(len(waiting)):
+            self._reserve(waiting.popleft(), now)
+
+    def _drop_reservation(self, flight: _Flight, now: float) -> None:
+        """The request ended at its first token: the sender ends its transfer, freeing the reservation
+        (an abort the decode worker runs between steps) or ending its wait."""
+        r = flight.reservation
+        if r.answered:
+            decode = self.engines[r.decode]
+
+            def cancel(t: float) -> None:
+                decode.cancel_import(r.blocks, t)
+                self._retry_reservations(r.decode, t)
+
+            self._on_engine_loop(decode, cancel, now)
+            return
+        r.dropped = True
+        if flight in self.waiting_for_room[r.decode]:
+            self.waiting_for_room[r.decode].remove(flight)
+        r.side.answered(r.decode, now)
 
     # --- what the engines report ----------------------------------------------------------------
     def step_started(self, engine: SimEngine) -> float:
@@ -367,36 +423,34 @@ class ClusterSimulator:
             self.prefill_sides[engine.name].first_token(seq)
             if seq.output_len <= 1:  # released once the step that sampled it has ended
                 self.clock.at(now, lambda t: engine.release(seq, t))
-                if flight.imported is not None:
-                    self.engines[flight.placement.decode.name].cancel_import(flight.imported, now)
+                self._drop_reservation(flight, now)
                 self._finish(flight, seen, 1)
-            elif flight.imported is None:  # the KV goes once the decode worker has answered
-                flight.waits_for_lease = seq
             else:
-                self._send_kv(flight, seq, now)
+                flight.prefilled = seq
+                if flight.reservation.answered:  # else the KV goes once the decode worker answers
+                    self._send_kv(flight, now)
         elif seq.generated >= seq.output_len:
             self._finish(flight, seen, seq.generated)
 
     def step_ended(self, engine: SimEngine, now: float) -> None:
         self._stepping_threads -= engine.costs.threads
+        self._last_progress = now
         self._after_step(engine, now)
 
     def _after_step(self, engine: SimEngine, now: float) -> None:
-        waiting = self.waiting_for_room[engine.name]
-        for _ in range(len(waiting)):  # blocks may have come free: each waiting reservation tries again
-            self._reserve(*waiting.popleft(), now)
+        self._retry_reservations(engine.name, now)
         side = self.prefill_sides.get(engine.name)
         if side is not None:
             side.feed(now)
 
-    def _send_kv(self, flight: _Flight, seq: SimSequence, now: float) -> None:
+    def _send_kv(self, flight: _Flight, now: float) -> None:
         """The prompt's KV leaves for its reserved blocks; the decode worker commits it between steps."""
-        source = self.engines[flight.placement.prefill.name]
+        seq, source = flight.prefilled, self.engines[flight.placement.prefill.name]
         decode = self.engines[flight.placement.decode.name]
 
         def commit(t: float) -> None:
             flight.events[LifetimeEvent.DECODE_START] = t
-            decode.commit_import(flight.imported, t)
+            decode.commit_import(flight.reservation.blocks, t)
 
         def delivered(t: float) -> None:
             source.release(seq, t)
@@ -406,7 +460,7 @@ class ClusterSimulator:
         self.clock.at(now + self.handoff.handoff_s(seq.prompt_len), delivered)
 
     def _finish(self, flight: _Flight, seen: float, tokens: int) -> None:
-        flight.done = True
+        self._last_progress = seen
         flight.record.end_time = seen
         flight.record.output_tokens = tokens
         flight.events[LifetimeEvent.FINISHED] = seen
@@ -422,9 +476,13 @@ class ClusterSimulator:
         self._report(now)
         if self._outstanding <= 0:
             return
-        if not self.clock.pending and not any(e.busy for e in self.engines.values()):
-            # nothing left to happen, and requests in flight: a bug, not a result (a run must not spin)
-            raise RuntimeError(f"the simulation stalled at {now:.3f} s with {self._outstanding} requests in flight")
+        idle = not any(e.busy for e in self.engines.values())
+        if self.flights and idle and (not self.clock.pending or now - self._last_progress > STALL_S):
+            # requests in flight and nothing for long (a feeder's poll may still tick): a bug, or KV
+            # memory too small for the two pools to pass work on (reservations wait here past
+            # `reserve_wait_s`); not a result, and a run must not spin
+            raise RuntimeError(f"the simulation stalled at {now:.3f} s with {len(self.flights)} requests in flight "
+                               f"and no engine step, arrival or end for {now - self._last_progress:.1f} s")
         self.clock.at(now + self.manifest.supervision.ping_interval_s, self._report_tick)
 
     def _report(self, now: float) -> None:

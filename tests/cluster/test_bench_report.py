@@ -148,6 +148,8 @@ def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_i
     profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0), decode_s=0.005)
     speed = simulator_speed(profile, SimulatorBenchConfig(), requests=300, workers=8, log=lambda s: None)
     assert speed["ok"] == 300 and speed["events"] > 300 and speed["wall_s"] > 0
+    assert simulator_speed(profile, SimulatorBenchConfig(), requests=100, workers=80, log=lambda s: None)["workers"] \
+        == 80  # past a manifest's 64 replicas per pool
     results = {"benchmark": "simulator", "provenance": provenance(), "model": "llama-20m",
                "profile": {"created": "2026-11-29T10:00:00+00:00"},
                "deployments": [{"trace": "azure2023_conv.csv", "config": "colocated",

@@ -296,6 +296,7 @@ def test_lifetime_events_in_the_response_and_the_log(api, grpc_client, model, ca
     assert set(events) == LIFETIME == set(ref.events)
     for before, after in [("accepted", "routed"), ("routed", "prefill_queued"), ("prefill_queued", "prefill_start"),
                           ("prefill_start", "prefill_end"), ("prefill_end", "first_token"),
+                          ("prefill_start", "kv_reserved"), ("kv_reserved", "transfer_end"),
                           ("transfer_start", "transfer_end"), ("prefill_end", "transfer_end"),
                           ("transfer_end", "decode_start"), ("decode_start", "decode_end"),
                           ("decode_end", "finished"), ("first_token", "finished")]:
