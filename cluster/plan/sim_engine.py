@@ -8,8 +8,9 @@ prompts; imports whose blocks are reserved before their KV arrives (`reserve_imp
 between steps, as its engine loop runs them (`call`); KV blocks, with the most recently admitted
 sequence preempted (and recomputed) when a running one needs a block and none is free; and a prefix
 cache of chained block hashes (blocks in use shared, freed ones evictable, least recently freed first)
-whose stores and removals are reported to a listener, as a worker's KV events feed the router's index. It leaves out what does not: token
-values, sampling, stop strings (every request generates its trace's output length).
+whose stores and removals are reported to a listener, as a worker's KV events feed the router's index.
+It leaves out what does not: token values, sampling, stop strings (every request generates its
+trace's output length).
 """
 
 from __future__ import annotations
