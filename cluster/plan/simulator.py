@@ -140,8 +140,9 @@ class _Clock:
 class _PrefillSide:
     """A prefill worker's queues in front of its engine, fed as the worker's feeder thread does: LAPS's
     jobs as soon as they are due, FCFS jobs while the engine has less than a step's budget ahead; the
-    jobs taken together are set up (their transfers) for `setup_s`, during which the feeder takes
-    nothing more, then join the engine in one command, so that they share a step."""
+    jobs taken together are set up (their transfers) for `setup_s`, then join the engine in one
+    command, run between two of its steps, so that they share a step; the feeder takes nothing more
+    until that command has run."""
 
     def __init__(self, engine: SimEngine, clock: _Clock, laps_on: bool, short_tokens: int, window_s: float,
                  short_room: int, setup_s: float, on_start: Callable[[SimSequence, float], None]) -> None:
@@ -193,17 +194,18 @@ class _PrefillSide:
             for seq in jobs:
                 self.started[seq.request_id] = seq
                 self.on_start(seq, now)
-            if self.setup_s:
-                self._setting_up = True
-                self.clock.at(now + self.setup_s, lambda t, jobs=jobs: self._set_up(jobs, t))
-                return
-            self.engine.add_many(jobs, now)
+            # The feeder sets their transfers up, then waits while the engine loop takes the prompts
+            # in between two steps: it takes nothing more meanwhile.
+            self._setting_up = True
+            self.clock.at(now + self.setup_s,
+                          lambda t, jobs=jobs: self.engine.call(lambda t2: self._joined(jobs, t2), t))
+            return
         if self.queues.length_aware and self.queues.queued and self._poll_at is None:
             # shorts gather for a window that no event ends: look again, as the worker's feeder polls
             self._poll_at = now + max(self.queues.window_s / 2, 0.002)
             self.clock.at(self._poll_at, self._poll)
 
-    def _set_up(self, jobs: list[SimSequence], now: float) -> None:
+    def _joined(self, jobs: list[SimSequence], now: float) -> None:
         self._setting_up = False
         self.engine.add_many(jobs, now)
         self.feed(now)

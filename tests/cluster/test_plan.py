@@ -140,6 +140,16 @@ def test_a_decode_worker_answers_reservations_between_steps_and_its_next_prompt_
         assert r.events[LifetimeEvent.DECODE_START] - r.events[LifetimeEvent.PREFILL_START] >= step - 1e-9
 
 
+def test_the_feeder_waits_for_its_prompts_to_join_the_engine_between_steps():
+    profile = synthetic_profile(StepCost(0.01, 0.0005, 0.0))  # a 2,000-token pass: about a second
+    m = manifest(router={"local_prefill_tokens": 0}, pools={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    a, b, c = (SimRequest(t, unique_prompt(i + 1, 2000), 2) for i, t in enumerate((0.0, 0.1, 0.2)))
+    ra, rb, rc = ClusterSimulator(m, profile).run([a, b, c]).records
+    assert rb.events[LifetimeEvent.PREFILL_START] == pytest.approx(0.1)  # taken at once ...
+    # ... but it joins the engine only when a's step ends, and until then the feeder takes nothing more
+    assert rc.events[LifetimeEvent.PREFILL_START] >= ra.events[LifetimeEvent.PREFILL_END]
+
+
 def test_each_prefill_worker_waits_only_for_its_own_reservations():
     step = 0.05
     profile = synthetic_profile(StepCost(0.002, 0.00001, 0.0), decode_s=step)
