@@ -102,7 +102,7 @@ def _soak(args: argparse.Namespace) -> int:
 
 # `bench serve` options that belong to one of its two benchmarks (--policies picks the second).
 SERVE_ONLY = ("configs", "requests_per_rate", "start_rate", "min_rate", "trace", "trace_arrivals", "input_scale",
-              "output_scale", "tight", "loose", "cdf_rate", "baseline_threads", "docs")
+              "output_scale", "tight", "loose", "cdf_rate", "baseline_threads")
 POLICIES_ONLY = ("traces", "requests", "rate", "load", "prefill_replicas", "decode_replicas", "objective")
 
 
@@ -171,6 +171,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     run(cfg.quick() if args.quick else cfg)
+    _publish(args, cfg.out_dir / "results.json")
     return 0
 
 

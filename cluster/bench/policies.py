@@ -54,17 +54,15 @@ import concurrent.futures
 import json
 import math
 import multiprocessing
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.bench import serve as bench_serve
 from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
-from pdserve.cluster.bench.report import machine
+from pdserve.cluster.bench.report import plot_record, provenance
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -173,12 +171,14 @@ class PolicyBenchConfig:
     timeout_s: float = 300.0
     out_dir: Path = Path("bench-results/policies")
     progress: bool = True
+    smoke: bool = False  # a --quick run: its figures are marked as no measurement
 
     def quick(self) -> "PolicyBenchConfig":
         """A smoke run: the first two configurations on the first trace, a few short requests (a 256-token
         context cuts the prompts), one run each, two prefill workers."""
         return replace(self, configs=self.configs[:2], traces=self.traces[:1], requests=8, calibration_requests=2,
-                       max_runs=1, prefill_replicas=min(self.prefill_replicas, 2), max_model_len=256, max_output=4)
+                       max_runs=1, prefill_replicas=min(self.prefill_replicas, 2), max_model_len=256, max_output=4,
+                       smoke=True)
 
     def serve_config(self) -> bench_serve.ServeBenchConfig:
         """The fields the serve benchmark's manifest and calibration read."""
@@ -520,10 +520,8 @@ def assemble(cfg: PolicyBenchConfig, model_dir: Path, workloads: dict[str, Workl
                      "objective": asdict(w.objective) if w.objective else None,
                      "short_prompt_tokens": {"cut": cuts[t][0], "source": cuts[t][1]}, "configs": per_config}
     return {
-        "benchmark": "pdserve bench serve --policies",
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "machine": machine(),
+        "benchmark": "policies",
+        "provenance": provenance(cfg.smoke),
         "software": bench_serve.software(),
         "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},
         "cluster": {"mode": "disaggregated", "prefill_replicas": cfg.prefill_replicas,
@@ -608,28 +606,80 @@ def plot(cfg: PolicyBenchConfig, workloads: dict[str, Workload], results: dict[t
     return paths
 
 
-def _summary(cfg: PolicyBenchConfig, out: dict[str, Any], log: Callable[[str], None]) -> None:
+COLUMNS = ("TTFT p50", "TTFT p90", "short p90", "TPOT p50", "hit", "oracle", "hit/oracle", "local", "early",
+           "refused", "goodput")
+
+
+def _cells(figures: dict[str, Any], goodput: dict[str, Any] | None) -> list[str]:
+    """One configuration's figures at a trace's common rate, as COLUMNS."""
     ms = bench_serve._ms
+    f = figures
+    return [ms(f["ttft_p50_s"]), ms(f["ttft_p90_s"]), ms(f["short_ttft_p90_s"]), ms(f["tpot_p50_s"]),
+            _pct(f["hit_rate"]), _pct(f["oracle_hit_rate"]),
+            "n/a" if f["hit_vs_oracle"] is None else f"{f['hit_vs_oracle']:.2f}",
+            str(f["local_prefills"]), str(f["early_rejections"]), str(f["rejected"]),
+            "n/a" if goodput is None else format(goodput["rate"], "g")]
+
+
+def _verdict(target: dict[str, Any]) -> tuple[str, str]:
+    measured = "n/a" if target["measured"] is None else f"{target['measured']:.2f}"
+    return {True: "pass", False: "MISS", None: "n/a"}[target["pass"]], measured
+
+
+def _summary(cfg: PolicyBenchConfig, out: dict[str, Any], log: Callable[[str], None]) -> None:
+    widths = (10, 10, 10, 9, 5, 6, 10, 5, 5, 7, 8)
     for t, tr in out["traces"].items():
-        cut = tr["short_prompt_tokens"]["cut"]
-        log(f"\n{t} @ {tr['rate']} req/s (short: prompt <= {cut} tokens)")
-        log(f"  {'config':28} {'TTFT p50':>10} {'p90':>10} {'short p90':>10} {'TPOT p50':>9} {'hit':>5} "
-            f"{'oracle':>6} {'hit/or':>6} {'local':>5} {'early':>5} {'rej':>4} {'goodput':>8}")
+        log(f"\n{t} @ {tr['rate']} req/s (short: prompt <= {tr['short_prompt_tokens']['cut']} tokens)")
+        log(f"  {'config':28} " + " ".join(f"{name:>{w}}" for name, w in zip(COLUMNS, widths)))
         for c in cfg.configs:
             f, g = tr["configs"][c]["at_rate"], tr["configs"][c]["goodput"]
             if f is None:
                 log(f"  {c:28} {tr['configs'][c]['error'] or 'not measured'}")
                 continue
-            ratio = "n/a" if f["hit_vs_oracle"] is None else f"{f['hit_vs_oracle']:.2f}"
-            log(f"  {c:28} {ms(f['ttft_p50_s']):>10} {ms(f['ttft_p90_s']):>10} {ms(f['short_ttft_p90_s']):>10} "
-                f"{ms(f['tpot_p50_s']):>9} {_pct(f['hit_rate']):>5} {_pct(f['oracle_hit_rate']):>6} {ratio:>6} "
-                f"{f['local_prefills']:>5} {f['early_rejections']:>5} {f['rejected']:>4} "
-                f"{'n/a' if g is None else format(g['rate'], 'g'):>8}")
+            log(f"  {c:28} " + " ".join(f"{cell:>{w}}" for cell, w in zip(_cells(f, g), widths)))
     log("\ntargets:")
     for x in out["targets"]:
-        verdict = {True: "pass", False: "MISS", None: "n/a"}[x["pass"]]
-        measured = "n/a" if x["measured"] is None else f"{x['measured']:.2f}"
+        verdict, measured = _verdict(x)
         log(f"  {verdict:4}  {x['trace']:10} {x['target']}: {measured} (target {x['threshold']:g})")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The benchmark's section of docs/benchmarks.md: the cluster and the method, each trace's
+    configurations side by side at its common rate, and the targets."""
+    m, c, method = results["model"], results["cluster"], results["method"]
+    lines = [
+        f"Model {m['name']} (max_model_len {m['max_model_len']}); disaggregated, {c['prefill_replicas']} prefill + "
+        f"{c['decode_replicas']} decode worker(s), {c['threads']} torch thread each, sharing the machine's cores "
+        f"(Ray CPUs {c['ray_cpus']['prefill']:g} per prefill and {c['ray_cpus']['decode']:g} per decode worker). "
+        f"One cluster per configuration runs every trace. {method['requests_per_run']} requests per run with "
+        f"Poisson arrivals at a rate common to every configuration of a trace: {method['load']:g} × the "
+        f"throughput of the first configuration with the run's requests arriving at once (or `--rate`); every "
+        f"run draws fresh token contents, so no run is served from another's prefix cache. Goodput: the highest "
+        f"rate meeting the objective ({method['objective']}) for 90% of requests, searched from the common rate "
+        f"in at most {method['max_runs']} runs. Hit: prompt tokens the workers served from cache / prompt tokens; "
+        f"oracle: each request's longest block prefix shared with an earlier request of the run (no placement "
+        f"beats it); local: prompts prefilled on their decode worker; early: requests refused before placement; "
+        f"short: prompts up to the trace's LAPS threshold.",
+    ]
+    for t, tr in results["traces"].items():
+        objective = tr["objective"]
+        goal = (f"; objective TTFT ≤ {objective['ttft_s'] * 1e3:.0f} ms, "
+                f"TPOT ≤ {objective['tpot_s'] * 1e3:.0f} ms" if objective else "")
+        lines += ["", f"**{t}** ({tr['workload']['requests']} requests; mean prompt "
+                      f"{tr['workload']['prompt_len']['mean']:.0f} tokens, mean output "
+                      f"{tr['workload']['output_len']['mean']:.0f}) at {tr['rate']:g} req/s ({tr['rate_source']}); "
+                      f"short = prompt ≤ {tr['short_prompt_tokens']['cut']} tokens{goal}.",
+                  "", "| configuration | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+        for name, config in tr["configs"].items():
+            if config["at_rate"] is None:
+                lines.append(f"| {name} | {config['error'] or 'not measured'} |" + " |" * (len(COLUMNS) - 1))
+            else:
+                lines.append(f"| {name} | " + " | ".join(_cells(config["at_rate"], config["goodput"])) + " |")
+    lines += ["", "| trace | target | measured | threshold | verdict |", "|---|---|---|---|---|"]
+    for x in results["targets"]:
+        verdict, measured = _verdict(x)
+        lines.append(f"| {x['trace']} | {x['target']} | {measured} | {x['threshold']:g} | {verdict} |")
+    return "\n".join(lines)
 
 
 # --- entry point ----------------------------------------------------------------------------------
@@ -687,6 +737,8 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
     out = assemble(cfg, model_dir, measured, results, settings, errors, cuts, table)
     (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
     plots = plot(cfg, measured, results, table, cfg.out_dir)
+    out["plots"] = [plot_record(p) for p in plots]
+    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
     _summary(cfg, out, log)
     log(f"wrote {cfg.out_dir / 'results.json'}, {cfg.out_dir / 'requests.jsonl'}, " + ", ".join(str(p) for p in plots))
     return out

@@ -24,6 +24,7 @@ from pdserve.cluster.bench.policies import (
     short_cut,
     tables,
 )
+from pdserve.cluster.bench.report import key_of, publish
 from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
 from pdserve.cluster.bench.workload import TraceRequest, prefix_group_sample, run_seed
 from pdserve.cluster.cli import main
@@ -224,6 +225,17 @@ def test_results_and_plots_from_constructed_runs(tmp_path):
     assert {(t["trace"], t["id"]): t["pass"] for t in out["targets"]}[("mooncake", "vs_round_robin")] is True
     assert [p.name for p in plot(cfg, workloads, results, table, tmp_path)] == ["ttft_p90.png", "hit_rate.png",
                                                                                "ttft_cdf.png"]
+    # Its section of the benchmarks page: each trace's configurations side by side, then the targets.
+    page = tmp_path / "benchmarks.md"
+    publish(page, key_of(out), out)
+    text = page.read_text()
+    assert "## Placement policies side by side" in text and "2 prefill + 1 decode worker(s)" not in text
+    assert "4 prefill + 1 decode worker(s)" in text and "6 requests per run" in text
+    assert "**mooncake** (6 requests;" in text and "at 2 req/s" in text
+    assert "objective TTFT ≤ 300 ms, TPOT ≤ 50 ms" in text
+    assert "| estimated_ttft | 100.0 ms | 100.0 ms |" in text and "| round_robin | 200.0 ms | 200.0 ms |" in text
+    assert "| round_robin | RuntimeError: down |" in text
+    assert "| mooncake | TTFT p90: round_robin / estimated_ttft | 2.00 | 2 | pass |" in text
 
 
 # --- command line ---------------------------------------------------------------------------------

@@ -162,3 +162,23 @@ def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_i
     assert "| azure2023_conv.csv | colocated | 8.00 / 9.00 | 30% (2.40 req/s) | 100 / 105 (+5%) |" in text
     assert "20 / 30 (+50%) ✗" in text
     assert f"| 300 | 8 | 300 | {speed['wall_s']:.1f} s |" in text
+
+
+def test_the_engine_benchmark_says_how_it_measured_and_whether_each_target_is_met(tmp_path):
+    """A results file as `pdserve bench engine` writes it: one batching of `generate` under the 2x
+    target, a decode step's share outside the forward pass within its 15%."""
+    engine = {"benchmark": "engine", "provenance": provenance(), "model": "llama-20m", "threads": 2,
+              "workload": "azure2023_conv.csv", "prompt_tokens": 9024, "output_tokens": 3830, "decode_prompt_len": 64,
+              "throughput": {"engine": [400.0, 300.0, 350.0], "hf_generate_batch64": [150.0, 160.0, 170.0],
+                             "hf_generate_batch8": [200.0, 190.0, 210.0]},
+              "decode_split": {"1": {"forward_ms": 7.0, "step_ms": 7.5, "overhead_fraction": 0.067, "steps": 40},
+                               "32": {"forward_ms": 24.0, "step_ms": 25.0, "overhead_fraction": 0.04, "steps": 40}}}
+    page = tmp_path / "benchmarks.md"
+    publish(page, key_of(engine), engine)
+    text = page.read_text()
+    assert "## The engine against transformers' `generate`" in text
+    assert "9,024 prompt and 3,830 output tokens" in text and "(per repeat, tok/s: engine 300–400," in text
+    assert "| engine | 350.0 | 1.00x |" in text and "| 32 | 24.00 | 25.00 | 4.0% |" in text
+    assert "64-token prompts" in text
+    assert "hf_generate_batch64 2.19× (met), hf_generate_batch8 1.75× (MISSED)" in text
+    assert "non-forward share ≤ 15% at batch 32: 4.0% (met)." in text
