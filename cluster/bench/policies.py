@@ -735,7 +735,6 @@ def run(cfg: PolicyBenchConfig, log: Callable[[str], None] = print) -> dict[str,
         raise RuntimeError(f"no trace was calibrated: {'; '.join(f'{c}: {e}' for c, e in errors.items())}")
     cuts, table = tables(measured, results, settings)
     out = assemble(cfg, model_dir, measured, results, settings, errors, cuts, table)
-    (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
     plots = plot(cfg, measured, results, table, cfg.out_dir)
     out["plots"] = [plot_record(p) for p in plots]
     (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
