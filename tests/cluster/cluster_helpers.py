@@ -93,14 +93,20 @@ def lifetime_records(caplog) -> list[dict]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.lifetime"]
 
 
-def assert_aborted(cluster: Cluster, caplog, code: str, max_tokens: int) -> None:
-    """The request that ended last ended with `code` before its `max_tokens`, a decode worker's engine
-    aborted it (it was running there: its tokens stopped), and every pool is free again."""
-    deadline = time.monotonic() + 10
+def wait_for_lifetime_record(caplog, timeout_s: float = 10.0) -> dict:
+    """The lifetime record of the request that ended last, once the router has written it."""
+    deadline = time.monotonic() + timeout_s
     while not lifetime_records(caplog):  # written when the router has ended the request
         assert time.monotonic() < deadline, "the router never ended the request"
         time.sleep(0.05)
-    ended = lifetime_records(caplog)[-1]
+    return lifetime_records(caplog)[-1]
+
+
+def assert_aborted(cluster: Cluster, caplog, code: str, max_tokens: int) -> None:
+    """The request that ended last ended with `code` before its `max_tokens`, a decode worker's engine
+    aborted it (it was running there: its tokens stopped), and every pool is free again."""
+    ended = wait_for_lifetime_record(caplog)
+    deadline = time.monotonic() + 10
     assert ended["code"] == code and ended["output_tokens"] < max_tokens, ended
     decode = [w for w in cluster.workers if w.pool == "decode"]
     while not any(ended["request_id"] in on_worker(w, lambda self: self.test_engine_aborts) for w in decode):

@@ -150,13 +150,18 @@ def test_a_worker_that_disappears_leaves_the_index_and_placement_until_it_is_bac
     # Back, it takes work again. Prompts arriving together: one at a time, the two idle workers' fitted
     # costs alone decide, and the restarted one's profile (measured while the other served) may be
     # the higher one every time; with a queue on the other, the estimates send work to both.
+    # A profile measured on a busy machine can be much the higher, so bursts grow (fresh prompts each)
+    # until the queue on the other outweighs it: a worker left out of placement would take none.
     before = dict(cluster.router.stats.per_worker)
 
-    async def burst() -> None:
-        async with AsyncClient(cluster.address, timeout=60) as client:
-            await asyncio.gather(*(client.generate(prompt(500 + i, 200), max_tokens=2, temperature=0)
-                                   for i in range(8)))
+    async def burst(first_seed: int, size: int) -> None:
+        async with AsyncClient(cluster.address, timeout=120) as client:
+            await asyncio.gather(*(client.generate(prompt(first_seed + i, 200), max_tokens=2, temperature=0)
+                                   for i in range(size)))
 
-    asyncio.run(burst())
+    for first_seed, size in ((500, 8), (600, 16), (700, 32), (800, 64)):
+        asyncio.run(burst(first_seed, size))
+        if cluster.router.stats.per_worker[victim.name] > before.get(victim.name, 0):
+            break
     assert cluster.router.stats.per_worker[victim.name] > before.get(victim.name, 0)
     assert_idle(cluster)
