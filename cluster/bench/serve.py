@@ -680,7 +680,35 @@ def markdown(results: dict[str, Any]) -> str:
               for pair, ratio in pairs.items() if ratio is not None]
     if ratios:
         lines += ["", "Goodput ratios: " + "; ".join(ratios) + "."]
+    http = results["configs"].get("disaggregated-http")
+    if results["http_vs_grpc"] and http and not http["error"]:
+        lines += ["", *_http_cost_lines(http["idle_apis"], results["http_vs_grpc"])]
     return "\n".join(lines)
+
+
+def _signed_ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:+.1f} ms".replace("-", "−")
+
+
+def _http_cost_lines(idle: dict[str, Any] | None, by_rate: dict[str, dict]) -> list[str]:
+    """The HTTP layer's cost: the same deployment's medians over gRPC and over `/v1/completions`
+    (streamed), one at a time on one cluster and at each rate both ran, with HTTP's excess."""
+    lines = ["The OpenAI HTTP API beside gRPC (`disaggregated-http` is `disaggregated` driven over streamed "
+             "`/v1/completions`), medians:", "",
+             "| load | TTFT gRPC | TTFT HTTP | HTTP − gRPC | TPOT gRPC | TPOT HTTP | HTTP − gRPC |",
+             "|" + "---|" * 7]
+    rows = ([(f"idle, one at a time ({idle['requests_per_api']} per API, same cluster)", idle)] if idle else [])
+    rows += [(f"{float(rate):g} req/s", medians) for rate, medians in by_rate.items()]
+    for load, m in rows:
+        t, tp = m["ttft_p50_s"], m["tpot_p50_s"]
+        lines.append(f"| {load} | {_ms(t['grpc'])} | {_ms(t['http'])} | {_signed_ms(t['http_minus_grpc'])} | "
+                     f"{_ms(tp['grpc'])} | {_ms(tp['http'])} | {_signed_ms(tp['http_minus_grpc'])} |")
+    excess = {metric: [m[metric]["http_minus_grpc"] for m in by_rate.values()
+                       if m[metric]["http_minus_grpc"] is not None] for metric in ("ttft_p50_s", "tpot_p50_s")}
+    if all(excess.values()):
+        lines += ["", f"Over the rates, HTTP's median excess: {_signed_ms(percentile(excess['ttft_p50_s'], 50))} "
+                      f"per request (TTFT), {_signed_ms(percentile(excess['tpot_p50_s'], 50))} per token (TPOT)."]
+    return lines
 
 
 # --- entry point ----------------------------------------------------------------------------------

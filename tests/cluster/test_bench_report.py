@@ -86,9 +86,9 @@ def test_the_report_command_writes_a_results_file_into_the_page(tmp_path):
     assert "| tcp | 2,048 | 8 | 2.50 | 2.70 | 93% |" in page.read_text()
 
 
-def serve_results(tmp_path) -> dict:
+def serve_results(tmp_path, other: str = "colocated-chunked") -> dict:
     """A serve benchmark's results as `assemble` makes them: two deployments, two rates each."""
-    from pdserve.cluster.bench.serve import ConfigResult, ServeBenchConfig, ServeWorkload, assemble
+    from pdserve.cluster.bench.serve import ConfigResult, ServeBenchConfig, ServeWorkload, api_medians, assemble
     from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
     from pdserve.cluster.bench.workload import TraceRequest
 
@@ -100,14 +100,16 @@ def serve_results(tmp_path) -> dict:
                 for i in range(10)]
 
     results = []
-    for name, step_s, rates in (("disaggregated", 0.015, (1.0, 2.0)), ("colocated-chunked", 0.03, (1.0, 2.0))):
+    for name, step_s, rates in (("disaggregated", 0.015, (1.0, 2.0)), (other, 0.03, (1.0, 2.0))):
         r = ConfigResult(name, runs={rate: run(name, rate, step_s) for rate in rates})
         r.metrics_checks = {rate: {"cached_prompt_share": 0.0} for rate in rates}
         r.loops = {2.0: {"worker-1": {"busy": 0.5, "forward_share": 0.45}, "worker-0": {"busy": 0.0}}}
         r.goodput = [Goodput(tight, 2.0 if step_s < 0.02 else 0.0, None if step_s < 0.02 else 1.0, 1.0, True),
                      Goodput(loose, 2.0, 4.0, 1.0, False)]
         results.append(r)
-    cfg = ServeBenchConfig(configs=("disaggregated", "colocated-chunked"))
+    if other == "disaggregated-http":  # its idle comparison: the same cluster one request at a time
+        results[1].idle_apis = {"requests_per_api": 24, **api_medians(run("grpc", 1.0, 0.012), run("http", 1.0, 0.011))}
+    cfg = ServeBenchConfig(configs=("disaggregated", other))
     workload = ServeWorkload(tmp_path / "azure2023_conv.csv", [TraceRequest(0.0, 40, 8)] * 10, None, 0)
     out = assemble(cfg, {"objectives": [tight, loose], "calibration": None}, results, tmp_path, workload, 2.0)
     plot, replaced = tmp_path / "attainment.png", tmp_path / "latency_cdf.png"
@@ -132,6 +134,21 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
     # A plot no longer there, or replaced by a later run's, is not shown.
     assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text and "latency" not in text
     assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"
+
+
+def test_the_serve_benchmark_shows_the_http_layers_cost_when_both_apis_ran(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    publish(page, "serve", serve_results(tmp_path, other="disaggregated-http"))
+    text = page.read_text()
+    assert "| load | TTFT gRPC | TTFT HTTP | HTTP − gRPC | TPOT gRPC | TPOT HTTP | HTTP − gRPC |" in text
+    # Idle: the same cluster over each API; at each rate: the two configurations' runs (HTTP's steps twice as long).
+    assert ("| idle, one at a time (24 per API, same cluster) | 50.0 ms | 50.0 ms | +0.0 ms | 12.0 ms | 11.0 ms | "
+            "−1.0 ms |") in text
+    assert "| 2 req/s | 50.0 ms | 50.0 ms | +0.0 ms | 15.0 ms | 30.0 ms | +15.0 ms |" in text
+    assert "HTTP's median excess: +0.0 ms per request (TTFT), +15.0 ms per token (TPOT)." in text
+    # Without an HTTP configuration there is no such table.
+    publish(page, "serve", serve_results(tmp_path))
+    assert "HTTP − gRPC" not in page.read_text()
 
 
 def test_the_simulator_benchmark_shows_each_figure_measured_and_simulated_with_its_error(tmp_path):
