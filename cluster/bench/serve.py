@@ -694,7 +694,9 @@ def _http_cost_lines(idle: dict[str, Any] | None, by_rate: dict[str, dict]) -> l
     """The HTTP layer's cost: the same deployment's medians over gRPC and over `/v1/completions`
     (streamed), one at a time on one cluster and at each rate both ran, with HTTP's excess."""
     lines = ["The OpenAI HTTP API beside gRPC (`disaggregated-http` is `disaggregated` driven over streamed "
-             "`/v1/completions`), medians:", "",
+             "`/v1/completions`), medians. The idle row is the direct measure: one cluster, the two APIs in "
+             "alternating rounds. Each rate's row compares the two configurations' runs, on clusters of their "
+             "own minutes apart, so it holds the machine's drift as well.", "",
              "| load | TTFT gRPC | TTFT HTTP | HTTP − gRPC | TPOT gRPC | TPOT HTTP | HTTP − gRPC |",
              "|" + "---|" * 7]
     rows = ([(f"idle, one at a time ({idle['requests_per_api']} per API, same cluster)", idle)] if idle else [])
