@@ -114,9 +114,6 @@ class Cluster:
             for s in specs:
                 for name, amount in s.resources.items():
                     custom[name] = custom.get(name, 0) + amount * s.replicas
-            # Token authentication, as Ray gives every new local instance; said explicitly, Ray does not
-            # WARN in every start-up log that it did. A mode the user set stands.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
             # address="local": a Ray instance of its own, never one that RAY_ADDRESS or the last
             # `ray start` on this machine (recorded under /tmp/ray) points to.
             ray.init(address="local", num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), resources=custom or None,
