@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import ray
 from cluster_helpers import assert_all_stopped, interrupt, pdserve, start_up, wait_ready
 from helpers import hub_cache
 
@@ -13,6 +14,10 @@ from pdserve.client import Client
 from pdserve.cluster import cli
 
 HUB_ID = "pdserve-tests/tiny-llama"
+
+
+def alive_nodes() -> int:
+    return sum(1 for n in ray.nodes() if n["Alive"])
 
 
 def test_make_model_writes_a_checkpoint(tmp_path):
@@ -85,12 +90,17 @@ def test_up_interrupted_while_starting_stops_what_it_started(tmp_path, model_dir
 
 
 @pytest.mark.timeout(300)
-def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs, hf_reference):
+def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model_dirs, hf_reference,
+                                                                 shared_ray_address):
     """`pdserve up` serving a model named by its Hugging Face Hub id, from the Hub's cache under
-    HF_HOME with the Hub out of reach (HF_HUB_OFFLINE), as a user whose cache holds it runs it."""
+    HF_HOME with the Hub out of reach (HF_HUB_OFFLINE), as a user whose cache holds it runs it. Its
+    manifest says `ray.address: local` (the default) while RAY_ADDRESS points at a running Ray (the
+    tests' shared one), as in a shell that ran `ray start`: it starts a Ray of its own and leaves
+    that one alone."""
     hub_cache(tmp_path / "hf-home", HUB_ID, model_dirs["tiny-llama"])
-    up = start_up(tmp_path, model_dirs, env={"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"},
-                  model=HUB_ID)
+    nodes = alive_nodes()
+    up = start_up(tmp_path, model_dirs, model=HUB_ID, env={"HF_HOME": str(tmp_path / "hf-home"),
+                                                           "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": shared_ray_address})
     try:
         address = wait_ready(up)
         with Client(address, timeout=60) as client:
@@ -106,4 +116,6 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
         rest, started = interrupt(up)
     assert up.returncode == 0, rest
     assert "shutting down" in rest
+    assert "raylet" in started.values(), "pdserve up joined the running Ray instead of starting its own"
     assert_all_stopped(started)
+    assert alive_nodes() == nodes  # the running Ray, seen through this process's connection to it

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
-from cluster_helpers import (RayNode, assert_all_stopped, assert_idle, free_port, interrupt, manifest, start_up,
-                             wait_ready)
+from cluster_helpers import RayNode, assert_idle, free_port, manifest
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -119,19 +118,3 @@ def test_a_model_directory_reaches_a_node_that_lacks_it_through_the_object_store
 
     got = Path(ray.get(on_a_node.remote(source, str(tmp_path / "cache" / "models")), timeout=60))
     assert got.parent == tmp_path / "cache" / "shipped" and model_digest(got) == source.digest
-
-
-@pytest.mark.timeout(300)
-def test_a_local_manifest_starts_a_ray_of_its_own_beside_a_running_cluster(cluster, ray_nodes, model_dirs, tmp_path):
-    """`ray.address: local` with RAY_ADDRESS pointing at a running cluster (as a shell that ran `ray
-    start` has it): pdserve up starts a Ray of its own (a raylet among its processes) and serves,
-    leaving that cluster alone."""
-    up = start_up(tmp_path, model_dirs, env={"RAY_ADDRESS": ray_nodes})
-    try:
-        wait_ready(up)
-    finally:
-        rest, started = interrupt(up)
-    assert up.returncode == 0, rest
-    assert "raylet" in started.values(), "pdserve up joined the running cluster"
-    assert_all_stopped(started)
-    assert sum(1 for n in ray.nodes() if n["Alive"]) == NODES  # seen through the served cluster's driver
