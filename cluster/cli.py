@@ -4,14 +4,21 @@ from `cluster/bench/cli.py`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from pdserve.cluster.bench.cli import add_commands as add_bench_commands
-from pdserve.cluster.plan.cli import add_plan_commands
-from pdserve.cluster.cli_help import examples
-from pdserve.cluster.overrides import add_override_options
+# Before gRPC loads (the imports below load it): this process starts Ray's processes, and Ray forks
+# them (fork, then exec) while the router's gRPC threads may run; gRPC's fork handlers, which only a
+# child that goes on using gRPC needs, then log "skipping fork() handlers" for each. A value the user
+# set stands.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from pdserve.cluster.bench.cli import add_commands as add_bench_commands  # noqa: E402
+from pdserve.cluster.plan.cli import add_plan_commands  # noqa: E402
+from pdserve.cluster.cli_help import examples  # noqa: E402
+from pdserve.cluster.overrides import add_override_options  # noqa: E402
 
 # The default model learnt Python from the standard library: it continues code best.
 DEMO_PROMPTS = [
@@ -44,8 +51,10 @@ def _demo(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
     from pdserve.client import Client
+    from pdserve.diagnostics import configure_diagnostics
 
     manifest = load_manifest(args.manifest)
+    configure_diagnostics(manifest.log_level)
     # Any free ports: the demo must not clash with a running server.
     manifest.server.address, manifest.server.http_address = "127.0.0.1:0", "127.0.0.1:0"
     with Cluster(manifest) as cluster, Client(cluster.address, timeout=120, token=manifest.server.token) as client:
@@ -109,10 +118,12 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import Cluster
     from pdserve.cluster.manifest import load_manifest
     from pdserve.cluster.overrides import ManifestOverrides
+    from pdserve.diagnostics import configure_diagnostics
 
     # A bad manifest, or a bad override, fails here, before anything starts.
     manifest = load_manifest(args.manifest, ManifestOverrides.from_args(args))
-    lifetime = logging.getLogger("pdserve.lifetime")  # one JSON line per finished request
+    configure_diagnostics(manifest.log_level)
+    lifetime = logging.getLogger("pdserve.lifetime")  # one JSON line per finished request, apart from diagnostics
     lifetime.setLevel(logging.INFO)
     lifetime.addHandler(logging.FileHandler(args.lifetime_log) if args.lifetime_log else logging.StreamHandler())
     stop = threading.Event()

@@ -3,10 +3,11 @@ manifest by `RouterStack`) and take it down again with nothing left running."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -116,8 +117,10 @@ class Cluster:
                     custom[name] = custom.get(name, 0) + amount * s.replicas
             # address="local": a Ray instance of its own, never one that RAY_ADDRESS or the last
             # `ray start` on this machine (recorded under /tmp/ray) points to.
-            ray.init(address="local", num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1), resources=custom or None,
-                     include_dashboard=False, logging_level=logging.WARNING, configure_logging=True)
+            with _quiet_token_auth_notice():
+                ray.init(address="local", num_cpus=max(int(cpus + 0.999), os.cpu_count() or 1),
+                         resources=custom or None, include_dashboard=False, logging_level=logging.WARNING,
+                         configure_logging=True)
         else:
             ray.init(address=m.ray.address, logging_level=logging.WARNING)
         self._started_ray = True
@@ -147,7 +150,8 @@ class Cluster:
         )
         stack = self.router_stack
         args: list[Any] = [name, model, m.engine_config(spec), stack.tokens.address, self._transfer_settings()]
-        kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name)}
+        kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name),
+                                  "log_level": m.log_level}
         if cls is PrefillWorker:
             r = m.router
             window = None if r.short_batch_window_ms is None else r.short_batch_window_ms / 1000
@@ -292,3 +296,22 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _NotTheTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+@contextlib.contextmanager
+def _quiet_token_auth_notice() -> Iterator[None]:
+    """Ray turns token authentication on for every new local instance and WARNs that it did, in every
+    start-up log, as if something were wrong. pdserve's local Ray always has it (docs/security.md), so
+    that one notice is dropped while pdserve starts its Ray; Ray's other warnings pass."""
+    source = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = _NotTheTokenAuthNotice()
+    source.addFilter(notice)
+    try:
+        yield
+    finally:
+        source.removeFilter(notice)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
+from pdserve.diagnostics import LogLevel
 from pdserve.cluster.overrides import ManifestOverrides
 from pdserve.faults import FaultSettings
 
@@ -406,6 +407,11 @@ class Manifest(_Strict):
     supervision: SupervisionSpec = Field(SupervisionSpec(), description="How the workers are watched and "
                                                                         "restarted.")
     ray: RaySpec = Field(RaySpec(), description="Which Ray cluster to run on.")
+    log_level: LogLevel = Field(
+        "warning", description="Diagnostics (Python logging under `pdserve`) of the launcher, the router and every "
+                               "worker at this level and above, on stderr; a worker's land in Ray's `worker-*.err` on "
+                               "its node and on the console of `pdserve up`. Request lifetime events are apart "
+                               "(`pdserve up --lifetime-log`).")
     faults: FaultsSpec = Field(FaultsSpec(), description="Faults injected on purpose (tests, drills); all off by "
                                                          "default.")
 

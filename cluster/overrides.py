@@ -12,6 +12,8 @@ import copy
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from pdserve.diagnostics import LogLevel
+
 
 @dataclass(frozen=True)
 class Override:
@@ -29,6 +31,7 @@ OVERRIDES = {  # ManifestOverrides' attribute -> its option and field
     "decode_replicas": Override("--decode-replicas", ("pools", "decode", "replicas")),
     "grpc_address": Override("--grpc-address", ("server", "address")),
     "http_address": Override("--http-address", ("server", "http_address")),
+    "log_level": Override("--log-level", ("log_level",)),
 }
 
 
@@ -43,6 +46,7 @@ class ManifestOverrides:
     decode_replicas: int | None = None
     grpc_address: str | None = None
     http_address: str | None = None
+    log_level: LogLevel | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ManifestOverrides:
@@ -90,3 +94,6 @@ def add_override_options(parser: argparse.ArgumentParser) -> None:
                        help="the gRPC API's address (server.address). Example: --grpc-address 0.0.0.0:50051")
     group.add_argument("--http-address", metavar="HOST:PORT",
                        help="the OpenAI API's address (server.http_address). Example: --http-address 0.0.0.0:8000")
+    group.add_argument("--log-level", metavar="{debug,info,warning,error}",
+                       help="diagnostics at this level and above, from every part (log_level). Example: --log-level "
+                            "info")

@@ -38,6 +38,7 @@ from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest,
                           token_message)
+from pdserve.diagnostics import LogLevel
 from pdserve.worker_base import WorkerBase
 
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
@@ -51,8 +52,8 @@ RESERVE_THREADS = 64
 class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None = None,
-                 faults: FaultSettings | None = None) -> None:
-        super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults)
+                 faults: FaultSettings | None = None, log_level: LogLevel = "warning") -> None:
+        super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults, log_level)
         # Lifetime events of the requests here (request -> name -> wall-clock time), sent with the last token.
         # One with prefill_queued and no prefill_end is prefilling here, before its first token.
         self._events: dict[str, dict[LifetimeEvent, float]] = {}

@@ -51,6 +51,7 @@ from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
 from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
                           WorkerStatus, WorkRequest, token_message)
+from pdserve.diagnostics import LogLevel
 from pdserve.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,8 @@ class PrefillWorker(WorkerBase):
                  kv_settings: TransferSettings, max_queued: int = 64, kv_events: str | None = None,
                  length_aware: bool = False, short_prompt_tokens: int | None = None,
                  short_batch_window_s: float | None = None, long_chunk_tokens: int | None = None,
-                 faults: Any = None) -> None:
-        super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults)
+                 faults: Any = None, log_level: LogLevel = "warning") -> None:
+        super().__init__(worker_id, model, engine_config, token_sink, kv_settings, kv_events, faults, log_level)
         self._laps = (length_aware, short_prompt_tokens, short_batch_window_s, long_chunk_tokens)
         # `profile` sets LAPS up from the measured costs
         self.queues: PrefillQueues[_Job] = PrefillQueues(False, key=lambda job: job.peer.key)

@@ -10,23 +10,37 @@ for the offline engine, `pdserve.cluster` for the cluster and the `pdserve` comm
 `server` extra.
 """
 
-from pdserve.client import (
-    AsyncClient,
-    Cancelled,
-    Client,
-    Completion,
-    DeadlineExceeded,
-    InsecureTokenWarning,
-    InvalidArgument,
-    NotFound,
-    PDServeError,
-    ResourceExhausted,
-    StreamChunk,
-    Unauthenticated,
-    Unavailable,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.client import (
+        AsyncClient,
+        Cancelled,
+        Client,
+        Completion,
+        DeadlineExceeded,
+        InsecureTokenWarning,
+        InvalidArgument,
+        NotFound,
+        PDServeError,
+        ResourceExhausted,
+        StreamChunk,
+        Unauthenticated,
+        Unavailable,
+    )
 
 __all__ = [
     "Client", "AsyncClient", "Completion", "StreamChunk", "PDServeError", "InvalidArgument", "NotFound",
     "Unavailable", "ResourceExhausted", "DeadlineExceeded", "Cancelled", "Unauthenticated", "InsecureTokenWarning",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The SDK's names, loaded on first use (PEP 562): `import pdserve.cluster.cli` then loads no gRPC
+    before the command has set gRPC's environment (cluster/cli.py)."""
+    if name in __all__:
+        return getattr(importlib.import_module("pdserve.client"), name)
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

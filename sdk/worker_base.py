@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from ray.util.annotations import RayDeprecationWarning
 
+from pdserve.diagnostics import LogLevel, configure_diagnostics
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_store import ModelSource, materialize
@@ -32,7 +33,9 @@ def _was_restarted() -> bool:
 
 class WorkerBase:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
-                 kv_settings: TransferSettings, kv_events: str | None, faults: FaultSettings | None) -> None:
+                 kv_settings: TransferSettings, kv_events: str | None, faults: FaultSettings | None,
+                 log_level: LogLevel) -> None:
+        configure_diagnostics(log_level)
         self.worker_id = worker_id
         restarted = ray.is_initialized() and _was_restarted()
         self.faults = FaultInjector(faults, first_incarnation=not restarted)  # a fault that ends it fires once

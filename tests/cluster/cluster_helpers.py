@@ -160,22 +160,26 @@ def open_gate(self) -> None:
     gate.set()
 
 
-def start_up(tmp_path, model_dirs, env: dict[str, str] | None = None, model: str | None = None) -> subprocess.Popen:
-    """`pdserve up` on a small local manifest (a real subprocess), its output on a pipe; its model
-    `model` (a Hub id, say), else the tiny Llama."""
+def start_up(tmp_path, model_dirs, env: dict[str, str] | None = None, model: str | None = None,
+             options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`pdserve up` on a small local manifest (a real subprocess) with command-line `options`, its output
+    on a pipe; its model `model` (a Hub id, say), else the tiny Llama."""
     manifest = tmp_path / "up.yaml"
     manifest.write_text(f"model: {model or model_dirs['tiny-llama']}\nkv_memory_mb: 16\n"
                         "server: {address: '127.0.0.1:0', http_address: '127.0.0.1:0'}\n"
                         "pools:\n  prefill: {num_cpus: 0.5}\n  decode: {num_cpus: 0.5}\n")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "up", str(manifest), *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
 
 
-def wait_ready(up: subprocess.Popen, timeout_s: float = 180.0) -> str:
-    """The gRPC address `pdserve up` prints once it serves (its output read line by line, bounded)."""
+def wait_ready(up: subprocess.Popen, timeout_s: float = 180.0, seen: list[str] | None = None) -> str:
+    """The gRPC address `pdserve up` prints once it serves (its output read line by line, bounded; the
+    lines read so far appended to `seen`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = up.stdout.readline()
+        if seen is not None:
+            seen.append(line)
         if not line:
             break
         if line.startswith("ready:"):

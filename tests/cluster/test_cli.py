@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -96,13 +100,16 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
     HF_HOME with the Hub out of reach (HF_HUB_OFFLINE), as a user whose cache holds it runs it. Its
     manifest says `ray.address: local` (the default) while RAY_ADDRESS points at a running Ray (the
     tests' shared one), as in a shell that ran `ray start`: it starts a Ray of its own and leaves
-    that one alone."""
+    that one alone. With `--log-level info` every part's diagnostics reach its console (the workers'
+    through Ray), the lifetime events stay apart from them, and Ray's notice that its new local
+    instance uses token authentication is not among them."""
     hub_cache(tmp_path / "hf-home", HUB_ID, model_dirs["tiny-llama"])
     nodes = alive_nodes()
-    up = start_up(tmp_path, model_dirs, model=HUB_ID, env={"HF_HOME": str(tmp_path / "hf-home"),
-                                                           "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": shared_ray_address})
+    up = start_up(tmp_path, model_dirs, model=HUB_ID, options=("--log-level", "info"),
+                  env={"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": shared_ray_address})
+    seen: list[str] = []
     try:
-        address = wait_ready(up)
+        address = wait_ready(up, seen=seen)
         with Client(address, timeout=60) as client:
             assert client.model_info().name == HUB_ID
             prompt = client.tokenize("hello there")
@@ -116,6 +123,47 @@ def test_up_serves_until_interrupted_then_leaves_nothing_running(tmp_path, model
         rest, started = interrupt(up)
     assert up.returncode == 0, rest
     assert "shutting down" in rest
+    output = "".join(seen) + rest
+    # A decode worker's receiver, logged at INFO in the worker's process, forwarded by Ray.
+    assert re.search(r"DecodeWorker pid=\d+\).* INFO pdserve\.kv_transfer\.\S+: KV \w+ receiver listening on", output), output
+    lifetimes = [line for line in output.splitlines() if line.startswith('{"request_id"')]
+    assert len(lifetimes) >= 3 and all(json.loads(line)["api"] for line in lifetimes), output  # whole JSON lines
+    assert "pdserve.lifetime" not in output, output  # not also formatted as a diagnostic
+    assert "Token authentication is enabled" not in output, output
     assert "raylet" in started.values(), "pdserve up joined the running Ray instead of starting its own"
     assert_all_stopped(started)
     assert alive_nodes() == nodes  # the running Ray, seen through this process's connection to it
+
+
+FORK_WHILE_GRPC_RUNS = """
+import subprocess, threading
+import pdserve.cluster.cli  # as the `pdserve` command starts
+import grpc
+from concurrent import futures
+server = grpc.server(futures.ThreadPoolExecutor(2))
+channel = grpc.insecure_channel(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+server.start()
+done = threading.Event()
+def call():  # gRPC threads busy, as the router's are while a benchmark starts its next cluster
+    while not done.is_set():
+        try:
+            grpc.channel_ready_future(channel).result(timeout=0.01)
+        except grpc.FutureTimeoutError:
+            pass
+caller = threading.Thread(target=call)
+caller.start()
+for _ in range(20):  # fork, then exec, as Ray starts its processes (a preexec_fn rules out vfork)
+    subprocess.run(["true"], preexec_fn=lambda: None, check=True)
+done.set()
+caller.join()
+server.stop(None)
+"""
+
+
+def test_processes_the_command_starts_while_grpc_runs_log_nothing_about_fork():
+    """gRPC's "skipping fork() handlers" notice, once per process Ray started, is gone from the logs of
+    a command that starts clusters one after another."""
+    result = subprocess.run([sys.executable, "-c", FORK_WHILE_GRPC_RUNS], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"})
+    assert result.returncode == 0, result.stderr
+    assert "fork" not in result.stderr, result.stderr

@@ -22,6 +22,7 @@ BASE = {"model": "tiny-llama", "pools": {"prefill": {"replicas": 1, "num_cpus": 
     ({"decode_replicas": 4}, lambda m: m.pools.decode.replicas, 4),
     ({"grpc_address": "0.0.0.0:6000"}, lambda m: m.server.address, "0.0.0.0:6000"),
     ({"http_address": "0.0.0.0:9000"}, lambda m: m.server.http_address, "0.0.0.0:9000"),
+    ({"log_level": "debug"}, lambda m: m.log_level, "debug"),
 ])
 def test_each_override_sets_its_field_and_leaves_the_rest(overrides, read, expected):
     plain = load_manifest(BASE)
@@ -57,6 +58,7 @@ def test_overrides_fill_sections_the_manifest_leaves_out_and_change_no_data():
     ({"mode": "fast"}, "mode (set by --mode): Input should be 'disaggregated' or 'colocated'"),
     ({"served_model_name": ""}, "served_model_name (set by --served-model-name): String should have at least 1"),
     ({"prefill_replicas": 0}, "disaggregated mode needs pools.prefill.replicas >= 1"),
+    ({"log_level": "loud"}, "log_level (set by --log-level): Input should be 'debug', 'info', 'warning' or 'error'"),
 ])
 def test_a_bad_override_is_refused_naming_its_option(overrides, message):
     with pytest.raises(ManifestError, match="is invalid") as e:
@@ -68,11 +70,12 @@ def test_the_command_line_gives_every_override():
     args = build_parser().parse_args([
         "up", "my.yaml", "--model", "Qwen/Qwen2.5-0.5B", "--served-model-name", "qwen", "--mode", "colocated",
         "--prefill-replicas", "2", "--decode-replicas", "3", "--grpc-address", "0.0.0.0:6000",
-        "--http-address", "0.0.0.0:9000"])
+        "--http-address", "0.0.0.0:9000", "--log-level", "info"])
     assert args.manifest == "my.yaml"
     assert ManifestOverrides.from_args(args) == ManifestOverrides(
         model="Qwen/Qwen2.5-0.5B", served_model_name="qwen", mode="colocated", prefill_replicas=2,
-        decode_replicas=3, grpc_address="0.0.0.0:6000", http_address="0.0.0.0:9000")
+        decode_replicas=3, grpc_address="0.0.0.0:6000", http_address="0.0.0.0:9000",
+        log_level="info")
     assert ManifestOverrides.from_args(build_parser().parse_args(["up"])) == ManifestOverrides()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--decode-replicas", "many"])
