@@ -37,7 +37,8 @@ SERVICE = "/pdserve.v1.PDServe/"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = make_model("tiny-llama", tmp_path_factory.mktemp("fuzz-api") / "tiny-llama", seed=0)
-    cluster = Cluster(manifest(model, "colocated"), log=lambda _: None)
+    one_worker = {"prefill": {"replicas": 0}, "decode": {"num_cpus": 0.5}}  # the API's answers need no more
+    cluster = Cluster(manifest(model, "colocated", pools=one_worker), log=lambda _: None)
     cluster.start()
     channel = grpc.insecure_channel(cluster.address)
     stub = pdserve_pb2_grpc.PDServeStub(channel)
