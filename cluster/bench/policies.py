@@ -18,7 +18,7 @@ Cluster: disaggregated, 4 prefill + 1 decode worker (deploy/local.yaml otherwise
 fractional Ray CPUs so that all of them fit the machine's cores (they share them, as they would share
 a node's accelerators). Each configuration is started once, warmed up, runs every trace, and is stopped.
 
-Workloads (the shared traces, first requests; greedy, EOS ignored, token-id prompts):
+Workloads (the shipped traces, first requests; greedy, EOS ignored, token-id prompts):
   mooncake    Mooncake synthetic trace, whole prefix groups (workload.prefix_group_sample), lengths /32
               so that one 512-token hash block is one 16-token KV block; prefix sharing only through
               the trace's hash_ids

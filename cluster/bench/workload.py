@@ -1,4 +1,4 @@
-"""Benchmark workloads: prompt/output lengths from the shared request traces, scaled to a small model.
+"""Benchmark workloads: prompt/output lengths from the shipped request traces, scaled to a small model.
 
 Traces (shipped in `traces/` beside this module, with their sources and licences in its README):
 Azure LLM inference CSVs (TIMESTAMP, ContextTokens,
