@@ -62,7 +62,7 @@ from typing import Any
 
 from pdserve.cluster.bench import serve as bench_serve
 from pdserve.cluster.bench.loadgen import GrpcClient, Request, poisson_arrivals, run_load, write_jsonl
-from pdserve.cluster.bench.report import plot_record, provenance
+from pdserve.cluster.bench.report import SMOKE_CAVEAT, plot_record, provenance
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -638,6 +638,8 @@ def _summary(cfg: PolicyBenchConfig, out: dict[str, Any], log: Callable[[str], N
                 continue
             log(f"  {c:28} " + " ".join(f"{cell:>{w}}" for cell, w in zip(_cells(f, g), widths)))
     log("\ntargets:")
+    if cfg.smoke:
+        log(f"  a smoke run (--quick): {SMOKE_CAVEAT}")
     for x in out["targets"]:
         verdict, measured = _verdict(x)
         log(f"  {verdict:4}  {x['trace']:10} {x['target']}: {measured} (target {x['threshold']:g})")

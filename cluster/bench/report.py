@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 # Section key -> (title, the module whose `markdown(results)` renders it); the page's order.
+# What a `--quick` run's figures are worth, said on its section of the page and beside its console summary.
+SMOKE_CAVEAT = "too few requests for its figures or ratios to mean anything; run without `--quick` for a measurement."
+
 SECTIONS: dict[str, tuple[str, str]] = {
     "engine": ("The engine against transformers' `generate`", "pdserve.cluster.bench.engine"),
     "kv": ("KV transfer: transports and codecs", "pdserve.cluster.bench.kv"),
@@ -98,8 +101,7 @@ def section(key: str, results: dict[str, Any], images: list[str] = ()) -> str:
     lines = [f"## {title}", "", f"`{p['command']}` on {p['machine']}, {p['date']}, commit "
              f"{p['commit'] or 'unknown (not run from a git checkout)'}."]
     if p.get("smoke"):
-        lines += ["", "**A smoke run (`--quick`)**: too few requests for its figures or ratios to mean anything; "
-                      "run without `--quick` for a measurement."]
+        lines += ["", f"**A smoke run (`--quick`)**: {SMOKE_CAVEAT}"]
     body = importlib.import_module(module).markdown(results)
     pictures = [f"![{Path(image).stem.removeprefix(key + '-').replace('_', ' ')}]({image})" for image in images]
     return "\n".join([*lines, "", body.strip(), *([""] + pictures if pictures else []), ""])

@@ -58,7 +58,7 @@ from pdserve.cluster.bench.loadgen import (
     trace_arrivals,
     write_jsonl,
 )
-from pdserve.cluster.bench.report import plot_record, provenance
+from pdserve.cluster.bench.report import SMOKE_CAVEAT, plot_record, provenance
 from pdserve.cluster.bench.serve_metrics import (
     Goodput,
     GoodputSearch,
@@ -776,6 +776,8 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     (cfg.out_dir / "results.json").write_text(json.dumps(out, indent=2))
 
     log("\ngoodput (req/s, >= 90% of requests within both objectives):")
+    if cfg.smoke:
+        log(f"  a smoke run (--quick): {SMOKE_CAVEAT}")
     for o in state["objectives"]:
         row = ", ".join(f"{r.name} {next((f'{g.rate:g}' for g in r.goodput if g.objective == o), 'failed')}"
                         for r in results)
