@@ -9,10 +9,10 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-# Before gRPC loads (the imports below load it): this process starts Ray's processes, and Ray forks
-# them (fork, then exec) while the router's gRPC threads may run; gRPC's fork handlers, which only a
-# child that goes on using gRPC needs, then log "skipping fork() handlers" for each. A value the user
-# set stands.
+# Before anything loads gRPC (the commands' own imports do; this module's must not): this process
+# starts Ray's processes, and Ray forks them (fork, then exec) while the router's gRPC threads may run;
+# gRPC's fork handlers, which only a child that goes on using gRPC needs, then log "skipping fork()
+# handlers" for each, and can hang the fork. A value the user set stands.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from pdserve.cluster.bench.cli import add_commands as add_bench_commands  # noqa: E402

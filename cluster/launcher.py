@@ -306,8 +306,8 @@ class _NotTheTokenAuthNotice(logging.Filter):
 @contextlib.contextmanager
 def _quiet_token_auth_notice() -> Iterator[None]:
     """Ray turns token authentication on for every new local instance and WARNs that it did, in every
-    start-up log, as if something were wrong. pdserve's local Ray always has it (docs/security.md), so
-    that one notice is dropped while pdserve starts its Ray; Ray's other warnings pass."""
+    start-up log, as if something were wrong. pdserve's local Ray has it unless `RAY_AUTH_MODE` says
+    otherwise (docs/observability.md, Logs), so that one notice is dropped while pdserve starts its Ray; Ray's other warnings pass."""
     source = logging.getLogger("ray._private.authentication.authentication_token_setup")
     notice = _NotTheTokenAuthNotice()
     source.addFilter(notice)
