@@ -30,14 +30,6 @@ HEAD_ENV = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
 pytestmark = pytest.mark.own_ray  # the driver joins the fake cluster, not the tests' shared Ray
 
 
-def alive_nodes(address: str) -> int:
-    ray.init(address=address, logging_level="ERROR")
-    try:
-        return sum(1 for n in ray.nodes() if n["Alive"])
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def ray_nodes(tmp_path_factory):
     """The fake cluster on a free port of its own (the provider's `gcs_address` tells its nodes where to
@@ -51,10 +43,14 @@ def ray_nodes(tmp_path_factory):
                     "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
                    tmp / "head.log", HEAD_ENV, timeout_s=START_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while alive_nodes(address) < NODES:  # the autoscaler launches the worker nodes it is configured to keep
-            assert time.monotonic() < deadline, f"the fake cluster did not reach {NODES} nodes"
-            time.sleep(1.0)
+        ray.init(address=address, logging_level="ERROR")  # joined once to watch the nodes come (a join costs ~1 s)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while sum(1 for n in ray.nodes() if n["Alive"]) < NODES:  # the autoscaler launches the worker nodes
+                assert time.monotonic() < deadline, f"the fake cluster did not reach {NODES} nodes"
+                time.sleep(0.5)
+        finally:
+            ray.shutdown()
         yield address
     finally:
         head.stop()

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from cluster_helpers import manifest, pdserve
+from cluster_helpers import install_gate, manifest, on_worker, open_gate, pdserve, worker
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -69,13 +69,20 @@ def test_health_answers_the_cluster_in_json(cluster):
 
 
 def test_health_shows_the_load_and_kv_a_request_puts_on_its_decode_worker(cluster):
-    with Client(cluster.address, timeout=60) as client:
-        stream = client.generate([9] * 200, stream=True, max_tokens=300, ignore_eos=True, temperature=0)
-        next(stream)  # decoding on decode-1 now
-        _, report = poll(cluster, lambda s, r: workers(r)["decode-1"]["requests"] == 1)
-        decode = workers(report)["decode-1"]
-        assert decode["kv_used"] > 0 and decode["kv_blocks_free"] < decode["kv_blocks_total"]
-        stream.close()
+    # The decode worker's engine steps wait at a gate: the request stays on it, its KV held, until the
+    # health report has shown it (a request decoded to its end between two reports would never show).
+    decode_worker = worker(cluster, "decode")
+    on_worker(decode_worker, install_gate, "engine.step")
+    try:
+        with Client(cluster.address, timeout=60) as client:
+            stream = client.generate([9] * 200, stream=True, max_tokens=300, ignore_eos=True, temperature=0)
+            next(stream)  # the prefill worker's token: the request is on decode-1 now
+            _, report = poll(cluster, lambda s, r: workers(r)["decode-1"]["requests"] == 1)
+            decode = workers(report)["decode-1"]
+            assert decode["kv_used"] > 0 and decode["kv_blocks_free"] < decode["kv_blocks_total"]
+            stream.close()
+    finally:
+        on_worker(decode_worker, open_gate)
     poll(cluster, lambda s, r: all(w["requests"] == 0 and w["kv_used"] == 0 for w in workers(r).values()))
 
 
