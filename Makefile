@@ -8,9 +8,12 @@ PYTHON ?= python3
 # added later needs `make install` again to be linked in.
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build. A torch that
 # is already importable (a GPU machine's own build) is left alone.
+# Then pdserve's bytecode, compiled once: a process that may not write it (PYTHONDONTWRITEBYTECODE, as
+# CI sets) would otherwise compile every module it imports, each Ray worker of a test cluster too.
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[server,test,bench]" --config-settings editable_mode=strict
+	$(PYTHON) -m compileall -q "$$($(PYTHON) -c 'import os, pdserve; print(os.path.dirname(pdserve.__file__))')"
 
 demo: install
 	pdserve demo

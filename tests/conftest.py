@@ -6,10 +6,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TEST_PRESETS, HFReference
 
 from pdserve.engine.models.presets import make_model
 from pdserve.router.event_loop import EventLoopThread
+
+# The tests' own torch work (transformers' reference outputs, in-process engines) on one thread, as each
+# worker of a test cluster runs: on the CI machine's two cores a second thread only competes with the
+# cluster's processes.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
