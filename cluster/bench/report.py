@@ -31,6 +31,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "kv": ("KV transfer: transports and codecs", "pdserve.cluster.bench.kv"),
     "cluster": ("Disaggregated against colocated at low load", "pdserve.cluster.bench.cluster"),
     "serve": ("Serving under load: goodput", "pdserve.cluster.bench.serve"),
+    "serve-long-prompts": ("Serving under load: goodput on long prompts", "pdserve.cluster.bench.serve"),
     "simulator": ("The cluster simulator against measured runs", "pdserve.cluster.bench.simulator"),
     "policies": ("Placement policies side by side", "pdserve.cluster.bench.policies"),
     "overload": ("Overload: a burst far past capacity", "pdserve.cluster.bench.overload"),

@@ -93,6 +93,9 @@ STREAMING = {
     "disaggregated-http": "one SSE event per engine step of the request (one token each), as gRPC sends one message",
 }
 CHUNKED_BUDGET = 256
+# A workload whose median prompt is this long or longer gets a section of its own on the docs page: which
+# deployment carries more flips with prompt length, so the short- and long-prompt tables stand side by side.
+LONG_PROMPTS_FROM = 400
 LOOP_KEYS = ("wall_s", "forward_s", "kv_s", "other_s")
 
 
@@ -516,7 +519,7 @@ def assemble(cfg: ServeBenchConfig, state: dict[str, Any], results: list[ConfigR
     prompt_lens = [s.prompt_len for s in workload.shapes]
     output_lens = [s.output_len for s in workload.shapes]
     return {
-        "benchmark": "serve",
+        "benchmark": "serve-long-prompts" if percentile(prompt_lens, 50) >= LONG_PROMPTS_FROM else "serve",
         "provenance": provenance(cfg.smoke),
         "software": software(),
         "model": {"name": cfg.model, "dir": str(model_dir), "max_model_len": cfg.max_model_len},

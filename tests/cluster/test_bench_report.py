@@ -10,6 +10,7 @@ from plan_helpers import synthetic_profile
 
 from pdserve.cluster import cli
 from pdserve.cluster.bench.report import SECTIONS, key_of, plot_record, provenance, publish
+from pdserve.cluster.bench.serve import LONG_PROMPTS_FROM
 
 KV_RESULTS = {
     "benchmark": "kv", "model": "pystd-llama", "kv_per_token_layer": "2 KV heads x 64, float32", "codecs": [],
@@ -86,7 +87,7 @@ def test_the_report_command_writes_a_results_file_into_the_page(tmp_path):
     assert "| tcp | 2,048 | 8 | 2.50 | 2.70 | 93% |" in page.read_text()
 
 
-def serve_results(tmp_path, other: str = "colocated-chunked") -> dict:
+def serve_results(tmp_path, other: str = "colocated-chunked", prompt_len: int = 40) -> dict:
     """A serve benchmark's results as `assemble` makes them: two deployments, two rates each."""
     from pdserve.cluster.bench.serve import ConfigResult, ServeBenchConfig, ServeWorkload, api_medians, assemble
     from pdserve.cluster.bench.serve_metrics import Goodput, Objective, RequestRecord
@@ -95,7 +96,7 @@ def serve_results(tmp_path, other: str = "colocated-chunked") -> dict:
     tight, loose = Objective("tight", 0.1, 0.02), Objective("loose", 0.3, 0.04)
 
     def run(name: str, rate: float, step_s: float) -> list[RequestRecord]:
-        return [RequestRecord(f"{name}-{i}", name, rate, i / rate, 40, 8, i / rate + 0.05,
+        return [RequestRecord(f"{name}-{i}", name, rate, i / rate, prompt_len, 8, i / rate + 0.05,
                               [i / rate + 0.05 + k * step_s for k in range(8)], i / rate + 0.05 + 7 * step_s, 8)
                 for i in range(10)]
 
@@ -110,7 +111,7 @@ def serve_results(tmp_path, other: str = "colocated-chunked") -> dict:
     if other == "disaggregated-http":  # its idle comparison: the same cluster one request at a time
         results[1].idle_apis = {"requests_per_api": 24, **api_medians(run("grpc", 1.0, 0.012), run("http", 1.0, 0.011))}
     cfg = ServeBenchConfig(configs=("disaggregated", other))
-    workload = ServeWorkload(tmp_path / "azure2023_conv.csv", [TraceRequest(0.0, 40, 8)] * 10, None, 0)
+    workload = ServeWorkload(tmp_path / "azure2023_conv.csv", [TraceRequest(0.0, prompt_len, 8)] * 10, None, 0)
     out = assemble(cfg, {"objectives": [tight, loose], "calibration": None}, results, tmp_path, workload, 2.0)
     plot, replaced = tmp_path / "attainment.png", tmp_path / "latency_cdf.png"
     plot.write_bytes(b"\x89PNG not really")
@@ -134,6 +135,19 @@ def test_the_serve_benchmark_writes_its_goodput_table_and_plots(tmp_path):
     # A plot no longer there, or replaced by a later run's, is not shown.
     assert "![attainment](img/serve-attainment.png)" in text and "gone" not in text and "latency" not in text
     assert (page.parent / "img" / "serve-attainment.png").read_bytes() == b"\x89PNG not really"
+
+
+def test_long_prompts_get_a_goodput_section_of_their_own_beside_the_short_ones(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    short, long = serve_results(tmp_path), serve_results(tmp_path, prompt_len=LONG_PROMPTS_FROM)
+    assert (key_of(short), key_of(long)) == ("serve", "serve-long-prompts")
+    publish(page, key_of(long), long)
+    publish(page, key_of(short), short)  # goes before it, as the page orders them
+    text = page.read_text()
+    assert text.index("## Serving under load: goodput\n") < text.index("## Serving under load: goodput on long prompts")
+    assert "prompts mean 40 tokens" in text and f"prompts mean {LONG_PROMPTS_FROM} tokens" in text
+    publish(page, key_of(long), long)  # in place of the long one: the short one stays
+    assert page.read_text() == text
 
 
 def test_the_serve_benchmark_shows_the_http_layers_cost_when_both_apis_ran(tmp_path):
