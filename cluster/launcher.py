@@ -17,8 +17,10 @@ from transformers import AutoConfig
 
 from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
+from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
 from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
 from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
+from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.models.presets import resolve_model
@@ -56,6 +58,7 @@ class Cluster:
         self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
         self._snapshots = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-snapshot")
         self._supervisor: Supervisor | None = None
+        self._stored_costs: dict[tuple[int, str], StepCost] = {}  # a stored profile's, by (threads, device)
         # Made here, handed to the workers in their actor arguments (so a restarted worker has it too).
         self._secret = ClusterSecret.generate() if manifest.security.cluster_secret else None
         self.audit: IdleAudit | None = None  # proof that the pools are fully free whenever the cluster idles
@@ -80,12 +83,14 @@ class Cluster:
         host = "127.0.0.1" if local else ray.util.get_node_ip_address()
         stack = self.router_stack = RouterStack(m, host, self._secret, self._request_snapshot)
         self.log(f"router: token stream on {stack.tokens.address}, KV events on {stack.kv_events.address}")
+        self._stored_costs = self._stored_step_costs(Path(model_dir))
 
         for role, name, spec in m.workers():  # each kept as made: a failed spawn leaves none behind (`stop`)
             self.workers.append(self._spawn(role, name, spec, source))
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
         self._wait_ready(ready_timeout_s)
-        self.log("profiling prompt passes, one worker at a time ...")
+        if any(self._stored_cost(spec) is None for _, _, spec in m.workers()):
+            self.log("profiling prompt passes, one worker at a time ...")
         for w in self.workers:
             w.status = ray.get(w.handle.profile.remote(), timeout=ready_timeout_s)
 
@@ -149,7 +154,8 @@ class Cluster:
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=spec.max_restarts,
         )
         stack = self.router_stack
-        args: list[Any] = [name, model, m.engine_config(spec), stack.tokens.address, self._transfer_settings()]
+        engine_config = {**m.engine_config(spec), "stored_step_cost": self._stored_cost(spec)}
+        args: list[Any] = [name, model, engine_config, stack.tokens.address, self._transfer_settings()]
         kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name),
                                   "log_level": m.log_level}
         if cls is PrefillWorker:
@@ -160,6 +166,29 @@ class Cluster:
                           long_chunk_tokens=r.long_prompt_chunk_tokens)
         return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode",
                          handle=actor.remote(*args, **kwargs))
+
+    def _stored_step_costs(self, model_dir: Path) -> dict[tuple[int, str], StepCost]:
+        """The prompt-pass costs a stored profile holds, by (threads, device), as the manifest's `profile`
+        says: `auto` finds this model's on this machine (a local cluster's workers run here), a path is
+        read and must be of this model; {} (`measure`, or nothing found): the workers measure theirs."""
+        m = self.manifest
+        if m.profile == "measure" or (m.profile == "auto" and m.ray.address != "local"):
+            return {}
+        if m.profile == "auto":
+            found = find_stored_profile(m.model, model_dir, m.dtype, machine())
+            if found is None:
+                return {}
+            stored, path = found
+        else:
+            path = Path(m.profile).expanduser()
+            stored = HardwareProfile.load(path)
+            check_profile(stored, m, path, model_digest(model_dir))
+        self.log(f"prompt-pass costs of {sorted(stored.workers)} thread(s) from the profile {path} (measured "
+                 f"{stored.created or 'at an unknown time'} on {stored.hardware}); `profile: measure` measures them")
+        return {(threads, stored.device): costs.prefill for threads, costs in stored.workers.items()}
+
+    def _stored_cost(self, spec: PoolSpec) -> StepCost | None:
+        return self._stored_costs.get((spec.threads, self.manifest.engine_config(spec)["device"]))
 
     def _transfer_settings(self) -> TransferSettings:
         m = self.manifest
@@ -307,7 +336,8 @@ class _NotTheTokenAuthNotice(logging.Filter):
 def _quiet_token_auth_notice() -> Iterator[None]:
     """Ray turns token authentication on for every new local instance and WARNs that it did, in every
     start-up log, as if something were wrong. pdserve's local Ray has it unless `RAY_AUTH_MODE` says
-    otherwise (docs/observability.md, Logs), so that one notice is dropped while pdserve starts its Ray; Ray's other warnings pass."""
+    otherwise (docs/observability.md, Logs), so that one notice is dropped while pdserve starts its Ray;
+    Ray's other warnings pass."""
     source = logging.getLogger("ray._private.authentication.authentication_token_setup")
     notice = _NotTheTokenAuthNotice()
     source.addFilter(notice)

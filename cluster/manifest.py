@@ -396,6 +396,13 @@ class Manifest(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Requests in one worker's running batch at most.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens one engine step computes at most (the step "
                                                                 "budget).")
+    profile: str = Field(
+        "auto", min_length=1,
+        description="Where the workers' prompt-pass costs (the router's cost model starts from them) come from. "
+                    "auto: the stored `pdserve profile` of this model on this machine, where a local cluster finds "
+                    "one (workers with the profile's thread counts then start without measuring), else measured at "
+                    "start-up; measure: always measured at start-up; or the path of a profile file, for every "
+                    "worker whose thread count it measured.")
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: prefill and decode pools, KV moved between them; colocated: "
                                      "every worker runs both phases.")

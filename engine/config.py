@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.cost_model import StepCost
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,6 +25,9 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # None: a prompt may take the whole step budget
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # The prompt-pass costs a stored profile measured for this model, threads and machine: the start-up
+    # profile takes them instead of measuring (`engine.profiler.profile_prefill`); None: measure.
+    stored_step_cost: StepCost | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

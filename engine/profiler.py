@@ -56,9 +56,15 @@ class _HidingListener:
 def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
                     lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> Profile:
     """Measure prompt passes; feed them to `engine.step_costs` when every length has its sample.
-    Outputs of the engine's other requests go to `on_outputs`."""
+    Outputs of the engine's other requests go to `on_outputs`. An engine given a stored profile's costs
+    (`EngineConfig.stored_step_cost`) is fed passes computed from them instead, and nothing runs."""
     limit = min(engine.config.chunk_limit, engine.max_model_len - 1)
     lengths = tuple(sorted({min(n, limit) for n in lengths}))
+    stored = engine.config.stored_step_cost
+    if stored is not None:  # a stored profile's fit: its passes at these lengths are the anchors
+        samples = [(n, n * n, stored.prefill_s(n)) for n in lengths]
+        engine.step_costs.add_profile(samples)
+        return Profile(samples, complete=True)
     rng = random.Random(seed)
     pool = engine.pool
     ours: set[bytes] = set()  # block hashes of the profile's prompts

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
-import platform
 import re
 import shlex
 import shutil
@@ -21,6 +19,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from pdserve.cluster.plan.costs import machine
 
 # Section key -> (title, the module whose `markdown(results)` renders it); the page's order.
 # What a `--quick` run's figures are worth, said on its section of the page and beside its console summary.
@@ -57,26 +57,6 @@ def provenance(quick: bool = False) -> dict[str, Any]:
     command = shlex.join(["pdserve" if program in ("pdserve", "cli.py") else program, *sys.argv[1:]])
     return {"command": command, "machine": machine(), "commit": commit(), "smoke": quick,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-def machine() -> str:
-    """"2 cores (Intel Xeon ...), 23 GiB, no GPU": what the figures depend on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    gpu = "no GPU"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, {gpu}"
 
 
 def commit() -> str:

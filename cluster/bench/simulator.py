@@ -178,10 +178,8 @@ def _ms(seconds: float | None) -> str:
 def run(cfg: SimulatorBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from pdserve.cluster.bench.report import machine
     from pdserve.cluster.manifest import load_manifest
-    from pdserve.cluster.plan.cli import check_profile, default_profile_path
-    from pdserve.cluster.plan.costs import HardwareProfile
+    from pdserve.cluster.plan.costs import HardwareProfile, check_profile, default_profile_path, machine
     from pdserve.engine.model_store import model_digest
     from pdserve.engine.models.presets import resolve_model
 

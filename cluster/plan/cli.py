@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +13,6 @@ from pdserve.cluster.bench.workload import DEFAULT_TRACE
 from pdserve.cluster.cli_help import examples
 
 NEAR_TIE = 0.25  # predicted goodputs this close to the best are named beside it
-
-
-def default_profile_path(model: str, model_digest: str, hardware: str) -> Path:
-    """Where a model's profile on this kind of machine is kept: beside the model cache, keyed by the
-    model's digest and the machine's description."""
-    from pdserve.engine.models.presets import default_cache_dir
-
-    machine = hashlib.sha256(hardware.encode()).hexdigest()[:12]
-    name = Path(model).name or "model"
-    return default_cache_dir().parent / "profiles" / f"{name}-{model_digest[:12]}-{machine}.json"
 
 
 def _base_manifest(args: argparse.Namespace) -> Any:
@@ -47,7 +36,7 @@ def _model_digest(manifest: Any) -> str:
 
 
 def _profile_path(args: argparse.Namespace, manifest: Any, digest: str) -> Path:
-    from pdserve.cluster.bench.report import machine
+    from pdserve.cluster.plan.costs import default_profile_path, machine
 
     return Path(args.profile) if args.profile else default_profile_path(manifest.model, digest, machine())
 
@@ -67,21 +56,10 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_profile(profile: Any, manifest: Any, path: Path, digest: str) -> None:
-    """A profile of another model (`digest`: the manifest's model's), or of another dtype, predicts
-    nothing about this one; ValueError."""
-    if profile.model_digest != digest:
-        raise ValueError(f"the profile {path} is of another model ({profile.model}, digest "
-                         f"{profile.model_digest[:12]}) "
-                         f"than {manifest.model} (digest {digest[:12]}): profile this one (`pdserve profile`)")
-    if profile.dtype != manifest.dtype:
-        raise ValueError(f"the profile {path} measured {profile.dtype}, the manifest serves {manifest.dtype}")
-
-
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.serve_metrics import Objective
     from pdserve.cluster.bench.workload import check_azure_trace, find_trace, load_azure_trace, scale_requests
-    from pdserve.cluster.plan.costs import HardwareProfile
+    from pdserve.cluster.plan.costs import HardwareProfile, check_profile
     from pdserve.cluster.plan.planner import plan, plot_frontier, write_manifest
 
     if args.slo_ttft <= 0 or args.slo_tpot <= 0 or args.cpus < 1 or (args.rate is not None and args.rate <= 0):

@@ -12,12 +12,19 @@ A worker's step is timed from two measured parts, because on a CPU they do not a
 A step that mixes both costs the decode table's time plus the prompt part's marginal cost (b·N + c·Q,
 its fixed cost already paid), times the ratio of measured mixed steps to that sum (`mixed_scale`:
 on 2 cores, mixed steps cost about a fifth more than their parts).
+
+A profile is stored beside the model cache, keyed by the model's digest and the machine
+(`default_profile_path`); a local cluster's workers take their prompt-pass costs from it instead of
+measuring them at start-up (`find_stored_profile`; the manifest's `profile`).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import os
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +107,7 @@ class HardwareProfile:
 
     model: str
     model_digest: str
-    hardware: str  # `cluster.bench.report.machine()`
+    hardware: str  # `machine()`
     dtype: str
     block_size: int
     kv_bytes_per_token: int
@@ -115,6 +122,7 @@ class HardwareProfile:
     step_overhead_per_seq_s: float = 0.0  # ... and this per sequence decoding in it
     router_cpu_s_per_token: float = 0.0  # CPU the router and its clients spend per output token
     cores: int = 0  # the machine's (0: not known)
+    device: str = "cpu"  # where its engines ran ("cuda" for a GPU pool's)
     checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
     created: str = ""
 
@@ -165,3 +173,68 @@ class HardwareProfile:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"cannot read the profile {path}: {e}") from None
+
+
+def machine() -> str:
+    """"2 cores (Intel Xeon ...), 23 GiB, no GPU": what costs depend on (a profile's key, and every
+    benchmark figure's provenance)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = "no GPU"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, {gpu}"
+
+
+def default_profile_path(model: str, model_digest: str, hardware: str) -> Path:
+    """Where a model's profile on this kind of machine is kept: beside the model cache, keyed by the
+    model's digest and the machine's description."""
+    from pdserve.engine.models.presets import default_cache_dir
+
+    name = f"{_profile_stem(model)}-{model_digest[:12]}-{_machine_key(hardware)}.json"
+    return default_cache_dir().parent / "profiles" / name
+
+
+def find_stored_profile(model: str, model_dir: Path, dtype: str, hardware: str) -> tuple[HardwareProfile, Path] | None:
+    """`pdserve profile`'s stored profile of this model (these files' bytes) in `dtype` on `hardware`, and
+    where it is; None when there is none. The model is hashed only when a profile of its name is there."""
+    from pdserve.engine.model_store import model_digest
+
+    folder = default_profile_path(model, "", hardware).parent
+    candidates = sorted(folder.glob(f"{_profile_stem(model)}-*-{_machine_key(hardware)}.json"))
+    if not candidates:
+        return None
+    path = default_profile_path(model, model_digest(model_dir), hardware)
+    if path not in candidates:
+        return None
+    stored = HardwareProfile.load(path)
+    return (stored, path) if stored.dtype == dtype else None
+
+
+def check_profile(profile: Any, manifest: Any, path: Path, digest: str) -> None:
+    """A profile of another model (`digest`: the manifest's model's), or of another dtype, predicts
+    nothing about this one; ValueError."""
+    if profile.model_digest != digest:
+        raise ValueError(f"the profile {path} is of another model ({profile.model}, digest "
+                         f"{profile.model_digest[:12]}) "
+                         f"than {manifest.model} (digest {digest[:12]}): profile this one (`pdserve profile`)")
+    if profile.dtype != manifest.dtype:
+        raise ValueError(f"the profile {path} measured {profile.dtype}, the manifest serves {manifest.dtype}")
+
+
+def _profile_stem(model: str) -> str:
+    return Path(model).name or "model"
+
+
+def _machine_key(hardware: str) -> str:
+    return hashlib.sha256(hardware.encode()).hexdigest()[:12]

@@ -235,6 +235,7 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     data["kv_transfer"]["transport"] = transport
     data["router"]["local_prefill_tokens"] = 0  # every prompt hands its KV off: that is what is measured
     data["server"].update(address="127.0.0.1:0", http_address=None)
+    data["profile"] = "measure"  # a profile stored earlier must not stand in for what is measured again here
     m = type(manifest).model_validate(data)
     rng = random.Random(seed)
     dispatch, setup, delivery, overhead, handoffs = [], [], [], [], []
@@ -297,7 +298,7 @@ def _cpu_share_idle(seconds: float = 1.0) -> float:
 
 def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...], seed: int = 0,
             log: Callable[[str], None] = print) -> HardwareProfile:
-    from pdserve.cluster.bench.report import machine
+    from pdserve.cluster.plan.costs import machine
     from pdserve.cluster.bench.serve import kv_bytes_per_token
     from pdserve.engine.model_store import model_digest
     from pdserve.engine.models.presets import resolve_model
@@ -325,5 +326,5 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
         step_overhead_s=serving.step_overhead_s if serving else 0.0,
         step_overhead_per_seq_s=serving.step_overhead_per_seq_s if serving else 0.0,
         router_cpu_s_per_token=serving.router_cpu_s_per_token if serving else 0.0, cores=os.cpu_count() or 0,
-        checks=checks,
+        device=engine_config["device"], checks=checks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -11,16 +11,21 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from cluster_helpers import manifest as small_cluster_manifest
 from plan_helpers import synthetic_profile
 
 from pdserve.cluster.bench.serve_metrics import Goodput, Objective, summarize
 from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
-from pdserve.cluster.plan.costs import DecodeTable, HardwareProfile, TransferCost, WorkerCosts
+from pdserve.client import Client
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.plan.costs import (DecodeTable, HardwareProfile, TransferCost, WorkerCosts, default_profile_path,
+                                        find_stored_profile, machine)
 from pdserve.cluster.plan.planner import Candidate, Evaluated, Infeasible, candidates, choose, plan, tunings
 from pdserve.cluster.plan.profiler import profile_engine
 from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
 from pdserve.engine.cost_model import StepCost
+from pdserve.engine.model_store import model_digest
 from pdserve.engine.llm_engine import StepStats
 from pdserve.wire import LifetimeEvent
 
@@ -243,6 +248,55 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
     (tmp_path / "old.json").write_text('{"format": 0}')
     with pytest.raises(ValueError, match="pdserve profile"):
         HardwareProfile.load(tmp_path / "old.json")
+
+
+def stored_profile_of(model_dir, hardware: str) -> HardwareProfile:
+    return replace(synthetic_profile(StepCost(0.004, 2e-5, 3e-9)), model=model_dir.name,
+                   model_digest=model_digest(model_dir), hardware=hardware)
+
+
+def test_a_stored_profile_is_found_only_for_these_model_bytes_this_machine_and_dtype(tmp_path, monkeypatch,
+                                                                                       model_dirs):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = model_dirs["tiny-llama"]
+    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") is None
+    profile = stored_profile_of(model_dir, "this machine")
+    of_other_bytes = replace(profile, model_digest="f" * 64)  # the same name, another checkpoint
+    of_other_bytes.save(default_profile_path("tiny-llama", of_other_bytes.model_digest, "this machine"))
+    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") is None
+    path = default_profile_path("tiny-llama", profile.model_digest, "this machine")
+    profile.save(path)
+    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") == (profile, path)
+    assert find_stored_profile("tiny-llama", model_dir, "bfloat16", "this machine") is None
+    assert find_stored_profile("tiny-llama", model_dir, "float32", "another machine") is None
+
+
+def test_a_cluster_takes_its_workers_prompt_costs_from_a_stored_profile_instead_of_measuring(model_dirs, tmp_path,
+                                                                                              monkeypatch):
+    """Found where `pdserve profile` stores it (`profile: auto`, the default); a file named by the
+    manifest must be of its model."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = model_dirs["tiny-llama"]
+    one_worker = {"prefill": {"replicas": 0}, "decode": {"num_cpus": 0.5}}
+    stored = stored_profile_of(model_dir, machine())
+    of_another_model = tmp_path / "another.json"
+    replace(stored, model_digest="0" * 64).save(of_another_model)
+    with pytest.raises(ValueError, match="is of another model"):  # refused before any worker starts
+        Cluster(small_cluster_manifest(model_dir, "colocated", pools=one_worker, profile=str(of_another_model)),
+                log=lambda _: None).start()
+    path = default_profile_path(model_dir.name, stored.model_digest, machine())
+    stored.save(path)
+    lines: list[str] = []
+    m = small_cluster_manifest(model_dir, "colocated", pools=one_worker)
+    assert m.profile == "auto"
+    with Cluster(m, log=lines.append) as cluster:
+        assert any(f"from the profile {path}" in line for line in lines), lines
+        assert not any("profiling prompt passes" in line for line in lines), lines
+        (worker,) = cluster.workers
+        known, reported = stored.workers[1].prefill, worker.status.step_cost  # what the router's cost model reads
+        assert [reported.a, reported.b, reported.c] == pytest.approx([known.a, known.b, known.c], rel=1e-6)
+        with Client(cluster.address, timeout=60) as client:
+            assert len(client.generate([5] * 30, max_tokens=4, ignore_eos=True).token_ids) == 4
 
 
 # --- the planner --------------------------------------------------------------------------------------

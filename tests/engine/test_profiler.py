@@ -1,12 +1,15 @@
-"""The start-up profile on an engine that already holds requests (a worker restarted under load)."""
+"""The start-up profile on an engine that already holds requests (a worker restarted under load), and
+on one given a stored profile's costs."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import random_prompts
 from helpers import assert_pool_idle, drain
 
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.cost_model import StepCost
 from pdserve.engine.profiler import profile_prefill
 
 ARCH = "tiny-llama"
@@ -69,3 +72,12 @@ def test_the_profile_gives_up_a_prompt_that_held_blocks_leave_no_room_for(model_
     assert list(engine.requests) == [held] and engine.pool.num_free == free_before
     engine.release(held)
     assert_pool_idle(engine)
+
+
+def test_an_engine_given_a_stored_profiles_costs_starts_from_them_without_running_a_pass(model_dirs):
+    stored = StepCost(a=0.004, b=2e-5, c=3e-9)
+    engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, stored_step_cost=stored))
+    profile = profile_prefill(engine, lambda outputs: None)
+    assert profile.complete and engine.last_step.total_s == 0  # no step ran
+    fitted = engine.step_costs.coefficients
+    assert [fitted.a, fitted.b, fitted.c] == pytest.approx([stored.a, stored.b, stored.c], rel=1e-6)
