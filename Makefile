@@ -13,7 +13,7 @@ PYTHON ?= python3
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[server,test,bench]" --config-settings editable_mode=strict
-	$(PYTHON) -m compileall -q "$$($(PYTHON) -c 'import os, pdserve; print(os.path.dirname(pdserve.__file__))')"
+	$(PYTHON) -c "import compileall, os, sys, pdserve; sys.exit(not compileall.compile_dir(os.path.dirname(pdserve.__file__), quiet=1))"
 
 demo: install
 	pdserve demo

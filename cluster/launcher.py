@@ -169,23 +169,37 @@ class Cluster:
 
     def _stored_step_costs(self, model_dir: Path) -> dict[tuple[int, str], StepCost]:
         """The prompt-pass costs a stored profile holds, by (threads, device), as the manifest's `profile`
-        says: `auto` finds this model's on this machine (a local cluster's workers run here), a path is
-        read and must be of this model; {} (`measure`, or nothing found): the workers measure theirs."""
+        says: `auto` finds this model's on this machine (a local cluster's workers run here) and passes
+        over one it cannot use, a path names one that must be of this model; {} (`measure`, or nothing
+        found): the workers measure theirs."""
         m = self.manifest
         if m.profile == "measure" or (m.profile == "auto" and m.ray.address != "local"):
             return {}
         if m.profile == "auto":
-            found = find_stored_profile(m.model, model_dir, m.dtype, machine())
+            found = find_stored_profile(m.model, model_dir, machine())
             if found is None:
                 return {}
-            stored, path = found
+            path, digest = found
         else:
-            path = Path(m.profile).expanduser()
+            path, digest = Path(m.profile).expanduser(), model_digest(model_dir)
+        try:
             stored = HardwareProfile.load(path)
-            check_profile(stored, m, path, model_digest(model_dir))
-        self.log(f"prompt-pass costs of {sorted(stored.workers)} thread(s) from the profile {path} (measured "
-                 f"{stored.created or 'at an unknown time'} on {stored.hardware}); `profile: measure` measures them")
-        return {(threads, stored.device): costs.prefill for threads, costs in stored.workers.items()}
+            check_profile(stored, m, path, digest)
+        except ValueError as e:
+            if m.profile != "auto":
+                raise
+            self.log(f"passing over the stored profile: {e}; the workers measure their prompt passes")
+            return {}
+        costs = {(threads, stored.device): c.prefill for threads, c in stored.workers.items()}
+        used = sorted({s.threads for _, _, s in m.workers() if (s.threads, m.engine_config(s)["device"]) in costs})
+        measured = f"measured {stored.created or 'at an unknown time'} on {stored.hardware}"
+        if used:
+            self.log(f"prompt-pass costs for workers of {used} thread(s) from the profile {path} ({measured}); "
+                     "`profile: measure` measures them instead")
+        else:
+            self.log(f"the profile {path} ({measured}) has no costs for these workers' thread counts and device "
+                     f"({stored.device or 'not recorded'}): they measure their prompt passes")
+        return costs
 
     def _stored_cost(self, spec: PoolSpec) -> StepCost | None:
         return self._stored_costs.get((spec.threads, self.manifest.engine_config(spec)["device"]))

@@ -448,6 +448,15 @@ class Manifest(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _profile_there(self) -> "Manifest":
+        # A path checked on a local cluster only, as the TLS files are; a misspelt keyword reads as a path.
+        path = Path(self.profile).expanduser()
+        if self.profile not in ("auto", "measure") and self.ray.address == "local" and not path.is_file():
+            raise ValueError(f"profile: no profile file at {str(path)!r} (auto, measure, or the path of a file "
+                             f"`pdserve profile` wrote)")
+        return self
+
+    @model_validator(mode="after")
     def _float16_on_gpus(self) -> "Manifest":
         cpu_pools = [name for _, name, spec in self.workers() if spec.num_gpus == 0]
         if self.dtype == "float16" and cpu_pools:

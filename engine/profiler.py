@@ -57,14 +57,13 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
                     lengths: tuple[int, ...] = PROFILE_LENGTHS, seed: int = 0) -> Profile:
     """Measure prompt passes; feed them to `engine.step_costs` when every length has its sample.
     Outputs of the engine's other requests go to `on_outputs`. An engine given a stored profile's costs
-    (`EngineConfig.stored_step_cost`) is fed passes computed from them instead, and nothing runs."""
+    (`EngineConfig.stored_step_cost`) runs one warm-up pass only (a first pass pays one-off set-up that
+    would otherwise land on the first request) and is fed passes computed from those costs."""
     limit = min(engine.config.chunk_limit, engine.max_model_len - 1)
     lengths = tuple(sorted({min(n, limit) for n in lengths}))
     stored = engine.config.stored_step_cost
-    if stored is not None:  # a stored profile's fit: its passes at these lengths are the anchors
-        samples = [(n, n * n, stored.prefill_s(n)) for n in lengths]
-        engine.step_costs.add_profile(samples)
-        return Profile(samples, complete=True)
+    # (prompt length, kept as a sample): each length's first pass is a warm-up
+    passes = [(lengths[0], False)] if stored is not None else [(n, r > 0) for n in lengths for r in range(ROUNDS)]
     rng = random.Random(seed)
     pool = engine.pool
     ours: set[bytes] = set()  # block hashes of the profile's prompts
@@ -72,23 +71,21 @@ def profile_prefill(engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]
     if listener is not None:
         pool.listener = _HidingListener(listener, ours)
     samples: list[tuple[int, int, float]] = []
-    measured = 0  # lengths with a sample
     request_id: str | None = None
     try:
-        for n in lengths:
-            for round_ in range(ROUNDS):
-                prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
-                ours.update(hash_prompt_blocks(prompt, engine.config.block_size))
-                request_id = engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
-                kept = list(_prefill_alone(engine, request_id, n, on_outputs, keep=round_ > 0))
-                samples += kept
-                measured += bool(kept)
+        for n, keep in passes:
+            prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
+            ours.update(hash_prompt_blocks(prompt, engine.config.block_size))
+            request_id = engine.add_request(prompt, SamplingParams.greedy(max_tokens=1))  # ends at its first token
+            samples += _prefill_alone(engine, request_id, n, on_outputs, keep=keep)
     finally:
         if request_id is not None:
             engine.abort_request(request_id)  # still there only when a step or `on_outputs` failed
         pool.forget_cached(ours)  # their blocks are free: every profile prompt has finished or failed
         pool.listener = listener
-    profile = Profile(samples, complete=measured == len(lengths))
+    if stored is not None:  # the stored fit's passes at these lengths are the anchors
+        samples = [(n, n * n, stored.prefill_s(n)) for n in lengths]
+    profile = Profile(samples, complete={n for n, _, _ in samples} == set(lengths))
     if profile.complete:  # a partial one would weigh the lengths a busy engine let through twice, when redone
         engine.step_costs.add_profile(samples)
     return profile

@@ -193,7 +193,9 @@ def manifest_for(name: str, cfg: ServeBenchConfig) -> dict[str, Any]:
     from pdserve.cluster.manifest import DEFAULT_MANIFEST
 
     data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
-    data.update(model=cfg.model, max_model_len=cfg.max_model_len)
+    # Workers measure their own prompt passes: a stored profile (the simulator's input, which the
+    # simulator benchmark compares against these runs) must not stand in for what is measured here.
+    data.update(model=cfg.model, max_model_len=cfg.max_model_len, profile="measure")
     data["server"].update(address="127.0.0.1:0", http_address="127.0.0.1:0")
     if name == "disaggregated-1p2d":  # threads need not match cores: the prefill worker is mostly idle
         data["pools"]["prefill"].update(num_cpus=0.5)

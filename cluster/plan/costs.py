@@ -21,6 +21,7 @@ measuring them at start-up (`find_stored_profile`; the manifest's `profile`).
 from __future__ import annotations
 
 import bisect
+import glob
 import hashlib
 import json
 import os
@@ -122,7 +123,7 @@ class HardwareProfile:
     step_overhead_per_seq_s: float = 0.0  # ... and this per sequence decoding in it
     router_cpu_s_per_token: float = 0.0  # CPU the router and its clients spend per output token
     cores: int = 0  # the machine's (0: not known)
-    device: str = "cpu"  # where its engines ran ("cuda" for a GPU pool's)
+    device: str = ""  # where its engines ran, "cpu" or "cuda" ("": a profile made before this was recorded)
     checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
     created: str = ""
 
@@ -150,8 +151,11 @@ class HardwareProfile:
         return {"format": PROFILE_FORMAT, **asdict(self)}
 
     def save(self, path: Path) -> None:
+        """Whole or not at all: a cluster starting meanwhile may read it (`find_stored_profile`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(partial, path)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "HardwareProfile":
@@ -170,8 +174,11 @@ class HardwareProfile:
     @classmethod
     def load(cls, path: Path) -> "HardwareProfile":
         try:
-            return cls.from_json(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            return cls.from_json(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
             raise ValueError(f"cannot read the profile {path}: {e}") from None
 
 
@@ -205,20 +212,17 @@ def default_profile_path(model: str, model_digest: str, hardware: str) -> Path:
     return default_cache_dir().parent / "profiles" / name
 
 
-def find_stored_profile(model: str, model_dir: Path, dtype: str, hardware: str) -> tuple[HardwareProfile, Path] | None:
-    """`pdserve profile`'s stored profile of this model (these files' bytes) in `dtype` on `hardware`, and
-    where it is; None when there is none. The model is hashed only when a profile of its name is there."""
+def find_stored_profile(model: str, model_dir: Path, hardware: str) -> tuple[Path, str] | None:
+    """Where `pdserve profile` stored a profile of this model (these files' bytes) on `hardware`, and the
+    model's digest; None when there is none. The model is hashed only when a profile of its name is there."""
     from pdserve.engine.model_store import model_digest
 
     folder = default_profile_path(model, "", hardware).parent
-    candidates = sorted(folder.glob(f"{_profile_stem(model)}-*-{_machine_key(hardware)}.json"))
-    if not candidates:
+    if not any(folder.glob(f"{glob.escape(_profile_stem(model))}-*-{_machine_key(hardware)}.json")):
         return None
-    path = default_profile_path(model, model_digest(model_dir), hardware)
-    if path not in candidates:
-        return None
-    stored = HardwareProfile.load(path)
-    return (stored, path) if stored.dtype == dtype else None
+    digest = model_digest(model_dir)
+    path = default_profile_path(model, digest, hardware)
+    return (path, digest) if path.is_file() else None
 
 
 def check_profile(profile: Any, manifest: Any, path: Path, digest: str) -> None:

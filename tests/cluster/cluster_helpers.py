@@ -223,22 +223,34 @@ class RayNode:
         after a short grace period is killed. (SIGTERM to `ray start` alone left the raylets a fake
         multi-node autoscaler started running, and `ray start` itself then waited on Ray processes that
         ignore SIGTERM: a teardown took 20 s.)"""
+        started: list[psutil.Process] = []
         try:
-            node = psutil.Process(self.process.pid)
-            started = [node, *node.children(recursive=True)]
+            for signal_to_send, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 15.0)):
+                started += [p for p in _tree(self.process.pid, started) if p not in started]  # any started since
+                for p in _running(started):
+                    try:
+                        p.send_signal(signal_to_send)
+                    except psutil.NoSuchProcess:
+                        pass
+                deadline = time.monotonic() + grace_s
+                while _running(started) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            self.process.wait(timeout=30)
+        finally:
+            self._log.close()
+
+
+def _tree(pid: int, known: list[psutil.Process]) -> list[psutil.Process]:
+    """The process `pid` and every process under it, and under those of `known` still running (a
+    process whose parent has gone is re-parented, out of `pid`'s tree)."""
+    tree = []
+    for root in [pid, *(p.pid for p in _running(known))]:
+        try:
+            process = psutil.Process(root)
+            tree += [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
-            started = []
-        for signal_to_send, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 15.0)):
-            for p in _running(started):
-                try:
-                    p.send_signal(signal_to_send)
-                except psutil.NoSuchProcess:
-                    pass
-            deadline = time.monotonic() + grace_s
-            while _running(started) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        self.process.wait(timeout=30)
-        self._log.close()
+            pass
+    return tree
 
 
 def _running(processes: list[psutil.Process]) -> list[psutil.Process]:

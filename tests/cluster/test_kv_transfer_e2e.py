@@ -286,6 +286,14 @@ def slow_first_layer_with_threshold(self, layerwise_min_tokens: int | None) -> N
         if layer == 0:
             time.sleep(1.0)
         original(layer, chunks)
+        # A layer-by-layer transfer sends its first layer while the pass goes on: the pass waits here
+        # until that frame has left (bounded), since on a tiny model the rest of the pass takes less
+        # time than the sender's thread may take to wake.
+        jobs = [self._jobs.get(c.seq.request_id) for c in chunks if len(c.seq.prompt_token_ids) >= layerwise_min_tokens]
+        streaming = [job.kv for job in jobs if job is not None and job.kv is not None]
+        deadline = time.monotonic() + 10
+        while layer == 0 and not all("first_frame" in kv.times for kv in streaming) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=layerwise_min_tokens)
     self.engine.runner.layer_hook = slow

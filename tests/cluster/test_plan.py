@@ -252,23 +252,42 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
 
 def stored_profile_of(model_dir, hardware: str) -> HardwareProfile:
     return replace(synthetic_profile(StepCost(0.004, 2e-5, 3e-9)), model=model_dir.name,
-                   model_digest=model_digest(model_dir), hardware=hardware)
+                   model_digest=model_digest(model_dir), hardware=hardware, device="cpu")
 
 
-def test_a_stored_profile_is_found_only_for_these_model_bytes_this_machine_and_dtype(tmp_path, monkeypatch,
-                                                                                       model_dirs):
+def test_a_stored_profile_is_found_only_for_these_model_bytes_on_this_machine(tmp_path, monkeypatch, model_dirs):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     model_dir = model_dirs["tiny-llama"]
-    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") is None
+    assert find_stored_profile("tiny-llama", model_dir, "this machine") is None
     profile = stored_profile_of(model_dir, "this machine")
     of_other_bytes = replace(profile, model_digest="f" * 64)  # the same name, another checkpoint
     of_other_bytes.save(default_profile_path("tiny-llama", of_other_bytes.model_digest, "this machine"))
-    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") is None
+    assert find_stored_profile("tiny-llama", model_dir, "this machine") is None
     path = default_profile_path("tiny-llama", profile.model_digest, "this machine")
     profile.save(path)
-    assert find_stored_profile("tiny-llama", model_dir, "float32", "this machine") == (profile, path)
-    assert find_stored_profile("tiny-llama", model_dir, "bfloat16", "this machine") is None
-    assert find_stored_profile("tiny-llama", model_dir, "float32", "another machine") is None
+    assert find_stored_profile("tiny-llama", model_dir, "this machine") == (path, profile.model_digest)
+    assert find_stored_profile("tiny-llama", model_dir, "another machine") is None
+
+
+def test_a_stored_profile_a_cluster_cannot_use_is_passed_over_and_its_workers_measure(tmp_path, monkeypatch,
+                                                                                       model_dirs):
+    """`profile: auto` reads a profile the user never named: one it cannot read or use costs nothing but
+    a line in the start-up log."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = model_dirs["tiny-llama"]
+    stored = stored_profile_of(model_dir, machine())
+    path = default_profile_path(model_dir.name, stored.model_digest, machine())
+    path.parent.mkdir(parents=True)
+    lines: list[str] = []
+    cluster = Cluster(small_cluster_manifest(model_dir), log=lines.append)
+    for unusable, why in ((lambda: path.write_text('{"format": 2, "model'), "cannot read the profile"),
+                          (lambda: path.write_text("[]"), "not an object"),
+                          (lambda: replace(stored, dtype="bfloat16").save(path), "measured bfloat16")):
+        unusable()
+        assert cluster._stored_step_costs(model_dir) == {}
+        assert why in lines[-1] and "the workers measure their prompt passes" in lines[-1], lines[-1]
+    stored.save(path)
+    assert cluster._stored_step_costs(model_dir) == {(1, "cpu"): stored.workers[1].prefill}
 
 
 def test_a_cluster_takes_its_workers_prompt_costs_from_a_stored_profile_instead_of_measuring(model_dirs, tmp_path,
@@ -279,6 +298,8 @@ def test_a_cluster_takes_its_workers_prompt_costs_from_a_stored_profile_instead_
     model_dir = model_dirs["tiny-llama"]
     one_worker = {"prefill": {"replicas": 0}, "decode": {"num_cpus": 0.5}}
     stored = stored_profile_of(model_dir, machine())
+    with pytest.raises(ValueError, match="profile: no profile file at"):  # a misspelt keyword reads as a path
+        small_cluster_manifest(model_dir, profile="mesure")
     of_another_model = tmp_path / "another.json"
     replace(stored, model_digest="0" * 64).save(of_another_model)
     with pytest.raises(ValueError, match="is of another model"):  # refused before any worker starts

@@ -74,10 +74,12 @@ def test_the_profile_gives_up_a_prompt_that_held_blocks_leave_no_room_for(model_
     assert_pool_idle(engine)
 
 
-def test_an_engine_given_a_stored_profiles_costs_starts_from_them_without_running_a_pass(model_dirs):
+def test_an_engine_given_a_stored_profiles_costs_starts_from_them_after_one_warm_up_pass(model_dirs):
     stored = StepCost(a=0.004, b=2e-5, c=3e-9)
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, stored_step_cost=stored))
-    profile = profile_prefill(engine, lambda outputs: None)
-    assert profile.complete and engine.last_step.total_s == 0  # no step ran
-    fitted = engine.step_costs.coefficients
+    profile = profile_prefill(engine, lambda outputs: None, lengths=(8, 32, 128))
+    assert profile.complete and profile.samples == [(n, n * n, stored.prefill_s(n)) for n in (8, 32, 128)]
+    assert engine.last_step.num_tokens == 8  # the one pass that ran: the shortest, a warm-up
+    fitted = engine.step_costs.coefficients  # the warm-up's own time is not among what it was fitted to
     assert [fitted.a, fitted.b, fitted.c] == pytest.approx([stored.a, stored.b, stored.c], rel=1e-6)
+    assert_pool_idle(engine)
