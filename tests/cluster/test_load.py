@@ -183,8 +183,10 @@ def hold_reservations(self) -> None:
     """Hold the decode worker's reservations until `release_reservations`; `self.reserved` is set
     once one has been granted."""
     original, self.release, self.reserved = self.receiver.reserve, threading.Event(), threading.Event()
+    self.holding = threading.Event()
 
     def held(*args, **kwargs):
+        self.holding.set()
         self.release.wait(60)
         lease = original(*args, **kwargs)
         self.reserved.set()
@@ -195,7 +197,10 @@ def hold_reservations(self) -> None:
 
 
 def release_reservations(self) -> bool:
-    """Release them; whether one had been granted before."""
+    """Release them once one is held (bounded: on a loaded machine the reservation, sent beside the
+    prompt pass, can reach the decode worker after the first token reached the client); whether one had
+    been granted before."""
+    self.holding.wait(30)
     granted = self.reserved.is_set()
     self.restore_reserve()
     self.release.set()
@@ -236,9 +241,11 @@ def refuse_a_held_reservation(self) -> None:
     from pdserve.kv_transfer.interface import KVMemoryFull
 
     original, self.release, self.reserved = self.receiver.reserve, threading.Event(), threading.Event()
+    self.holding = threading.Event()
 
     def refused(*args, **kwargs):
         self.receiver.reserve = original
+        self.holding.set()
         self.release.wait(60)
         raise KVMemoryFull("the decode worker's KV memory stayed full (injected)")
 
