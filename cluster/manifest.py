@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
+from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.diagnostics import LogLevel
 from pdserve.cluster.overrides import ManifestOverrides
 from pdserve.faults import FaultSettings
@@ -226,6 +227,26 @@ class KVTransferSpec(_Strict):
         return self
 
 
+class SpeculativeSpec(_Strict):
+    """Speculative decoding on the workers that decode: drafts proposed per sequence, verified in one pass."""
+
+    method: Literal["suffix"] = Field(
+        "suffix", description="What proposes the draft tokens. suffix: model-free, from earlier occurrences of the "
+                              "request's last tokens in its own prompt and output and in recent outputs "
+                              "(SuffixDecoding).")
+    max_draft_tokens: int = Field(8, ge=1, le=64, description="Draft tokens per sequence per step at most.")
+    max_match: int = Field(16, ge=1, le=256, description="suffix: the longest suffix of a request's tokens matched.")
+    max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: a draft is at most this many times as "
+                                                                 "long as the suffix it matched.")
+    min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: a draft ends where its estimated "
+                                                               "probability falls under this.")
+    recent_output_tokens: int = Field(65536, ge=0, le=2**24, description="suffix: tokens of recent outputs "
+                                                                         "indexed for every request (0: none).")
+
+    def engine_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**self.model_dump())
+
+
 class ServerSpec(_Strict):
     """The router's client-facing servers: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
 
@@ -403,6 +424,8 @@ class Manifest(_Strict):
                     "one (workers with the profile's thread counts then start without measuring), else measured at "
                     "start-up; measure: always measured at start-up; or the path of a profile file, for every "
                     "worker whose thread count it measured.")
+    speculative: SpeculativeSpec | None = Field(
+        None, description="Speculative decoding (outputs are unchanged, token for token); null: off.")
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: prefill and decode pools, KV moved between them; colocated: "
                                      "every worker runs both phases.")
@@ -514,6 +537,7 @@ class Manifest(_Strict):
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "num_threads": pool.threads,
             "device": "cuda" if pool.num_gpus > 0 else "cpu",
+            "speculative": self.speculative.engine_config() if self.speculative else None,
         }
 
 

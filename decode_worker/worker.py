@@ -192,9 +192,11 @@ class DecodeWorker(WorkerBase):
                 events = self._events.pop(out.request_id, {}) | {LifetimeEvent.DECODE_END: now}
                 events.setdefault(LifetimeEvent.DECODE_START, now)
             messages.append(token_message(
-                out.request_id, out.new_token_ids, logprobs=out.logprobs[-1:] if out.logprobs else None,
+                out.request_id, out.new_token_ids, logprobs=out.logprobs[out.first_new_index:] if out.logprobs else None,
                 finish_reason=out.finish_reason if out.finished else None, text=out.text if out.finished else None,
-                events=events, cached_tokens=out.num_cached_tokens, first_index=out.first_new_index))
+                events=events, cached_tokens=out.num_cached_tokens, first_index=out.first_new_index,
+                draft_tokens=out.num_draft_tokens if out.finished else 0,
+                accepted_draft_tokens=out.num_accepted_tokens if out.finished else 0))
         self.sink.send_step(messages)
 
     def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:

@@ -8,7 +8,8 @@ context back through its block table.
   - a prefill chunk with no earlier context attends to its own fresh K/V (causal);
   - a chunk that continues earlier context (chunked prefill, prefix-cache hit) gathers its blocks and
     uses a causal mask shifted by the context length;
-  - all single-token (decode) rows run as one padded batch over their gathered blocks.
+  - all decode rows run as one padded batch over their gathered blocks: one query token each, or
+    several when a speculative step verifies draft tokens (each query sees the context up to itself).
 
 Each layer's own attention arguments are honoured: `sliding_window` (a query at position i sees keys
 j with i - window < j <= i, transformers' definition; Mistral, Qwen2, Gemma's local layers) narrows
@@ -68,24 +69,37 @@ class PrefillSpan:
 
 @dataclass
 class DecodeBatch:
-    """Every single-token query row of the step, attended as one padded batch."""
+    """Every decode row of the step, attended as one padded batch: row b's `query_lens[b]` query
+    tokens are the last of its `context_lens[b]` keys (one, or more to verify draft tokens)."""
 
-    token_index: torch.Tensor  # [B] positions of the query tokens in the packed row
+    token_index: torch.Tensor  # [B, Q] positions of the query tokens in the packed row (padding repeats)
     block_ids: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
-    context_lens: torch.Tensor  # [B] keys of each row, its own query token included
+    context_lens: torch.Tensor  # [B] keys of each row, its own query tokens included
     block_size: int
+    query_lens: torch.Tensor | None = None  # [B]; None: one query per row
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, max_blocks * block_size] bool, True where a key is visible to the row's query."""
+        """[B, 1, Q, max_blocks * block_size] bool, True where a key is visible to a query."""
         if window not in self._masks:
-            keys = torch.arange(self.block_ids.shape[1] * self.block_size, device=self.block_ids.device)[None, :]
+            keys = torch.arange(self.block_ids.shape[1] * self.block_size, device=self.block_ids.device)[None, None, :]
+            queries = self.token_index.shape[1]
             lengths = self.context_lens[:, None]
+            if self.query_lens is not None:  # query i of a row sits at position length - query_len + i
+                lengths = lengths - self.query_lens[:, None] + 1 + torch.arange(queries, device=keys.device)[None, :]
+            lengths = lengths[:, :, None]  # [B, Q, 1]: keys below it are visible
             visible = keys < lengths
             if window is not None:
                 visible &= keys >= lengths - window  # the query sits at position length - 1
-            self._masks[window] = visible[:, None, None, :]
+            self._masks[window] = visible[:, None, :, :]
         return self._masks[window]
+
+    def valid(self) -> torch.Tensor | None:
+        """[B * Q] bool, False for padding queries (whose outputs are dropped); None: no padding."""
+        if self.query_lens is None:
+            return None
+        queries = torch.arange(self.token_index.shape[1], device=self.token_index.device)[None, :]
+        return (queries < self.query_lens[:, None]).flatten()
 
 
 @dataclass
@@ -196,11 +210,15 @@ def paged_attention_forward(
 
     if batch.decode is not None:
         d = batch.decode
-        qd = q[:, d.token_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, head_dim]
+        qd = q[:, d.token_index].transpose(0, 1)  # [B, heads, Q, head_dim]
         kd = _gather_padded(cache.key_blocks(layer), d.block_ids)
         vd = _gather_padded(cache.value_blocks(layer), d.block_ids)
-        o = _attend(qd, kd, vd, d.mask(sliding_window), scaling, softcap)
-        out[d.token_index] = o[:, :, 0]
+        o = _attend(qd, kd, vd, d.mask(sliding_window), scaling, softcap).transpose(1, 2).flatten(0, 1)
+        index = d.token_index.flatten()
+        valid = d.valid()
+        if valid is not None:
+            o, index = o[valid], index[valid]
+        out[index] = o
     return out.unsqueeze(0), None
 
 

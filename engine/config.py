@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.cost_model import StepCost
+from pdserve.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +29,7 @@ class EngineConfig:
     # The prompt-pass costs a stored profile measured for this model, threads and machine: the start-up
     # profile takes them instead of measuring (`engine.profiler.profile_prefill`); None: measure.
     stored_step_cost: StepCost | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

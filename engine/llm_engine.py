@@ -29,8 +29,9 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_prompt
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.speculative.proposer import Proposer, make_proposer
 
 
 @dataclass
@@ -95,6 +96,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
+        self.proposer = make_proposer(config.speculative) if config.speculative else None
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.step_costs = StepCostModel()  # refined by every step; seeded by `engine.profiler`
@@ -161,6 +163,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; return an output for every request that got a token."""
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose(self.proposer)
         plan = self.scheduler.schedule()
         if self.preempt_hook is not None:
             for seq in plan.preempted:
@@ -171,30 +175,65 @@ class LLMEngine:
         sampling = [c for c in plan.chunks if c.samples]
         quad = sum(c.num_tokens * (c.seq.num_computed_tokens + c.num_tokens) for c in plan.chunks)
         logits = self.runner.execute(plan.chunks)
-        seqs = [c.seq for c in sampling]
-        tokens, logprobs = self.sampler(logits, seqs) if seqs else ([], [])
+        # A row per sampled position: a verifying chunk's newest token and each of its drafts.
+        rows = [(c.seq, len(c.seq.output_token_ids) + j) for c in sampling for j in range(1 + len(c.draft))]
+        tokens, logprobs = self.sampler(logits, *zip(*rows)) if rows else ([], [])
         for chunk in plan.chunks:
-            self.scheduler.mark_computed(chunk)
+            if not chunk.draft:
+                self.scheduler.mark_computed(chunk)
         outputs = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.append_token(token, logprob)
-            reason = self._stop_reason(seq)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                if seq.status == SequenceStatus.FINISHED:
-                    del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token]))
+        row = 0
+        for chunk in sampling:
+            end = row + 1 + len(chunk.draft)
+            outputs.append(self._take_sampled(chunk, tokens[row:end], logprobs[row:end]))
+            row = end
         self.last_step = StepStats(
             num_seqs=len(plan.chunks),
             num_tokens=plan.num_tokens,
             quad_tokens=quad,
-            num_decode_seqs=sum(1 for c in plan.chunks if c.num_tokens == 1),
+            num_decode_seqs=sum(1 for c in plan.chunks if c.num_tokens == 1 or c.draft),
             num_preempted=len(plan.preempted),
             forward_s=self.runner.last_forward_s,
             total_s=time.perf_counter() - t0,
         )
         self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
         return outputs
+
+    def _propose(self, proposer: Proposer) -> None:
+        """Draft tokens for every decoding sequence, as many as could still be generated."""
+        most = self.config.speculative.max_draft_tokens
+        for seq in self.scheduler.running:
+            room = min(most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            seq.draft_token_ids = proposer.propose(seq, room) if room > 0 and seq.num_uncomputed_tokens == 1 else []
+
+    def _take_sampled(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
+        """Append a sampled chunk's tokens to its sequence: the one token sampled, or for a verifying
+        chunk the drafts that agree with what was sampled at their positions and the token sampled
+        after the last of them; each checked for a stop, as decoding them one by one would."""
+        seq = chunk.seq
+        accepted = 0
+        while accepted < len(chunk.draft) and chunk.draft[accepted] == tokens[accepted]:
+            accepted += 1
+        new: list[int] = []
+        reason = None
+        for token, logprob in zip(tokens[: accepted + 1], logprobs):
+            seq.append_token(token, logprob)
+            new.append(token)
+            reason = self._stop_reason(seq)
+            if reason:
+                break
+        if chunk.draft:
+            seq.num_draft_tokens += len(chunk.draft)
+            seq.num_accepted_tokens += len(new) - 1
+            self.scheduler.mark_verified(chunk)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            if seq.status == SequenceStatus.FINISHED:
+                del self.requests[seq.request_id]
+                if self.proposer is not None:
+                    self.proposer.finished(seq)
+        return self._output(seq, new)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p = seq.params
@@ -229,6 +268,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     # --- KV handoff: sending side ---------------------------------------------------------------

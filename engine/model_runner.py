@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,24 +34,26 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
-        decode_rows: list[tuple[int, list[int], int]] = []  # (token index, block table, context length)
+        decode_rows: list[_DecodeRow] = []
         keep: list[int] = []
         bs = self.block_size
         for chunk in chunks:
             seq, n = chunk.seq, chunk.num_tokens
             start, first = len(input_ids), seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[first : first + n])
+            input_ids.extend(chunk.input_ids)
             positions.extend(range(first, first + n))
             table = seq.block_table
             if n == 1:
                 slots.append(table[first // bs] * bs + first % bs)
-                decode_rows.append((start, table, first + 1))
             else:
                 pos = np.arange(first, first + n)
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            if n == 1 or chunk.draft:  # the newest token (and drafts after it) over the context
+                decode_rows.append(_DecodeRow(start, n, table, first + n))
+            else:
                 prefills.append(self._prefill_span(start, n, first, table))
-            if chunk.samples:
-                keep.append(start + n - 1)
+            if chunk.samples:  # the newest token's logits, then each draft token's
+                keep.extend(range(start + n - 1 - len(chunk.draft), start + n))
 
         dev = self.device
         batch = PagedBatch(
@@ -81,18 +84,35 @@ class ModelRunner:
         block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
         return PrefillSpan(start, n, context_len, block_ids=block_ids)
 
-    def _decode_batch(self, rows: list[tuple[int, list[int], int]]) -> DecodeBatch:
-        max_blocks = max(-(-ctx // self.block_size) for _, _, ctx in rows)
+    def _decode_batch(self, rows: list[_DecodeRow]) -> DecodeBatch:
+        max_blocks = max(-(-row.context_len // self.block_size) for row in rows)
+        max_queries = max(row.num_queries for row in rows)
         tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
         lengths = np.empty(len(rows), dtype=np.int64)
-        for i, (_, table, ctx) in enumerate(rows):
-            used = -(-ctx // self.block_size)
-            tables[i, :used] = table[:used]
-            lengths[i] = ctx
+        token_index = np.empty((len(rows), max_queries), dtype=np.int64)
+        for i, row in enumerate(rows):
+            used = -(-row.context_len // self.block_size)
+            tables[i, :used] = row.block_table[:used]
+            lengths[i] = row.context_len
+            token_index[i] = np.minimum(np.arange(max_queries), row.num_queries - 1) + row.start
         dev = self.device
+        query_lens = None
+        if max_queries > 1:
+            query_lens = torch.tensor([row.num_queries for row in rows], dtype=torch.long, device=dev)
         return DecodeBatch(
-            token_index=torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev),
+            token_index=torch.from_numpy(token_index).to(dev),
             block_ids=torch.from_numpy(tables).to(dev),
             context_lens=torch.from_numpy(lengths).to(dev),
             block_size=self.block_size,
+            query_lens=query_lens,
         )
+
+
+@dataclass(frozen=True)
+class _DecodeRow:
+    """A sequence's decode queries in the packed row: its newest token and any drafts after it."""
+
+    start: int  # first query token in the packed row
+    num_queries: int
+    block_table: list[int]
+    context_len: int  # keys after this step, the queries included

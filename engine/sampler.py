@@ -26,14 +26,20 @@ class Sampler:
         self._unseeded = torch.Generator(device=self.device)
         self._unseeded.seed()
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[float | None]]:
-        """Pick one token for each row of `logits` ([len(seqs), vocab])."""
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                 positions: Seq[int] | None = None) -> tuple[list[int], list[float | None]]:
+        """Pick one token for each row of `logits` ([len(seqs), vocab]): row i is `seqs[i]`'s token at
+        output position `positions[i]` (default: its next one). A sequence may have several rows, one per
+        position a speculative step verifies."""
         logits = logits.float()
+        if positions is None:
+            positions = [len(s.output_token_ids) for s in seqs]
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows],
+                                        [positions[i] for i in random_rows])
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
@@ -46,7 +52,7 @@ class Sampler:
                 logprobs[i] = v
         return token_list, logprobs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         scaled = logits / temps.unsqueeze(1)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -60,12 +66,12 @@ class Sampler:
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.empty_like(sorted_logits).scatter_(1, order, torch.softmax(sorted_logits, dim=-1))
-        noise = torch.stack([self._exponential(s, vocab) for s in seqs])
+        noise = torch.stack([self._exponential(s, p, vocab) for s, p in zip(seqs, positions)])
         return (probs / noise).argmax(dim=-1)
 
-    def _exponential(self, seq: Sequence, vocab: int) -> torch.Tensor:
+    def _exponential(self, seq: Sequence, position: int, vocab: int) -> torch.Tensor:
         generator = self._unseeded
         if seq.params.seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(position_seed(seq.params.seed, len(seq.output_token_ids)))
+            generator.manual_seed(position_seed(seq.params.seed, position))
         return torch.empty(vocab, device=self.device).exponential_(generator=generator)

@@ -174,6 +174,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled"
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for it so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def first_new_index(self) -> int:

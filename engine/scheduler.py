@@ -23,12 +23,20 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafts included)
+    # Draft tokens to verify after a decoding sequence's newest token: they follow it in the step's
+    # input, and the step samples a token after each of them as well as after the newest.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so the step samples its next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def input_ids(self) -> list[int]:
+        first = self.seq.num_computed_tokens
+        return self.seq.token_ids[first : first + self.num_tokens - len(self.draft)] + self.draft
 
 
 @dataclass
@@ -76,10 +84,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            n = min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
-            if not self._reserve_blocks_preempting(seq, n, out):
+            draft = self._fitting_draft(seq, budget, len(self.running) - index - 1)
+            n = 1 + len(draft) if draft else min(seq.num_uncomputed_tokens, budget, self.config.chunk_limit)
+            if not draft and not self._reserve_blocks_preempting(seq, n, out):
                 break  # `seq` itself was preempted; everything after it already was
-            out.chunks.append(ScheduledChunk(seq, n))
+            out.chunks.append(ScheduledChunk(seq, n, draft))
             budget -= n
             index += 1
 
@@ -109,6 +118,19 @@ class Scheduler:
             self.waiting.popleft()
             budget -= out.chunks[-1].num_tokens
         return out
+
+    def _fitting_draft(self, seq: Sequence, budget: int, later: int) -> list[int]:
+        """The part of a decoding sequence's draft that fits the step's budget and the free blocks (its
+        blocks taken), or [] when none does. Speculation never preempts anything: `later` running
+        sequences after this one keep a block each for their own next token."""
+        draft = seq.draft_token_ids[: budget - 1] if seq.num_uncomputed_tokens == 1 else []
+        if not draft:
+            return []
+        need = self._blocks_needed(seq, 1 + len(draft))
+        if not self.pool.can_allocate(need + later):
+            return []
+        seq.block_table.extend(self.pool.allocate(need))
+        return draft
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -163,6 +185,17 @@ class Scheduler:
         """Advance the sequence past the chunk and publish blocks it filled to the prefix cache."""
         seq = chunk.seq
         seq.num_computed_tokens += chunk.num_tokens
+        self.publish_full_blocks(seq)
+
+    def mark_verified(self, chunk: ScheduledChunk) -> None:
+        """After a verifying step whose sampled tokens are appended: every token but the newest has its
+        KV now (the drafts it accepted), and the blocks that only held rejected drafts go back."""
+        seq = chunk.seq
+        seq.num_computed_tokens = seq.num_tokens - 1
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
         self.publish_full_blocks(seq)
 
     def publish_full_blocks(self, seq: Sequence) -> None:

@@ -37,6 +37,9 @@ class Sequence:
     # False once its KV came through a lossy codec: its blocks (and those computed on top of them)
     # never enter the prefix cache, where another request would take them for exact KV.
     exact_kv: bool = True
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
+    num_draft_tokens: int = 0  # draft tokens verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
     def __post_init__(self) -> None:
         if not self.token_ids:

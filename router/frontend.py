@@ -215,6 +215,7 @@ class ActiveRequest:
         self.code = CANCELLED  # until it completes or fails
         self.output_tokens = 0
         self.cached_tokens = 0
+        self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding's, from the last message
         self.generated: list[int] = []  # every token the client has been sent
         self.logprobs: list[float] = []
         self.retry_causes: list[str] = []
@@ -284,6 +285,8 @@ class ActiveRequest:
                 self.code = OK
                 response.text_delta = detok.finish(msg.text)
                 response.finish_reason = msg.finish_reason
+                self.draft_tokens, self.accepted_draft_tokens = msg.draft_tokens, msg.accepted_draft_tokens
+                response.draft_tokens, response.accepted_draft_tokens = msg.draft_tokens, msg.accepted_draft_tokens
                 response.timings.CopyFrom(timings(self.events))
                 yield response
                 return
@@ -357,6 +360,7 @@ class ActiveRequest:
         return {"request_id": self.request_id, "client_request_id": self.client_id, "api": self.api,
                 "code": self.code, "prompt_tokens": len(self.work.prompt_token_ids),
                 "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+                "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
                 "prefill_worker": p.prefiller.name, "decode_worker": p.decode.name,
                 "retries": self.retry_causes, "accepted": start,
                 "events_ms": {name: round((t - start) * 1e3, 3) for name, t in ordered}}

@@ -357,7 +357,12 @@ class _Format:
         prompt = len(active.work.prompt_token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": active.output_tokens,
                 "total_tokens": prompt + active.output_tokens,
-                "prompt_tokens_details": {"cached_tokens": active.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": active.cached_tokens},
+                # OpenAI's names for predicted tokens that were, or were not, in the output: here
+                # speculative decoding's draft tokens
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": active.accepted_draft_tokens,
+                    "rejected_prediction_tokens": active.draft_tokens - active.accepted_draft_tokens}}
 
     async def read_prompt(self) -> None:
         """Set `prompt_ids` and `params` from the body (tokenizing off the event loop)."""

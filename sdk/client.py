@@ -99,6 +99,8 @@ class Completion:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     server_request_id: str = ""  # unique per request (request_id echoes the client's own label)
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified (the worker that finished it)
+    accepted_draft_tokens: int = 0  # of those, accepted
     # Lifetime events (name -> Unix seconds: accepted, routed, prefill_queued, ..., finished), with the last chunk.
     events: dict[str, float] = field(default_factory=dict)
 
@@ -113,6 +115,7 @@ class Completion:
         timings = None
         if r.finish_reason:
             self.finish_reason = r.finish_reason
+            self.draft_tokens, self.accepted_draft_tokens = r.draft_tokens, r.accepted_draft_tokens
             t = r.timings
             timings = self.timings = {"queued": t.queued_s, "prefill": t.prefill_s, "kv_transfer": t.kv_transfer_s,
                                       "decode": t.decode_s, "ttft": t.ttft_s, "e2e": t.e2e_s}

@@ -189,14 +189,15 @@ def parse_token_batch(data: bytes) -> list[TokenMessage]:
 def token_message(request_id: str, token_ids: list[int] | None = None, *, logprobs: list[float] | None = None,
                   finish_reason: str | None = None, text: str | None = None, error: str | None = None,
                   error_code: str = "", events: dict[str, float] | None = None, cached_tokens: int = 0,
-                  first_index: int = 0) -> TokenMessage:
+                  first_index: int = 0, draft_tokens: int = 0, accepted_draft_tokens: int = 0) -> TokenMessage:
     """One request's message; `error` (with `error_code`, a gRPC status name) fails the request.
     `first_index`: the output position of `token_ids[0]` (the router puts a request's messages in that
     order)."""
     return TokenMessage(request_id=request_id, token_ids=token_ids or [], logprobs=logprobs or [],
                         finish_reason=finish_reason or "", text=text or "", error=error or "",
                         error_code=error_code, events=events or {}, cached_tokens=cached_tokens,
-                        first_index=first_index)
+                        first_index=first_index, draft_tokens=draft_tokens,
+                        accepted_draft_tokens=accepted_draft_tokens)
 
 
 class TokenSink:

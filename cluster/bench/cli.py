@@ -1,4 +1,4 @@
-"""The command line's benchmark commands: `pdserve bench engine|kv|cluster|overload|serve` and `pdserve soak`.
+"""The command line's benchmark commands: `pdserve bench engine|spec|kv|cluster|overload|serve|...` and `pdserve soak`.
 
 `pdserve.cluster.cli` builds the command line and calls `add_commands` for these.
 """
@@ -40,6 +40,17 @@ def _bench_engine(args: argparse.Namespace) -> int:
         model=args.model, num_prompts=args.num_prompts, repeats=args.repeats, threads=args.threads,
         hf_batch_sizes=tuple(args.hf_batch_sizes), out=Path(args.out),
     )
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.spec import SpecBenchConfig, run
+
+    cfg = SpecBenchConfig(model=args.model, batches=tuple(args.batches), repeats=args.repeats,
+                          prompt_len=args.prompt_len, output_len=args.output_len, threads=args.threads,
+                          out=Path(args.out))
     run(cfg)
     _publish(args, cfg.out)
     return 0
@@ -222,6 +233,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--out", default="bench-results/engine.json", help="results file (default: %(default)s)")
     _docs_option(be)
     be.set_defaults(func=_bench_engine)
+    bsp = bench_sub.add_parser("spec", help="decoding with and without speculation: TPOT and output tokens/s",
+                               description="Speculative decoding against plain decoding on the same requests, in "
+                                           "one run: code completion of held-out Python source and random "
+                                           "prompts with the conversation trace's lengths, at several batch sizes; "
+                                           "greedy outputs checked identical.",
+                               **examples("pdserve bench spec --docs docs/benchmarks.md",
+                                          "pdserve bench spec --batches 1 --repeats 1   # a quick look"))
+    bsp.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    bsp.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
+    bsp.add_argument("--repeats", type=int, default=3, help="runs of each system per batch (default: %(default)s)")
+    bsp.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
+    bsp.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
+    bsp.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    bsp.add_argument("--out", default="bench-results/spec.json", help="results file (default: %(default)s)")
+    _docs_option(bsp)
+    bsp.set_defaults(func=_bench_spec)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)",
                               description="Each KV transport's bytes/s against a plain TCP socket, and each codec and "

@@ -34,12 +34,14 @@ ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
+# Two clusters decode speculatively: every behaviour here must hold with drafts verified as well.
 @pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"),
-                                        ("disaggregated", "grpc"), ("colocated", "shm")],
+                                        ("disaggregated", "grpc", "speculative"), ("colocated", "shm", "speculative")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
-    mode, transport = request.param
-    c = Cluster(manifest(model_dirs[ARCH], mode, transport), log=lambda _: None)
+    mode, transport, *speculative = request.param
+    c = Cluster(manifest(model_dirs[ARCH], mode, transport, speculative={} if speculative else None),
+                log=lambda _: None)
     c.start()
     yield c
     c.stop()
@@ -58,6 +60,20 @@ def test_concurrent_greedy_requests_match_generate(cluster, hf_reference):
     assert all(r.finish_reason == "length" and r.timings["e2e"] >= r.timings["ttft"] > 0 for r in results)
     if cluster.manifest.mode == "disaggregated":
         assert all(r.timings["kv_transfer"] > 0 for r in results)
+    assert_idle(cluster)
+
+
+def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster, hf_reference):
+    """A repeating prompt, whose continuation the model repeats too: the suffix proposer drafts it."""
+    prompts = [[11, 12, 13, 14, 15, 16] * 6, random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]]
+    with Client(cluster.address, timeout=60) as client:
+        results = [client.generate(p, temperature=0, max_tokens=48, ignore_eos=True) for p in prompts]
+    assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 48) for p in prompts]
+    if cluster.manifest.speculative is None:
+        assert all(r.draft_tokens == r.accepted_draft_tokens == 0 for r in results)
+    else:
+        assert all(r.draft_tokens >= r.accepted_draft_tokens for r in results)
+        assert results[0].accepted_draft_tokens > 0
     assert_idle(cluster)
 
 
@@ -88,9 +104,10 @@ def test_a_deadline_stops_the_request_and_frees_both_pools(cluster, caplog):
     for w in cluster.workers:
         on_worker(w, record_engine_aborts)
     with caplog.at_level(logging.INFO, logger="pdserve.lifetime"), Client(cluster.address) as client:
-        # The deadline must fall while the request decodes (480 tokens take seconds); on a busy machine
-        # the prompt pass and the handoff can outlast a short one, so it doubles until one falls there.
-        for timeout_s in (0.3, 0.6, 1.2, 2.4):
+        # The deadline must fall while the request decodes (480 tokens take seconds, a quarter of one
+        # decoded speculatively); on a busy machine the prompt pass and the handoff can outlast a short
+        # one, so it doubles until one falls there.
+        for timeout_s in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2):
             caplog.clear()
             with pytest.raises(DeadlineExceeded):
                 client.generate([9] * 30, timeout=timeout_s, temperature=0, max_tokens=480, ignore_eos=True)

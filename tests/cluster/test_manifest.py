@@ -68,6 +68,9 @@ def test_default_manifest_is_valid():
         ({"model_path_shared": True}, "model_path_shared needs the model directory's absolute path"),
         ({"server": {"auth_token": ""}}, "server.auth_token: Value error, is empty, which would let every client in"),
         ({"server": {"max_request_bytes": 100}}, "server.max_request_bytes: Input should be greater than or equal to"),
+        ({"speculative": {"method": "medusa"}}, "speculative.method: Input should be 'suffix'"),
+        ({"speculative": {"max_draft_tokens": 0}}, "speculative.max_draft_tokens: Input should be greater than"),
+        ({"speculative": {"min_token_prob": 2}}, "speculative.min_token_prob: Input should be less than"),
     ],
 )
 def test_invalid_manifests_name_the_field(data, message):
@@ -106,6 +109,15 @@ def test_the_deadlines_derive_from_the_manifest():
     assert d.leak_after_s == 19
     quick = load_manifest({"kv_transfer": {"reserve_wait_s": 1, "reserve_answer_margin_s": 0.5}}).deadlines
     assert quick.kv.reservation_bound_s == 1.5
+
+
+def test_speculative_settings_reach_every_engine_and_are_off_unless_asked_for():
+    from pdserve.engine.speculative.config import SpeculativeConfig
+
+    m = load_manifest({"speculative": {"max_draft_tokens": 4}})
+    assert m.engine_config(m.pools.decode)["speculative"] == SpeculativeConfig(max_draft_tokens=4)
+    default = load_manifest({})
+    assert default.speculative is None and default.engine_config(default.pools.decode)["speculative"] is None
 
 
 def test_the_manifest_offers_the_codecs_there_are():

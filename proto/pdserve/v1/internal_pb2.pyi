@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenMessage(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "error", "error_code", "events", "cached_tokens", "first_index")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "error", "error_code", "events", "cached_tokens", "first_index", "draft_tokens", "accepted_draft_tokens")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class TokenMessage(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -35,7 +37,9 @@ class TokenMessage(_message.Message):
     events: _containers.ScalarMap[str, float]
     cached_tokens: int
     first_index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., events: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., first_index: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., events: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., first_index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("messages",)

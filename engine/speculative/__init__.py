@@ -1,0 +1,10 @@
+"""Speculative decoding: proposers guess a decoding sequence's next tokens, and one engine step
+verifies every sequence's guesses at once (`LLMEngine.step`).
+
+A step feeds each decoding sequence its newest token followed by its draft tokens, samples a token
+after each of them with the sequence's own sampler, and keeps the draft's longest prefix that agrees
+with what was sampled, plus the token sampled after it. Every sampled token is drawn exactly as a
+non-speculative step would draw it at that output position (the sampler's randomness depends on
+(seed, position) alone), so the output is the one decoding without speculation gives, token for
+token, greedy or sampled; speculation only changes how many steps it takes.
+"""

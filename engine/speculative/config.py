@@ -1,0 +1,37 @@
+"""Speculative decoding's settings (plain Python: a manifest builds them without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_METHODS = frozenset({"suffix"})
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in an engine (`engine.speculative`): what proposes draft tokens, and how many."""
+
+    method: str = "suffix"  # the proposer: "suffix" (model-free, `engine.speculative.suffix`)
+    max_draft_tokens: int = 8  # per sequence per step
+    # suffix: the longest context suffix matched; a draft is at most max_spec_factor x its match's
+    # length; a path ends where its estimated probability falls under min_token_prob; the recent
+    # outputs indexed for every request (SuffixDecoding's global tree), in tokens.
+    max_match: int = 16
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    recent_output_tokens: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {sorted(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("max_draft_tokens", "max_match"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.recent_output_tokens, int) or self.recent_output_tokens < 0:
+            raise ValueError(f"recent_output_tokens must be an integer >= 0, got {self.recent_output_tokens!r}")
+        if not self.max_spec_factor > 0:
+            raise ValueError(f"max_spec_factor must be > 0, got {self.max_spec_factor!r}")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob!r}")
+

@@ -1,0 +1,129 @@
+"""Model-free drafts from earlier tokens (SuffixDecoding, Oliaro et al. 2024).
+
+A request's next tokens often repeat text seen before: its prompt (code being edited, a document
+being summarised) or earlier requests' outputs (agents issuing similar calls). The proposer finds the
+longest suffix of the request's tokens, up to `max_match` of them, that occurred before, both in the
+request's own prompt and output and in a bounded window of recent outputs, and follows what came
+after those occurrences: at each step the most frequent next token among them, the occurrences that
+agree kept for the next step (the walk down a suffix tree's most frequent path). The path stops where
+its estimated probability (the product of each token's share of the occurrences) falls under
+`min_token_prob`, and is at most `max_spec_factor` times as long as the match it grew from: a long
+match predicts further than a short one. Of the two sources, the draft with more expected accepted
+tokens (the sum of its prefixes' probabilities) is proposed.
+
+Occurrences are found from a per-token position list (one int per indexed token, not a tree), the
+most recent `MAX_OCCURRENCES` of the suffix's last token examined: a proposal's time is bounded
+whatever the text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+from pdserve.engine.speculative.config import SpeculativeConfig
+from pdserve.engine.sequence import Sequence
+
+MAX_OCCURRENCES = 256
+END = -1  # between two documents of the recent outputs: no match crosses it, and no draft goes past it
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    expected: float  # tokens a verification is expected to accept: the sum of the prefixes' probabilities
+
+
+NO_DRAFT = Draft([], 0.0)
+
+
+class TokenIndex:
+    """Token ids in order, with the positions of each id."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.where.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
+    def draft(self, context: Seq[int], limit: int, config: SpeculativeConfig) -> Draft:
+        """The most likely continuation of `context` (its last tokens) by what followed it here."""
+        tokens, end = self.tokens, len(self.tokens)
+        # Occurrences of the context's last token that something follows (not the context's own end).
+        found = [p for p in self.where.get(context[-1], ())[-MAX_OCCURRENCES:] if p + 1 < end]
+        length = 1
+        while found and length < min(config.max_match, len(context)):
+            want = context[-1 - length]
+            longer = [p for p in found if p >= length and tokens[p - length] == want]
+            if not longer:
+                break
+            found, length = longer, length + 1
+        limit = min(limit, math.ceil(config.max_spec_factor * length))
+        draft: list[int] = []
+        probability, expected = 1.0, 0.0
+        while found and len(draft) < limit:
+            # The most recent occurrence wins a tie: text repeats its latest form first.
+            counts = Counter(tokens[p + 1] for p in reversed(found) if p + 1 < end)
+            if not counts:
+                break
+            token, count = counts.most_common(1)[0]
+            probability *= count / sum(counts.values())
+            if token == END or probability < config.min_token_prob:
+                break
+            draft.append(token)
+            expected += probability
+            found = [p + 1 for p in found if p + 1 < end and tokens[p + 1] == token]
+        return Draft(draft, expected)
+
+
+class RecentOutputs:
+    """The outputs of the latest finished requests, about `capacity` tokens of them, indexed."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._outputs: deque[list[int]] = deque()
+        self._size = 0
+        self.index = TokenIndex()
+
+    def add(self, output: list[int]) -> None:
+        if not output or self.capacity <= 0:
+            return
+        self._outputs.append(output[-self.capacity:])
+        self._size += len(self._outputs[-1]) + 1
+        self.index.extend([*self._outputs[-1], END])
+        if self._size > 2 * self.capacity:  # rebuilt now and then, not at every request
+            while self._size > self.capacity:
+                self._size -= len(self._outputs.popleft()) + 1
+            self.index = TokenIndex()
+            for kept in self._outputs:
+                self.index.extend([*kept, END])
+
+
+class SuffixProposer:
+    """Drafts from the request's own tokens and from recent outputs, whichever promises more."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._own: WeakKeyDictionary[Sequence, TokenIndex] = WeakKeyDictionary()  # gone with the sequence
+        self.recent = RecentOutputs(config.recent_output_tokens)
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        own = self._own.get(seq)
+        if own is None:
+            own = self._own[seq] = TokenIndex()
+        own.extend(seq.token_ids[len(own.tokens):])
+        context = seq.token_ids[-self.config.max_match:]
+        mine = own.draft(context, max_tokens, self.config)
+        recent = self.recent.index.draft(context, max_tokens, self.config) if self.recent.index.tokens else NO_DRAFT
+        return max(mine, recent, key=lambda d: d.expected).tokens
+
+    def finished(self, seq: Sequence) -> None:
+        self.recent.add(seq.output_token_ids)
+        self._own.pop(seq, None)

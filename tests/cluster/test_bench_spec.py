@@ -1,0 +1,27 @@
+"""`pdserve bench spec`, run small: off and speculative side by side on the shipped model, its section."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.cluster.bench.report import key_of, publish
+from pdserve.cluster.bench.spec import SpecBenchConfig, run
+
+
+def test_the_spec_benchmark_measures_both_systems_on_fresh_prompts_and_writes_its_section(tmp_path):
+    out = tmp_path / "spec.json"
+    lines: list[str] = []
+    result = run(SpecBenchConfig(batches=(1, 2), repeats=2, prompt_len=48, output_len=12, out=out), log=lines.append)
+    for workload in ("code", "conversation"):
+        for batch in (1, 2):
+            runs = result.runs[workload][batch]
+            assert len(runs["off"]) == len(runs["suffix"]) == 2
+            assert all(r.drafted == r.accepted == 0 for r in runs["off"])
+            assert all(r.tpot_ms > 0 and r.output_tps > 0 for rs in runs.values() for r in rs)
+    assert sum(r.drafted for b in result.runs["code"].values() for r in b["suffix"]) > 0
+    page = tmp_path / "benchmarks.md"
+    results = json.loads(out.read_text())
+    publish(page, key_of(results), results)
+    text = page.read_text()
+    assert "## Speculative decoding" in text and "| code | 1 |" in text and "| conversation | 2 |" in text
+    assert "TPOT at batch 1 on code" in text and "their outputs were identical" in text

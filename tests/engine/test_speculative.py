@@ -1,0 +1,254 @@
+"""Speculative decoding in the engine: a step verifies every decoding sequence's own draft in one
+packed pass, and the output is the one decoding without speculation gives, token for token.
+
+Most tests drive the verification with a proposer that knows the true continuation (transformers'
+greedy tokens, or the engine's own sampled ones) and spoils it at a random place, so that every step
+mixes drafts accepted whole, in part and not at all; the suffix proposer is tested on its own and end
+to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import TEST_PRESETS, assert_pool_idle, random_prompts, run_all
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.speculative.config import SpeculativeConfig
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+class SpoilingProposer:
+    """Proposes each request's true next tokens (`truth[prompt]`), wrong from a random place on:
+    `spoil` is the chance that a draft holds a wrong token."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab_size: int, spoil: float, seed: int = 0) -> None:
+        self.truth, self.vocab_size, self.spoil = truth, vocab_size, spoil
+        self.rng = random.Random(seed)
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        done = len(seq.output_token_ids)
+        draft = list(self.truth[tuple(seq.prompt_token_ids)][done : done + self.rng.randint(0, max_tokens)])
+        if draft and self.rng.random() < self.spoil:
+            wrong = self.rng.randrange(len(draft))
+            draft[wrong] = (draft[wrong] + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+        return draft
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+def speculative_engine(model_dir, proposer=None, max_draft_tokens: int = 6, **kwargs) -> LLMEngine:
+    kwargs.setdefault("kv_memory_bytes", 16 * 2**20)
+    engine = LLMEngine(model_dir, EngineConfig(speculative=SpeculativeConfig(max_draft_tokens=max_draft_tokens),
+                                               **kwargs))
+    if proposer is not None:
+        engine.proposer = proposer
+    return engine
+
+
+def assert_blocks_cover_only_computed_tokens(engine: LLMEngine) -> None:
+    """A decoding sequence holds the blocks of its computed tokens and none that only rejected drafts
+    used (the block of its newest token is taken by the step that computes it)."""
+    bs = engine.config.block_size
+    for seq in engine.scheduler.running:
+        if seq.num_uncomputed_tokens == 1:
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // bs), seq.request_id
+
+
+@pytest.mark.parametrize("arch", TEST_PRESETS)
+def test_greedy_output_is_unchanged_by_verifying_drafts_in_every_family(model_dirs, hf_reference, arch):
+    """Batched verification through every family's attention (windows, soft-capping, local/global
+    layers), beside prompt chunks in the same step."""
+    ref = hf_reference[arch]
+    prompts = random_prompts(8, ref.vocab_size, 1, 120, seed=31)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5),
+                                max_num_batched_tokens=48)
+    outputs = run_all(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
+    accepted = sum(o.num_accepted_tokens for o in outputs)
+    assert 0 < accepted < sum(o.num_draft_tokens for o in outputs)
+    assert_pool_idle(engine)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_output_is_unchanged_over_random_batch_mixes(model_dirs, hf_reference, seed):
+    """Random prompts sharing prefixes (prefix-cache hits), chunked prompt passes, lengths and draft
+    sizes, in a pool small enough to preempt: no ragged-batch corruption, no block left behind."""
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    rng = random.Random(seed)
+    prefixes = random_prompts(2, ref.vocab_size, 16, 40, seed=100 + seed)
+    prompts = [rng.choice(prefixes + [[]]) + p for p in random_prompts(12, ref.vocab_size, 1, 90, seed=seed)]
+    lengths = [rng.randint(1, 40) for _ in prompts]
+    truth = {tuple(p): ref.greedy(p, n) for p, n in zip(prompts, lengths)}
+    probe = LLMEngine(model_dirs[arch], EngineConfig(kv_memory_bytes=16 * 2**20))
+    engine = speculative_engine(
+        model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.4, seed=seed), max_draft_tokens=8,
+        max_model_len=256, kv_memory_bytes=(256 // 16 + 3) * probe.kv_layout.bytes_per_block,
+        max_num_batched_tokens=40, prefill_chunk_size=rng.choice([7, 40]), max_num_seqs=6)
+    ids = [engine.add_request(p, SamplingParams.greedy(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    done = {}
+    for _ in range(5_000):
+        if not engine.has_unfinished_requests():
+            break
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert_blocks_cover_only_computed_tokens(engine)
+    assert [done[i].token_ids for i in ids] == [truth[tuple(p)] for p in prompts]
+    assert engine.scheduler.num_preemptions > 0 and engine.pool.stats.hit_blocks > 0
+    assert sum(o.num_accepted_tokens for o in done.values()) > 0
+    assert_pool_idle(engine)
+
+
+def test_seeded_sampling_is_unchanged_by_speculation(model_dirs):
+    """A seeded request samples the same tokens with speculation as without, whatever its batch: each
+    position is drawn from (seed, position) alone, so a draft token is accepted exactly when it is the
+    token decoding one by one would have drawn there."""
+    arch = "tiny-qwen2"
+    prompts = random_prompts(10, 200, 3, 60, seed=5)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=i, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (0.0, 0, 1.0)] * 3)][:10]
+    plain = LLMEngine(model_dirs[arch], EngineConfig(kv_memory_bytes=16 * 2**20))
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, run_all(plain, prompts, params))}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, plain.vocab_size, spoil=0.5, seed=1))
+    outputs = run_all(engine, prompts, params)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
+    assert sum(o.num_accepted_tokens for o in outputs) > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution_when_drafts_are_verified(model_dirs, hf_reference):
+    """A chi-square test over 3,000 seeded requests: the first two sampled tokens, the second always
+    verified against a draft (the most likely token there), are distributed as the model says."""
+    arch = "tiny-llama"
+    top_k, draws = 4, 3000
+    model = hf_reference[arch].model
+    prompt = random_prompts(1, hf_reference[arch].vocab_size, 12, 12, seed=9)[0]
+
+    def top_probs(tokens: list[int]) -> dict[int, float]:
+        with torch.inference_mode():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+        values, ids = logits.topk(top_k)
+        return dict(zip(ids.tolist(), torch.softmax(values, -1).tolist()))
+
+    first = top_probs(prompt)
+    second = {t0: top_probs(prompt + [t0]) for t0 in first}
+    expected = {(t0, t1): p0 * p1 for t0, p0 in first.items() for t1, p1 in second[t0].items()}
+    likeliest = {t0: max(probs, key=probs.get) for t0, probs in second.items()}
+
+    class Likeliest:
+        def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+            return [likeliest[seq.output_token_ids[0]]] if len(seq.output_token_ids) == 1 else []
+
+        def finished(self, seq: Sequence) -> None:
+            pass
+
+    engine = speculative_engine(model_dirs[arch], Likeliest(), max_num_seqs=128)
+    params = [SamplingParams(top_k=top_k, seed=s, max_tokens=3, ignore_eos=True) for s in range(draws)]
+    outputs = run_all(engine, [prompt] * draws, params)
+    assert sum(o.num_draft_tokens for o in outputs) == draws
+    counts = {cell: 0 for cell in expected}
+    for o in outputs:
+        counts[tuple(o.token_ids[:2])] += 1
+    chi2 = sum((counts[c] - draws * p) ** 2 / (draws * p) for c, p in expected.items())
+    assert chi2 < 37.70, (chi2, counts)  # the 0.999 quantile of chi-square with 15 degrees of freedom
+    accepted = sum(o.num_accepted_tokens for o in outputs) / draws
+    assert accepted == pytest.approx(sum(first[t0] * second[t0][likeliest[t0]] for t0 in first), abs=0.05)
+
+
+def test_heavy_rejection_frees_every_block_and_caches_only_accepted_tokens(model_dirs, hf_reference):
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    prompts = random_prompts(6, ref.vocab_size, 20, 70, seed=12)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=1.0), max_draft_tokens=8)
+    outputs = run_all(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
+    assert_pool_idle(engine)
+    bs = engine.config.block_size
+    true_blocks = {h for p, o in zip(prompts, outputs) for h in hash_prompt_blocks((p + o.token_ids)[:-1], bs)}
+    assert engine.pool.cached_hashes() and set(engine.pool.cached_hashes()) <= true_blocks
+
+
+def test_a_request_aborted_between_verifying_steps_frees_everything(model_dirs, hf_reference):
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    prompts = random_prompts(4, ref.vocab_size, 30, 60, seed=14)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5), max_draft_tokens=8)
+    ids = [engine.add_request(p, SamplingParams.greedy(max_tokens=100, ignore_eos=True)) for p in prompts]
+    engine.step()  # the prompt passes
+    for request_id in ids:  # each aborted after one more verifying step, the rest still running
+        engine.step()
+        assert engine.requests[request_id].num_draft_tokens > 0
+        assert engine.abort_request(request_id)
+    assert_pool_idle(engine)
+
+
+# --- the suffix proposer ------------------------------------------------------------------------
+CONFIG = SpeculativeConfig(max_match=8, max_spec_factor=2.0, min_token_prob=0.3, recent_output_tokens=64)
+
+
+def index_of(tokens: list[int]) -> TokenIndex:
+    index = TokenIndex()
+    index.extend(tokens)
+    return index
+
+
+def test_the_suffix_index_follows_the_longest_earlier_match():
+    tokens = [1, 2, 3, 4, 5, 9, 9, 7, 2, 3, 6, 9, 9, 1, 2, 3]  # "2 3" twice before the end, "1 2 3" once
+    draft = index_of(tokens).draft(tokens, 8, CONFIG)
+    assert draft.tokens == [4, 5, 9, 9, 7, 2]  # what followed "1 2 3", up to 2 x its 3 tokens
+    assert draft.expected == pytest.approx(6.0)
+
+
+def test_the_suffix_draft_takes_the_most_frequent_path_and_stops_where_it_is_unlikely():
+    tokens = [5, 6, 7, 5, 6, 7, 5, 6, 8, 5, 6]  # after "5 6": 7 twice, 8 once
+    draft = index_of(tokens).draft(tokens, 8, CONFIG)
+    assert draft.tokens[0] == 7
+    assert draft.expected > 0.6
+
+
+def test_the_suffix_draft_is_bounded_by_its_match_and_the_limit():
+    tokens = list(range(10, 30)) + [10]
+    assert index_of(tokens).draft(tokens, 8, CONFIG).tokens == [11, 12]  # a match of 1: 2x1 tokens
+    long = list(range(10, 30)) + list(range(10, 16))
+    assert index_of(long).draft(long, 5, CONFIG).tokens == [16, 17, 18, 19, 20]
+    assert index_of([1, 2, 3]).draft([1, 2, 3], 8, CONFIG).tokens == []  # nothing seen twice
+
+
+def test_recent_outputs_help_other_requests_and_stay_bounded():
+    proposer = SuffixProposer(CONFIG)
+    done = Sequence("a", [3, 3], GREEDY, output_token_ids=[40, 41, 42, 43, 44, 45])
+    proposer.finished(done)
+    asking = Sequence("b", [7, 40, 41, 42], GREEDY)
+    assert proposer.propose(asking, 8) == [43, 44, 45]  # matched "40 41 42" in the other's output
+    recent = RecentOutputs(capacity=10)
+    for i in range(50):
+        recent.add([i] * 4)
+    assert len(recent.index.tokens) <= 2 * 10 + 5
+    assert 49 in recent.index.where and 0 not in recent.index.where
+
+
+def test_the_suffix_proposer_speeds_up_repetitive_text_without_changing_it(model_dirs, hf_reference):
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    prompts = [p * 4 for p in random_prompts(4, ref.vocab_size, 6, 12, seed=2)]  # patterns the model continues
+    expected = [ref.greedy(p, 40) for p in prompts]
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    engine = speculative_engine(model_dirs[arch])
+    steps = 0
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [done[i].token_ids for i in ids] == expected
+    assert steps < 40 and sum(o.num_accepted_tokens for o in done.values()) > 0
+    assert_pool_idle(engine)
