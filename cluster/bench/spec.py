@@ -1,8 +1,8 @@
 """`pdserve bench spec`: decoding with and without speculation, side by side in one run.
 
 Two workloads on the shipped model (trained on Python's standard library):
-  - code: completion of held-out Python source (files the model never saw), each prompt a different
-    stretch of a different file;
+  - code: completion of held-out Python source (files the model never saw), each prompt its own
+    stretch of a file;
   - conversation: random token prompts with the conversation trace's prompt lengths (nothing to copy
     from: what speculation costs when it cannot help).
 At each batch size every request of a run starts at once; a run's engine is built afresh (empty prefix
@@ -70,13 +70,13 @@ class SpecBenchResult:
 
 
 def code_prompts(tokenize: Callable[[str], list[int]], n: int, length: int, rng: random.Random) -> list[list[int]]:
-    """`n` stretches of `length` tokens of held-out Python source, each from its own file and place."""
-    files = [ids for ids in (tokenize(text) for text in corpus_texts("heldout")) if len(ids) >= length + 1]
-    if len(files) < n:
-        raise ValueError(f"the held-out source has {len(files)} files of {length + 1}+ tokens; {n} are needed")
-    chosen = rng.sample(files, n)
-    starts = [rng.randrange(len(ids) - length) for ids in chosen]
-    return [ids[s : s + length] for ids, s in zip(chosen, starts)]
+    """`n` stretches of `length` tokens of held-out Python source, no two overlapping, drawn at random
+    from every file's stretches."""
+    stretches = [ids[start : start + length] for ids in (tokenize(text) for text in corpus_texts("heldout"))
+                 for start in range(0, len(ids) - length + 1, length)]
+    if len(stretches) < n:
+        raise ValueError(f"the held-out source has {len(stretches)} stretches of {length} tokens; {n} are needed")
+    return rng.sample(stretches, n)
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[RunFigures, list[list[int]]]:
@@ -177,7 +177,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"{result.model}, float32, {result.threads} torch thread, greedy, {result.output_len} output tokens per "
         f"request. code: {result.prompt_len}-token stretches of held-out Python source (files the model never "
-        f"saw); conversation: random token ids with the conversation trace's prompt lengths (up to "
+        f"saw; no two prompts overlap); conversation: random token ids with the conversation trace's prompt lengths (up to "
         f"{result.prompt_len}). At each batch size every request starts at once; each run builds its engine afresh "
         f"(empty prefix cache and recent-output index) and every repeat takes prompts no other run used; off and "
         f"suffix run the same prompts in turn, and their outputs were identical, token for token. Medians of "
