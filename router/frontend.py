@@ -347,6 +347,8 @@ class ActiveRequest:
         accepted, first = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FIRST_TOKEN)
         frontend.metrics.ended(self.api, self.code, self.output_tokens,
                                first - accepted if first else None, ev[LifetimeEvent.FINISHED] - accepted)
+        if self.draft_tokens:
+            frontend.metrics.speculated(placement.decode.name, self.draft_tokens, self.accepted_draft_tokens)
         if first is not None:
             frontend.metrics.prompt_served(placement.prefiller.name, len(self.work.prompt_token_ids),
                                            self.cached_tokens)

@@ -64,6 +64,11 @@ class RouterMetrics:
         self.retries = Counter("pdserve_request_retries", "Attempts started again after a request lost a worker; "
                                "phase: prefill (before its first token: placed afresh) or decode (resumed on a "
                                "decode worker from the tokens already streamed)", ["phase"], registry=r)
+        self.draft_tokens = Counter("pdserve_spec_draft_tokens", "Speculative decoding: draft tokens verified, by "
+                                    "decode worker (counted when a request ends)", ["worker"], registry=r)
+        self.accepted_draft_tokens = Counter("pdserve_spec_accepted_draft_tokens", "Speculative decoding: draft "
+                                             "tokens accepted, by decode worker (counted when a request ends)",
+                                             ["worker"], registry=r)
         r.register(_PoolCollector(router))
 
     def routed(self, placement: Placement) -> None:
@@ -81,6 +86,10 @@ class RouterMetrics:
 
     def retried(self, phase: str) -> None:
         self.retries.labels(phase).inc()
+
+    def speculated(self, worker: str, draft_tokens: int, accepted_draft_tokens: int) -> None:
+        self.draft_tokens.labels(worker).inc(draft_tokens)
+        self.accepted_draft_tokens.labels(worker).inc(accepted_draft_tokens)
 
     def prompt_served(self, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.labels(worker).inc(prompt_tokens)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -74,6 +76,10 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
     else:
         assert all(r.draft_tokens >= r.accepted_draft_tokens for r in results)
         assert results[0].accepted_draft_tokens > 0
+        with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as page:
+            metrics = page.read().decode()
+        accepted = re.findall(r'^pdserve_spec_accepted_draft_tokens_total\{worker="[^"]+"\} (\S+)$', metrics, re.M)
+        assert sum(map(float, accepted)) >= results[0].accepted_draft_tokens
     assert_idle(cluster)
 
 
