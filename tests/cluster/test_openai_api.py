@@ -158,6 +158,8 @@ def test_usage_counts_cached_prompt_tokens(api, model):
     again = api.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 64  # full blocks of the prompt, cached by the first
+    details = again.usage.completion_tokens_details  # speculative decoding's drafts: off in this cluster
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
 
 
 def test_errors_carry_openai_status_codes(api, cluster, model):
