@@ -242,6 +242,11 @@ class SpeculativeSpec(_Strict):
                                                                "probability falls under this.")
     recent_output_tokens: int = Field(65536, ge=0, le=2**24, description="suffix: tokens of recent outputs "
                                                                          "indexed for every request (0: none).")
+    goodput_sizing: bool = Field(
+        True, description="Each step verifies the draft tokens that raise its goodput (tokens per second), from the "
+                          "worker's measured step cost and each request's acceptance so far: long drafts in small "
+                          "batches, short or none in large ones or for requests whose drafts keep failing; false: "
+                          "every draft whole.")
 
     def engine_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**self.model_dump())

@@ -28,7 +28,7 @@ import ray
 from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.model_store import ModelSource
-from pdserve.engine.profiler import profile_prefill
+from pdserve.engine.profiler import profile_decode, profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.interface import PROBE_PREFIX, Lease, TransferError
 from pdserve.faults import FaultSettings
@@ -75,9 +75,11 @@ class DecodeWorker(WorkerBase):
                            receiver_counts=self.receiver.counts())
 
     def profile(self) -> WorkerStatus:
-        """Measure prompt passes (before serving; the launcher runs one worker at a time); returns the
-        health report, with the fitted step cost."""
+        """Measure prompt passes and decode steps (before serving; the launcher runs one worker at a
+        time); returns the health report, with the fitted step cost."""
         profile = self.loop.call(lambda engine: profile_prefill(engine, self.loop.deliver), timeout=300)
+        if self.engine.config.speculative is not None:  # the decode cost that sizes its drafts
+            self.loop.call(profile_decode, timeout=300)
         self._profiled = profile.complete  # else (a busy engine) the supervisor has it profile again
         return self.ping()
 

@@ -78,6 +78,7 @@ class DecodeBatch:
     block_size: int
     query_lens: torch.Tensor | None = None  # [B]; None: one query per row
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _queries: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, Q, max_blocks * block_size] bool, True where a key is visible to a query."""
@@ -94,12 +95,17 @@ class DecodeBatch:
             self._masks[window] = visible[:, None, :, :]
         return self._masks[window]
 
-    def valid(self) -> torch.Tensor | None:
-        """[B * Q] bool, False for padding queries (whose outputs are dropped); None: no padding."""
-        if self.query_lens is None:
-            return None
-        queries = torch.arange(self.token_index.shape[1], device=self.token_index.device)[None, :]
-        return (queries < self.query_lens[:, None]).flatten()
+    def queries(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where the real queries' outputs go in the packed row, and which of the [B * Q] padded outputs
+        they are (None: all of them, in order); computed once per step, used by every layer."""
+        if self._queries is None:
+            if self.query_lens is None:
+                self._queries = (self.token_index.flatten(), None)
+            else:
+                queries = torch.arange(self.token_index.shape[1], device=self.token_index.device)[None, :]
+                real = (queries < self.query_lens[:, None]).flatten().nonzero().squeeze(1)
+                self._queries = (self.token_index.flatten()[real], real)
+        return self._queries
 
 
 @dataclass
@@ -214,11 +220,8 @@ def paged_attention_forward(
         kd = _gather_padded(cache.key_blocks(layer), d.block_ids)
         vd = _gather_padded(cache.value_blocks(layer), d.block_ids)
         o = _attend(qd, kd, vd, d.mask(sliding_window), scaling, softcap).transpose(1, 2).flatten(0, 1)
-        index = d.token_index.flatten()
-        valid = d.valid()
-        if valid is not None:
-            o, index = o[valid], index[valid]
-        out[index] = o
+        index, real = d.queries()
+        out[index] = o if real is None else o.index_select(0, real)
     return out.unsqueeze(0), None
 
 

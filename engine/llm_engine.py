@@ -23,7 +23,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_prompt_blocks
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cost_model import StepCostModel
+from pdserve.engine.cost_model import StepCost, StepCostModel
 from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
@@ -32,6 +32,7 @@ from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
+from pdserve.engine.speculative.sizing import Acceptance, DraftCandidate, draft_lengths
 
 
 @dataclass
@@ -100,6 +101,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.step_costs = StepCostModel()  # refined by every step; seeded by `engine.profiler`
+        # Steps with no prompt chunk alone: what a decode step costs, and each token a draft adds to it
+        # (a prompt pass's per-token cost is far above a small decode batch's). Sizes speculation.
+        self.decode_step_costs = StepCostModel()
+        self.acceptance = Acceptance()  # of draft tokens, lately, over every request
         self._ids = itertools.count()
         self._import_targets: dict[str, int] = {}
 
@@ -197,15 +202,37 @@ class LLMEngine:
             total_s=time.perf_counter() - t0,
         )
         self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
+        if self.last_step.num_decode_seqs == len(plan.chunks):
+            self.decode_step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
         return outputs
 
     def _propose(self, proposer: Proposer) -> None:
-        """Draft tokens for every decoding sequence, as many as could still be generated."""
-        most = self.config.speculative.max_draft_tokens
+        """Draft tokens for every decoding sequence: at most as many as it could still generate and, with
+        goodput sizing, as raise the step's goodput (sized first, so that no proposal is made that the
+        step would not verify)."""
+        spec = self.config.speculative
+        decoding = []
         for seq in self.scheduler.running:
-            room = min(most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            seq.draft_token_ids = []
+            room = min(spec.max_draft_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            seq.draft_token_ids = proposer.propose(seq, room) if room > 0 and seq.num_uncomputed_tokens == 1 else []
+            if room > 0 and seq.num_uncomputed_tokens == 1:
+                decoding.append((seq, room))
+        if spec.goodput_sizing and decoding:
+            prompt_tokens = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens) - len(decoding)
+            lengths = draft_lengths(
+                [DraftCandidate(s.num_computed_tokens, room, s.num_accepted_tokens, s.num_draft_rejections,
+                                self.acceptance.rate) for s, room in decoding],
+                self._decode_cost(), other_tokens=max(0, prompt_tokens))
+            decoding = [(s, length) for (s, _), length in zip(decoding, lengths)]
+        for seq, length in decoding:
+            if length:
+                seq.draft_token_ids = proposer.propose(seq, length)
+
+    def _decode_cost(self) -> StepCost:
+        """The cost of decode steps, drafts included, as measured; the whole fit until there is one."""
+        decode = self.decode_step_costs.coefficients
+        return decode if decode.measured else self.step_costs.coefficients
 
     def _take_sampled(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
         """Append a sampled chunk's tokens to its sequence: the one token sampled, or for a verifying
@@ -226,6 +253,8 @@ class LLMEngine:
         if chunk.draft:
             seq.num_draft_tokens += len(chunk.draft)
             seq.num_accepted_tokens += len(new) - 1
+            seq.num_draft_rejections += accepted < len(chunk.draft)
+            self.acceptance.observe(accepted, accepted < len(chunk.draft))
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)

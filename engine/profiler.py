@@ -1,4 +1,6 @@
-"""Start-up profile of an engine's prompt passes: the anchor samples of its step cost model.
+"""Start-up profiles of an engine: its prompt passes (the anchor samples of its step cost model) and,
+where it decodes speculatively, its decode steps with drafts of several lengths (the anchors of the
+decode step cost model that sizes speculation, `profile_decode`).
 
 Prompts of a few lengths (powers of four up to the step budget and the context limit) are each
 prefilled, twice; the first pass of each length is a warm-up and is not kept. Run it before the
@@ -18,6 +20,7 @@ cache nor leaks KV.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.sizing import Acceptance
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -112,3 +117,75 @@ def _prefill_alone(engine: LLMEngine, request_id: str, prompt_len: int,
         if keep and stats.num_seqs == 1 and ran_ours and stats.num_tokens == prompt_len:  # whole, and alone
             yield stats.num_tokens, stats.quad_tokens, stats.total_s
 
+
+
+DECODE_BATCHES = (1, 8, 32)
+DRAFT_LENGTHS = (0, 1, 4, 8)
+DECODE_STEPS = 4  # measured steps per batch and draft length, after one warm-up step
+
+
+class _FixedDraft:
+    """Proposes `length` copies of a token for every sequence: what the decode profile verifies."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return [0] * min(self.length, max_tokens)
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Measure decode steps of `DECODE_BATCHES` requests, verifying drafts of each of `DRAFT_LENGTHS`
+    tokens where the engine speculates (rejected drafts: they cost what accepted ones do); feed them to
+    `engine.decode_step_costs` as anchors. Where the engine is not idle (a restarted worker already
+    serving) or its context is too short, nothing is measured: the decode cost is then learned from
+    serving alone. Returns the samples kept."""
+    lengths = DRAFT_LENGTHS if engine.config.speculative is not None else (0,)
+    steps_each = (1 + DECODE_STEPS) * (1 + max(lengths))
+    prompt_len = min(prompt_len, engine.max_model_len - 1 - steps_each * len(lengths))
+    if engine.requests or prompt_len < 1:
+        return []
+    rng = random.Random(seed)
+    config, proposer, acceptance = engine.config, engine.proposer, engine.acceptance
+    drafts = _FixedDraft()
+    engine.acceptance = Acceptance()
+    if config.speculative is not None:
+        engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
+                                                                                   goodput_sizing=False))
+        engine.proposer = drafts
+    ours: set[bytes] = set()
+    samples: list[tuple[int, int, float]] = []
+    try:
+        for batch in DECODE_BATCHES:
+            prompts = [[rng.randrange(engine.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+            ours.update(h for p in prompts for h in hash_prompt_blocks(p, engine.config.block_size))
+            params = SamplingParams.greedy(max_tokens=steps_each * len(lengths), ignore_eos=True)
+            ids = [engine.add_request(p, params) for p in prompts]
+            try:
+                drafts.length = 0
+                for _ in range(MAX_WAIT_STEPS):  # their prompt passes (bounded: a small pool may not hold them)
+                    if all(engine.requests[i].num_uncomputed_tokens == 1 for i in ids):
+                        break
+                    engine.step()
+                else:
+                    continue
+                for length in lengths:
+                    drafts.length = length
+                    for step in range(1 + DECODE_STEPS):
+                        engine.step()
+                        stats = engine.last_step
+                        if step and stats.num_seqs == stats.num_decode_seqs == batch:
+                            samples.append((stats.num_tokens, stats.quad_tokens, stats.total_s))
+            finally:
+                for request_id in ids:
+                    if request_id in engine.requests:  # the blocks its output filled are cached too
+                        ours.update(engine.requests[request_id].block_hashes)
+                    engine.abort_request(request_id)
+    finally:  # its rejected drafts are no news of what requests accept
+        engine.config, engine.proposer, engine.acceptance = config, proposer, acceptance
+        engine.pool.forget_cached(ours)
+    engine.decode_step_costs.add_profile(samples)
+    return samples

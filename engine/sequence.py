@@ -40,6 +40,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of those, accepted
+    num_draft_rejections: int = 0  # verifications that ended on a rejected draft token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

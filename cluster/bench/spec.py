@@ -1,13 +1,17 @@
 """`pdserve bench spec`: decoding with and without speculation, side by side in one run.
 
-Two workloads on the shipped model (trained on Python's standard library):
-  - code: completion of held-out Python source (files the model never saw), each prompt its own
+Three workloads on the shipped model (trained on Python's standard library):
+  - code: greedy completion of held-out Python source (files the model never saw), each prompt its own
     stretch of a file;
-  - conversation: random token prompts with the conversation trace's prompt lengths (nothing to copy
-    from: what speculation costs when it cannot help).
+  - conversation: greedy, random token prompts with the conversation trace's prompt lengths (nothing
+    in the prompt to copy);
+  - sampled: the conversation prompts sampled at temperature 1 (seeded per request): outputs with
+    little to copy, where drafts mostly fail and speculation must turn itself off.
 At each batch size every request of a run starts at once; a run's engine is built afresh (empty prefix
-cache, empty index of recent outputs), and every run of a repeat gets prompts no other repeat used.
-Systems alternate within a repeat on the same prompts, and their greedy outputs must be identical.
+cache, empty index of recent outputs) and profiles its decode steps first, as a worker does when it
+starts (`engine.profiler.profile_decode`: a warm-up for both systems, and the step costs that size
+speculation); every run of a repeat gets prompts no other repeat used.
+Systems alternate within a repeat on the same prompts, and their outputs must be identical.
 TPOT is each request's time from its first to its last token over its tokens after the first (the
 median over requests); output tokens/s is the run's tokens over its wall time.
 """
@@ -28,10 +32,10 @@ from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 from pdserve.engine.models.training import corpus_texts
+from pdserve.engine.profiler import profile_decode
 from pdserve.engine.speculative.config import SpeculativeConfig
 
 SYSTEMS: dict[str, SpeculativeConfig | None] = {"off": None, "suffix": SpeculativeConfig()}
-WORKLOADS = ("code", "conversation")
 MIN_TPOT_SPEEDUP = 2.0  # target: TPOT at batch 1 on code, off / speculative
 MIN_THROUGHPUT_RATIO = 0.97  # target: speculative output tok/s against off, on every workload and batch
 
@@ -79,10 +83,18 @@ def code_prompts(tokenize: Callable[[str], list[int]], n: int, length: int, rng:
     return rng.sample(stretches, n)
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[RunFigures, list[list[int]]]:
-    """Every prompt at once, greedy, to `output_len` tokens: the run's figures and outputs."""
-    params = SamplingParams.greedy(max_tokens=output_len, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+def workload_params(workload: str, output_len: int, seed: int) -> SamplingParams:
+    """A request's parameters in `workload`: greedy, or for `sampled` temperature 1 with its own seed."""
+    if workload == "sampled":
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=output_len, ignore_eos=True)
+    return SamplingParams.greedy(max_tokens=output_len, ignore_eos=True)
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+              ) -> tuple[RunFigures, list[list[int]]]:
+    """Every prompt at once, to its `max_tokens` (EOS ignored): the run's figures and outputs."""
+    output_len = params[0].max_tokens
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     done = {}
@@ -113,11 +125,11 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len)
     rng = random.Random(0)
     needed = cfg.repeats * sum(cfg.batches)
+    shapes = azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]
     workloads = {
         "code": code_prompts(probe.tokenize, needed, cfg.prompt_len, rng),
-        "conversation": random_token_prompts(
-            [s for s in azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]],
-            probe.vocab_size, seed=1),
+        "conversation": random_token_prompts(shapes, probe.vocab_size, seed=1),
+        "sampled": random_token_prompts(shapes, probe.vocab_size, seed=2),
     }
     for workload, prompts in workloads.items():
         taken = 0
@@ -128,13 +140,15 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
                 for system, spec in SYSTEMS.items():
                     engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(cfg.batches),
                                                                max_model_len=max_len, kv_memory_bytes=512 * 2**20))
-                    figures, outputs[system] = run_batch(engine, batch_prompts, cfg.output_len)
+                    profile_decode(engine)  # as a worker starts: warm, and speculation knows its step costs
+                    params = [workload_params(workload, cfg.output_len, seed=taken + i) for i in range(batch)]
+                    figures, outputs[system] = run_batch(engine, batch_prompts, params)
                     result.runs.setdefault(workload, {}).setdefault(batch, {}).setdefault(system, []).append(figures)
                     log(f"  {workload:>12} batch {batch:>3} repeat {repeat + 1}/{cfg.repeats} {system:>7}: TPOT "
                         f"{figures.tpot_ms:6.2f} ms, {figures.output_tps:7.1f} output tok/s, accepted "
                         f"{figures.accepted}/{figures.drafted} drafted")
                 if len({tuple(map(tuple, o)) for o in outputs.values()}) != 1:
-                    raise AssertionError(f"{workload} batch {batch}: speculation changed the greedy output")
+                    raise AssertionError(f"{workload} batch {batch}: speculation changed the output")
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({"benchmark": "spec", **asdict(result)}, indent=2))
     log(summary_table(result))
@@ -175,13 +189,16 @@ def markdown(results: dict) -> str:
               for w, batches in result.runs.items() for b in batches]
     repeats = len(next(iter(next(iter(result.runs.values())).values()))["off"])
     lines = [
-        f"{result.model}, float32, {result.threads} torch thread, greedy, {result.output_len} output tokens per "
-        f"request. code: {result.prompt_len}-token stretches of held-out Python source (files the model never "
-        f"saw; no two prompts overlap); conversation: random token ids with the conversation trace's prompt lengths (up to "
-        f"{result.prompt_len}). At each batch size every request starts at once; each run builds its engine afresh "
-        f"(empty prefix cache and recent-output index) and every repeat takes prompts no other run used; off and "
+        f"{result.model}, float32, {result.threads} torch thread, {result.output_len} output tokens per request. "
+        f"code: greedy, {result.prompt_len}-token stretches of held-out Python source (files the model never saw; no "
+        f"two prompts overlap); conversation: greedy, random token ids with the conversation trace's prompt lengths "
+        f"(up to {result.prompt_len}); sampled: other such prompts sampled at temperature 1, each request with its "
+        f"own seed. At each batch size every request starts at once; each run builds its engine afresh "
+        f"(empty prefix cache and recent-output index) and profiles its decode steps first, as a worker does "
+        f"when it starts; every repeat takes prompts no other run used; off and "
         f"suffix run the same prompts in turn, and their outputs were identical, token for token. Medians of "
-        f"{repeats} repeats. suffix: the model-free proposer (up to 8 draft tokens per sequence per step).",
+        f"{repeats} repeats. suffix: the model-free proposer, up to 8 draft tokens per sequence per step, each "
+        f"step's draft lengths sized by goodput.",
         "", summary_table(result), "",
         "Read these figures with the model in mind: the shipped model is small, and its greedy outputs repeat "
         "themselves (on random prompts too: 20–50% of their 8-token windows are distinct), which the suffix "

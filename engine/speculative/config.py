@@ -20,6 +20,9 @@ class SpeculativeConfig:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     recent_output_tokens: int = 65536
+    # Each step's draft lengths chosen to raise its goodput from the measured step cost and each
+    # request's acceptance (`engine.speculative.sizing`); False: every draft verified whole.
+    goodput_sizing: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

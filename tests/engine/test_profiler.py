@@ -10,7 +10,8 @@ from helpers import assert_pool_idle, drain
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost
-from pdserve.engine.profiler import profile_prefill
+from pdserve.engine.profiler import DECODE_BATCHES, DRAFT_LENGTHS, profile_decode, profile_prefill
+from pdserve.engine.speculative.config import SpeculativeConfig
 
 ARCH = "tiny-llama"
 
@@ -83,3 +84,20 @@ def test_an_engine_given_a_stored_profiles_costs_starts_from_them_after_one_warm
     fitted = engine.step_costs.coefficients  # the warm-up's own time is not among what it was fitted to
     assert [fitted.a, fitted.b, fitted.c] == pytest.approx([stored.a, stored.b, stored.c], rel=1e-6)
     assert_pool_idle(engine)
+
+
+def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leaves_the_pool_idle(model_dirs):
+    engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
+    proposer, acceptance = engine.proposer, engine.acceptance.rate
+    samples = profile_decode(engine)
+    assert {tokens for tokens, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
+    assert engine.decode_step_costs.coefficients.measured
+    assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
+    assert engine.acceptance.rate == acceptance  # its rejected drafts say nothing of requests'
+    assert_pool_idle(engine)
+    assert engine.pool.num_cached == 0  # its prompts' blocks forgotten
+    busy = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
+    busy.add_request([5] * 20, SamplingParams.greedy(max_tokens=4))
+    assert profile_decode(busy) == [] and not busy.decode_step_costs.coefficients.measured
+    plain = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
+    assert {tokens for tokens, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps

@@ -18,6 +18,8 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.cost_model import StepCost
+from pdserve.engine.speculative.sizing import DraftCandidate, draft_lengths
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
 NEW_TOKENS = 24
@@ -44,10 +46,12 @@ class SpoilingProposer:
         pass
 
 
-def speculative_engine(model_dir, proposer=None, max_draft_tokens: int = 6, **kwargs) -> LLMEngine:
+def speculative_engine(model_dir, proposer=None, max_draft_tokens: int = 6, goodput_sizing: bool = False,
+                       **kwargs) -> LLMEngine:
+    """Drafts verified whole unless `goodput_sizing` (which depends on measured step times)."""
     kwargs.setdefault("kv_memory_bytes", 16 * 2**20)
-    engine = LLMEngine(model_dir, EngineConfig(speculative=SpeculativeConfig(max_draft_tokens=max_draft_tokens),
-                                               **kwargs))
+    spec = SpeculativeConfig(max_draft_tokens=max_draft_tokens, goodput_sizing=goodput_sizing)
+    engine = LLMEngine(model_dir, EngineConfig(speculative=spec, **kwargs))
     if proposer is not None:
         engine.proposer = proposer
     return engine
@@ -242,7 +246,7 @@ def test_the_suffix_proposer_speeds_up_repetitive_text_without_changing_it(model
     prompts = [p * 4 for p in random_prompts(4, ref.vocab_size, 6, 12, seed=2)]  # patterns the model continues
     expected = [ref.greedy(p, 40) for p in prompts]
     params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
-    engine = speculative_engine(model_dirs[arch])
+    engine = speculative_engine(model_dirs[arch], max_draft_tokens=8)
     steps = 0
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
@@ -251,4 +255,42 @@ def test_the_suffix_proposer_speeds_up_repetitive_text_without_changing_it(model
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert [done[i].token_ids for i in ids] == expected
     assert steps < 40 and sum(o.num_accepted_tokens for o in done.values()) > 0
+    assert_pool_idle(engine)
+
+
+# --- draft lengths sized by goodput ---------------------------------------------------------------
+def candidate(accepted: int = 0, rejected: int = 0, max_tokens: int = 8, context_len: int = 100) -> DraftCandidate:
+    return DraftCandidate(context_len, max_tokens, accepted, rejected)
+
+
+def test_each_draft_token_is_verified_only_while_it_raises_the_steps_goodput():
+    # One request accepting half its drafts (the prior), a step of fixed cost a and b per token: one
+    # draft token takes the step from 1 token in a + b to 1.5 in a + 2b, the second to 1.75 in a + 3b.
+    assert draft_lengths([candidate()], StepCost(a=1.0, b=1.0)) == [0]  # 1.5 / 3 is not above 1 / 2
+    assert draft_lengths([candidate()], StepCost(a=3.0, b=1.0)) == [1]  # 1.5 / 5 > 1 / 4, but 1.75 / 6 < 1.5 / 5
+    assert draft_lengths([candidate()], StepCost(a=1.0)) == [8]  # tokens cost nothing: every draft pays
+
+
+def test_drafts_are_long_in_small_batches_short_in_token_bound_ones_and_none_where_they_keep_failing():
+    fixed_cost = StepCost(a=5e-3, b=2e-5, c=1e-9)  # a CPU decode step: its fixed cost dominates
+    assert draft_lengths([candidate(accepted=30, rejected=10)], fixed_cost) == [8]
+    big_batch = draft_lengths([candidate(accepted=30, rejected=10)] * 64, fixed_cost, other_tokens=1500)
+    assert max(big_batch) < 8
+    assert draft_lengths([candidate()] * 4, StepCost(b=1e-3)) == [0] * 4  # bound by its tokens: none pays
+    good, bad = draft_lengths([candidate(accepted=90, rejected=10), candidate(accepted=1, rejected=30)],
+                              StepCost(a=2e-3, b=1e-4))
+    assert good > bad
+    assert draft_lengths([candidate(max_tokens=3)], StepCost()) == [3]  # no measurement yet: drafts whole
+
+
+def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    prompts = random_prompts(12, ref.vocab_size, 5, 80, seed=41)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5),
+                                max_draft_tokens=8, goodput_sizing=True)
+    engine.step_costs.add_profile([(1, 1, 5e-3), (64, 4096, 6e-3), (512, 262144, 2e-2)])  # a fit to start from
+    outputs = run_all(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
     assert_pool_idle(engine)
