@@ -50,7 +50,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     cfg = SpecBenchConfig(model=args.model, batches=tuple(args.batches), repeats=args.repeats,
                           prompt_len=args.prompt_len, output_len=args.output_len, threads=args.threads,
-                          out=Path(args.out))
+                          open_loop_requests=args.open_loop_requests, max_runs=args.max_runs, out=Path(args.out))
     run(cfg)
     _publish(args, cfg.out)
     return 0
@@ -235,9 +235,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     be.set_defaults(func=_bench_engine)
     bsp = bench_sub.add_parser("spec", help="decoding with and without speculation: TPOT and output tokens/s",
                                description="Speculative decoding against plain decoding on the same requests, in "
-                                           "one run: code completion of held-out Python source and random "
-                                           "prompts with the conversation trace's lengths, at several batch sizes; "
-                                           "greedy outputs checked identical.",
+                                           "one run: code completion of held-out Python source, and random prompts "
+                                           "with the conversation trace's lengths (greedy, and sampled), at several "
+                                           "batch sizes (outputs checked identical) and under open-loop load "
+                                           "(goodput).",
                                **examples("pdserve bench spec --docs docs/benchmarks.md",
                                           "pdserve bench spec --batches 1 --repeats 1   # a quick look"))
     bsp.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
@@ -246,6 +247,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
     bsp.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
     bsp.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    bsp.add_argument("--open-loop-requests", type=int, default=32,
+                     help="requests per rate of the open-loop goodput search; 0: none (default: %(default)s)")
+    bsp.add_argument("--max-runs", type=int, default=8, help="rates each goodput search may measure "
+                                                            "(default: %(default)s)")
     bsp.add_argument("--out", default="bench-results/spec.json", help="results file (default: %(default)s)")
     _docs_option(bsp)
     bsp.set_defaults(func=_bench_spec)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pdserve.cluster.bench.report import provenance
+from pdserve.cluster.bench.serve_metrics import GoodputSearch, Objective, RequestRecord, attainment, percentile
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 from pdserve.engine.models.training import corpus_texts
@@ -37,7 +38,8 @@ from pdserve.engine.speculative.config import SpeculativeConfig
 
 SYSTEMS: dict[str, SpeculativeConfig | None] = {"off": None, "suffix": SpeculativeConfig()}
 MIN_TPOT_SPEEDUP = 2.0  # target: TPOT at batch 1 on code, off / speculative
-MIN_THROUGHPUT_RATIO = 0.97  # target: speculative output tok/s against off, on every workload and batch
+MIN_THROUGHPUT_RATIO = 0.97  # target: speculative output tok/s and goodput against off, on every workload
+IDLE_REQUESTS = 4  # one at a time, without speculation: the idle latency the objectives are set from
 
 
 @dataclass
@@ -48,6 +50,9 @@ class SpecBenchConfig:
     prompt_len: int = 384  # code prompts; conversation prompts take the trace's lengths (clipped to it)
     output_len: int = 128
     threads: int = 1
+    open_loop_requests: int = 32  # per rate of the goodput search (0: no open-loop part)
+    max_runs: int = 8  # of each system's goodput search, per workload
+    start_rate: float = 1.0  # requests/s where each goodput search starts
     out: Path = Path("bench-results/spec.json")
 
 
@@ -60,6 +65,18 @@ class RunFigures:
 
 
 @dataclass
+class OpenLoopFigures:
+    """One workload under Poisson arrivals: its objectives (from the idle TTFT and TPOT without
+    speculation) and each system's goodput for each, requests/s."""
+
+    idle_ttft_s: float
+    idle_tpot_s: float
+    objectives: dict[str, tuple[float, float]]  # name -> (TTFT, TPOT) seconds
+    goodput: dict[str, dict[str, float]]  # system -> objective -> highest rate meeting it
+    converged: dict[str, dict[str, bool]]
+
+
+@dataclass
 class SpecBenchResult:
     provenance: dict
     model: str
@@ -68,6 +85,7 @@ class SpecBenchResult:
     output_len: int
     # workload -> batch -> system -> one RunFigures per repeat
     runs: dict[str, dict[int, dict[str, list[RunFigures]]]] = field(default_factory=dict)
+    open_loop: dict[str, OpenLoopFigures] = field(default_factory=dict)  # workload ->
 
     def median(self, workload: str, batch: int, system: str, figure: str) -> float:
         return statistics.median(getattr(r, figure) for r in self.runs[workload][batch][system])
@@ -115,40 +133,69 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
     return figures, [done[i].token_ids for i in ids]
 
 
+class PromptPool:
+    """A workload's prompts, each handed out once: no run is served from an earlier run's prefix cache
+    or recent-output index. Open-loop runs at one rate share their prompts across systems."""
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self._prompts = prompts
+        self._taken = 0
+        self._by_rate: dict[float, list[list[int]]] = {}
+
+    def take(self, n: int) -> list[list[int]]:
+        if self._taken + n > len(self._prompts):
+            raise ValueError(f"the workload has {len(self._prompts)} prompts; more are needed: fewer repeats, "
+                             f"batches or open-loop requests")
+        self._taken += n
+        return self._prompts[self._taken - n : self._taken]
+
+    def for_rate(self, rate: float, n: int) -> list[list[int]]:
+        if rate not in self._by_rate:
+            self._by_rate[rate] = self.take(n)
+        return self._by_rate[rate]
+
+
 def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchResult:
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2 (TPOT is measured between tokens)")
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     probe = LLMEngine(model_dir, EngineConfig(max_num_seqs=1))
-    max_len = cfg.prompt_len + cfg.output_len
     result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len)
-    rng = random.Random(0)
-    needed = cfg.repeats * sum(cfg.batches)
+    # Every prompt a batch or open-loop run could take: the search measures at most `max_runs` rates
+    # per system, and the idle runs take a few more.
+    needed = cfg.repeats * sum(cfg.batches) + (2 * cfg.max_runs * cfg.open_loop_requests + IDLE_REQUESTS
+                                               if cfg.open_loop_requests else 0)
     shapes = azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]
-    workloads = {
-        "code": code_prompts(probe.tokenize, needed, cfg.prompt_len, rng),
-        "conversation": random_token_prompts(shapes, probe.vocab_size, seed=1),
-        "sampled": random_token_prompts(shapes, probe.vocab_size, seed=2),
+    pools = {
+        "code": PromptPool(code_prompts(probe.tokenize, needed, cfg.prompt_len, random.Random(0))),
+        "conversation": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=1)),
+        "sampled": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=2)),
     }
-    for workload, prompts in workloads.items():
-        taken = 0
+
+    def engine_for(spec: SpeculativeConfig | None) -> LLMEngine:
+        engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(64, *cfg.batches),
+                                                   max_model_len=cfg.prompt_len + cfg.output_len,
+                                                   kv_memory_bytes=512 * 2**20))
+        profile_decode(engine)  # as a worker starts: warm, and speculation knows its step costs
+        return engine
+
+    for workload, pool in pools.items():
         for batch in cfg.batches:
             for repeat in range(cfg.repeats):
-                batch_prompts, taken = prompts[taken : taken + batch], taken + batch  # fresh for every repeat
+                prompts = pool.take(batch)  # fresh for every repeat
+                params = [workload_params(workload, cfg.output_len, seed=i) for i in range(batch)]
                 outputs = {}
                 for system, spec in SYSTEMS.items():
-                    engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(cfg.batches),
-                                                               max_model_len=max_len, kv_memory_bytes=512 * 2**20))
-                    profile_decode(engine)  # as a worker starts: warm, and speculation knows its step costs
-                    params = [workload_params(workload, cfg.output_len, seed=taken + i) for i in range(batch)]
-                    figures, outputs[system] = run_batch(engine, batch_prompts, params)
+                    figures, outputs[system] = run_batch(engine_for(spec), prompts, params)
                     result.runs.setdefault(workload, {}).setdefault(batch, {}).setdefault(system, []).append(figures)
                     log(f"  {workload:>12} batch {batch:>3} repeat {repeat + 1}/{cfg.repeats} {system:>7}: TPOT "
                         f"{figures.tpot_ms:6.2f} ms, {figures.output_tps:7.1f} output tok/s, accepted "
                         f"{figures.accepted}/{figures.drafted} drafted")
                 if len({tuple(map(tuple, o)) for o in outputs.values()}) != 1:
                     raise AssertionError(f"{workload} batch {batch}: speculation changed the output")
+        if cfg.open_loop_requests:
+            result.open_loop[workload] = open_loop_goodput(workload, pool, engine_for, cfg, log)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({"benchmark": "spec", **asdict(result)}, indent=2))
     log(summary_table(result))
@@ -156,10 +203,71 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     return result
 
 
+def open_loop_goodput(workload: str, pool: PromptPool, engine_for: Callable[[SpeculativeConfig | None], LLMEngine],
+                      cfg: SpecBenchConfig, log: Callable[[str], None]) -> OpenLoopFigures:
+    """Each system's goodput under Poisson arrivals, for objectives set from the idle latency without
+    speculation (`pdserve bench serve`'s: tight 2x idle p90 TTFT and 1.5x idle p90 TPOT, loose 5x, 3x)."""
+    engine = engine_for(None)
+    idle = [r for p in pool.take(IDLE_REQUESTS)  # one at a time
+            for r in open_loop_run(engine, [p], [workload_params(workload, cfg.output_len, 0)], 1.0, 0)]
+    ttft = percentile([r.ttft for r in idle], 90)
+    tpot = percentile([r.tpot for r in idle], 90)
+    objectives = [Objective("tight", 2 * ttft, 1.5 * tpot), Objective("loose", 5 * ttft, 3 * tpot)]
+    figures = OpenLoopFigures(ttft, tpot, {o.name: (o.ttft_s, o.tpot_s) for o in objectives}, {}, {})
+    for system, spec in SYSTEMS.items():
+        def measure(rate: float, spec: SpeculativeConfig | None = spec, system: str = system) -> list[RequestRecord]:
+            prompts = pool.for_rate(rate, cfg.open_loop_requests)
+            params = [workload_params(workload, cfg.output_len, seed=i) for i in range(len(prompts))]
+            records = open_loop_run(engine_for(spec), prompts, params, rate, seed=int(rate * 1000))
+            log(f"  {workload:>12} open loop {system:>7} at {rate:6.2f} req/s: "
+                + ", ".join(f"{o.name} {attainment(records, o):.0%}" for o in objectives))
+            return records
+
+        search = GoodputSearch(measure, start_rate=cfg.start_rate, min_rate=0.1, max_runs=cfg.max_runs, rel_tol=0.15)
+        found = {o.name: search.goodput(o) for o in objectives}
+        figures.goodput[system] = {name: g.rate for name, g in found.items()}
+        figures.converged[system] = {name: g.converged for name, g in found.items()}
+    return figures
+
+
+def open_loop_run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], rate: float,
+                  seed: int) -> list[RequestRecord]:
+    """The prompts sent at Poisson arrivals of `rate` per second (the first at once); each request's
+    times (seconds from the start) as the engine produced its tokens."""
+    rng = random.Random(seed)
+    arrivals = [0.0]
+    while len(arrivals) < len(prompts):
+        arrivals.append(arrivals[-1] + rng.expovariate(rate))
+    records = [RequestRecord(f"r{i}", "", rate, send_time=t, prompt_len=len(p), max_tokens=sp.max_tokens)
+               for i, (t, p, sp) in enumerate(zip(arrivals, prompts, params))]
+    by_id: dict[str, RequestRecord] = {}
+    sent = 0
+    t0 = time.perf_counter()
+    while sent < len(prompts) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while sent < len(prompts) and arrivals[sent] <= now:
+            by_id[engine.add_request(prompts[sent], params[sent])] = records[sent]
+            sent += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(arrivals[sent] - now)  # the load generator's own clock: nothing to do until then
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - t0
+        for out in outputs:
+            record = by_id[out.request_id]
+            if record.first_token_time is None:
+                record.first_token_time = now
+            record.token_times += [now] * len(out.new_token_ids)
+            if out.finished:
+                record.end_time, record.output_tokens = now, len(out.token_ids)
+    return records
+
+
 def _from_json(results: dict) -> SpecBenchResult:
-    result = SpecBenchResult(**{k: v for k, v in results.items() if k not in ("benchmark", "runs")})
+    result = SpecBenchResult(**{k: v for k, v in results.items() if k not in ("benchmark", "runs", "open_loop")})
     result.runs = {w: {int(b): {s: [RunFigures(**r) for r in rs] for s, rs in systems.items()}
                        for b, systems in batches.items()} for w, batches in results["runs"].items()}
+    result.open_loop = {w: OpenLoopFigures(**f) for w, f in results.get("open_loop", {}).items()}
     return result
 
 
@@ -177,7 +285,22 @@ def summary_table(result: SpecBenchResult) -> str:
                          f"{m['off']['tpot_ms'] / m['suffix']['tpot_ms']:.2f}× | {m['off']['output_tps']:.0f} | "
                          f"{m['suffix']['output_tps']:.0f} | {m['suffix']['output_tps'] / m['off']['output_tps']:.2f}× "
                          f"| {rate} | {accepted / (len(systems['suffix']) * batch * (result.output_len - 1)):.0%} |")
+    if result.open_loop:
+        lines += ["", "| workload | objective (TTFT, TPOT) | goodput off (req/s) | goodput suffix (req/s) | suffix / off |",
+                  "|---|---|---|---|---|"]
+        for workload, f in result.open_loop.items():
+            for name, (ttft, tpot) in f.objectives.items():
+                off, spec = f.goodput["off"][name], f.goodput["suffix"][name]
+                ratio = f"{spec / off:.2f}×" if off else "—"
+                bounds = "" if all(f.converged[s][name] for s in f.goodput) else " (a search's run budget ran out)"
+                lines.append(f"| {workload} | {name}: {ttft * 1e3:.0f} ms, {tpot * 1e3:.1f} ms | {off:.2f} | "
+                             f"{spec:.2f} | {ratio}{bounds} |")
     return "\n".join(lines)
+
+
+def goodput_ratios(result: SpecBenchResult) -> list[float]:
+    return [f.goodput["suffix"][name] / f.goodput["off"][name] for f in result.open_loop.values()
+            for name in f.objectives if f.goodput["off"][name]]
 
 
 def markdown(results: dict) -> str:
@@ -187,18 +310,23 @@ def markdown(results: dict) -> str:
         code_tpot = result.median("code", 1, "off", "tpot_ms") / result.median("code", 1, "suffix", "tpot_ms")
     ratios = [result.median(w, b, "suffix", "output_tps") / result.median(w, b, "off", "output_tps")
               for w, batches in result.runs.items() for b in batches]
+    goodputs = goodput_ratios(result)
     repeats = len(next(iter(next(iter(result.runs.values())).values()))["off"])
     lines = [
         f"{result.model}, float32, {result.threads} torch thread, {result.output_len} output tokens per request. "
         f"code: greedy, {result.prompt_len}-token stretches of held-out Python source (files the model never saw; no "
         f"two prompts overlap); conversation: greedy, random token ids with the conversation trace's prompt lengths "
         f"(up to {result.prompt_len}); sampled: other such prompts sampled at temperature 1, each request with its "
-        f"own seed. At each batch size every request starts at once; each run builds its engine afresh "
-        f"(empty prefix cache and recent-output index) and profiles its decode steps first, as a worker does "
-        f"when it starts; every repeat takes prompts no other run used; off and "
-        f"suffix run the same prompts in turn, and their outputs were identical, token for token. Medians of "
-        f"{repeats} repeats. suffix: the model-free proposer, up to 8 draft tokens per sequence per step, each "
-        f"step's draft lengths sized by goodput.",
+        f"own seed. Every run builds its engine afresh (empty prefix cache and recent-output index), which profiles "
+        f"its decode steps first as a worker does when it starts, and takes prompts no other run used; off and "
+        f"suffix run the same prompts in turn. suffix: the model-free proposer, up to 8 draft tokens per sequence "
+        f"per step, each step's draft lengths sized by goodput.",
+        "",
+        f"First table: at each batch size every request starts at once; medians of {repeats} repeats; the outputs "
+        f"of off and suffix were identical, token for token. Second table: requests arrive at Poisson times, "
+        f"goodput is the highest rate at which 90% of them meet both objectives, searched per system; the "
+        f"objectives are `pdserve bench serve`'s, from the latency of requests sent one at a time without "
+        f"speculation (tight: 2× idle p90 TTFT and 1.5× idle p90 TPOT; loose: 5× and 3×).",
         "", summary_table(result), "",
         "Read these figures with the model in mind: the shipped model is small, and its greedy outputs repeat "
         "themselves (on random prompts too: 20–50% of their 8-token windows are distinct), which the suffix "
@@ -207,7 +335,9 @@ def markdown(results: dict) -> str:
         f"{MIN_TPOT_SPEEDUP:g}× better: "
         + (f"{code_tpot:.2f}× ({'met' if code_tpot >= MIN_TPOT_SPEEDUP else 'MISSED'})" if code_tpot else "not run")
         + f"; output tok/s with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without at every workload and batch: "
-        f"lowest {min(ratios):.2f}× ({'met' if min(ratios) >= MIN_THROUGHPUT_RATIO else 'MISSED'}). Not measured "
-        "here yet: the draft-model proposer and open-loop goodput (the suffix proposer is the only one built).",
+        f"lowest {min(ratios):.2f}× ({'met' if min(ratios) >= MIN_THROUGHPUT_RATIO else 'MISSED'})"
+        + (f"; goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective: lowest "
+           f"{min(goodputs):.2f}× ({'met' if min(goodputs) >= MIN_THROUGHPUT_RATIO else 'MISSED'})" if goodputs else "")
+        + ". Not measured here yet: a draft-model proposer (the suffix proposer is the only one built).",
     ]
     return "\n".join(lines)
