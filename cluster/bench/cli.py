@@ -247,7 +247,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
     bsp.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
     bsp.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    bsp.add_argument("--open-loop-requests", type=int, default=32,
+    bsp.add_argument("--open-loop-requests", type=int, default=24,
                      help="requests per rate of the open-loop goodput search; 0: none (default: %(default)s)")
     bsp.add_argument("--max-runs", type=int, default=8, help="rates each goodput search may measure "
                                                             "(default: %(default)s)")

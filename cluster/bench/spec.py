@@ -50,7 +50,7 @@ class SpecBenchConfig:
     prompt_len: int = 384  # code prompts; conversation prompts take the trace's lengths (clipped to it)
     output_len: int = 128
     threads: int = 1
-    open_loop_requests: int = 32  # per rate of the goodput search (0: no open-loop part)
+    open_loop_requests: int = 24  # per rate of the goodput search (0: no open-loop part)
     max_runs: int = 8  # of each system's goodput search, per workload
     start_rate: float = 1.0  # requests/s where each goodput search starts
     out: Path = Path("bench-results/spec.json")
