@@ -23,7 +23,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_prompt_blocks
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cost_model import StepCost, StepCostModel
+from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
@@ -32,7 +32,9 @@ from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
-from pdserve.engine.speculative.sizing import Acceptance, DraftCandidate, draft_lengths
+from pdserve.engine.speculative.draft import Draft
+from pdserve.engine.speculative.sizing import (Calibration, DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths,
+                                               request_calibration)
 
 
 @dataclass
@@ -103,8 +105,8 @@ class LLMEngine:
         self.step_costs = StepCostModel()  # refined by every step; seeded by `engine.profiler`
         # Steps with no prompt chunk alone: what a decode step costs, and each token a draft adds to it
         # (a prompt pass's per-token cost is far above a small decode batch's). Sizes speculation.
-        self.decode_step_costs = StepCostModel()
-        self.acceptance = Acceptance()  # of draft tokens, lately, over every request
+        self.decode_step_costs = DecodeCostModel()
+        self.calibration = Calibration()  # of the proposer's promises, lately, over every request
         self._ids = itertools.count()
         self._import_targets: dict[str, int] = {}
 
@@ -203,36 +205,40 @@ class LLMEngine:
         )
         self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
         if self.last_step.num_decode_seqs == len(plan.chunks):
-            self.decode_step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
+            self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks),
+                                           self.last_step.total_s)
         return outputs
 
     def _propose(self, proposer: Proposer) -> None:
-        """Draft tokens for every decoding sequence: at most as many as it could still generate and, with
-        goodput sizing, as raise the step's goodput (sized first, so that no proposal is made that the
-        step would not verify)."""
+        """Draft tokens for every decoding sequence (no more than it could still generate), cut to the
+        lengths that raise the step's goodput."""
         spec = self.config.speculative
-        decoding = []
+        drafting: list[tuple[Sequence, Draft]] = []
         for seq in self.scheduler.running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probabilities = [], []
             room = min(spec.max_draft_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room > 0 and seq.num_uncomputed_tokens == 1:
-                decoding.append((seq, room))
-        if spec.goodput_sizing and decoding:
-            prompt_tokens = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens) - len(decoding)
+            if room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative:
+                draft = proposer.propose(seq, room)
+                if draft.tokens:
+                    drafting.append((seq, draft))
+        lengths = [len(draft.tokens) for _, draft in drafting]
+        if spec.goodput_sizing and drafting:
+            decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed_tokens == 1)
+            prompt_tokens = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens) - decoding
+            prior = self.calibration.ratio
             lengths = draft_lengths(
-                [DraftCandidate(s.num_computed_tokens, room, s.num_accepted_tokens, s.num_draft_rejections,
-                                self.acceptance.rate) for s, room in decoding],
-                self._decode_cost(), other_tokens=max(0, prompt_tokens))
-            decoding = [(s, length) for (s, _), length in zip(decoding, lengths)]
-        for seq, length in decoding:
-            if length:
-                seq.draft_token_ids = proposer.propose(seq, length)
+                [DraftCandidate(s.num_computed_tokens, d.probabilities,
+                                request_calibration(s.num_accepted_tokens, s.num_draft_expected, prior))
+                 for s, d in drafting],
+                self._decode_cost(), other_tokens=max(0, prompt_tokens + decoding - len(drafting)))
+        for (seq, draft), length in zip(drafting, lengths):
+            seq.draft_token_ids, seq.draft_probabilities = draft.tokens[:length], draft.probabilities[:length]
 
-    def _decode_cost(self) -> StepCost:
+    def _decode_cost(self) -> DecodeCost:
         """The cost of decode steps, drafts included, as measured; the whole fit until there is one."""
-        decode = self.decode_step_costs.coefficients
-        return decode if decode.measured else self.step_costs.coefficients
+        decode = self.decode_step_costs.cost
+        return decode if decode.measured else DecodeCost(*self.step_costs.coefficients.as_tuple())
 
     def _take_sampled(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
         """Append a sampled chunk's tokens to its sequence: the one token sampled, or for a verifying
@@ -251,10 +257,11 @@ class LLMEngine:
             if reason:
                 break
         if chunk.draft:
+            promised = sum(seq.draft_probabilities[: len(chunk.draft)])
             seq.num_draft_tokens += len(chunk.draft)
             seq.num_accepted_tokens += len(new) - 1
-            seq.num_draft_rejections += accepted < len(chunk.draft)
-            self.acceptance.observe(accepted, accepted < len(chunk.draft))
+            seq.num_draft_expected += promised
+            self.calibration.observe(len(new) - 1, promised)
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)

@@ -29,7 +29,8 @@ from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.sizing import Acceptance
+from pdserve.engine.speculative.draft import Draft
+from pdserve.engine.speculative.sizing import Calibration
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -130,34 +131,35 @@ class _FixedDraft:
     def __init__(self) -> None:
         self.length = 0
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return [0] * min(self.length, max_tokens)
+    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+        n = min(self.length, max_tokens)
+        return Draft([0] * n, [1.0] * n)
 
     def finished(self, seq: Sequence) -> None:
         pass
 
 
-def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> list[tuple[int, int, float]]:
+def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> list[tuple[int, int, bool, float]]:
     """Measure decode steps of `DECODE_BATCHES` requests, verifying drafts of each of `DRAFT_LENGTHS`
     tokens where the engine speculates (rejected drafts: they cost what accepted ones do); feed them to
     `engine.decode_step_costs` as anchors. Where the engine is not idle (a restarted worker already
     serving) or its context is too short, nothing is measured: the decode cost is then learned from
-    serving alone. Returns the samples kept."""
+    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, seconds)."""
     lengths = DRAFT_LENGTHS if engine.config.speculative is not None else (0,)
     steps_each = (1 + DECODE_STEPS) * (1 + max(lengths))
     prompt_len = min(prompt_len, engine.max_model_len - 1 - steps_each * len(lengths))
     if engine.requests or prompt_len < 1:
         return []
     rng = random.Random(seed)
-    config, proposer, acceptance = engine.config, engine.proposer, engine.acceptance
+    config, proposer, promises = engine.config, engine.proposer, engine.calibration
     drafts = _FixedDraft()
-    engine.acceptance = Acceptance()
+    engine.calibration = Calibration()
     if config.speculative is not None:
         engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                                    goodput_sizing=False))
         engine.proposer = drafts
     ours: set[bytes] = set()
-    samples: list[tuple[int, int, float]] = []
+    samples: list[tuple[int, int, bool, float]] = []
     try:
         for batch in DECODE_BATCHES:
             prompts = [[rng.randrange(engine.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
@@ -178,14 +180,14 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
                         engine.step()
                         stats = engine.last_step
                         if step and stats.num_seqs == stats.num_decode_seqs == batch:
-                            samples.append((stats.num_tokens, stats.quad_tokens, stats.total_s))
+                            samples.append((stats.num_tokens, stats.quad_tokens, length > 0, stats.total_s))
             finally:
                 for request_id in ids:
                     if request_id in engine.requests:  # the blocks its output filled are cached too
                         ours.update(engine.requests[request_id].block_hashes)
                     engine.abort_request(request_id)
     finally:  # its rejected drafts are no news of what requests accept
-        engine.config, engine.proposer, engine.acceptance = config, proposer, acceptance
+        engine.config, engine.proposer, engine.calibration = config, proposer, promises
         engine.pool.forget_cached(ours)
     engine.decode_step_costs.add_profile(samples)
     return samples

@@ -50,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative: bool = True  # False: never speculative decoding for this request (where the deployment has it)
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the object hashable and immutable.
@@ -81,7 +82,7 @@ class SamplingParams:
             raise BadParameter("max_tokens", f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise BadParameter("seed", f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
-        for name in ("ignore_eos", "logprobs"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
+        for name in ("ignore_eos", "logprobs", "speculative"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
             if not isinstance(getattr(self, name), bool):
                 raise BadParameter(name, f"{name} must be true or false, got {_short(getattr(self, name))}")
         # Errors name the first bad entry, not the whole list: a client's list may be huge.

@@ -38,9 +38,10 @@ class Sequence:
     # never enter the prefix cache, where another request would take them for exact KV.
     exact_kv: bool = True
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
+    draft_probabilities: list[float] = field(default_factory=list)  # the proposer's, for each prefix of them
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of those, accepted
-    num_draft_rejections: int = 0  # verifications that ended on a rejected draft token
+    num_draft_expected: float = 0.0  # of those, how many the proposer's probabilities promised
 
     def __post_init__(self) -> None:
         if not self.token_ids:

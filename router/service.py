@@ -78,7 +78,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
 def sampling_params(p: pdserve_pb2.SamplingParams) -> SamplingParams:
     """The engine's parameters from the API's; unset optional fields (and max_tokens 0) take
     SamplingParams' own defaults. Raises ValueError (BadParameter naming the field) on bad values."""
-    optional = {name: getattr(p, name) for name in ("temperature", "top_p", "seed") if p.HasField(name)}
+    optional = {name: getattr(p, name) for name in ("temperature", "top_p", "seed", "speculative") if p.HasField(name)}
     if p.max_tokens:
         optional["max_tokens"] = p.max_tokens
     return SamplingParams(top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),

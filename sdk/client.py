@@ -139,7 +139,7 @@ def _text(name: str) -> Iterator[None]:
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
              top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-             logprobs: bool = False) -> pdserve_pb2.GenerateRequest:
+             logprobs: bool = False, speculative: bool | None = None) -> pdserve_pb2.GenerateRequest:
     """Build a GenerateRequest; unset temperature/top_p/seed/max_tokens keep the server's defaults (1.0, 1.0,
     none, 16 or what the context leaves when less)."""
     params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens or 0, stop_token_ids=list(stop_token_ids),
@@ -152,6 +152,8 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
         params.top_p = top_p
     if seed is not None:
         params.seed = seed
+    if speculative is not None:
+        params.speculative = speculative
     req = pdserve_pb2.GenerateRequest(params=params)
     with _text("model"):
         req.model = model
@@ -233,7 +235,7 @@ class Client:
         """Generate for one prompt: a Completion, or with stream=True an iterator of StreamChunks.
 
         `params`: model, request_id, temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids,
-        ignore_eos, logprobs.
+        ignore_eos, logprobs, speculative (False: no speculative decoding for this request).
         """
         req = _request(prompt, **params)
         call = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)

@@ -1,79 +1,152 @@
 """How many draft tokens each sequence verifies in a step: as many as raise the step's goodput
 (SmartSpec, Liu et al. 2024: "Optimizing Speculative Decoding for Serving LLMs Using Goodput").
 
-A step's goodput is the tokens it is expected to produce over the time it takes. A sequence verifying
-k draft tokens is expected to produce 1 + α + α² + ... + α^k tokens, where α is its running chance
-that a draft token is accepted (each one independently, the first rejection ending the run); the
-step takes the engine's measured step cost (`StepCost`: a + b·tokens + c·attention) over every
-sequence's tokens. The j-th draft token of a sequence adds α^j expected tokens and its share of the
-cost, so draft tokens are taken best ratio first while each raises the step's goodput: they all pay
-where the fixed cost of a step dominates (small batches, where verifying 8 tokens costs about what 1
-does), few or none where a step is already bound by its tokens (large batches). A sequence whose
-drafts keep being rejected gets short drafts, then none; a new one starts from the acceptance the
-engine has seen lately, so where drafts fail for everyone (random text) new requests do not try.
+A step's goodput is the tokens it is expected to produce over the time it takes. A proposer says how
+likely each prefix of its draft is to be accepted (the suffix proposer: the share of earlier
+occurrences that continued that way); each request's record calibrates that (the tokens it had
+accepted over the tokens its drafts promised, starting from the engine's recent record), so a
+request verifying k draft tokens is expected to produce 1 + c·p₁ + ... + c·p_k tokens. The step
+takes the engine's measured decode-step cost (`StepCost`: a + b·tokens + c·attention) over every
+sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises the
+step's goodput: many where the fixed cost of a step dominates (small batches), few or none where a
+step is already bound by its tokens (large batches), none where drafts are unlikely. A request whose
+drafts keep failing has its promises discounted; it drafts again when its proposer becomes sure
+enough (a long exact repeat).
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.cost_model import StepCost
+import numpy as np
 
-PRIOR_WEIGHT = 2.0  # a request's own history outweighs the engine's after two verified draft tokens
+from pdserve.engine.cost_model import fit_nonnegative
+
+PRIOR_WEIGHT = 2.0  # a request's own record outweighs the engine's after two promised tokens
 
 
-class Acceptance:
-    """The engine's recent acceptance of draft tokens, over every request (a decaying count of about
-    the last `1 / (1 - decay)` verifications): what a request with little history of its own is
-    expected to accept. Starts at one half."""
+@dataclass(frozen=True)
+class DecodeCost:
+    """A decode step's seconds: a + b·tokens + c·attention, plus `verify` when any sequence verifies
+    a draft. On a CPU that last term is large: one token per sequence runs the weights as
+    matrix-vector products, more than one as matrix products, which cost more for a few rows."""
+
+    a: float = 0.0
+    b: float = 0.0
+    c: float = 0.0
+    verify: float = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return any((self.a, self.b, self.c, self.verify))
+
+    def step_s(self, tokens: float, quad: float, verifies: bool) -> float:
+        return self.a + self.b * tokens + self.c * quad + self.verify * verifies
+
+
+class DecodeCostModel:
+    """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost`: the start-up profile's
+    steps kept as anchors, the last `window` steps served added, refitted every `refit_every` steps.
+    Written by the engine loop only; any thread may read `cost`."""
+
+    def __init__(self, window: int = 512, refit_every: int = 32) -> None:
+        self._anchors: list[tuple[float, float, float, float]] = []  # (tokens, quad, verifies, seconds)
+        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self._lock = threading.Lock()
+        self.cost = DecodeCost()
+
+    def add_profile(self, samples: list[tuple[int, int, bool, float]]) -> None:
+        with self._lock:
+            self._anchors.extend((float(n), float(q), float(v), float(s)) for n, q, v, s in samples)
+            self._recent.clear()
+        self._refit()
+
+    def observe(self, tokens: int, quad: int, verifies: bool, seconds: float) -> None:
+        with self._lock:
+            self._recent.append((float(tokens), float(quad), float(verifies), float(seconds)))
+            self._since_fit += 1
+            due = self._since_fit >= self._refit_every
+        if due:
+            self._refit()
+
+    def _refit(self) -> None:
+        with self._lock:
+            self._since_fit = 0
+            samples = self._anchors + list(self._recent)
+        if len(samples) >= 4:
+            data = np.array(samples)
+            features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+            self.cost = DecodeCost(*fit_nonnegative(features, data[:, 3]).tolist())
+
+
+class Calibration:
+    """How the engine's recent drafts held their promises, over every request: accepted tokens over
+    the sum of the verified tokens' estimated probabilities, decaying (about the last
+    `1 / (1 - decay)` verifications). Starts at 1: the proposer is believed until shown otherwise."""
 
     def __init__(self, decay: float = 0.99) -> None:
         self.decay = decay
-        self.accepted, self.trials = 1.0, 2.0
+        self.accepted = self.expected = 1.0
 
-    def observe(self, accepted: int, rejected: bool) -> None:
-        """One verification: `accepted` draft tokens, then a rejected one or the draft's end."""
+    def observe(self, accepted: int, expected: float) -> None:
         self.accepted = self.accepted * self.decay + accepted
-        self.trials = self.trials * self.decay + accepted + rejected
+        self.expected = self.expected * self.decay + expected
 
     @property
-    def rate(self) -> float:
-        return self.accepted / self.trials
+    def ratio(self) -> float:
+        return self.accepted / self.expected
+
+
+def request_calibration(accepted: int, expected: float, prior: float) -> float:
+    """A request's calibration: its own record, with the engine's `prior` weighing `PRIOR_WEIGHT`."""
+    return (accepted + PRIOR_WEIGHT * prior) / (expected + PRIOR_WEIGHT)
 
 
 @dataclass(frozen=True)
 class DraftCandidate:
     context_len: int  # tokens with KV before the step (the attention each query token pays for)
-    max_tokens: int  # the proposer's draft length: the most it may verify
-    accepted: int  # its draft tokens accepted so far
-    rejected: int  # its verifications that ended on a rejected draft token
-    prior: float = 0.5  # the acceptance expected before its own history (the engine's, `Acceptance.rate`)
+    probabilities: Sequence[float]  # each prefix of its draft: the proposer's chance it is accepted whole
+    calibration: float = 1.0  # what the request's promises turned out to be worth
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that its next draft token is accepted (each taken as independent)."""
-        return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+    def gain(self, position: int) -> float:
+        """Expected tokens the draft's `position`-th token (from 1) adds."""
+        return min(1.0, self.calibration * self.probabilities[position - 1])
 
 
-def draft_lengths(candidates: list[DraftCandidate], cost: StepCost, other_tokens: int = 0,
+def draft_lengths(candidates: list[DraftCandidate], cost: DecodeCost, other_tokens: int = 0,
                   other_quad: int = 0) -> list[int]:
     """Each candidate's number of draft tokens to verify this step. The step also decodes one token for
     each candidate and computes `other_tokens` more (attention term `other_quad`). Without a measured
     cost every draft is verified whole."""
     if not cost.measured or not candidates:
-        return [c.max_tokens for c in candidates]
-    lengths = [0] * len(candidates)
+        return [len(c.probabilities) for c in candidates]
     expected = float(len(candidates))
-    seconds = cost.step_s(other_tokens + len(candidates),
-                          other_quad + sum(c.context_len + 1 for c in candidates))
-    # Every candidate's next draft token, best expected tokens per second first.
+    seconds = cost.step_s(other_tokens + len(candidates), other_quad + sum(c.context_len + 1 for c in candidates),
+                          verifies=False)
+    # The best drafts for a step that verifies (its premium paid), against a step that does not.
+    lengths, verified_expected, verified_seconds = _best_drafts(candidates, cost, expected, seconds + cost.verify)
+    if verified_expected / verified_seconds <= expected / seconds:
+        return [0] * len(candidates)
+    return lengths
+
+
+def _best_drafts(candidates: list[DraftCandidate], cost: DecodeCost, expected: float,
+                 seconds: float) -> tuple[list[int], float, float]:
+    """Draft tokens taken best expected tokens per second first, while each raises the step's goodput;
+    the lengths, and the step's expected tokens and seconds with them."""
+    lengths = [0] * len(candidates)
     offers: list[tuple[float, int, float, float]] = []
 
     def offer(i: int) -> None:
         c, verified = candidates[i], lengths[i]
-        if verified < c.max_tokens:
-            gain = c.acceptance ** (verified + 1)
+        if verified < len(c.probabilities):
+            gain = c.gain(verified + 1)
             # its token, and the attention term of a chunk of 1 + verified tokens growing by one
             extra = cost.b + cost.c * (c.context_len + 2 * (1 + verified) + 1)
             heapq.heappush(offers, (-gain / extra if extra > 0 else -float("inf"), i, gain, extra))
@@ -87,4 +160,4 @@ def draft_lengths(candidates: list[DraftCandidate], cost: StepCost, other_tokens
         lengths[i] += 1
         expected, seconds = expected + gain, seconds + extra
         offer(i)
-    return lengths
+    return lengths, expected, seconds

@@ -22,23 +22,14 @@ import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.draft import Draft
 
 MAX_OCCURRENCES = 256
 END = -1  # between two documents of the recent outputs: no match crosses it, and no draft goes past it
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: list[int]
-    expected: float  # tokens a verification is expected to accept: the sum of the prefixes' probabilities
-
-
-NO_DRAFT = Draft([], 0.0)
 
 
 class TokenIndex:
@@ -67,7 +58,8 @@ class TokenIndex:
             found, length = longer, length + 1
         limit = min(limit, math.ceil(config.max_spec_factor * length))
         draft: list[int] = []
-        probability, expected = 1.0, 0.0
+        probabilities: list[float] = []
+        probability = 1.0
         while found and len(draft) < limit:
             # The most recent occurrence wins a tie: text repeats its latest form first.
             counts = Counter(tokens[p + 1] for p in reversed(found) if p + 1 < end)
@@ -78,9 +70,9 @@ class TokenIndex:
             if token == END or probability < config.min_token_prob:
                 break
             draft.append(token)
-            expected += probability
+            probabilities.append(probability)
             found = [p + 1 for p in found if p + 1 < end and tokens[p + 1] == token]
-        return Draft(draft, expected)
+        return Draft(draft, probabilities)
 
 
 class RecentOutputs:
@@ -114,15 +106,15 @@ class SuffixProposer:
         self._own: WeakKeyDictionary[Sequence, TokenIndex] = WeakKeyDictionary()  # gone with the sequence
         self.recent = RecentOutputs(config.recent_output_tokens)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         own = self._own.get(seq)
         if own is None:
             own = self._own[seq] = TokenIndex()
         own.extend(seq.token_ids[len(own.tokens):])
         context = seq.token_ids[-self.config.max_match:]
         mine = own.draft(context, max_tokens, self.config)
-        recent = self.recent.index.draft(context, max_tokens, self.config) if self.recent.index.tokens else NO_DRAFT
-        return max(mine, recent, key=lambda d: d.expected).tokens
+        recent = self.recent.index.draft(context, max_tokens, self.config) if self.recent.index.tokens else Draft()
+        return max(mine, recent, key=lambda d: d.expected)
 
     def finished(self, seq: Sequence) -> None:
         self.recent.add(seq.output_token_ids)

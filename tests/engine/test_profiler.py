@@ -88,16 +88,16 @@ def test_an_engine_given_a_stored_profiles_costs_starts_from_them_after_one_warm
 
 def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leaves_the_pool_idle(model_dirs):
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
-    proposer, acceptance = engine.proposer, engine.acceptance.rate
+    proposer, promises = engine.proposer, engine.calibration.ratio
     samples = profile_decode(engine)
-    assert {tokens for tokens, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
-    assert engine.decode_step_costs.coefficients.measured
+    assert {tokens for tokens, _, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
+    assert engine.decode_step_costs.cost.measured
     assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
-    assert engine.acceptance.rate == acceptance  # its rejected drafts say nothing of requests'
+    assert engine.calibration.ratio == promises  # its rejected drafts say nothing of requests'
     assert_pool_idle(engine)
     assert engine.pool.num_cached == 0  # its prompts' blocks forgotten
     busy = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
     busy.add_request([5] * 20, SamplingParams.greedy(max_tokens=4))
-    assert profile_decode(busy) == [] and not busy.decode_step_costs.coefficients.measured
+    assert profile_decode(busy) == [] and not busy.decode_step_costs.cost.measured
     plain = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
-    assert {tokens for tokens, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps
+    assert {tokens for tokens, _, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps

@@ -18,8 +18,9 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.cost_model import StepCost
-from pdserve.engine.speculative.sizing import DraftCandidate, draft_lengths
+from pdserve.engine.speculative.draft import Draft
+from pdserve.engine.speculative.sizing import (Calibration, DecodeCost, DraftCandidate, draft_lengths,
+                                               request_calibration)
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
 NEW_TOKENS = 24
@@ -34,13 +35,13 @@ class SpoilingProposer:
         self.truth, self.vocab_size, self.spoil = truth, vocab_size, spoil
         self.rng = random.Random(seed)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         done = len(seq.output_token_ids)
         draft = list(self.truth[tuple(seq.prompt_token_ids)][done : done + self.rng.randint(0, max_tokens)])
         if draft and self.rng.random() < self.spoil:
             wrong = self.rng.randrange(len(draft))
             draft[wrong] = (draft[wrong] + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-        return draft
+        return Draft(draft, [(1 - self.spoil) ** (j + 1) for j in range(len(draft))])
 
     def finished(self, seq: Sequence) -> None:
         pass
@@ -147,8 +148,8 @@ def test_sampled_tokens_follow_the_target_distribution_when_drafts_are_verified(
     likeliest = {t0: max(probs, key=probs.get) for t0, probs in second.items()}
 
     class Likeliest:
-        def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-            return [likeliest[seq.output_token_ids[0]]] if len(seq.output_token_ids) == 1 else []
+        def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+            return Draft([likeliest[seq.output_token_ids[0]]], [0.5]) if len(seq.output_token_ids) == 1 else Draft()
 
         def finished(self, seq: Sequence) -> None:
             pass
@@ -232,7 +233,7 @@ def test_recent_outputs_help_other_requests_and_stay_bounded():
     done = Sequence("a", [3, 3], GREEDY, output_token_ids=[40, 41, 42, 43, 44, 45])
     proposer.finished(done)
     asking = Sequence("b", [7, 40, 41, 42], GREEDY)
-    assert proposer.propose(asking, 8) == [43, 44, 45]  # matched "40 41 42" in the other's output
+    assert proposer.propose(asking, 8).tokens == [43, 44, 45]  # matched "40 41 42" in the other's output
     recent = RecentOutputs(capacity=10)
     for i in range(50):
         recent.add([i] * 4)
@@ -259,28 +260,48 @@ def test_the_suffix_proposer_speeds_up_repetitive_text_without_changing_it(model
 
 
 # --- draft lengths sized by goodput ---------------------------------------------------------------
-def candidate(accepted: int = 0, rejected: int = 0, max_tokens: int = 8, context_len: int = 100) -> DraftCandidate:
-    return DraftCandidate(context_len, max_tokens, accepted, rejected)
+def candidate(p: float = 0.5, calibration: float = 1.0, max_tokens: int = 8, context_len: int = 100) -> DraftCandidate:
+    """A draft each of whose tokens is accepted with chance `p` after the one before it."""
+    return DraftCandidate(context_len, [p ** (j + 1) for j in range(max_tokens)], calibration)
 
 
 def test_each_draft_token_is_verified_only_while_it_raises_the_steps_goodput():
-    # One request accepting half its drafts (the prior), a step of fixed cost a and b per token: one
+    # A request accepting each draft token with chance 1/2, a step of fixed cost a and b per token: one
     # draft token takes the step from 1 token in a + b to 1.5 in a + 2b, the second to 1.75 in a + 3b.
-    assert draft_lengths([candidate()], StepCost(a=1.0, b=1.0)) == [0]  # 1.5 / 3 is not above 1 / 2
-    assert draft_lengths([candidate()], StepCost(a=3.0, b=1.0)) == [1]  # 1.5 / 5 > 1 / 4, but 1.75 / 6 < 1.5 / 5
-    assert draft_lengths([candidate()], StepCost(a=1.0)) == [8]  # tokens cost nothing: every draft pays
+    assert draft_lengths([candidate()], DecodeCost(a=1.0, b=1.0)) == [0]  # 1.5 / 3 is not above 1 / 2
+    assert draft_lengths([candidate()], DecodeCost(a=3.0, b=1.0)) == [1]  # 1.5 / 5 > 1 / 4, but 1.75 / 6 < 1.5 / 5
+    assert draft_lengths([candidate()], DecodeCost(a=1.0)) == [8]  # tokens cost nothing: every draft pays
+    assert draft_lengths([candidate(calibration=0.5)], DecodeCost(a=3.0, b=1.0)) == [0]  # its promises halved
 
 
 def test_drafts_are_long_in_small_batches_short_in_token_bound_ones_and_none_where_they_keep_failing():
-    fixed_cost = StepCost(a=5e-3, b=2e-5, c=1e-9)  # a CPU decode step: its fixed cost dominates
-    assert draft_lengths([candidate(accepted=30, rejected=10)], fixed_cost) == [8]
-    big_batch = draft_lengths([candidate(accepted=30, rejected=10)] * 64, fixed_cost, other_tokens=1500)
+    fixed_cost = DecodeCost(a=5e-3, b=2e-5, c=1e-9)  # a CPU decode step: its fixed cost dominates
+    assert draft_lengths([candidate(p=0.75)], fixed_cost) == [8]
+    big_batch = draft_lengths([candidate(p=0.75)] * 64, fixed_cost, other_tokens=1500)
     assert max(big_batch) < 8
-    assert draft_lengths([candidate()] * 4, StepCost(b=1e-3)) == [0] * 4  # bound by its tokens: none pays
-    good, bad = draft_lengths([candidate(accepted=90, rejected=10), candidate(accepted=1, rejected=30)],
-                              StepCost(a=2e-3, b=1e-4))
+    assert draft_lengths([candidate()] * 4, DecodeCost(b=1e-3)) == [0] * 4  # bound by its tokens: none pays
+    good, bad = draft_lengths([candidate(p=0.9), candidate(p=0.9, calibration=0.05)], DecodeCost(a=2e-3, b=1e-4))
     assert good > bad
-    assert draft_lengths([candidate(max_tokens=3)], StepCost()) == [3]  # no measurement yet: drafts whole
+    assert draft_lengths([candidate(max_tokens=3)], DecodeCost()) == [3]  # no measurement yet: drafts whole
+
+
+def test_a_step_verifies_drafts_only_where_they_pay_for_verifying_at_all():
+    # Verifying costs 2 on a step of 4 (one token per sequence runs as a matrix-vector product, more
+    # as matrix products): a draft expected to add 0.43 tokens does not pay for it, eight sure tokens do.
+    premium = DecodeCost(a=4.0, b=0.01, verify=2.0)
+    assert draft_lengths([candidate(p=0.3)], premium) == [0]
+    assert draft_lengths([candidate(p=1.0)], premium) == [8]
+    assert draft_lengths([candidate(p=0.3)], DecodeCost(a=4.0, b=0.01)) != [0]  # no premium: it pays
+
+
+def test_a_request_is_calibrated_by_its_own_record_from_the_engines():
+    assert request_calibration(0, 0.0, prior=0.8) == pytest.approx(0.8)  # no record: the engine's
+    assert request_calibration(10, 10.0, prior=0.1) > 0.8  # kept its promises: believed
+    assert request_calibration(0, 10.0, prior=1.0) < 0.2  # broke them: discounted
+    engine_record = Calibration(decay=0.5)
+    for _ in range(20):
+        engine_record.observe(0, 2.0)
+    assert engine_record.ratio < 0.01
 
 
 def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
@@ -290,7 +311,8 @@ def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference)
     truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
     engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5),
                                 max_draft_tokens=8, goodput_sizing=True)
-    engine.step_costs.add_profile([(1, 1, 5e-3), (64, 4096, 6e-3), (512, 262144, 2e-2)])  # a fit to start from
+    engine.decode_step_costs.add_profile([(1, 101, False, 5e-3), (2, 204, True, 6e-3), (9, 900, True, 7e-3),
+                                          (8, 800, False, 8e-3)])  # a fit to start from
     outputs = run_all(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
     assert_pool_idle(engine)
