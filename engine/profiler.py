@@ -29,8 +29,7 @@ from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import Draft
-from pdserve.engine.speculative.sizing import Calibration
+from pdserve.engine.speculative.draft import Draft, PromiseRecord
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -151,9 +150,9 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
     if engine.requests or prompt_len < 1:
         return []
     rng = random.Random(seed)
-    config, proposer, promises = engine.config, engine.proposer, engine.calibration
+    config, proposer, promises = engine.config, engine.proposer, engine.promises
     drafts = _FixedDraft()
-    engine.calibration = Calibration()
+    engine.promises = PromiseRecord(promises.decay)
     if config.speculative is not None:
         engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                                    goodput_sizing=False))
@@ -187,7 +186,7 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
                         ours.update(engine.requests[request_id].block_hashes)
                     engine.abort_request(request_id)
     finally:  # its rejected drafts are no news of what requests accept
-        engine.config, engine.proposer, engine.calibration = config, proposer, promises
+        engine.config, engine.proposer, engine.promises = config, proposer, promises
         engine.pool.forget_cached(ours)
     engine.decode_step_costs.add_profile(samples)
     return samples

@@ -6,6 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.speculative.draft import PromiseRecord
+
+REQUEST_PROMISE_DECAY = 0.95  # per engine step: a request's record is mostly of its last 20 steps
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +44,8 @@ class Sequence:
     draft_probabilities: list[float] = field(default_factory=list)  # the proposer's, for each prefix of them
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of those, accepted
-    num_draft_expected: float = 0.0  # of those, how many the proposer's probabilities promised
+    # How its drafts kept their promises lately: what the next ones are believed (`engine.speculative.sizing`).
+    promises: PromiseRecord = field(default_factory=lambda: PromiseRecord(REQUEST_PROMISE_DECAY))
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -4,14 +4,14 @@
 A step's goodput is the tokens it is expected to produce over the time it takes. A proposer says how
 likely each prefix of its draft is to be accepted (the suffix proposer: the share of earlier
 occurrences that continued that way); each request's record calibrates that (the tokens it had
-accepted over the tokens its drafts promised, starting from the engine's recent record), so a
+accepted over the tokens its drafts promised, lately, starting from the engine's recent record), so a
 request verifying k draft tokens is expected to produce 1 + c·p₁ + ... + c·p_k tokens. The step
 takes the engine's measured decode-step cost (`StepCost`: a + b·tokens + c·attention) over every
 sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises the
 step's goodput: many where the fixed cost of a step dominates (small batches), few or none where a
 step is already bound by its tokens (large batches), none where drafts are unlikely. A request whose
-drafts keep failing has its promises discounted; it drafts again when its proposer becomes sure
-enough (a long exact repeat).
+drafts keep failing has its promises discounted; as its failures fade it tries again, and drafts
+when its proposer is sure enough (a long exact repeat).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.engine.cost_model import fit_nonnegative
-
-PRIOR_WEIGHT = 2.0  # a request's own record outweighs the engine's after two promised tokens
-
 
 @dataclass(frozen=True)
 class DecodeCost:
@@ -83,29 +80,6 @@ class DecodeCostModel:
             data = np.array(samples)
             features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
             self.cost = DecodeCost(*fit_nonnegative(features, data[:, 3]).tolist())
-
-
-class Calibration:
-    """How the engine's recent drafts held their promises, over every request: accepted tokens over
-    the sum of the verified tokens' estimated probabilities, decaying (about the last
-    `1 / (1 - decay)` verifications). Starts at 1: the proposer is believed until shown otherwise."""
-
-    def __init__(self, decay: float = 0.99) -> None:
-        self.decay = decay
-        self.accepted = self.expected = 1.0
-
-    def observe(self, accepted: int, expected: float) -> None:
-        self.accepted = self.accepted * self.decay + accepted
-        self.expected = self.expected * self.decay + expected
-
-    @property
-    def ratio(self) -> float:
-        return self.accepted / self.expected
-
-
-def request_calibration(accepted: int, expected: float, prior: float) -> float:
-    """A request's calibration: its own record, with the engine's `prior` weighing `PRIOR_WEIGHT`."""
-    return (accepted + PRIOR_WEIGHT * prior) / (expected + PRIOR_WEIGHT)
 
 
 @dataclass(frozen=True)

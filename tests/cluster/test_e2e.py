@@ -36,13 +36,15 @@ ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
-# Two clusters decode speculatively: every behaviour here must hold with drafts verified as well.
+# Two clusters decode speculatively, every draft verified (not sized by measured step times, so that
+# drafts are sure to run): every behaviour here must hold with drafts verified as well.
 @pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"),
                                         ("disaggregated", "grpc", "speculative"), ("colocated", "shm", "speculative")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
     mode, transport, *speculative = request.param
-    c = Cluster(manifest(model_dirs[ARCH], mode, transport, speculative={} if speculative else None),
+    c = Cluster(manifest(model_dirs[ARCH], mode, transport,
+                         speculative={"goodput_sizing": False} if speculative else None),
                 log=lambda _: None)
     c.start()
     yield c
@@ -70,7 +72,9 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
     prompts = [[11, 12, 13, 14, 15, 16] * 6, random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=5)[0]]
     with Client(cluster.address, timeout=60) as client:
         results = [client.generate(p, temperature=0, max_tokens=48, ignore_eos=True) for p in prompts]
+        declined = client.generate(prompts[0], temperature=0, max_tokens=48, ignore_eos=True, speculative=False)
     assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 48) for p in prompts]
+    assert declined.token_ids == results[0].token_ids and declined.draft_tokens == 0
     if cluster.manifest.speculative is None:
         assert all(r.draft_tokens == r.accepted_draft_tokens == 0 for r in results)
     else:

@@ -33,6 +33,7 @@ ARCH = "tiny-llama"
         ({"stop": ["ok", "x" * 10**6]}, "stop strings may have at most 1024 characters; the one at index 1 has "),
         ({"logprobs": 5}, "logprobs must be true or false, got 5"),
         ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+        ({"speculative": 0}, "speculative must be true or false"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

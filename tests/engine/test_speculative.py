@@ -18,9 +18,8 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import Draft
-from pdserve.engine.speculative.sizing import (Calibration, DecodeCost, DraftCandidate, draft_lengths,
-                                               request_calibration)
+from pdserve.engine.speculative.draft import Draft, PromiseRecord
+from pdserve.engine.speculative.sizing import DecodeCost, DraftCandidate, draft_lengths
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
 NEW_TOKENS = 24
@@ -181,6 +180,18 @@ def test_heavy_rejection_frees_every_block_and_caches_only_accepted_tokens(model
     assert engine.pool.cached_hashes() and set(engine.pool.cached_hashes()) <= true_blocks
 
 
+def test_a_request_can_turn_speculation_off_for_itself(model_dirs, hf_reference):
+    arch = "tiny-llama"
+    ref = hf_reference[arch]
+    prompts = random_prompts(4, ref.vocab_size, 20, 40, seed=15)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.0))
+    params = [SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
+    outputs = run_all(engine, prompts, params)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
+    assert [o.num_draft_tokens > 0 for o in outputs] == [True, False, True, False]
+
+
 def test_a_request_aborted_between_verifying_steps_frees_everything(model_dirs, hf_reference):
     arch = "tiny-llama"
     ref = hf_reference[arch]
@@ -294,14 +305,16 @@ def test_a_step_verifies_drafts_only_where_they_pay_for_verifying_at_all():
     assert draft_lengths([candidate(p=0.3)], DecodeCost(a=4.0, b=0.01)) != [0]  # no premium: it pays
 
 
-def test_a_request_is_calibrated_by_its_own_record_from_the_engines():
-    assert request_calibration(0, 0.0, prior=0.8) == pytest.approx(0.8)  # no record: the engine's
-    assert request_calibration(10, 10.0, prior=0.1) > 0.8  # kept its promises: believed
-    assert request_calibration(0, 10.0, prior=1.0) < 0.2  # broke them: discounted
-    engine_record = Calibration(decay=0.5)
-    for _ in range(20):
-        engine_record.observe(0, 2.0)
-    assert engine_record.ratio < 0.01
+def test_a_requests_record_of_kept_promises_starts_from_the_engines_and_fades():
+    record = PromiseRecord(decay=0.5)
+    assert record.ratio(prior=0.8) == pytest.approx(0.8)  # no record: the prior
+    record.observe(kept=0, promised=10.0)
+    assert record.ratio(prior=1.0) < 0.2  # broke its promises: discounted
+    for _ in range(10):  # steps without drafts: the failures fade, and the prior comes back
+        record.tick()
+    assert record.ratio(prior=1.0) > 0.95
+    record.observe(kept=10, promised=10.0)
+    assert record.ratio(prior=0.1) > 0.8  # kept them: believed
 
 
 def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
