@@ -244,9 +244,9 @@ class SpeculativeSpec(_Strict):
                                                                          "indexed for every request (0: none).")
     goodput_sizing: bool = Field(
         True, description="Each step verifies the draft tokens that raise its goodput (tokens per second), from the "
-                          "worker's measured step cost and each request's acceptance so far: long drafts in small "
-                          "batches, short or none in large ones or for requests whose drafts keep failing; false: "
-                          "every draft whole.")
+                          "worker's measured decode-step cost, the proposer's estimates and how each request's drafts "
+                          "fared lately: long drafts in small batches, short or none in large ones or where drafts "
+                          "keep failing; false: every draft whole.")
 
     def engine_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**self.model_dump())

@@ -32,8 +32,8 @@ from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
-from pdserve.engine.speculative.draft import Draft, PromiseRecord
-from pdserve.engine.speculative.sizing import DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths
+from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
+from pdserve.engine.speculative.sizing import ACCEPTANCE_PRIOR, DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths
 
 
 @dataclass
@@ -105,8 +105,8 @@ class LLMEngine:
         # Steps with no prompt chunk alone: what a decode step costs, and each token a draft adds to it
         # (a prompt pass's per-token cost is far above a small decode batch's). Sizes speculation.
         self.decode_step_costs = DecodeCostModel()
-        # How drafts kept their promises lately, over every request: a new request's starting belief.
-        self.promises = PromiseRecord(decay=0.99)
+        # How drafts fared lately, over every request: a new request's starting belief.
+        self.acceptance = AcceptanceRecord(decay=0.995)
         self._ids = itertools.count()
         self._import_targets: dict[str, int] = {}
 
@@ -214,9 +214,9 @@ class LLMEngine:
         lengths that raise the step's goodput."""
         spec = self.config.speculative
         drafting: list[tuple[Sequence, Draft]] = []
-        self.promises.tick()
+        self.acceptance.tick()
         for seq in self.scheduler.running:
-            seq.promises.tick()
+            seq.acceptance.tick()
             seq.draft_token_ids, seq.draft_probabilities = [], []
             room = min(spec.max_draft_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
@@ -228,9 +228,9 @@ class LLMEngine:
         if spec.goodput_sizing and drafting:
             decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed_tokens == 1)
             prompt_tokens = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens) - decoding
-            prior = self.promises.ratio(prior=1.0)  # without a record the proposer is believed
+            prior = self.acceptance.rate(prior=ACCEPTANCE_PRIOR)
             lengths = draft_lengths(
-                [DraftCandidate(s.num_computed_tokens, d.probabilities, s.promises.ratio(prior)) for s, d in drafting],
+                [DraftCandidate(s.num_computed_tokens, d.probabilities, s.acceptance.rate(prior)) for s, d in drafting],
                 self._decode_cost(), other_tokens=max(0, prompt_tokens + decoding - len(drafting)))
         for (seq, draft), length in zip(drafting, lengths):
             seq.draft_token_ids, seq.draft_probabilities = draft.tokens[:length], draft.probabilities[:length]
@@ -257,11 +257,11 @@ class LLMEngine:
             if reason:
                 break
         if chunk.draft:
-            promised = sum(seq.draft_probabilities[: len(chunk.draft)])
+            rejected = accepted < len(chunk.draft)
             seq.num_draft_tokens += len(chunk.draft)
             seq.num_accepted_tokens += len(new) - 1
-            seq.promises.observe(len(new) - 1, promised)
-            self.promises.observe(len(new) - 1, promised)
+            seq.acceptance.observe(len(new) - 1, rejected)
+            self.acceptance.observe(len(new) - 1, rejected)
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)

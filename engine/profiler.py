@@ -29,7 +29,7 @@ from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import Draft, PromiseRecord
+from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -150,9 +150,9 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
     if engine.requests or prompt_len < 1:
         return []
     rng = random.Random(seed)
-    config, proposer, promises = engine.config, engine.proposer, engine.promises
+    config, proposer, acceptance = engine.config, engine.proposer, engine.acceptance
     drafts = _FixedDraft()
-    engine.promises = PromiseRecord(promises.decay)
+    engine.acceptance = AcceptanceRecord(acceptance.decay)
     if config.speculative is not None:
         engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                                    goodput_sizing=False))
@@ -186,7 +186,7 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
                         ours.update(engine.requests[request_id].block_hashes)
                     engine.abort_request(request_id)
     finally:  # its rejected drafts are no news of what requests accept
-        engine.config, engine.proposer, engine.promises = config, proposer, promises
+        engine.config, engine.proposer, engine.acceptance = config, proposer, acceptance
         engine.pool.forget_cached(ours)
     engine.decode_step_costs.add_profile(samples)
     return samples

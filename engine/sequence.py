@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculative.draft import PromiseRecord
+from pdserve.engine.speculative.draft import AcceptanceRecord
 
-REQUEST_PROMISE_DECAY = 0.95  # per engine step: a request's record is mostly of its last 20 steps
+REQUEST_RECORD_DECAY = 0.97  # per engine step: a request's record is mostly of its last 30 steps
 
 
 class SequenceStatus(enum.Enum):
@@ -44,8 +44,8 @@ class Sequence:
     draft_probabilities: list[float] = field(default_factory=list)  # the proposer's, for each prefix of them
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of those, accepted
-    # How its drafts kept their promises lately: what the next ones are believed (`engine.speculative.sizing`).
-    promises: PromiseRecord = field(default_factory=lambda: PromiseRecord(REQUEST_PROMISE_DECAY))
+    # How its drafts fared lately: how far the next ones are believed (`engine.speculative.sizing`).
+    acceptance: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -20,8 +20,8 @@ class SpeculativeConfig:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     recent_output_tokens: int = 65536
-    # Each step's draft lengths chosen to raise its goodput from the measured step cost and each
-    # request's acceptance (`engine.speculative.sizing`); False: every draft verified whole.
+    # Each step's draft lengths chosen to raise its goodput from the measured decode-step cost, the
+    # proposer's estimates and each request's record (`engine.speculative.sizing`); False: drafts whole.
     goodput_sizing: bool = True
 
     def __post_init__(self) -> None:

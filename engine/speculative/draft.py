@@ -17,23 +17,24 @@ class Draft:
         return sum(self.probabilities)
 
 
-class PromiseRecord:
-    """Draft tokens accepted against those promised (the sum of the verified tokens' estimated
-    probabilities), both fading by `decay` at every engine step: recent drafts count and old failures
-    fade, so a request (or a worker) that stopped drafting tries again in time."""
+class AcceptanceRecord:
+    """Draft tokens accepted, and verifications that ended on a rejected one, both fading by `decay` at
+    every engine step: recent drafts count and old failures fade, so a request (or a worker) that
+    stopped drafting tries again in time."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.kept = self.promised = 0.0
+        self.accepted = self.rejected = 0.0
 
-    def observe(self, kept: int, promised: float) -> None:
-        self.kept += kept
-        self.promised += promised
+    def observe(self, accepted: int, rejected: bool) -> None:
+        self.accepted += accepted
+        self.rejected += rejected
 
     def tick(self) -> None:
-        self.kept *= self.decay
-        self.promised *= self.decay
+        self.accepted *= self.decay
+        self.rejected *= self.decay
 
-    def ratio(self, prior: float, weight: float = 2.0) -> float:
-        """Kept over promised, `prior` weighing as `weight` promised tokens: the prior without a record."""
-        return (self.kept + weight * prior) / (self.promised + weight)
+    def rate(self, prior: float, weight: float = 2.0) -> float:
+        """The chance that a draft token is accepted after the one before it (each taken as
+        independent), `prior` weighing as `weight` tokens: the prior without a record."""
+        return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)

@@ -3,15 +3,16 @@
 
 A step's goodput is the tokens it is expected to produce over the time it takes. A proposer says how
 likely each prefix of its draft is to be accepted (the suffix proposer: the share of earlier
-occurrences that continued that way); each request's record calibrates that (the tokens it had
-accepted over the tokens its drafts promised, lately, starting from the engine's recent record), so a
-request verifying k draft tokens is expected to produce 1 + c·p₁ + ... + c·p_k tokens. The step
-takes the engine's measured decode-step cost (`StepCost`: a + b·tokens + c·attention) over every
-sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises the
-step's goodput: many where the fixed cost of a step dominates (small batches), few or none where a
-step is already bound by its tokens (large batches), none where drafts are unlikely. A request whose
-drafts keep failing has its promises discounted; as its failures fade it tries again, and drafts
-when its proposer is sure enough (a long exact repeat).
+occurrences that continued that way); each request's record bounds that: α, the chance that its draft
+tokens were accepted one after another lately (fading, starting from the worker's recent record),
+caps the j-th token's chance at α^j. A request verifying k draft tokens is expected to produce
+1 + g₁ + ... + g_k tokens, g_j = min(p_j, α^j). The step takes the worker's measured decode-step cost
+(`DecodeCost`: a + b·tokens + c·attention, plus a premium when it verifies anything) over every
+sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises
+the step's goodput, and a step verifies at all only when its drafts pay for the premium: long drafts
+where the fixed cost of a step dominates (small batches), few or none where a step is already bound
+by its tokens (large batches), none where drafts keep failing. As old failures fade a request tries
+again.
 """
 
 from __future__ import annotations
@@ -82,15 +83,19 @@ class DecodeCostModel:
             self.cost = DecodeCost(*fit_nonnegative(features, data[:, 3]).tolist())
 
 
+ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5
+
+
 @dataclass(frozen=True)
 class DraftCandidate:
     context_len: int  # tokens with KV before the step (the attention each query token pays for)
     probabilities: Sequence[float]  # each prefix of its draft: the proposer's chance it is accepted whole
-    calibration: float = 1.0  # what the request's promises turned out to be worth
+    acceptance: float = 1.0  # the request's record: the chance a draft token is accepted after the one before
 
     def gain(self, position: int) -> float:
-        """Expected tokens the draft's `position`-th token (from 1) adds."""
-        return min(1.0, self.calibration * self.probabilities[position - 1])
+        """Expected tokens the draft's `position`-th token (from 1) adds: the proposer's estimate, but
+        no more than the request's record allows."""
+        return min(self.probabilities[position - 1], self.acceptance ** position)
 
 
 def draft_lengths(candidates: list[DraftCandidate], cost: DecodeCost, other_tokens: int = 0,

@@ -88,12 +88,12 @@ def test_an_engine_given_a_stored_profiles_costs_starts_from_them_after_one_warm
 
 def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leaves_the_pool_idle(model_dirs):
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
-    proposer, promises = engine.proposer, engine.promises.ratio(prior=1.0)
+    proposer, record = engine.proposer, engine.acceptance.rate(prior=0.5)
     samples = profile_decode(engine)
     assert {tokens for tokens, _, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
     assert engine.decode_step_costs.cost.measured
     assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
-    assert engine.promises.ratio(prior=1.0) == promises  # its rejected drafts say nothing of requests'
+    assert engine.acceptance.rate(prior=0.5) == record  # its rejected drafts say nothing of requests'
     assert_pool_idle(engine)
     assert engine.pool.num_cached == 0  # its prompts' blocks forgotten
     busy = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))

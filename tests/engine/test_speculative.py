@@ -18,7 +18,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import Draft, PromiseRecord
+from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
 from pdserve.engine.speculative.sizing import DecodeCost, DraftCandidate, draft_lengths
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
@@ -271,9 +271,9 @@ def test_the_suffix_proposer_speeds_up_repetitive_text_without_changing_it(model
 
 
 # --- draft lengths sized by goodput ---------------------------------------------------------------
-def candidate(p: float = 0.5, calibration: float = 1.0, max_tokens: int = 8, context_len: int = 100) -> DraftCandidate:
+def candidate(p: float = 0.5, acceptance: float = 1.0, max_tokens: int = 8, context_len: int = 100) -> DraftCandidate:
     """A draft each of whose tokens is accepted with chance `p` after the one before it."""
-    return DraftCandidate(context_len, [p ** (j + 1) for j in range(max_tokens)], calibration)
+    return DraftCandidate(context_len, [p ** (j + 1) for j in range(max_tokens)], acceptance)
 
 
 def test_each_draft_token_is_verified_only_while_it_raises_the_steps_goodput():
@@ -282,7 +282,7 @@ def test_each_draft_token_is_verified_only_while_it_raises_the_steps_goodput():
     assert draft_lengths([candidate()], DecodeCost(a=1.0, b=1.0)) == [0]  # 1.5 / 3 is not above 1 / 2
     assert draft_lengths([candidate()], DecodeCost(a=3.0, b=1.0)) == [1]  # 1.5 / 5 > 1 / 4, but 1.75 / 6 < 1.5 / 5
     assert draft_lengths([candidate()], DecodeCost(a=1.0)) == [8]  # tokens cost nothing: every draft pays
-    assert draft_lengths([candidate(calibration=0.5)], DecodeCost(a=3.0, b=1.0)) == [0]  # its promises halved
+    assert draft_lengths([candidate(p=1.0, acceptance=0.2)], DecodeCost(a=3.0, b=1.0)) == [0]  # a poor record
 
 
 def test_drafts_are_long_in_small_batches_short_in_token_bound_ones_and_none_where_they_keep_failing():
@@ -291,7 +291,7 @@ def test_drafts_are_long_in_small_batches_short_in_token_bound_ones_and_none_whe
     big_batch = draft_lengths([candidate(p=0.75)] * 64, fixed_cost, other_tokens=1500)
     assert max(big_batch) < 8
     assert draft_lengths([candidate()] * 4, DecodeCost(b=1e-3)) == [0] * 4  # bound by its tokens: none pays
-    good, bad = draft_lengths([candidate(p=0.9), candidate(p=0.9, calibration=0.05)], DecodeCost(a=2e-3, b=1e-4))
+    good, bad = draft_lengths([candidate(p=0.9), candidate(p=0.9, acceptance=0.05)], DecodeCost(a=2e-3, b=1e-4))
     assert good > bad
     assert draft_lengths([candidate(max_tokens=3)], DecodeCost()) == [3]  # no measurement yet: drafts whole
 
@@ -305,16 +305,24 @@ def test_a_step_verifies_drafts_only_where_they_pay_for_verifying_at_all():
     assert draft_lengths([candidate(p=0.3)], DecodeCost(a=4.0, b=0.01)) != [0]  # no premium: it pays
 
 
-def test_a_requests_record_of_kept_promises_starts_from_the_engines_and_fades():
-    record = PromiseRecord(decay=0.5)
-    assert record.ratio(prior=0.8) == pytest.approx(0.8)  # no record: the prior
-    record.observe(kept=0, promised=10.0)
-    assert record.ratio(prior=1.0) < 0.2  # broke its promises: discounted
+def test_a_requests_record_starts_from_the_engines_and_fades():
+    record = AcceptanceRecord(decay=0.5)
+    assert record.rate(prior=0.8) == pytest.approx(0.8)  # no record: the prior
+    for _ in range(5):
+        record.observe(accepted=0, rejected=True)
+    assert record.rate(prior=0.8) < 0.3  # its drafts failed: short drafts, or none
     for _ in range(10):  # steps without drafts: the failures fade, and the prior comes back
         record.tick()
-    assert record.ratio(prior=1.0) > 0.95
-    record.observe(kept=10, promised=10.0)
-    assert record.ratio(prior=0.1) > 0.8  # kept them: believed
+    assert record.rate(prior=0.8) > 0.79
+    record.observe(accepted=20, rejected=True)
+    assert record.rate(prior=0.1) > 0.8  # accepted run after run: believed
+
+
+def test_a_draft_token_is_worth_what_the_proposer_says_but_no_more_than_the_record_allows():
+    sure = DraftCandidate(100, [1.0, 1.0, 1.0], acceptance=0.5)  # a confident proposer, a poor record
+    assert [sure.gain(j) for j in (1, 2, 3)] == [0.5, 0.25, 0.125]
+    unsure = DraftCandidate(100, [0.3, 0.1], acceptance=0.9)
+    assert [unsure.gain(j) for j in (1, 2)] == [0.3, 0.1]
 
 
 def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
