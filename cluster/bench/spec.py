@@ -328,7 +328,7 @@ def markdown(results: dict) -> str:
         f"First table: at each batch size every request starts at once; medians of {repeats} repeats; the outputs "
         f"of off and suffix were identical, token for token. Second table: requests arrive at Poisson times, "
         f"goodput is the highest rate at which 90% of them meet both objectives, searched per system from 1 "
-        f"req/s and no lower than 0.5 req/s (0: missed even there), 24 requests a rate by default; the "
+        f"req/s and no lower than 0.5 req/s (0: missed even there); the "
         f"objectives are `pdserve bench serve`'s, from the latency of requests sent one at a time without "
         f"speculation (tight: 2× idle p90 TTFT and 1.5× idle p90 TPOT; loose: 5× and 3×).",
         "", summary_table(result), "",
