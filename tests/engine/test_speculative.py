@@ -57,6 +57,18 @@ def speculative_engine(model_dir, proposer=None, max_draft_tokens: int = 6, good
     return engine
 
 
+def spoiled_run(model_dirs, hf_reference, num_prompts: int, min_len: int, max_len: int, seed: int, spoil: float,
+                **engine_kwargs) -> tuple[LLMEngine, list[list[int]], dict[tuple[int, ...], list[int]]]:
+    """tiny-llama speculating with a `SpoilingProposer` over random prompts: the engine, the prompts and
+    transformers' greedy continuation of each."""
+    ref = hf_reference["tiny-llama"]
+    prompts = random_prompts(num_prompts, ref.vocab_size, min_len, max_len, seed=seed)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+    engine = speculative_engine(model_dirs["tiny-llama"], SpoilingProposer(truth, ref.vocab_size, spoil=spoil),
+                                **engine_kwargs)
+    return engine, prompts, truth
+
+
 def assert_blocks_cover_only_computed_tokens(engine: LLMEngine) -> None:
     """A decoding sequence holds the blocks of its computed tokens and none that only rejected drafts
     used (the block of its newest token is taken by the step that computes it)."""
@@ -167,11 +179,7 @@ def test_sampled_tokens_follow_the_target_distribution_when_drafts_are_verified(
 
 
 def test_heavy_rejection_frees_every_block_and_caches_only_accepted_tokens(model_dirs, hf_reference):
-    arch = "tiny-llama"
-    ref = hf_reference[arch]
-    prompts = random_prompts(6, ref.vocab_size, 20, 70, seed=12)
-    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
-    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=1.0), max_draft_tokens=8)
+    engine, prompts, truth = spoiled_run(model_dirs, hf_reference, 6, 20, 70, seed=12, spoil=1.0, max_draft_tokens=8)
     outputs = run_all(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
     assert_pool_idle(engine)
@@ -181,11 +189,7 @@ def test_heavy_rejection_frees_every_block_and_caches_only_accepted_tokens(model
 
 
 def test_a_request_can_turn_speculation_off_for_itself(model_dirs, hf_reference):
-    arch = "tiny-llama"
-    ref = hf_reference[arch]
-    prompts = random_prompts(4, ref.vocab_size, 20, 40, seed=15)
-    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
-    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.0))
+    engine, prompts, truth = spoiled_run(model_dirs, hf_reference, 4, 20, 40, seed=15, spoil=0.0)
     params = [SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
     outputs = run_all(engine, prompts, params)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
@@ -193,11 +197,7 @@ def test_a_request_can_turn_speculation_off_for_itself(model_dirs, hf_reference)
 
 
 def test_a_request_aborted_between_verifying_steps_frees_everything(model_dirs, hf_reference):
-    arch = "tiny-llama"
-    ref = hf_reference[arch]
-    prompts = random_prompts(4, ref.vocab_size, 30, 60, seed=14)
-    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
-    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5), max_draft_tokens=8)
+    engine, prompts, _ = spoiled_run(model_dirs, hf_reference, 4, 30, 60, seed=14, spoil=0.5, max_draft_tokens=8)
     ids = [engine.add_request(p, SamplingParams.greedy(max_tokens=100, ignore_eos=True)) for p in prompts]
     engine.step()  # the prompt passes
     for request_id in ids:  # each aborted after one more verifying step, the rest still running
@@ -326,12 +326,8 @@ def test_a_draft_token_is_worth_what_the_proposer_says_but_no_more_than_the_reco
 
 
 def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
-    arch = "tiny-llama"
-    ref = hf_reference[arch]
-    prompts = random_prompts(12, ref.vocab_size, 5, 80, seed=41)
-    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
-    engine = speculative_engine(model_dirs[arch], SpoilingProposer(truth, ref.vocab_size, spoil=0.5),
-                                max_draft_tokens=8, goodput_sizing=True)
+    engine, prompts, truth = spoiled_run(model_dirs, hf_reference, 12, 5, 80, seed=41, spoil=0.5, max_draft_tokens=8,
+                                         goodput_sizing=True)
     engine.decode_step_costs.add_profile([(1, 101, False, 5e-3), (2, 204, True, 6e-3), (9, 900, True, 7e-3),
                                           (8, 800, False, 8e-3)])  # a fit to start from
     outputs = run_all(engine, prompts, GREEDY)
