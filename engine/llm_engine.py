@@ -204,7 +204,7 @@ class LLMEngine:
             total_s=time.perf_counter() - t0,
         )
         self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
-        if self.last_step.num_decode_seqs == len(plan.chunks):
+        if self.proposer is not None and self.last_step.num_decode_seqs == len(plan.chunks):  # sizes drafts
             self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks),
                                            self.last_step.total_s)
         return outputs
