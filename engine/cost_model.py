@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,20 +97,60 @@ def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best
 
 
-class StepCostModel:
-    """Thread-safe: the engine loop observes, any thread reads `coefficients`."""
+class OnlineFit:
+    """Step times fitted, every coefficient >= 0, to a constant and `num_features` features of the step:
+    the start-up profile's samples kept for good as anchors, the steps of the last `horizon_s` seconds
+    (at most `window` of them) added, refitted every `refit_every` steps. Thread-safe: the engine loop
+    observes, any thread reads."""
 
-    def __init__(self, window: int = 512, refit_every: int = 32, horizon_s: float = 3.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._anchors: list[tuple[float, float, float]] = []  # the start-up profile: kept for good
-        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=window)  # (time, tokens, quad, s)
+    def __init__(self, num_features: int, window: int, refit_every: int, horizon_s: float,
+                 clock: Callable[[], float]) -> None:
+        self._anchors: list[tuple[float, ...]] = []  # (features..., seconds)
+        self._recent: deque[tuple[float, ...]] = deque(maxlen=window)  # (time, features..., seconds)
         self._refit_every = refit_every
         self._since_fit = 0
         self.horizon_s = horizon_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._coefficients = StepCost()
+        self._fit = np.zeros(num_features + 1)
         self._fitted_at = clock()
+
+    def _add_profile(self, samples: Iterable[Sequence[float]]) -> None:
+        """(features..., seconds) of the start-up profile; fits at once. The steps observed so far (the
+        profile's own passes, warm-ups included) are dropped: the online window starts now."""
+        with self._lock:
+            self._anchors.extend(tuple(map(float, sample)) for sample in samples)
+            self._recent.clear()
+        self._refit()
+
+    def _observe(self, features: Sequence[float], seconds: float) -> None:
+        with self._lock:
+            self._recent.append((self._clock(), *map(float, features), float(seconds)))
+            self._since_fit += 1
+            due = self._since_fit >= self._refit_every
+        if due:
+            self._refit()
+
+    def _refit(self) -> np.ndarray:
+        with self._lock:  # the fit too (about a millisecond): concurrent refits land in order
+            self._fitted_at = now = self._clock()
+            while self._recent and self._recent[0][0] < now - self.horizon_s:
+                self._recent.popleft()
+            samples = self._anchors + [step[1:] for step in self._recent]
+            self._since_fit = 0
+            if len(samples) >= len(self._fit):
+                data = np.array(samples)
+                features = np.column_stack([np.ones(len(data)), data[:, :-1]])
+                self._fit = fit_nonnegative(features, data[:, -1])
+            return self._fit
+
+
+class StepCostModel(OnlineFit):
+    """The step cost `StepCost` over (tokens, quad), as the header says."""
+
+    def __init__(self, window: int = 512, refit_every: int = 32, horizon_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(2, window, refit_every, horizon_s, clock)
 
     @property
     def coefficients(self) -> StepCost:
@@ -118,35 +158,15 @@ class StepCostModel:
         still holding the steps of a busy spell)."""
         with self._lock:
             stale = bool(self._recent) and self._fitted_at < self._clock() - self.horizon_s
-        return self.refit() if stale else self._coefficients
+        return self.refit() if stale else StepCost(*self._fit.tolist())
 
     def add_profile(self, samples: list[tuple[int, int, float]]) -> None:
-        """(tokens, quad, seconds) of the start-up profile; fits at once. The steps observed so far (the
-        profile's own passes, warm-ups included) are dropped: the online window starts now."""
-        with self._lock:
-            self._anchors.extend((float(n), float(q), float(s)) for n, q, s in samples)
-            self._recent.clear()
-        self.refit()
+        """(tokens, quad, seconds) of the start-up profile; fits at once."""
+        self._add_profile(samples)
 
     def observe(self, tokens: int, quad: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        with self._lock:
-            self._recent.append((self._clock(), float(tokens), float(quad), float(seconds)))
-            self._since_fit += 1
-            due = self._since_fit >= self._refit_every
-        if due:
-            self.refit()
+        if tokens > 0:
+            self._observe((tokens, quad), seconds)
 
     def refit(self) -> StepCost:
-        with self._lock:  # the fit too (about a millisecond): concurrent refits land in order
-            self._fitted_at = now = self._clock()
-            while self._recent and self._recent[0][0] < now - self.horizon_s:
-                self._recent.popleft()
-            samples = self._anchors + [step[1:] for step in self._recent]
-            self._since_fit = 0
-            if len(samples) >= 3:
-                data = np.array(samples)
-                features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-                self._coefficients = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
-            return self._coefficients
+        return StepCost(*self._refit().tolist())

@@ -162,7 +162,6 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
     try:
         for batch in DECODE_BATCHES:
             prompts = [[rng.randrange(engine.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-            ours.update(h for p in prompts for h in hash_prompt_blocks(p, engine.config.block_size))
             params = SamplingParams.greedy(max_tokens=steps_each * len(lengths), ignore_eos=True)
             ids = [engine.add_request(p, params) for p in prompts]
             try:

@@ -18,14 +18,12 @@ again.
 from __future__ import annotations
 
 import heapq
-import threading
-from collections import deque
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from pdserve.engine.cost_model import fit_nonnegative
+from pdserve.engine.cost_model import OnlineFit
 
 @dataclass(frozen=True)
 class DecodeCost:
@@ -46,41 +44,23 @@ class DecodeCost:
         return self.a + self.b * tokens + self.c * quad + self.verify * verifies
 
 
-class DecodeCostModel:
-    """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost`: the start-up profile's
-    steps kept as anchors, the last `window` steps served added, refitted every `refit_every` steps.
-    Written by the engine loop only; any thread may read `cost`."""
+class DecodeCostModel(OnlineFit):
+    """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost` over (tokens, quad,
+    verifies): the start-up profile's steps kept as anchors, the last `window` steps served added (no
+    horizon), refitted every `refit_every` steps."""
 
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
-        self._anchors: list[tuple[float, float, float, float]] = []  # (tokens, quad, verifies, seconds)
-        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._refit_every = refit_every
-        self._since_fit = 0
-        self._lock = threading.Lock()
-        self.cost = DecodeCost()
+        super().__init__(3, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
+
+    @property
+    def cost(self) -> DecodeCost:
+        return DecodeCost(*self._fit.tolist())
 
     def add_profile(self, samples: list[tuple[int, int, bool, float]]) -> None:
-        with self._lock:
-            self._anchors.extend((float(n), float(q), float(v), float(s)) for n, q, v, s in samples)
-            self._recent.clear()
-        self._refit()
+        self._add_profile(samples)
 
     def observe(self, tokens: int, quad: int, verifies: bool, seconds: float) -> None:
-        with self._lock:
-            self._recent.append((float(tokens), float(quad), float(verifies), float(seconds)))
-            self._since_fit += 1
-            due = self._since_fit >= self._refit_every
-        if due:
-            self._refit()
-
-    def _refit(self) -> None:
-        with self._lock:
-            self._since_fit = 0
-            samples = self._anchors + list(self._recent)
-        if len(samples) >= 4:
-            data = np.array(samples)
-            features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
-            self.cost = DecodeCost(*fit_nonnegative(features, data[:, 3]).tolist())
+        self._observe((tokens, quad, verifies), seconds)
 
 
 ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5
