@@ -280,8 +280,11 @@ def test_openai_client_records_every_token_arrival(tmp_path):
         # at the end, they would not). Not each gap: a client thread the scheduler delays takes two at once.
         assert r.token_times[-1] - r.token_times[0] >= GAP_S * (TOKENS - 1) * 0.8
         assert r.end_time >= r.token_times[-1]
-    assert b.send_time - a.send_time == pytest.approx(0.05, abs=0.02)  # sent on schedule, not after a
-    assert b.send_time < a.end_time  # open loop: b went out while a was streaming
+    # Sent on schedule: never before its arrival offset (less the event loop's clock resolution), and
+    # without waiting for a (open loop: b went out while a was streaming). How late is not bounded: a
+    # busy machine delays the client's thread by tens of milliseconds.
+    assert b.send_time >= 0.05 - 0.005
+    assert b.send_time < a.end_time
     assert c.outcome == "rejected" and "overloaded" in c.error and c.ttft is None
     sent = {body["prompt"] if isinstance(body["prompt"], str) else tuple(body["prompt"]) for body in server.bodies}
     assert sent == {"hello", (8, 9), "busy"}  # text when given, else the token ids
