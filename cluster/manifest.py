@@ -230,16 +230,21 @@ class KVTransferSpec(_Strict):
 class SpeculativeSpec(_Strict):
     """Speculative decoding on the workers that decode: drafts proposed per sequence, verified in one pass."""
 
-    method: Literal["suffix"] = Field(
+    method: Literal["suffix", "draft_model", "both"] = Field(
         "suffix", description="What proposes the draft tokens. suffix: model-free, from earlier occurrences of the "
                               "request's last tokens in its own prompt and output and in recent outputs "
-                              "(SuffixDecoding).")
+                              "(SuffixDecoding). draft_model: a small model with the target's tokenizer, run on the "
+                              "decode worker beside it (`draft_model`). both: the suffix draft where the text repeats "
+                              "itself, the draft model's elsewhere.")
+    draft_model: str | None = Field(
+        None, description="draft_model and both: the draft model, as `model` names one (pystd-llama-draft is the "
+                          "shipped model's; `pdserve train-draft` makes one for another Llama trained the same way).")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="Draft tokens per sequence per step at most.")
     max_match: int = Field(16, ge=1, le=256, description="suffix: the longest suffix of a request's tokens matched.")
     max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: a draft is at most this many times as "
                                                                  "long as the suffix it matched.")
-    min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: a draft ends where its estimated "
-                                                               "probability falls under this.")
+    min_token_prob: float = Field(0.1, ge=0, le=1, description="A draft ends where its estimated chance of being "
+                                                               "accepted whole falls under this.")
     recent_output_tokens: int = Field(65536, ge=0, le=2**24, description="suffix: tokens of recent outputs "
                                                                          "indexed for every request (0: none).")
     goodput_sizing: bool = Field(
@@ -247,6 +252,11 @@ class SpeculativeSpec(_Strict):
                           "worker's measured decode-step cost, the proposer's estimates and how each request's drafts "
                           "fared lately: long drafts in small batches, short or none in large ones or where drafts "
                           "keep failing; false: every draft whole.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeSpec:
+        self.engine_config()  # its ValueError (a draft model named or missing) says what is wrong
+        return self
 
     def engine_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**self.model_dump())

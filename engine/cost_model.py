@@ -81,7 +81,7 @@ class StepCost:
 
 def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient ≥ 0: the best fit over subsets of the columns (there
-    are at most three, so trying every subset is exact and cheap)."""
+    are at most five, so trying every subset is exact and cheap)."""
     n = features.shape[1]
     best, best_err = np.zeros(n), float(np.sum(seconds**2))
     for k in range(1, n + 1):
@@ -102,6 +102,8 @@ class OnlineFit:
     the start-up profile's samples kept for good as anchors, the steps of the last `horizon_s` seconds
     (at most `window` of them) added, refitted every `refit_every` steps. Thread-safe: the engine loop
     observes, any thread reads."""
+
+    relative_error = False  # fit each step's error over its time rather than in seconds
 
     def __init__(self, num_features: int, window: int, refit_every: int, horizon_s: float,
                  clock: Callable[[], float]) -> None:
@@ -141,7 +143,11 @@ class OnlineFit:
             if len(samples) >= len(self._fit):
                 data = np.array(samples)
                 features = np.column_stack([np.ones(len(data)), data[:, :-1]])
-                self._fit = fit_nonnegative(features, data[:, -1])
+                seconds = data[:, -1]
+                if self.relative_error:  # each step's error over its own time
+                    weight = 1.0 / np.maximum(seconds, 1e-9)
+                    features, seconds = features * weight[:, None], seconds * weight
+                self._fit = fit_nonnegative(features, seconds)
             return self._fit
 
 

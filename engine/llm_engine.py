@@ -32,7 +32,7 @@ from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
-from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
+from pdserve.engine.speculative.draft import WORKER_RECORD_DECAY, DraftRequest, DraftWorth, WorkerRecord
 from pdserve.engine.speculative.sizing import ACCEPTANCE_PRIOR, DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths
 
 
@@ -69,6 +69,7 @@ class StepStats:
     num_decode_seqs: int = 0
     num_preempted: int = 0
     forward_s: float = 0.0
+    propose_s: float = 0.0  # drafting (speculative decoding)
     total_s: float = 0.0
 
 
@@ -98,7 +99,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
-        self.proposer = make_proposer(config.speculative) if config.speculative else None
+        self.proposer = None if config.speculative is None else make_proposer(
+            config.speculative, config, num_blocks, self.tokenizer.get_vocab(), self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.step_costs = StepCostModel()  # refined by every step; seeded by `engine.profiler`
@@ -106,7 +108,7 @@ class LLMEngine:
         # (a prompt pass's per-token cost is far above a small decode batch's). Sizes speculation.
         self.decode_step_costs = DecodeCostModel()
         # How drafts fared lately, over every request: a new request's starting belief.
-        self.acceptance = AcceptanceRecord(decay=0.995)
+        self.acceptance = WorkerRecord(WORKER_RECORD_DECAY)
         self._ids = itertools.count()
         self._import_targets: dict[str, int] = {}
 
@@ -157,6 +159,7 @@ class LLMEngine:
             self.scheduler.release(seq)
         else:
             self.scheduler.finish(seq, "abort")
+        self._left(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -172,6 +175,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose(self.proposer)
+        propose_s = time.perf_counter() - t0
         plan = self.scheduler.schedule()
         if self.preempt_hook is not None:
             for seq in plan.preempted:
@@ -201,38 +205,51 @@ class LLMEngine:
             num_decode_seqs=sum(1 for c in plan.chunks if c.num_tokens == 1 or c.draft),
             num_preempted=len(plan.preempted),
             forward_s=self.runner.last_forward_s,
+            propose_s=propose_s,
             total_s=time.perf_counter() - t0,
         )
         self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
         if self.proposer is not None and self.last_step.num_decode_seqs == len(plan.chunks):  # sizes drafts
-            self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks),
-                                           self.last_step.total_s)
+            # Without the drafting: a proposer that spends time (a draft model) weighs that itself.
+            self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks), len(plan.chunks),
+                                           self.last_step.total_s - propose_s)
         return outputs
 
     def _propose(self, proposer: Proposer) -> None:
         """Draft tokens for every decoding sequence (no more than it could still generate), cut to the
         lengths that raise the step's goodput."""
         spec = self.config.speculative
-        drafting: list[tuple[Sequence, Draft]] = []
+        asking: list[DraftRequest] = []
         self.acceptance.tick()
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
         for seq in self.scheduler.running:
             seq.acceptance.tick()
             seq.draft_token_ids, seq.draft_probabilities = [], []
             room = min(spec.max_draft_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
             if room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative:
-                draft = proposer.propose(seq, room)
-                if draft.tokens:
-                    drafting.append((seq, draft))
+                prior = self.acceptance.of(seq.params).rate(prior=ACCEPTANCE_PRIOR)
+                asking.append(DraftRequest(seq, room, seq.acceptance.rate(prior)))
+        if not asking:
+            return
+        cost = self._decode_cost() if spec.goodput_sizing else DecodeCost()
+        budget = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens)
+        prompt_tokens = max(0, budget - len(decoding))
+        worth = DraftWorth()  # unmeasured: drafting is worth anything
+        if cost.measured:  # an accepted draft token saves this step's time per decoding sequence
+            step_s = cost.step_s(prompt_tokens + len(decoding), sum(s.num_computed_tokens + 1 for s in decoding),
+                                 False, len(decoding))
+            worth = DraftWorth(token_s=step_s / len(decoding), verify_s=cost.verify)
+        drafts = proposer.propose(asking, worth)
+        drafting = [(r, draft) for r, draft in zip(asking, drafts) if draft.tokens]
         lengths = [len(draft.tokens) for _, draft in drafting]
-        if spec.goodput_sizing and drafting:
-            decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed_tokens == 1)
-            prompt_tokens = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens) - decoding
-            prior = self.acceptance.rate(prior=ACCEPTANCE_PRIOR)
+        if cost.measured and drafting:
             lengths = draft_lengths(
-                [DraftCandidate(s.num_computed_tokens, d.probabilities, s.acceptance.rate(prior)) for s, d in drafting],
-                self._decode_cost(), other_tokens=max(0, prompt_tokens + decoding - len(drafting)))
-        for (seq, draft), length in zip(drafting, lengths):
+                [DraftCandidate(r.seq.num_computed_tokens, d.probabilities, r.acceptance) for r, d in drafting],
+                cost, other_tokens=prompt_tokens + len(decoding) - len(drafting),
+                other_seqs=len(decoding) - len(drafting))
+        for (request, draft), length in zip(drafting, lengths):
+            seq = request.seq
             seq.draft_token_ids, seq.draft_probabilities = draft.tokens[:length], draft.probabilities[:length]
 
     def _decode_cost(self) -> DecodeCost:
@@ -261,15 +278,19 @@ class LLMEngine:
             seq.num_draft_tokens += len(chunk.draft)
             seq.num_accepted_tokens += len(new) - 1
             seq.acceptance.observe(len(new) - 1, rejected)
-            self.acceptance.observe(len(new) - 1, rejected)
+            self.acceptance.of(seq.params).observe(len(new) - 1, rejected)
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)
             if seq.status == SequenceStatus.FINISHED:
                 del self.requests[seq.request_id]
-                if self.proposer is not None:
-                    self.proposer.finished(seq)
+                self._left(seq)
         return self._output(seq, new)
+
+    def _left(self, seq: Sequence) -> None:
+        """`seq` is no longer this engine's: its proposer state goes (its output may feed others' drafts)."""
+        if self.proposer is not None:
+            self.proposer.finished(seq)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p = seq.params
@@ -350,6 +371,7 @@ class LLMEngine:
         seq = self._held(request_id)
         del self.requests[request_id]
         self.scheduler.release(seq)
+        self._left(seq)
 
     # --- KV handoff: receiving side -------------------------------------------------------------
     def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

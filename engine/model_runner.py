@@ -27,9 +27,19 @@ class ModelRunner:
         self.last_forward_s = 0.0  # wall time of the model call alone, for the step-time split
         self.layer_hook: LayerHook | None = None
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Compute KV for every chunk; return logits [num sampling chunks, vocab], in chunk order."""
+        """Compute KV for every chunk; return logits [num sampling chunks' positions, vocab], in chunk order:
+        a sampling chunk's newest token's logits, then each of its draft tokens'."""
+        runs = [TokenRun(c.input_ids, c.seq.num_computed_tokens, c.seq.block_table,
+                         # the newest token (and drafts after it) attend as decode queries over the context
+                         as_decode=c.num_tokens == 1 or bool(c.draft),
+                         num_logits=1 + len(c.draft) if c.samples else 0) for c in chunks]
+        hook = self.layer_hook
+        return self.forward(runs, None if hook is None else lambda layer: hook(layer, chunks))
+
+    @torch.inference_mode()
+    def forward(self, runs: list[TokenRun], on_layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One packed pass over every run's tokens, writing their KV; the logits each run keeps, in order."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -37,23 +47,21 @@ class ModelRunner:
         decode_rows: list[_DecodeRow] = []
         keep: list[int] = []
         bs = self.block_size
-        for chunk in chunks:
-            seq, n = chunk.seq, chunk.num_tokens
-            start, first = len(input_ids), seq.num_computed_tokens
-            input_ids.extend(chunk.input_ids)
+        for run in runs:
+            n, first, table = len(run.input_ids), run.first_position, run.block_table
+            start = len(input_ids)
+            input_ids.extend(run.input_ids)
             positions.extend(range(first, first + n))
-            table = seq.block_table
             if n == 1:
                 slots.append(table[first // bs] * bs + first % bs)
             else:
                 pos = np.arange(first, first + n)
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
-            if n == 1 or chunk.draft:  # the newest token (and drafts after it) over the context
+            if run.as_decode:
                 decode_rows.append(_DecodeRow(start, n, table, first + n))
             else:
                 prefills.append(self._prefill_span(start, n, first, table))
-            if chunk.samples:  # the newest token's logits, then each draft token's
-                keep.extend(range(start + n - 1 - len(chunk.draft), start + n))
+            keep.extend(range(start + n - run.num_logits, start + n))
 
         dev = self.device
         batch = PagedBatch(
@@ -61,10 +69,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=prefills,
             decode=self._decode_batch(decode_rows) if decode_rows else None,
+            on_layer_written=on_layer_written,
         )
-        hook = self.layer_hook
-        if hook is not None:
-            batch.on_layer_written = lambda layer: hook(layer, chunks)
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         keep_index = torch.tensor(keep, dtype=torch.long, device=dev)
@@ -106,6 +112,17 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens=query_lens,
         )
+
+
+@dataclass(frozen=True)
+class TokenRun:
+    """One sequence's tokens in a forward pass."""
+
+    input_ids: list[int]
+    first_position: int  # of the first token; the sequence's KV before it is in its blocks
+    block_table: list[int]  # covering every position the run writes
+    as_decode: bool  # attended as decode queries (a padded batch) rather than a prefill span
+    num_logits: int  # logits kept: the last num_logits tokens'
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ cache nor leaks KV.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from pdserve.engine.block_pool import CacheListener, hash_prompt_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
+from pdserve.engine.speculative.draft import Draft, DraftRequest, DraftWorth, WorkerRecord
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -121,6 +122,7 @@ def _prefill_alone(engine: LLMEngine, request_id: str, prompt_len: int,
 
 DECODE_BATCHES = (1, 8, 32)
 DRAFT_LENGTHS = (0, 1, 4, 8)
+DECODE_CONTEXTS = (64, 512)  # prompt tokens of the profiled requests: a short context and a long one
 DECODE_STEPS = 4  # measured steps per batch and draft length, after one warm-up step
 
 
@@ -130,39 +132,42 @@ class _FixedDraft:
     def __init__(self) -> None:
         self.length = 0
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
-        n = min(self.length, max_tokens)
-        return Draft([0] * n, [1.0] * n)
+    def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
+        return [Draft([0] * min(self.length, r.max_tokens), [1.0] * min(self.length, r.max_tokens)) for r in requests]
 
     def finished(self, seq: Sequence) -> None:
         pass
 
 
-def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> list[tuple[int, int, bool, float]]:
-    """Measure decode steps of `DECODE_BATCHES` requests, verifying drafts of each of `DRAFT_LENGTHS`
-    tokens where the engine speculates (rejected drafts: they cost what accepted ones do); feed them to
-    `engine.decode_step_costs` as anchors. Where the engine is not idle (a restarted worker already
+def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXTS,
+                   seed: int = 0) -> list[tuple[int, int, bool, int, float]]:
+    """Measure decode steps of `DECODE_BATCHES` requests with prompts of each of `contexts` tokens,
+    verifying drafts of each of `DRAFT_LENGTHS` tokens where the engine speculates (rejected drafts: they
+    cost what accepted ones do); feed them to `engine.decode_step_costs` as anchors. Two contexts tell
+    attention's cost from a sequence's. Where the engine is not idle (a restarted worker already
     serving) or its context is too short, nothing is measured: the decode cost is then learned from
-    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, seconds)."""
+    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, sequences, seconds)."""
     lengths = DRAFT_LENGTHS if engine.config.speculative is not None else (0,)
     steps_each = (1 + DECODE_STEPS) * (1 + max(lengths))
-    prompt_len = min(prompt_len, engine.max_model_len - 1 - steps_each * len(lengths))
-    if engine.requests or prompt_len < 1:
+    room = engine.max_model_len - 1 - MAX_WAIT_STEPS - steps_each * len(lengths)
+    contexts = tuple(sorted({min(c, room) for c in contexts if min(c, room) >= 1}))
+    if engine.requests or not contexts:
         return []
     rng = random.Random(seed)
     config, proposer, acceptance = engine.config, engine.proposer, engine.acceptance
     drafts = _FixedDraft()
-    engine.acceptance = AcceptanceRecord(acceptance.decay)
+    engine.acceptance = WorkerRecord(acceptance.greedy.decay)
     if config.speculative is not None:
         engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                                    goodput_sizing=False))
         engine.proposer = drafts
     ours: set[bytes] = set()
-    samples: list[tuple[int, int, bool, float]] = []
+    samples: list[tuple[int, int, bool, int, float]] = []
     try:
-        for batch in DECODE_BATCHES:
+        for prompt_len, batch in itertools.product(contexts, DECODE_BATCHES):
             prompts = [[rng.randrange(engine.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-            params = SamplingParams.greedy(max_tokens=steps_each * len(lengths), ignore_eos=True)
+            # Long enough to outlast the wait: the first prompts decode while the last are prefilled.
+            params = SamplingParams.greedy(max_tokens=MAX_WAIT_STEPS + steps_each * len(lengths), ignore_eos=True)
             ids = [engine.add_request(p, params) for p in prompts]
             try:
                 drafts.length = 0
@@ -178,7 +183,8 @@ def profile_decode(engine: LLMEngine, prompt_len: int = 64, seed: int = 0) -> li
                         engine.step()
                         stats = engine.last_step
                         if step and stats.num_seqs == stats.num_decode_seqs == batch:
-                            samples.append((stats.num_tokens, stats.quad_tokens, length > 0, stats.total_s))
+                            samples.append((stats.num_tokens, stats.quad_tokens, length > 0, batch,
+                                            stats.total_s - stats.propose_s))
             finally:
                 for request_id in ids:
                     if request_id in engine.requests:  # the blocks its output filled are cached too

@@ -20,6 +20,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+PROPOSERS = ("suffix", "draft_model")  # what a request may pick where its deployment runs both
 
 
 class BadParameter(ValueError):
@@ -51,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     speculative: bool = True  # False: never speculative decoding for this request (where the deployment has it)
+    # Where the deployment runs both proposers: "suffix" or "draft_model" drafts with that one alone;
+    # None: the deployment's choice. A deployment running one proposer uses it whatever this says.
+    proposer: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the object hashable and immutable.
@@ -85,6 +89,9 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "speculative"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
             if not isinstance(getattr(self, name), bool):
                 raise BadParameter(name, f"{name} must be true or false, got {_short(getattr(self, name))}")
+        if self.proposer is not None and self.proposer not in PROPOSERS:
+            raise BadParameter("proposer", f"proposer must be one of {', '.join(PROPOSERS)} (or unset: the "
+                                           f"deployment's), got {_short(self.proposer)}")
         # Errors name the first bad entry, not the whole list: a client's list may be huge.
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise BadParameter("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "

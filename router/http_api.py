@@ -14,8 +14,9 @@ worker reports a fault of its own. The status is decided by the request's first 
 refusal is still a 429); a failure after that arrives as an SSE event `{"error": ...}` before `[DONE]`.
 
 Beyond OpenAI's fields: `top_k`, `ignore_eos` and `stop_token_ids` (as vLLM takes them), `speculative`
-(false: no speculative decoding for the request), and `timings` (the phases and lifetime events of
-the request) on the last response.
+(false: no speculative decoding for the request), `proposer` ("suffix" or "draft_model": that one
+alone, where the deployment runs both), and `timings` (the phases and lifetime events of the request)
+on the last response.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     speculative: bool | None = None  # pdserve's: false turns speculative decoding off for the request
+    proposer: str | None = None  # pdserve's: "suffix" or "draft_model" where the deployment runs both
     # OpenAI's spec allows null for every optional field: null means the default.
     n: int | None = None
     stream: bool | None = None
@@ -119,7 +121,7 @@ class _Body(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
-                                   ("speculative", self.speculative)) if v is not None}
+                                   ("speculative", self.speculative), ("proposer", self.proposer)) if v is not None}
         return SamplingParams(max_tokens=max_tokens, top_k=max(0, self.top_k or 0), stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
                               logprobs=logprobs, **given)

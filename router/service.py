@@ -82,7 +82,7 @@ def sampling_params(p: pdserve_pb2.SamplingParams) -> SamplingParams:
     if p.max_tokens:
         optional["max_tokens"] = p.max_tokens
     return SamplingParams(top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
-                          ignore_eos=p.ignore_eos, logprobs=p.logprobs, **optional)
+                          ignore_eos=p.ignore_eos, logprobs=p.logprobs, proposer=p.proposer or None, **optional)
 
 
 async def abort(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:

@@ -139,7 +139,8 @@ def _text(name: str) -> Iterator[None]:
 def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "", temperature: float | None = None,
              top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-             logprobs: bool = False, speculative: bool | None = None) -> pdserve_pb2.GenerateRequest:
+             logprobs: bool = False, speculative: bool | None = None,
+             proposer: str | None = None) -> pdserve_pb2.GenerateRequest:
     """Build a GenerateRequest; unset temperature/top_p/seed/max_tokens keep the server's defaults (1.0, 1.0,
     none, 16 or what the context leaves when less)."""
     params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens or 0, stop_token_ids=list(stop_token_ids),
@@ -154,6 +155,9 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
         params.seed = seed
     if speculative is not None:
         params.speculative = speculative
+    if proposer is not None:
+        with _text("proposer"):
+            params.proposer = proposer
     req = pdserve_pb2.GenerateRequest(params=params)
     with _text("model"):
         req.model = model
@@ -235,7 +239,8 @@ class Client:
         """Generate for one prompt: a Completion, or with stream=True an iterator of StreamChunks.
 
         `params`: model, request_id, temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids,
-        ignore_eos, logprobs, speculative (False: no speculative decoding for this request).
+        ignore_eos, logprobs, speculative (False: no speculative decoding for this request), proposer
+        ("suffix" or "draft_model": that one alone, where the deployment runs both).
         """
         req = _request(prompt, **params)
         call = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)

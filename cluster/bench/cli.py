@@ -48,7 +48,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_spec(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.spec import SpecBenchConfig, run
 
-    cfg = SpecBenchConfig(model=args.model, batches=tuple(args.batches), repeats=args.repeats,
+    cfg = SpecBenchConfig(model=args.model, draft_model=None if args.draft_model == "none" else args.draft_model,
+                          batches=tuple(args.batches), repeats=args.repeats,
                           prompt_len=args.prompt_len, output_len=args.output_len, threads=args.threads,
                           open_loop_requests=args.open_loop_requests, max_runs=args.max_runs, out=Path(args.out))
     run(cfg)
@@ -234,14 +235,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _docs_option(be)
     be.set_defaults(func=_bench_engine)
     bsp = bench_sub.add_parser("spec", help="decoding with and without speculation: TPOT and output tokens/s",
-                               description="Speculative decoding against plain decoding on the same requests, in "
-                                           "one run: code completion of held-out Python source, and random prompts "
+                               description="Speculative decoding (the model-free suffix proposer, the draft model, "
+                                           "and both) against plain decoding on the same requests, in one run: code completion of held-out Python source, and random prompts "
                                            "with the conversation trace's lengths (greedy, and sampled), at several "
                                            "batch sizes (outputs checked identical) and under open-loop load "
                                            "(goodput).",
                                **examples("pdserve bench spec --docs docs/benchmarks.md",
                                           "pdserve bench spec --batches 1 --repeats 1   # a quick look"))
     bsp.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    bsp.add_argument("--draft-model", default="pystd-llama-draft",
+                     help="the model's draft model, or none: the model-free proposer only (default: %(default)s)")
     bsp.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
     bsp.add_argument("--repeats", type=int, default=3, help="runs of each system per batch (default: %(default)s)")
     bsp.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")

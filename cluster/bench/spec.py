@@ -36,7 +36,6 @@ from pdserve.engine.models.training import corpus_texts
 from pdserve.engine.profiler import profile_decode
 from pdserve.engine.speculative.config import SpeculativeConfig
 
-SYSTEMS: dict[str, SpeculativeConfig | None] = {"off": None, "suffix": SpeculativeConfig()}
 MIN_TPOT_SPEEDUP = 2.0  # target: TPOT at batch 1 on code, off / speculative
 MIN_THROUGHPUT_RATIO = 0.97  # target: speculative output tok/s and goodput against off, on every workload
 IDLE_REQUESTS = 8  # one at a time, without speculation: the idle latency the objectives are set from
@@ -45,6 +44,7 @@ IDLE_REQUESTS = 8  # one at a time, without speculation: the idle latency the ob
 @dataclass
 class SpecBenchConfig:
     model: str = "pystd-llama"
+    draft_model: str | None = "pystd-llama-draft"  # a draft for `model`; None: the model-free proposer only
     batches: tuple[int, ...] = (1, 8, 32)
     repeats: int = 3
     prompt_len: int = 384  # code prompts; conversation prompts take the trace's lengths (clipped to it)
@@ -56,12 +56,22 @@ class SpecBenchConfig:
     out: Path = Path("bench-results/spec.json")
 
 
+def systems(cfg: SpecBenchConfig) -> dict[str, SpeculativeConfig | None]:
+    """What is compared: no speculation, then each proposer (the draft model's where there is one)."""
+    compared: dict[str, SpeculativeConfig | None] = {"off": None, "suffix": SpeculativeConfig()}
+    if cfg.draft_model is not None:
+        compared["draft"] = SpeculativeConfig(method="draft_model", draft_model=cfg.draft_model)
+        compared["both"] = SpeculativeConfig(method="both", draft_model=cfg.draft_model)
+    return compared
+
+
 @dataclass
 class RunFigures:
     tpot_ms: float  # median over the run's requests
     output_tps: float
     drafted: int
     accepted: int
+    decode_steps: int = 0  # steps that gave a request tokens after its first, summed over requests
 
 
 @dataclass
@@ -80,6 +90,7 @@ class OpenLoopFigures:
 class SpecBenchResult:
     provenance: dict
     model: str
+    draft_model: str | None
     threads: int
     prompt_len: int
     output_len: int
@@ -116,11 +127,13 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     done = {}
+    steps = 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
+            steps += out.request_id in first
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             if out.finished:
@@ -129,7 +142,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
     tpot = statistics.median((last[i] - first[i]) / (output_len - 1) for i in ids)
     figures = RunFigures(tpot_ms=tpot * 1e3, output_tps=len(ids) * output_len / wall,
                          drafted=sum(o.num_draft_tokens for o in done.values()),
-                         accepted=sum(o.num_accepted_tokens for o in done.values()))
+                         accepted=sum(o.num_accepted_tokens for o in done.values()), decode_steps=steps)
     return figures, [done[i].token_ids for i in ids]
 
 
@@ -161,7 +174,7 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     probe = LLMEngine(model_dir, EngineConfig(max_num_seqs=1))
-    result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len)
+    result = SpecBenchResult(provenance(), cfg.model, cfg.draft_model, cfg.threads, cfg.prompt_len, cfg.output_len)
     # Every prompt a batch or open-loop run could take: the search measures at most `max_runs` rates
     # per system, and the idle runs take a few more.
     needed = cfg.repeats * sum(cfg.batches) + (2 * cfg.max_runs * cfg.open_loop_requests + IDLE_REQUESTS
@@ -172,6 +185,8 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
         "conversation": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=1)),
         "sampled": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=2)),
     }
+
+    compared = systems(cfg)
 
     def engine_for(spec: SpeculativeConfig | None) -> LLMEngine:
         engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(64, *cfg.batches),
@@ -186,7 +201,7 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
                 prompts = pool.take(batch)  # fresh for every repeat
                 params = [workload_params(workload, cfg.output_len, seed=i) for i in range(batch)]
                 outputs = {}
-                for system, spec in SYSTEMS.items():
+                for system, spec in compared.items():
                     figures, outputs[system] = run_batch(engine_for(spec), prompts, params)
                     result.runs.setdefault(workload, {}).setdefault(batch, {}).setdefault(system, []).append(figures)
                     log(f"  {workload:>12} batch {batch:>3} repeat {repeat + 1}/{cfg.repeats} {system:>7}: TPOT "
@@ -195,7 +210,7 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
                 if len({tuple(map(tuple, o)) for o in outputs.values()}) != 1:
                     raise AssertionError(f"{workload} batch {batch}: speculation changed the output")
         if cfg.open_loop_requests:
-            result.open_loop[workload] = open_loop_goodput(workload, pool, engine_for, cfg, log)
+            result.open_loop[workload] = open_loop_goodput(workload, pool, engine_for, compared, cfg, log)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({"benchmark": "spec", **asdict(result)}, indent=2))
     log(summary_table(result))
@@ -204,7 +219,8 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
 
 
 def open_loop_goodput(workload: str, pool: PromptPool, engine_for: Callable[[SpeculativeConfig | None], LLMEngine],
-                      cfg: SpecBenchConfig, log: Callable[[str], None]) -> OpenLoopFigures:
+                      compared: dict[str, SpeculativeConfig | None], cfg: SpecBenchConfig,
+                      log: Callable[[str], None]) -> OpenLoopFigures:
     """Each system's goodput under Poisson arrivals, for objectives set from the idle latency without
     speculation (`pdserve bench serve`'s: tight 2x idle p90 TTFT and 1.5x idle p90 TPOT, loose 5x, 3x)."""
     engine = engine_for(None)
@@ -214,7 +230,7 @@ def open_loop_goodput(workload: str, pool: PromptPool, engine_for: Callable[[Spe
     tpot = percentile([r.tpot for r in idle], 90)
     objectives = [Objective("tight", 2 * ttft, 1.5 * tpot), Objective("loose", 5 * ttft, 3 * tpot)]
     figures = OpenLoopFigures(ttft, tpot, {o.name: (o.ttft_s, o.tpot_s) for o in objectives}, {}, {})
-    for system, spec in SYSTEMS.items():
+    for system, spec in compared.items():
         def measure(rate: float, spec: SpeculativeConfig | None = spec, system: str = system) -> list[RequestRecord]:
             prompts = pool.for_rate(rate, cfg.open_loop_requests)
             params = [workload_params(workload, cfg.output_len, seed=i) for i in range(len(prompts))]
@@ -274,74 +290,95 @@ def _from_json(results: dict) -> SpecBenchResult:
     return result
 
 
+def _speculative(result: SpecBenchResult) -> list[str]:
+    """The speculative systems the run compared, in order."""
+    return [s for s in next(iter(next(iter(result.runs.values())).values())) if s != "off"]
+
+
 def summary_table(result: SpecBenchResult) -> str:
-    lines = ["| workload | batch | TPOT off (ms) | TPOT suffix (ms) | TPOT off / suffix | tok/s off | tok/s suffix "
-             "| suffix / off | drafts accepted | output tokens from drafts |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    spec = _speculative(result)
+    lines = ["| workload | batch | TPOT off (ms) | " + " | ".join(f"TPOT {s} (ms, off / {s})" for s in spec)
+             + " | " + " | ".join(f"tok/s {s} / off" for s in spec)
+             + " | " + " | ".join(f"{s}: drafts accepted, tokens per step" for s in spec) + " |",
+             "|---" * (3 + 3 * len(spec)) + "|"]
     for workload, batches in result.runs.items():
-        for batch, systems in batches.items():
-            m = {s: {f: result.median(workload, batch, s, f) for f in ("tpot_ms", "output_tps")} for s in systems}
-            drafted = sum(r.drafted for r in systems["suffix"])
-            accepted = sum(r.accepted for r in systems["suffix"])
-            rate = f"{accepted / drafted:.0%}" if drafted else "none drafted"
-            lines.append(f"| {workload} | {batch} | {m['off']['tpot_ms']:.2f} | {m['suffix']['tpot_ms']:.2f} | "
-                         f"{m['off']['tpot_ms'] / m['suffix']['tpot_ms']:.2f}× | {m['off']['output_tps']:.0f} | "
-                         f"{m['suffix']['output_tps']:.0f} | {m['suffix']['output_tps'] / m['off']['output_tps']:.2f}× "
-                         f"| {rate} | {accepted / (len(systems['suffix']) * batch * (result.output_len - 1)):.0%} |")
+        for batch, runs in batches.items():
+            tpot = {s: result.median(workload, batch, s, "tpot_ms") for s in runs}
+            tps = {s: result.median(workload, batch, s, "output_tps") for s in runs}
+            cells = [f"{tpot[s]:.2f} ({tpot['off'] / tpot[s]:.2f}×)" for s in spec]
+            cells += [f"{tps[s] / tps['off']:.2f}×" for s in spec]
+            for s in spec:
+                drafted, accepted = sum(r.drafted for r in runs[s]), sum(r.accepted for r in runs[s])
+                steps = sum(r.decode_steps for r in runs[s])
+                per_step = f"{len(runs[s]) * batch * (result.output_len - 1) / steps:.2f}" if steps else "—"
+                cells.append(f"{accepted / drafted:.0%}, {per_step}" if drafted else f"none drafted, {per_step}")
+            lines.append(f"| {workload} | {batch} | {tpot['off']:.2f} | " + " | ".join(cells) + " |")
     if result.open_loop:
-        lines += ["", "| workload | objective (TTFT, TPOT) | goodput off (req/s) | goodput suffix (req/s) | suffix / off |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| workload | objective (TTFT, TPOT) | goodput off (req/s) | "
+                  + " | ".join(f"goodput {s} (req/s, {s} / off)" for s in spec) + " |", "|---" * (3 + len(spec)) + "|"]
         for workload, f in result.open_loop.items():
             for name, (ttft, tpot) in f.objectives.items():
-                off, spec = f.goodput["off"][name], f.goodput["suffix"][name]
-                ratio = f"{spec / off:.2f}×" if off else "—"
+                off = f.goodput["off"][name]
+                cells = [f"{f.goodput[s][name]:.2f} ({f.goodput[s][name] / off:.2f}×)" if off
+                         else f"{f.goodput[s][name]:.2f} (—)" for s in spec]
                 bounds = "" if all(f.converged[s][name] for s in f.goodput) else " (a search's run budget ran out)"
                 lines.append(f"| {workload} | {name}: {ttft * 1e3:.0f} ms, {tpot * 1e3:.1f} ms | {off:.2f} | "
-                             f"{spec:.2f} | {ratio}{bounds} |")
+                             + " | ".join(cells) + f"{bounds} |")
     return "\n".join(lines)
 
 
-def goodput_ratios(result: SpecBenchResult) -> list[float]:
-    return [f.goodput["suffix"][name] / f.goodput["off"][name] for f in result.open_loop.values()
-            for name in f.objectives if f.goodput["off"][name]]
+def _lowest(ratios: dict[str, list[float]]) -> str:
+    return "; ".join(f"{s} {min(r):.2f}× ({'met' if min(r) >= MIN_THROUGHPUT_RATIO else 'MISSED'})"
+                     for s, r in ratios.items() if r)
 
 
 def markdown(results: dict) -> str:
     result = _from_json(results)
-    code_tpot = None
+    spec = _speculative(result)
+    code_tpot = {}
     if 1 in result.runs.get("code", {}):
-        code_tpot = result.median("code", 1, "off", "tpot_ms") / result.median("code", 1, "suffix", "tpot_ms")
-    ratios = [result.median(w, b, "suffix", "output_tps") / result.median(w, b, "off", "output_tps")
-              for w, batches in result.runs.items() for b in batches]
-    goodputs = goodput_ratios(result)
+        code_tpot = {s: result.median("code", 1, "off", "tpot_ms") / result.median("code", 1, s, "tpot_ms")
+                     for s in spec}
+    throughput = {s: [result.median(w, b, s, "output_tps") / result.median(w, b, "off", "output_tps")
+                      for w, batches in result.runs.items() for b in batches] for s in spec}
+    goodput = {s: [f.goodput[s][name] / f.goodput["off"][name] for f in result.open_loop.values()
+                   for name in f.objectives if f.goodput["off"][name]] for s in spec}
     repeats = len(next(iter(next(iter(result.runs.values())).values()))["off"])
+    described = {
+        "suffix": "suffix: the model-free proposer",
+        "draft": f"draft: the draft model {result.draft_model} (one layer, distilled from the target; its "
+                 f"prompt KV computed on the decoding side)",
+        "both": "both: the suffix draft where the text repeats itself, the draft model's elsewhere",
+    }
     lines = [
         f"{result.model}, float32, {result.threads} torch thread, {result.output_len} output tokens per request. "
         f"code: greedy, {result.prompt_len}-token stretches of held-out Python source (files the model never saw; no "
         f"two prompts overlap); conversation: greedy, random token ids with the conversation trace's prompt lengths "
         f"(up to {result.prompt_len}); sampled: other such prompts sampled at temperature 1, each request with its "
         f"own seed. Every run builds its engine afresh (empty prefix cache and recent-output index), which profiles "
-        f"its decode steps first as a worker does when it starts, and takes prompts no other run used; off and "
-        f"suffix run the same prompts in turn. suffix: the model-free proposer, up to 8 draft tokens per sequence "
-        f"per step, each step's draft lengths sized by goodput.",
+        f"its decode steps first as a worker does when it starts, and takes prompts no other run used; the systems "
+        "run the same prompts in turn. " + "; ".join(described[s] for s in spec) + ". Each proposes up to 8 draft "
+        "tokens per sequence per step, each step's draft lengths sized by goodput.",
         "",
         f"First table: at each batch size every request starts at once; medians of {repeats} repeats; the outputs "
-        f"of off and suffix were identical, token for token. Second table: requests arrive at Poisson times, "
-        f"goodput is the highest rate at which 90% of them meet both objectives, searched per system from 1 "
-        f"req/s and no lower than 0.5 req/s (0: missed even there); the "
+        f"of off and {', '.join(spec)} were identical, token for token; tokens per step is a request's output tokens "
+        f"after its first over the steps that gave them (1 without speculation). Second table: requests arrive at "
+        f"Poisson times, goodput is the highest rate at which 90% of them meet both objectives, searched per system "
+        f"from 1 req/s and no lower than 0.5 req/s (0: missed even there); the "
         f"objectives are `pdserve bench serve`'s, from the latency of requests sent one at a time without "
         f"speculation (tight: 2× idle p90 TTFT and 1.5× idle p90 TPOT; loose: 5× and 3×).",
         "", summary_table(result), "",
         "Read these figures with the model in mind: the shipped model is small, and its greedy outputs repeat "
         "themselves (on random prompts too: 20–50% of their 8-token windows are distinct), which the suffix "
         "proposer copies. A larger model's outputs repeat less, and its acceptance will be lower.", "",
-        "Targets: TPOT at batch 1 on code ≥ "
-        f"{MIN_TPOT_SPEEDUP:g}× better: "
-        + (f"{code_tpot:.2f}× ({'met' if code_tpot >= MIN_TPOT_SPEEDUP else 'MISSED'})" if code_tpot else "not run")
-        + f"; output tok/s with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without at every workload and batch: "
-        f"lowest {min(ratios):.2f}× ({'met' if min(ratios) >= MIN_THROUGHPUT_RATIO else 'MISSED'})"
-        + (f"; goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective: lowest "
-           f"{min(goodputs):.2f}× ({'met' if min(goodputs) >= MIN_THROUGHPUT_RATIO else 'MISSED'})" if goodputs else "")
-        + ". Not measured here yet: a draft-model proposer (the suffix proposer is the only one built).",
+        f"Targets: TPOT at batch 1 on code ≥ {MIN_TPOT_SPEEDUP:g}× better: "
+        + ("; ".join(f"{s} {r:.2f}× ({'met' if r >= MIN_TPOT_SPEEDUP else 'MISSED'})" for s, r in code_tpot.items())
+           if code_tpot else "not run")
+        + f". Output tok/s with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without at every workload and batch, "
+        "lowest: "
+        + _lowest(throughput)
+        + (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective, "
+           "lowest: "
+           + _lowest(goodput) if any(goodput.values()) else "") + ".",
     ]
     return "\n".join(lines)

@@ -115,7 +115,12 @@ PRESETS: dict[str, Preset] = {
 }
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-SHIPPED = {"pystd-llama": "~5M, Llama, GQA 4:2, trained on the Python standard library (engine/models/training.py)"}
+SHIPPED = {
+    "pystd-llama": "~5M, Llama, GQA 4:2, trained on the Python standard library (engine/models/training.py)",
+    "pystd-llama-draft": "~3M, one layer, pystd-llama's draft model for speculative decoding "
+                         "(engine/models/draft_training.py)",
+}
+SHIPPED_RECIPES = {"pystd-llama": "pdserve train-model", "pystd-llama-draft": "pdserve train-draft"}
 DEFAULT_PRESET = "pystd-llama"
 
 
@@ -165,7 +170,7 @@ def resolve_model(spec: str | Path, seed: int = 0, cache_dir: Path | None = None
         shipped = CHECKPOINTS / name
         if not (shipped / "config.json").is_file():
             raise FileNotFoundError(f"the shipped model {name!r} is missing from {shipped}; "
-                                    f"`pdserve train-model` makes it again")
+                                    f"`{SHIPPED_RECIPES[name]}` makes it again")
         return shipped
     if is_hub_id(name):
         return hub_snapshot(name)

@@ -150,7 +150,7 @@ class TrainConfig:
         )
 
 
-def _token_stream(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+def token_stream(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """All texts as one stream of token ids, each file followed by the end-of-sequence token."""
     ids: list[int] = []
     for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -199,15 +199,15 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True) -> dict[
     say(f"corpus: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f}M chars), "
         f"{len(heldout_texts)} held out, from {stdlib_root()}", flush=True)
     tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
-    train_stream = _token_stream(train_texts, tokenizer)
-    heldout_stream = _token_stream(heldout_texts, tokenizer)
+    train_stream = token_stream(train_texts, tokenizer)
+    heldout_stream = token_stream(heldout_texts, tokenizer)
     say(f"tokenizer: {len(tokenizer)} tokens; {len(train_stream) / 1e6:.2f}M training tokens, "
         f"{sum(map(len, train_texts)) / len(train_stream):.2f} chars/token "
         f"({time.perf_counter() - started:.0f} s)", flush=True)
 
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM._from_config(cfg.llama_config(tokenizer), attn_implementation="sdpa")
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     # Cosine decay to min_lr_ratio of the peak rather than to 0: the last steps still learn.
     schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps,
                                                            min_lr_rate=cfg.min_lr_ratio)
@@ -251,23 +251,24 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True) -> dict[
         "heldout_tokens": len(heldout_stream),
     }
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    _save(model, tokenizer, Path(out_dir), {"recipe": asdict(cfg), "corpus": corpus, "versions": versions,
+    save_checkpoint(model, tokenizer, Path(out_dir), {"recipe": asdict(cfg), "corpus": corpus, "versions": versions,
                                            "results": results})
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
-    _record_wall_time(Path(out_dir), results["wall_seconds"])
+    record_wall_time(Path(out_dir), results["wall_seconds"])
     say(f"wrote {out_dir} in {results['wall_seconds']:.0f} s wall time "
         f"({results['train_tokens_per_s']:.0f} training tokens/s)", flush=True)
     return results
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only: norms' gains have nothing to shrink towards zero."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, recipe: dict[str, Any]) -> None:
+def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path,
+                    recipe: dict[str, Any]) -> None:
     """Write into a temporary sibling, then rename: a crash never leaves a half-written checkpoint."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -281,7 +282,7 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path
     staging.rename(out)
 
 
-def _record_wall_time(out: Path, wall_seconds: float) -> None:
+def record_wall_time(out: Path, wall_seconds: float) -> None:
     recipe = json.loads((out / RECIPE_FILE).read_text())
     recipe["results"]["wall_seconds"] = wall_seconds
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = frozenset({"suffix"})
+SPECULATIVE_METHODS = frozenset({"suffix", "draft_model", "both"})
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding in an engine (`engine.speculative`): what proposes draft tokens, and how many."""
 
-    method: str = "suffix"  # the proposer: "suffix" (model-free, `engine.speculative.suffix`)
+    # The proposer: "suffix" (model-free, `engine.speculative.suffix`), "draft_model" (a small model with
+    # the target's tokenizer, `engine.speculative.draft_model`), or "both" (the suffix draft where the
+    # text repeats itself, the draft model's elsewhere).
+    method: str = "suffix"
+    draft_model: str | None = None  # for draft_model and both: a model directory, shipped model or preset
     max_draft_tokens: int = 8  # per sequence per step
     # suffix: the longest context suffix matched; a draft is at most max_spec_factor x its match's
-    # length; a path ends where its estimated probability falls under min_token_prob; the recent
-    # outputs indexed for every request (SuffixDecoding's global tree), in tokens.
+    # length; the recent outputs indexed for every request (SuffixDecoding's global tree), in tokens.
+    # Every proposer ends a draft where its estimated chance of being accepted whole falls under
+    # min_token_prob.
     max_match: int = 16
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
@@ -27,6 +32,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {sorted(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if (self.method != "suffix") != (self.draft_model is not None):
+            raise ValueError(f"speculative method {self.method!r} " + (
+                "needs draft_model: a model with the target's tokenizer (pystd-llama-draft for pystd-llama)"
+                if self.draft_model is None else "takes no draft_model (draft_model and both do)"))
         for name in ("max_draft_tokens", "max_match"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

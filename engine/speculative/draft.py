@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a Sequence holds an AcceptanceRecord: this module comes first
+    from pdserve.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -17,6 +24,26 @@ class Draft:
         return sum(self.probabilities)
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """A sequence asking for a draft: at most `max_tokens` tokens, and how its drafts fared lately."""
+
+    seq: Sequence
+    max_tokens: int
+    acceptance: float  # the chance that a draft token is accepted after the one before it (its record)
+
+
+@dataclass(frozen=True)
+class DraftWorth:
+    """What drafting is worth in a step, for a proposer whose drafts cost time (a draft model)."""
+
+    token_s: float = math.inf  # an accepted draft token saves this: a decode step's seconds per sequence
+    verify_s: float = 0.0  # a step that verifies anything costs this much more
+
+
+WORKER_RECORD_DECAY = 0.995  # per engine step: a worker's record is mostly of its last 200 steps
+
+
 class AcceptanceRecord:
     """Draft tokens accepted, and verifications that ended on a rejected one, both fading by `decay` at
     every engine step: recent drafts count and old failures fade, so a request (or a worker) that
@@ -26,7 +53,7 @@ class AcceptanceRecord:
         self.decay = decay
         self.accepted = self.rejected = 0.0
 
-    def observe(self, accepted: int, rejected: bool) -> None:
+    def observe(self, accepted: float, rejected: float) -> None:
         self.accepted += accepted
         self.rejected += rejected
 
@@ -38,3 +65,19 @@ class AcceptanceRecord:
         """The chance that a draft token is accepted after the one before it (each taken as
         independent), `prior` weighing as `weight` tokens: the prior without a record."""
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+
+
+class WorkerRecord:
+    """How drafts fared lately on a worker, greedy and sampled requests apart: a sampled request accepts
+    a draft token only when the model's own draw lands on it, so the two kinds of request accept at very
+    different rates, and each new request starts from its own kind's record."""
+
+    def __init__(self, decay: float) -> None:
+        self.greedy, self.sampled = AcceptanceRecord(decay), AcceptanceRecord(decay)
+
+    def of(self, params: SamplingParams) -> AcceptanceRecord:
+        return self.greedy if params.is_greedy else self.sampled
+
+    def tick(self) -> None:
+        self.greedy.tick()
+        self.sampled.tick()

@@ -27,40 +27,45 @@ from pdserve.engine.cost_model import OnlineFit
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """A decode step's seconds: a + b·tokens + c·attention, plus `verify` when any sequence verifies
-    a draft. On a CPU that last term is large: one token per sequence runs the weights as
-    matrix-vector products, more than one as matrix products, which cost more for a few rows."""
+    """A decode step's seconds: a + b·tokens + c·attention + s·sequences, plus `verify` when any sequence
+    verifies a draft. On a CPU that premium is large: one token per sequence runs the weights as
+    matrix-vector products, more than one as matrix products, which cost more for a few rows. A
+    sequence costs more than a draft token of another (its own context gathered, its own sampling)."""
 
     a: float = 0.0
     b: float = 0.0
     c: float = 0.0
     verify: float = 0.0
+    per_seq: float = 0.0
 
     @property
     def measured(self) -> bool:
-        return any((self.a, self.b, self.c, self.verify))
+        return any((self.a, self.b, self.c, self.verify, self.per_seq))
 
-    def step_s(self, tokens: float, quad: float, verifies: bool) -> float:
-        return self.a + self.b * tokens + self.c * quad + self.verify * verifies
+    def step_s(self, tokens: float, quad: float, verifies: bool, seqs: float = 0) -> float:
+        return self.a + self.b * tokens + self.c * quad + self.verify * verifies + self.per_seq * seqs
 
 
 class DecodeCostModel(OnlineFit):
     """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost` over (tokens, quad,
-    verifies): the start-up profile's steps kept as anchors, the last `window` steps served added (no
-    horizon), refitted every `refit_every` steps."""
+    verifies, sequences): the start-up profile's steps kept as anchors, the last `window` steps served
+    added (no horizon), refitted every `refit_every` steps. Fitted for relative error: drafts are sized
+    by ratios, and a batch of one must be priced as well as a batch of 32."""
+
+    relative_error = True
 
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
-        super().__init__(3, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
+        super().__init__(4, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
 
     @property
     def cost(self) -> DecodeCost:
         return DecodeCost(*self._fit.tolist())
 
-    def add_profile(self, samples: list[tuple[int, int, bool, float]]) -> None:
+    def add_profile(self, samples: list[tuple[int, int, bool, int, float]]) -> None:
         self._add_profile(samples)
 
-    def observe(self, tokens: int, quad: int, verifies: bool, seconds: float) -> None:
-        self._observe((tokens, quad, verifies), seconds)
+    def observe(self, tokens: int, quad: int, verifies: bool, seqs: int, seconds: float) -> None:
+        self._observe((tokens, quad, verifies, seqs), seconds)
 
 
 ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5
@@ -79,15 +84,15 @@ class DraftCandidate:
 
 
 def draft_lengths(candidates: list[DraftCandidate], cost: DecodeCost, other_tokens: int = 0,
-                  other_quad: int = 0) -> list[int]:
+                  other_quad: int = 0, other_seqs: int = 0) -> list[int]:
     """Each candidate's number of draft tokens to verify this step. The step also decodes one token for
-    each candidate and computes `other_tokens` more (attention term `other_quad`). Without a measured
-    cost every draft is verified whole."""
+    each candidate and computes `other_tokens` more (attention term `other_quad`) for `other_seqs` more
+    sequences. Without a measured cost every draft is verified whole."""
     if not cost.measured or not candidates:
         return [len(c.probabilities) for c in candidates]
     expected = float(len(candidates))
     seconds = cost.step_s(other_tokens + len(candidates), other_quad + sum(c.context_len + 1 for c in candidates),
-                          verifies=False)
+                          verifies=False, seqs=other_seqs + len(candidates))
     # The best drafts for a step that verifies (its premium paid), against a step that does not.
     lengths, verified_expected, verified_seconds = _best_drafts(candidates, cost, expected, seconds + cost.verify)
     if verified_expected / verified_seconds <= expected / seconds:

@@ -26,7 +26,7 @@ from weakref import WeakKeyDictionary
 
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import Draft
+from pdserve.engine.speculative.draft import Draft, DraftRequest, DraftWorth
 
 MAX_OCCURRENCES = 256
 END = -1  # between two documents of the recent outputs: no match crosses it, and no draft goes past it
@@ -106,7 +106,10 @@ class SuffixProposer:
         self._own: WeakKeyDictionary[Sequence, TokenIndex] = WeakKeyDictionary()  # gone with the sequence
         self.recent = RecentOutputs(config.recent_output_tokens)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
+        return [self.propose_one(r.seq, r.max_tokens) for r in requests]  # a lookup costs next to nothing
+
+    def propose_one(self, seq: Sequence, max_tokens: int) -> Draft:
         own = self._own.get(seq)
         if own is None:
             own = self._own[seq] = TokenIndex()

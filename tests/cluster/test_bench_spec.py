@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import json
 
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
 from pdserve.cluster.bench.report import key_of, publish
 from pdserve.cluster.bench.spec import SpecBenchConfig, run
+from pdserve.engine.models.draft_training import draft_from_target
+
+SYSTEMS = {"off", "suffix", "draft", "both"}
 
 
-def test_the_spec_benchmark_measures_both_systems_on_fresh_prompts_and_writes_its_section(tmp_path, model_dirs):
+def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_its_section(tmp_path, model_dirs):
+    target = model_dirs["tiny-llama"]
+    draft = tmp_path / "draft"
+    draft_from_target(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), 1).save_pretrained(draft)
+    AutoTokenizer.from_pretrained(target).save_pretrained(draft)
     out = tmp_path / "spec.json"
     lines: list[str] = []
-    result = run(SpecBenchConfig(model=str(model_dirs["tiny-llama"]), batches=(1, 2), repeats=2, prompt_len=48,
+    result = run(SpecBenchConfig(model=str(target), draft_model=str(draft), batches=(1, 2), repeats=2, prompt_len=48,
                                  output_len=12, open_loop_requests=4, max_runs=2, start_rate=50.0, out=out), log=lines.append)
     for workload in ("code", "conversation", "sampled"):
         for batch in (1, 2):
             runs = result.runs[workload][batch]
-            assert len(runs["off"]) == len(runs["suffix"]) == 2
+            assert set(runs) == SYSTEMS and all(len(r) == 2 for r in runs.values())
             assert all(r.drafted == r.accepted == 0 for r in runs["off"])
-            assert all(r.tpot_ms > 0 and r.output_tps > 0 for rs in runs.values() for r in rs)
+            assert all(r.tpot_ms > 0 and r.output_tps > 0 and r.decode_steps > 0 for rs in runs.values() for r in rs)
     for figures in result.open_loop.values():  # each system searched, for both objectives
-        assert set(figures.goodput) == {"off", "suffix"} and set(figures.objectives) == {"tight", "loose"}
+        assert set(figures.goodput) == SYSTEMS and set(figures.objectives) == {"tight", "loose"}
         assert figures.idle_ttft_s > 0 and figures.idle_tpot_s > 0
     assert any("open loop" in line for line in lines)
     page = tmp_path / "benchmarks.md"
@@ -28,5 +38,5 @@ def test_the_spec_benchmark_measures_both_systems_on_fresh_prompts_and_writes_it
     publish(page, key_of(results), results)
     text = page.read_text()
     assert "## Speculative decoding" in text and "| code | 1 |" in text and "| conversation | 2 |" in text
-    assert "TPOT at batch 1 on code" in text and "the outputs of off and suffix were identical" in text
+    assert "TPOT at batch 1 on code" in text and "the outputs of off and suffix, draft, both were identical" in text
     assert "| sampled | tight:" in text and "| goodput off (req/s) |" in text

@@ -31,21 +31,27 @@ from pdserve.client import (
     Unavailable,
 )
 from pdserve.cluster.launcher import Cluster
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 ARCH = "tiny-llama"
 NEW_TOKENS = 10
 
 
 # Two clusters decode speculatively, every draft verified (not sized by measured step times, so that
-# drafts are sure to run): every behaviour here must hold with drafts verified as well.
+# drafts are sure to run): every behaviour here must hold with drafts verified as well. The
+# disaggregated one drafts with both proposers, the target serving as its own draft model (its drafts
+# are then what it decodes: a draft KV that went wrong would show as rejections).
 @pytest.fixture(scope="module", params=[("disaggregated", "shm"), ("disaggregated", "tcp"), ("disaggregated", "gloo"),
-                                        ("disaggregated", "grpc", "speculative"), ("colocated", "shm", "speculative")],
+                                        ("disaggregated", "grpc", "both"), ("colocated", "shm", "suffix")],
                 ids=lambda p: "-".join(p))
 def cluster(request, model_dirs):
-    mode, transport, *speculative = request.param
-    c = Cluster(manifest(model_dirs[ARCH], mode, transport,
-                         speculative={"goodput_sizing": False} if speculative else None),
-                log=lambda _: None)
+    mode, transport, *method = request.param
+    speculative = None
+    if method:
+        speculative = {"goodput_sizing": False, "method": method[0], "min_token_prob": 0.0}
+        if method[0] == "both":
+            speculative["draft_model"] = str(model_dirs[ARCH])
+    c = Cluster(manifest(model_dirs[ARCH], mode, transport, speculative=speculative), log=lambda _: None)
     c.start()
     yield c
     c.stop()
@@ -80,11 +86,25 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
     else:
         assert all(r.draft_tokens >= r.accepted_draft_tokens for r in results)
         assert results[0].accepted_draft_tokens > 0
+        if cluster.manifest.speculative.method == "both":  # the random prompt is the draft model's
+            assert_acceptance_as_colocated(cluster, prompts[1], results[1])
         with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as page:
             metrics = page.read().decode()
         accepted = re.findall(r'^pdserve_spec_accepted_draft_tokens_total\{worker="[^"]+"\} (\S+)$', metrics, re.M)
         assert sum(map(float, accepted)) >= results[0].accepted_draft_tokens
     assert_idle(cluster)
+
+
+def assert_acceptance_as_colocated(cluster: Cluster, prompt: list[int], result) -> None:
+    """The draft model accepted as much on the decode worker (its prompt KV computed there) as in one
+    engine that prefills and decodes: the draft saw the same tokens."""
+    m = cluster.manifest
+    engine = LLMEngine(m.model, EngineConfig(**{**m.engine_config(m.pools.decode), "num_threads": None}))
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=48, ignore_eos=True))
+    local = [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step() if o.finished][0]
+    assert local.token_ids == result.token_ids
+    assert (result.draft_tokens, result.accepted_draft_tokens) == (local.num_draft_tokens, local.num_accepted_tokens)
+    assert result.accepted_draft_tokens >= 0.9 * result.draft_tokens > 0
 
 
 def test_streaming_text_and_tokens(cluster, hf_reference):

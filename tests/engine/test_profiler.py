@@ -10,7 +10,7 @@ from helpers import assert_pool_idle, drain
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost
-from pdserve.engine.profiler import DECODE_BATCHES, DRAFT_LENGTHS, profile_decode, profile_prefill
+from pdserve.engine.profiler import DECODE_BATCHES, DECODE_CONTEXTS, DRAFT_LENGTHS, profile_decode, profile_prefill
 from pdserve.engine.speculative.config import SpeculativeConfig
 
 ARCH = "tiny-llama"
@@ -88,16 +88,18 @@ def test_an_engine_given_a_stored_profiles_costs_starts_from_them_after_one_warm
 
 def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leaves_the_pool_idle(model_dirs):
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
-    proposer, record = engine.proposer, engine.acceptance.rate(prior=0.5)
+    proposer, record = engine.proposer, engine.acceptance.greedy.rate(prior=0.5)
     samples = profile_decode(engine)
-    assert {tokens for tokens, _, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
+    assert {tokens for tokens, _, _, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
+    single = [quad for tokens, quad, _, _, _ in samples if tokens == 1]  # one sequence, short and long contexts
+    assert min(single) < DECODE_CONTEXTS[0] + 20 and max(single) > DECODE_CONTEXTS[1]
     assert engine.decode_step_costs.cost.measured
     assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
-    assert engine.acceptance.rate(prior=0.5) == record  # its rejected drafts say nothing of requests'
+    assert engine.acceptance.greedy.rate(prior=0.5) == record  # its rejected drafts say nothing of requests'
     assert_pool_idle(engine)
     assert engine.pool.num_cached == 0  # its prompts' blocks forgotten
     busy = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
     busy.add_request([5] * 20, SamplingParams.greedy(max_tokens=4))
     assert profile_decode(busy) == [] and not busy.decode_step_costs.cost.measured
     plain = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
-    assert {tokens for tokens, _, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps
+    assert {tokens for tokens, _, _, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps

@@ -18,7 +18,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative.draft import AcceptanceRecord, Draft
+from pdserve.engine.speculative.draft import AcceptanceRecord, Draft, DraftRequest, DraftWorth
 from pdserve.engine.speculative.sizing import DecodeCost, DraftCandidate, draft_lengths
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
@@ -34,7 +34,10 @@ class SpoilingProposer:
         self.truth, self.vocab_size, self.spoil = truth, vocab_size, spoil
         self.rng = random.Random(seed)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
+        return [self.propose_one(r.seq, r.max_tokens) for r in requests]
+
+    def propose_one(self, seq: Sequence, max_tokens: int) -> Draft:
         done = len(seq.output_token_ids)
         draft = list(self.truth[tuple(seq.prompt_token_ids)][done : done + self.rng.randint(0, max_tokens)])
         if draft and self.rng.random() < self.spoil:
@@ -159,8 +162,9 @@ def test_sampled_tokens_follow_the_target_distribution_when_drafts_are_verified(
     likeliest = {t0: max(probs, key=probs.get) for t0, probs in second.items()}
 
     class Likeliest:
-        def propose(self, seq: Sequence, max_tokens: int) -> Draft:
-            return Draft([likeliest[seq.output_token_ids[0]]], [0.5]) if len(seq.output_token_ids) == 1 else Draft()
+        def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
+            return [Draft([likeliest[r.seq.output_token_ids[0]]], [0.5]) if len(r.seq.output_token_ids) == 1
+                    else Draft() for r in requests]
 
         def finished(self, seq: Sequence) -> None:
             pass
@@ -244,7 +248,7 @@ def test_recent_outputs_help_other_requests_and_stay_bounded():
     done = Sequence("a", [3, 3], GREEDY, output_token_ids=[40, 41, 42, 43, 44, 45])
     proposer.finished(done)
     asking = Sequence("b", [7, 40, 41, 42], GREEDY)
-    assert proposer.propose(asking, 8).tokens == [43, 44, 45]  # matched "40 41 42" in the other's output
+    assert proposer.propose_one(asking, 8).tokens == [43, 44, 45]  # matched "40 41 42" in the other's output
     recent = RecentOutputs(capacity=10)
     for i in range(50):
         recent.add([i] * 4)

@@ -1,0 +1,183 @@
+"""Drafts from a small model run beside the target (speculative decoding's original proposer:
+Leviathan et al. 2023, Chen et al. 2023).
+
+The draft model has the target's tokenizer and runs in the same engine, on the same device, through
+the same paged attention, with a KV pool of its own holding as many tokens as the target's. Each
+sequence keeps its draft KV between steps: a step first feeds the tokens the draft has not seen (the
+whole prompt the first time: the draft's prompt KV is computed on the decode side, where it is
+cheaper than sending it, see docs/speculative-decoding.md; then the tokens accepted since), then
+extends every drafting sequence by one greedy token per pass, all sequences batched in each pass.
+A sequence stops drafting when the draft's confidence in its path (the product of its chosen tokens'
+probabilities, the estimated chance that the target accepts them all) falls under `min_token_prob`.
+
+Passes cost time whether their tokens are accepted or not, so each pass must be worth it: the tokens
+it is expected to add (each sequence's chance so far, times its record's chance of one more token)
+times what an accepted token saves (`DraftWorth`, from the engine's measured decode cost) must
+exceed the pass's own measured cost (the first pass's: and the verification's premium). Where drafts
+are accepted rarely, or where a decode step is cheap per sequence (large batches), the draft model
+stops running at all; as a request's old failures fade it is tried again.
+Draft tokens the target rejects leave stale KV behind the sequence's verified length: it is
+overwritten when those positions are fed again, and never attended before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import math
+import time
+
+import torch
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.cost_model import OnlineFit
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_runner import ModelRunner, TokenRun
+from pdserve.engine.sequence import REQUEST_RECORD_DECAY, Sequence
+from pdserve.engine.speculative.config import SpeculativeConfig
+from pdserve.engine.speculative.draft import (
+    WORKER_RECORD_DECAY, AcceptanceRecord, Draft, DraftRequest, DraftWorth,
+)
+
+
+class DraftPassCost(OnlineFit):
+    """Seconds of one draft pass: a + b·sequences + c·tokens (a first pass feeds each sequence the
+    tokens accepted since its last draft), from the passes run; none measured: free, so the first
+    passes run and measure."""
+
+    relative_error = True
+
+    def __init__(self) -> None:
+        super().__init__(2, window=256, refit_every=16, horizon_s=math.inf, clock=time.monotonic)
+
+    def seconds(self, sequences: int, tokens: int) -> float:
+        return float(self._fit @ (1.0, sequences, tokens))
+
+    def observe(self, sequences: int, tokens: int, seconds: float) -> None:
+        self._observe((sequences, tokens), seconds)
+
+
+@dataclass
+class _DraftState:
+    """A sequence's KV in the draft model's pool."""
+
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # the sequence's first tokens whose draft KV is in the blocks
+    fed: list[int] = field(default_factory=list)  # draft tokens whose KV was written after them, in order
+    # How sure the draft was of its guesses for this sequence lately (each pass's top probability): a
+    # sequence it cannot guess for is not worth passes, whatever its record of verified drafts says.
+    confidence: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, draft_dir: str | Path, dtype: torch.dtype, device: str,
+                 block_size: int, num_blocks: int, target_vocab: dict[str, int], max_model_len: int) -> None:
+        loaded = load_model(draft_dir, dtype, device, block_size, max_model_len)
+        if loaded.tokenizer.get_vocab() != target_vocab:
+            raise ValueError(f"draft model {str(draft_dir)!r} does not have the target's tokenizer: its "
+                             "drafts would be other tokens; give a draft trained for this model")
+        if loaded.max_model_len < max_model_len:
+            raise ValueError(f"draft model {str(draft_dir)!r} reaches {loaded.max_model_len} tokens, fewer "
+                             f"than the target's max_model_len={max_model_len}")
+        self.config = config
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
+        self.runner = ModelRunner(loaded.model, PagedKVCache(loaded.kv_layout, num_blocks, device), device)
+        self.pass_cost = DraftPassCost()
+        # How sure the draft was of its guesses lately, over every sequence: a sequence's starting belief.
+        self.confidence = AcceptanceRecord(WORKER_RECORD_DECAY)
+        self._states: dict[str, _DraftState] = {}
+
+    def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
+        tokens: dict[str, list[int]] = {r.seq.request_id: [] for r in requests}
+        chances: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
+        active = [r for r in requests if self._reserve(r, requests)]
+        self.confidence.tick()
+        for request in active:
+            self._states[request.seq.request_id].confidence.tick()
+        while active and self._worth_a_pass(active, chances, worth):
+            # The first pass feeds what each sequence's draft KV lacks; each later one its newest guess.
+            runs = [self._feed_draft(r.seq, tokens[r.seq.request_id][-1]) if tokens[r.seq.request_id]
+                    else self._catch_up(r.seq) for r in active]
+            t0 = time.perf_counter()
+            probs = torch.softmax(self.runner.forward(runs).float(), dim=-1).max(dim=-1)
+            if all(run.as_decode for run in runs):  # a prompt's catch-up is paid once, not per pass
+                self.pass_cost.observe(len(active), sum(len(run.input_ids) for run in runs), time.perf_counter() - t0)
+            still: list[DraftRequest] = []
+            for request, p, token in zip(active, probs.values.tolist(), probs.indices.tolist()):
+                rid = request.seq.request_id
+                self._states[rid].confidence.observe(p, 1.0 - p)
+                self.confidence.observe(p, 1.0 - p)
+                chance = (chances[rid][-1] if chances[rid] else 1.0) * p
+                if chance < self.config.min_token_prob:
+                    continue
+                tokens[rid].append(token)
+                chances[rid].append(chance)
+                if len(tokens[rid]) < request.max_tokens:
+                    still.append(request)
+            active = still
+        return [Draft(tokens[r.seq.request_id], chances[r.seq.request_id]) for r in requests]
+
+    def _worth_a_pass(self, active: list[DraftRequest], chances: dict[str, list[float]], worth: DraftWorth) -> bool:
+        """Whether the tokens the next pass is expected to add save more than the pass costs (the first
+        pass: and the verification it leads to): each sequence's chance that its draft so far is
+        accepted (the draft's confidence, capped by its record) times the chance of one more token
+        (its record, capped by how sure the draft was of its guesses for it lately)."""
+        expected = 0.0
+        tokens = 0
+        for request in active:
+            so_far = chances[request.seq.request_id]
+            # a first pass feeds what was accepted since (a prompt's catch-up is paid once: not counted)
+            behind = request.seq.num_tokens - self._states[request.seq.request_id].computed
+            tokens += 1 if so_far else min(behind, self.config.max_draft_tokens + 1)
+            reached = min(so_far[-1], request.acceptance ** len(so_far)) if so_far else 1.0
+            usual = self.confidence.rate(prior=request.acceptance)
+            sure = self._states[request.seq.request_id].confidence.rate(prior=usual)
+            expected += reached * min(request.acceptance, sure)
+        first = not any(chances[r.seq.request_id] for r in active)
+        return expected * worth.token_s > self.pass_cost.seconds(len(active), tokens) + first * worth.verify_s
+
+    def finished(self, seq: Sequence) -> None:
+        state = self._states.pop(seq.request_id, None)
+        if state is not None:
+            self.pool.free(state.blocks)
+
+    def _reserve(self, request: DraftRequest, batch: list[DraftRequest]) -> bool:
+        """Blocks for the sequence's tokens and a whole draft; False (no draft this step) when the pool
+        cannot hold them even after dropping sequences outside this step."""
+        seq = request.seq
+        state = self._states.setdefault(seq.request_id, _DraftState())
+        need = -(-(seq.num_tokens + request.max_tokens) // self.block_size) - len(state.blocks)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            drafting = {r.seq.request_id for r in batch}
+            for rid in [rid for rid in self._states if rid not in drafting]:
+                self.pool.free(self._states.pop(rid).blocks)
+        if not self.pool.can_allocate(need):
+            return False
+        state.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def _catch_up(self, seq: Sequence) -> TokenRun:
+        """The sequence's tokens that its draft KV lacks: after the longest prefix of the drafts fed
+        last time that the sequence did generate."""
+        state = self._states[seq.request_id]
+        tokens = seq.token_ids
+        agreed = 0
+        while (agreed < len(state.fed) and state.computed + agreed < len(tokens) - 1
+               and tokens[state.computed + agreed] == state.fed[agreed]):
+            agreed += 1
+        first = min(state.computed + agreed, len(tokens) - 1)  # the newest token is always fed
+        new = tokens[first:]
+        state.computed, state.fed = len(tokens), []
+        # A few new tokens over earlier context attend as decode queries; a prompt as a prefill span.
+        as_decode = first > 0 and len(new) <= self.config.max_draft_tokens + 1
+        return TokenRun(new, first, state.blocks, as_decode=as_decode, num_logits=1)
+
+    def _feed_draft(self, seq: Sequence, token: int) -> TokenRun:
+        state = self._states[seq.request_id]
+        state.fed.append(token)
+        return TokenRun([token], state.computed + len(state.fed) - 1, state.blocks, as_decode=True, num_logits=1)
