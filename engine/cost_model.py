@@ -117,6 +117,11 @@ class OnlineFit:
         self._fit = np.zeros(num_features + 1)
         self._fitted_at = clock()
 
+    @property
+    def profiled(self) -> bool:
+        """Whether a start-up profile anchors the fit."""
+        return bool(self._anchors)
+
     def _add_profile(self, samples: Iterable[Sequence[float]]) -> None:
         """(features..., seconds) of the start-up profile; fits at once. The steps observed so far (the
         profile's own passes, warm-ups included) are dropped: the online window starts now."""

@@ -279,6 +279,7 @@ class LLMEngine:
             seq.num_accepted_tokens += len(new) - 1
             seq.acceptance.observe(len(new) - 1, rejected)
             self.acceptance.of(seq.params).observe(len(new) - 1, rejected)
+            self.proposer.verified(seq, chunk.draft, accepted)
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)

@@ -135,6 +135,9 @@ class _FixedDraft:
     def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
         return [Draft([0] * min(self.length, r.max_tokens), [1.0] * min(self.length, r.max_tokens)) for r in requests]
 
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        pass
+
     def finished(self, seq: Sequence) -> None:
         pass
 

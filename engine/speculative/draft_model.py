@@ -7,8 +7,9 @@ sequence keeps its draft KV between steps: a step first feeds the tokens the dra
 whole prompt the first time: the draft's prompt KV is computed on the decode side, where it is
 cheaper than sending it, see docs/speculative-decoding.md; then the tokens accepted since), then
 extends every drafting sequence by one greedy token per pass, all sequences batched in each pass.
-A sequence stops drafting when the draft's confidence in its path (the product of its chosen tokens'
-probabilities, the estimated chance that the target accepts them all) falls under `min_token_prob`.
+A sequence stops drafting when the estimated chance that the target accepts its whole path falls under
+`min_token_prob` (`_token_chance`: for a sampled request the product of the guesses' probabilities
+under the draft; for a greedy one, how often guesses that likely under the draft were accepted).
 
 Passes cost time whether their tokens are accepted or not, so each pass must be worth it: the tokens
 it is expected to add (each sequence's chance so far, times its record's chance of one more token)
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import bisect
 import math
 import time
 
@@ -59,6 +61,28 @@ class DraftPassCost(OnlineFit):
         self._observe((sequences, tokens), seconds)
 
 
+class GuessCalibration:
+    """How often a greedy target took the draft's guess, by the guess's probability under the draft
+    (binned): a distilled draft spreads its probability as the target does, so its probability of a
+    guess understates how often the guess is also the target's likeliest token, by an amount only
+    verification tells. Learned from every verified guess; fading with the worker's record."""
+
+    EDGES = (0.05, 0.1, 0.2, 0.4, 0.7)
+
+    def __init__(self) -> None:
+        self._bins = [AcceptanceRecord(WORKER_RECORD_DECAY) for _ in range(len(self.EDGES) + 1)]
+
+    def chance(self, p: float, prior: float) -> float:
+        return self._bins[bisect.bisect_right(self.EDGES, p)].rate(prior)
+
+    def observe(self, p: float, accepted: bool) -> None:
+        self._bins[bisect.bisect_right(self.EDGES, p)].observe(accepted, not accepted)
+
+    def tick(self) -> None:
+        for record in self._bins:
+            record.tick()
+
+
 @dataclass
 class _DraftState:
     """A sequence's KV in the draft model's pool."""
@@ -66,7 +90,9 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # the sequence's first tokens whose draft KV is in the blocks
     fed: list[int] = field(default_factory=list)  # draft tokens whose KV was written after them, in order
-    # How sure the draft was of its guesses for this sequence lately (each pass's top probability): a
+    proposed: Draft = field(default_factory=Draft)  # the last draft proposed
+    guess_probabilities: list[float] = field(default_factory=list)  # of its tokens, under the draft model
+    # What the draft's guesses for this sequence were worth lately (each pass's `_token_chance`): a
     # sequence it cannot guess for is not worth passes, whatever its record of verified drafts says.
     confidence: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
 
@@ -86,8 +112,9 @@ class DraftModelProposer:
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
         self.runner = ModelRunner(loaded.model, PagedKVCache(loaded.kv_layout, num_blocks, device), device)
         self.pass_cost = DraftPassCost()
-        # How sure the draft was of its guesses lately, over every sequence: a sequence's starting belief.
+        # What the draft's guesses were worth lately, over every sequence: a sequence's starting belief.
         self.confidence = AcceptanceRecord(WORKER_RECORD_DECAY)
+        self.calibration = GuessCalibration()
         self._states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
@@ -95,6 +122,8 @@ class DraftModelProposer:
         chances: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
         active = [r for r in requests if self._reserve(r, requests)]
         self.confidence.tick()
+        self.calibration.tick()
+        guessed: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
         for request in active:
             self._states[request.seq.request_id].confidence.tick()
         while active and self._worth_a_pass(active, chances, worth):
@@ -108,9 +137,11 @@ class DraftModelProposer:
             still: list[DraftRequest] = []
             for request, p, token in zip(active, probs.values.tolist(), probs.indices.tolist()):
                 rid = request.seq.request_id
-                self._states[rid].confidence.observe(p, 1.0 - p)
-                self.confidence.observe(p, 1.0 - p)
-                chance = (chances[rid][-1] if chances[rid] else 1.0) * p
+                accepted = self._token_chance(request, p)
+                guessed[rid].append(p)
+                self._states[rid].confidence.observe(accepted, 1.0 - accepted)
+                self.confidence.observe(accepted, 1.0 - accepted)
+                chance = (chances[rid][-1] if chances[rid] else 1.0) * accepted
                 if chance < self.config.min_token_prob:
                     continue
                 tokens[rid].append(token)
@@ -118,13 +149,35 @@ class DraftModelProposer:
                 if len(tokens[rid]) < request.max_tokens:
                     still.append(request)
             active = still
-        return [Draft(tokens[r.seq.request_id], chances[r.seq.request_id]) for r in requests]
+        drafts = [Draft(tokens[r.seq.request_id], chances[r.seq.request_id]) for r in requests]
+        for request, draft in zip(requests, drafts):
+            if request.seq.request_id in self._states:
+                state = self._states[request.seq.request_id]
+                state.proposed, state.guess_probabilities = draft, guessed[request.seq.request_id]
+        return drafts
+
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        state = self._states.get(seq.request_id)
+        if state is None or not seq.params.is_greedy or draft != state.proposed.tokens[: len(draft)]:
+            return  # sampled requests' guesses need no calibration; another proposer's draft tells nothing
+        for j in range(min(accepted + 1, len(draft))):
+            self.calibration.observe(state.guess_probabilities[j], j < accepted)
+
+    def _token_chance(self, request: DraftRequest, p: float) -> float:
+        """The chance that the target accepts the draft's guess, whose probability under the draft is
+        `p`. A sampled request accepts it when its own draw lands there: about `p` (the draft was
+        distilled to the target's distribution). A greedy one accepts it when it is also the target's
+        likeliest token, which `p` understates (a distilled draft spreads its probability as the target
+        does): as often as such guesses were (`GuessCalibration`), no more than its record allows."""
+        if not request.seq.params.is_greedy:
+            return p
+        return min(request.acceptance, self.calibration.chance(p, prior=request.acceptance))
 
     def _worth_a_pass(self, active: list[DraftRequest], chances: dict[str, list[float]], worth: DraftWorth) -> bool:
         """Whether the tokens the next pass is expected to add save more than the pass costs (the first
         pass: and the verification it leads to): each sequence's chance that its draft so far is
-        accepted (the draft's confidence, capped by its record) times the chance of one more token
-        (its record, capped by how sure the draft was of its guesses for it lately)."""
+        accepted (capped by its record) times the chance of one more token (its record, capped by what
+        the draft's guesses for it were worth lately)."""
         expected = 0.0
         tokens = 0
         for request in active:

@@ -19,6 +19,10 @@ class Proposer(Protocol):
         prefix with its estimated chance of being accepted (no tokens: no good guess). A proposer whose
         drafts cost time spends no more on them than they are `worth`."""
 
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        """A step verified `draft` for `seq` (its proposal, or the first tokens of it): the first
+        `accepted` were accepted."""
+
     def finished(self, seq: Sequence) -> None:
         """`seq` left the engine (finished, aborted or handed off): what it generated may help other
         requests' drafts, and what the proposer held for it is freed."""
@@ -43,6 +47,9 @@ class SuffixThenModel:
         for i, draft in zip(by_model, self.model.propose([requests[i] for i in by_model], worth)):
             drafts[i] = max(drafts[i], draft, key=lambda d: d.expected)
         return drafts
+
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        self.model.verified(seq, draft, accepted)  # it knows whether the draft was its own
 
     def finished(self, seq: Sequence) -> None:
         self.suffix.finished(seq)

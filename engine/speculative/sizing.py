@@ -48,24 +48,35 @@ class DecodeCost:
 
 class DecodeCostModel(OnlineFit):
     """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost` over (tokens, quad,
-    verifies, sequences): the start-up profile's steps kept as anchors, the last `window` steps served
-    added (no horizon), refitted every `refit_every` steps. Fitted for relative error: drafts are sized
-    by ratios, and a batch of one must be priced as well as a batch of 32."""
+    verifies, sequences), for relative error: drafts are sized by ratios, and a batch of one must be
+    priced as well as a batch of 32. The start-up profile's steps (every batch size, draft length and
+    two contexts) give the fit its shape; the steps served then only rescale it (a moving average of
+    measured over predicted), because they come in few shapes (a run at one batch size, say), from
+    which a refit would trade one coefficient for another and misprice every other shape. Without a
+    profile the steps served are fitted themselves (the last `window`, refitted every `refit_every`)."""
 
     relative_error = True
+    SCALE_WEIGHT = 0.02  # of each step served in the scale: about its last 50 steps
 
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
         super().__init__(4, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
+        self._scale = 1.0
 
     @property
     def cost(self) -> DecodeCost:
-        return DecodeCost(*self._fit.tolist())
+        return DecodeCost(*(self._fit * self._scale).tolist())
 
     def add_profile(self, samples: list[tuple[int, int, bool, int, float]]) -> None:
         self._add_profile(samples)
+        self._scale = 1.0
 
     def observe(self, tokens: int, quad: int, verifies: bool, seqs: int, seconds: float) -> None:
-        self._observe((tokens, quad, verifies, seqs), seconds)
+        if not self.profiled:
+            self._observe((tokens, quad, verifies, seqs), seconds)
+            return
+        predicted = float(self._fit @ (1.0, tokens, quad, verifies, seqs))
+        if predicted > 0:
+            self._scale += self.SCALE_WEIGHT * (seconds / predicted - self._scale)
 
 
 ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5

@@ -119,6 +119,9 @@ class SuffixProposer:
         recent = self.recent.index.draft(context, max_tokens, self.config) if self.recent.index.tokens else Draft()
         return max(mine, recent, key=lambda d: d.expected)
 
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        pass  # its estimates are counts of what followed, not a calibrated guess
+
     def finished(self, seq: Sequence) -> None:
         self.recent.add(seq.output_token_ids)
         self._own.pop(seq, None)

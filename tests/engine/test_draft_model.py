@@ -18,7 +18,7 @@ from pdserve.engine.models.presets import resolve_model
 from pdserve.engine.models.training import RECIPE_FILE, heldout_text
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.speculative.draft import DraftRequest, DraftWorth, WorkerRecord
-from pdserve.engine.speculative.draft_model import DraftModelProposer
+from pdserve.engine.speculative.draft_model import DraftModelProposer, GuessCalibration
 from pdserve.engine.speculative.proposer import SuffixThenModel
 
 ARCH = "tiny-llama"
@@ -75,6 +75,8 @@ def test_a_draft_model_that_is_the_target_has_its_greedy_drafts_accepted(model_d
     assert [o.token_ids for o in outputs] == [ref.greedy(p, 30) for p in prompts]
     drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
     assert drafted > 100 and accepted >= 0.97 * drafted
+    calibration = draft_proposer(engine).calibration  # learned from the verifications: its guesses are taken
+    assert max(calibration.chance(p, prior=0.0) for p in (0.01, 0.07, 0.15, 0.3, 0.5, 0.8)) > 0.9
     assert engine.pool.stats.hit_blocks > 0
     assert_pool_idle(engine)
     assert_draft_pool_idle(engine)
@@ -169,8 +171,8 @@ def test_the_draft_model_runs_only_while_its_tokens_are_worth_its_passes(model_d
     add (chance times what a token saves) are worth less than it (the first: and than verifying), and
     none for a request whose drafts fail."""
     engine = draft_engine(model_dirs, one_layer_draft)
-    engine.add_request(random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0],
-                       SamplingParams.greedy(max_tokens=50, ignore_eos=True))
+    engine.add_request(random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0],  # sampled: each
+                       SamplingParams(temperature=1.0, seed=0, max_tokens=50, ignore_eos=True))  # guess is worth p
     engine.step()
     seq = next(iter(engine.requests.values()))
     proposer = draft_proposer(engine)
@@ -193,3 +195,13 @@ def test_greedy_and_sampled_requests_keep_separate_worker_records():
     for _ in range(20):
         record.of(sampled).observe(accepted=0, rejected=True)
     assert record.of(sampled).rate(prior=0.8) < 0.1 and record.of(greedy).rate(prior=0.8) == pytest.approx(0.8)
+
+
+def test_a_greedy_guess_is_worth_what_guesses_as_likely_under_the_draft_were_worth():
+    calibration = GuessCalibration()
+    assert calibration.chance(0.3, prior=0.8) == pytest.approx(0.8)  # nothing verified yet: the prior
+    for _ in range(50):
+        calibration.observe(0.3, accepted=True)
+        calibration.observe(0.02, accepted=False)
+    assert calibration.chance(0.25, prior=0.5) > 0.95 and calibration.chance(0.01, prior=0.5) < 0.05
+    assert calibration.chance(0.9, prior=0.5) == pytest.approx(0.5)  # another bin: still the prior

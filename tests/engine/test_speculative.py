@@ -19,7 +19,7 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative.draft import AcceptanceRecord, Draft, DraftRequest, DraftWorth
-from pdserve.engine.speculative.sizing import DecodeCost, DraftCandidate, draft_lengths
+from pdserve.engine.speculative.sizing import DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths
 from pdserve.engine.speculative.suffix import RecentOutputs, SuffixProposer, TokenIndex
 
 NEW_TOKENS = 24
@@ -44,6 +44,9 @@ class SpoilingProposer:
             wrong = self.rng.randrange(len(draft))
             draft[wrong] = (draft[wrong] + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
         return Draft(draft, [(1 - self.spoil) ** (j + 1) for j in range(len(draft))])
+
+    def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+        pass
 
     def finished(self, seq: Sequence) -> None:
         pass
@@ -165,6 +168,9 @@ def test_sampled_tokens_follow_the_target_distribution_when_drafts_are_verified(
         def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
             return [Draft([likeliest[r.seq.output_token_ids[0]]], [0.5]) if len(r.seq.output_token_ids) == 1
                     else Draft() for r in requests]
+
+        def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
+            pass
 
         def finished(self, seq: Sequence) -> None:
             pass
@@ -337,3 +343,17 @@ def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference)
     outputs = run_all(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
     assert_pool_idle(engine)
+
+
+def test_steps_served_rescale_the_profiled_decode_cost_without_refitting_its_shape():
+    """Served steps come in few shapes (one batch size for a while): they scale the profile's fit, and
+    never trade one of its coefficients for another."""
+    true = DecodeCost(a=4e-3, b=1e-4, verify=1e-3, per_seq=2e-4)
+    model = DecodeCostModel()
+    model.add_profile([(b * (1 + k), 0, k > 0, b, true.step_s(b * (1 + k), 0, k > 0, b))
+                       for b in (1, 8, 32) for k in (0, 1, 4, 8)])
+    assert model.cost.step_s(8, 0, False, 8) == pytest.approx(true.step_s(8, 0, False, 8), rel=1e-3)
+    for _ in range(300):  # a loaded machine: every step, all of one shape, twice as slow
+        model.observe(8, 0, False, 8, 2 * true.step_s(8, 0, False, 8))
+    assert model.cost.verify / model.cost.a == pytest.approx(true.verify / true.a, rel=1e-3)
+    assert model.cost.step_s(1, 0, True, 1) == pytest.approx(2 * true.step_s(1, 0, True, 1), rel=0.01)
