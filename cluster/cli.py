@@ -202,6 +202,8 @@ def _train_draft(args: argparse.Namespace) -> int:
     from pdserve.engine.models.draft_training import DraftConfig, train_draft
     from pdserve.engine.models.presets import CHECKPOINTS, resolve_model
 
+    if args.dir is None and args.target != "pystd-llama":
+        raise SystemExit("pdserve train-draft: give the output directory (the shipped draft's is pystd-llama's)")
     out = args.dir or CHECKPOINTS / "pystd-llama-draft"
     train_draft(resolve_model(args.target), DraftConfig(steps=args.steps, threads=args.threads), out)
     return 0
@@ -254,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "head, trained to match its next-token distribution on the Python standard "
                                     "library's source). About 10 minutes on 2 cores.",
                         **examples("pdserve train-draft /tmp/pystd-llama-draft --steps 100   # a shorter run"))
-    td.add_argument("dir", nargs="?", type=Path, help="output directory (default: the shipped draft's)")
+    td.add_argument("dir", nargs="?", type=Path, help="output directory (default, for pystd-llama only: the shipped "
+                                                      "draft's)")
     td.add_argument("--target", default="pystd-llama", help="the model it drafts for (default: %(default)s)")
     td.add_argument("--steps", type=int, default=600, help="training steps (default: %(default)s)")
     td.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")

@@ -76,6 +76,8 @@ class Cluster:
         t0 = time.time()
         self.log(f"preparing model {m.model!r} ...")
         model_dir = str(resolve_model(m.model))
+        if m.speculative is not None and m.speculative.draft_model is not None:
+            resolve_model(m.speculative.draft_model)  # here first: a missing draft fails before any worker starts
         self._init_ray()
         local = m.ray.address == "local"
         # Kept for the cluster's life: a shipped model's object must outlive every worker restart.
@@ -155,6 +157,8 @@ class Cluster:
         )
         stack = self.router_stack
         engine_config = {**m.engine_config(spec), "stored_step_cost": self._stored_cost(spec)}
+        if role == "prefill":  # it never decodes: no proposer, no draft model loaded
+            engine_config["speculative"] = None
         args: list[Any] = [name, model, engine_config, stack.tokens.address, self._transfer_settings()]
         kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name),
                                   "log_level": m.log_level}

@@ -238,7 +238,11 @@ class SpeculativeSpec(_Strict):
                               "itself, the draft model's elsewhere.")
     draft_model: str | None = Field(
         None, description="draft_model and both: the draft model, as `model` names one (pystd-llama-draft is the "
-                          "shipped model's; `pdserve train-draft` makes one for another Llama trained the same way).")
+                          "shipped model's; `pdserve train-draft` makes one for another Llama trained the same way). "
+                          "It must have the target's tokenizer, and be on every decode worker's node (a shipped "
+                          "model or preset is; a directory must be at the same path on each). Its KV pool holds as "
+                          "many tokens as the target's: memory on top of kv_memory_mb, in the ratio of its layers "
+                          "to the target's.")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="Draft tokens per sequence per step at most.")
     max_match: int = Field(16, ge=1, le=256, description="suffix: the longest suffix of a request's tokens matched.")
     max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: a draft is at most this many times as "
@@ -251,7 +255,8 @@ class SpeculativeSpec(_Strict):
         True, description="Each step verifies the draft tokens that raise its goodput (tokens per second), from the "
                           "worker's measured decode-step cost, the proposer's estimates and how each request's drafts "
                           "fared lately: long drafts in small batches, short or none in large ones or where drafts "
-                          "keep failing; false: every draft whole.")
+                          "keep failing; the draft model runs only while its passes are worth their cost. false: "
+                          "every draft whole, the draft model drafting as far as min_token_prob lets it.")
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeSpec:

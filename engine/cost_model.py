@@ -119,14 +119,17 @@ class OnlineFit:
 
     @property
     def profiled(self) -> bool:
-        """Whether a start-up profile anchors the fit."""
-        return bool(self._anchors)
+        """Whether a start-up profile anchors the fit (and gave one)."""
+        return bool(self._anchors) and bool(self._fit.any())
 
     def _add_profile(self, samples: Iterable[Sequence[float]]) -> None:
         """(features..., seconds) of the start-up profile; fits at once. The steps observed so far (the
         profile's own passes, warm-ups included) are dropped: the online window starts now."""
+        rows = [tuple(map(float, sample)) for sample in samples]
+        if any(len(row) != len(self._fit) for row in rows):
+            raise ValueError(f"a profile sample holds {len(self._fit) - 1} features and the seconds")
         with self._lock:
-            self._anchors.extend(tuple(map(float, sample)) for sample in samples)
+            self._anchors.extend(rows)
             self._recent.clear()
         self._refit()
 

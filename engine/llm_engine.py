@@ -100,7 +100,7 @@ class LLMEngine:
         self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
         self.proposer = None if config.speculative is None else make_proposer(
-            config.speculative, config, num_blocks, self.tokenizer.get_vocab(), self.max_model_len)
+            config.speculative, config, num_blocks, self.tokenizer.get_vocab(), self.vocab_size, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.step_costs = StepCostModel()  # refined by every step; seeded by `engine.profiler`
@@ -208,7 +208,7 @@ class LLMEngine:
             propose_s=propose_s,
             total_s=time.perf_counter() - t0,
         )
-        self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s)
+        self.step_costs.observe(plan.num_tokens, quad, self.last_step.total_s - propose_s)  # what the pass cost
         if self.proposer is not None and self.last_step.num_decode_seqs == len(plan.chunks):  # sizes drafts
             # Without the drafting: a proposer that spends time (a draft model) weighs that itself.
             self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks), len(plan.chunks),
@@ -221,13 +221,15 @@ class LLMEngine:
         spec = self.config.speculative
         asking: list[DraftRequest] = []
         self.acceptance.tick()
-        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-        for seq in self.scheduler.running:
+        # Running sequences, and committed imports that join the batch this step.
+        candidates = [*self.scheduler.running, *self.scheduler.ready]
+        decoding = [seq for seq in candidates if seq.num_uncomputed_tokens == 1]
+        for seq in candidates:
             seq.acceptance.tick()
             seq.draft_token_ids, seq.draft_probabilities = [], []
             room = min(spec.max_draft_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative:
+            if room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative and not seq.prefill_only:
                 prior = self.acceptance.of(seq.params).rate(prior=ACCEPTANCE_PRIOR)
                 asking.append(DraftRequest(seq, room, seq.acceptance.rate(prior)))
         if not asking:
@@ -235,10 +237,10 @@ class LLMEngine:
         cost = self._decode_cost() if spec.goodput_sizing else DecodeCost()
         budget = min(self.scheduler.num_pending_tokens, self.config.max_num_batched_tokens)
         prompt_tokens = max(0, budget - len(decoding))
+        decoding_quad = sum(s.num_computed_tokens + 1 for s in decoding)
         worth = DraftWorth()  # unmeasured: drafting is worth anything
         if cost.measured:  # an accepted draft token saves this step's time per decoding sequence
-            step_s = cost.step_s(prompt_tokens + len(decoding), sum(s.num_computed_tokens + 1 for s in decoding),
-                                 False, len(decoding))
+            step_s = cost.step_s(prompt_tokens + len(decoding), decoding_quad, False, len(decoding))
             worth = DraftWorth(token_s=step_s / len(decoding), verify_s=cost.verify)
         drafts = proposer.propose(asking, worth)
         drafting = [(r, draft) for r, draft in zip(asking, drafts) if draft.tokens]
@@ -247,6 +249,7 @@ class LLMEngine:
             lengths = draft_lengths(
                 [DraftCandidate(r.seq.num_computed_tokens, d.probabilities, r.acceptance) for r, d in drafting],
                 cost, other_tokens=prompt_tokens + len(decoding) - len(drafting),
+                other_quad=decoding_quad - sum(r.seq.num_computed_tokens + 1 for r, _ in drafting),
                 other_seqs=len(decoding) - len(drafting))
         for (request, draft), length in zip(drafting, lengths):
             seq = request.seq
@@ -265,6 +268,8 @@ class LLMEngine:
         accepted = 0
         while accepted < len(chunk.draft) and chunk.draft[accepted] == tokens[accepted]:
             accepted += 1
+        if chunk.draft:  # before the tokens are appended: the proposer matches the draft to its proposal
+            self.proposer.verified(seq, chunk.draft, accepted)
         new: list[int] = []
         reason = None
         for token, logprob in zip(tokens[: accepted + 1], logprobs):
@@ -279,7 +284,6 @@ class LLMEngine:
             seq.num_accepted_tokens += len(new) - 1
             seq.acceptance.observe(len(new) - 1, rejected)
             self.acceptance.of(seq.params).observe(len(new) - 1, rejected)
-            self.proposer.verified(seq, chunk.draft, accepted)
             self.scheduler.mark_verified(chunk)
         if reason:
             self.scheduler.finish(seq, reason)

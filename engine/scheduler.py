@@ -108,8 +108,11 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, n))
-            budget -= n
+            # Its draft too, as a running sequence's (an import decodes from its first step here), where
+            # it fits without taking a block the imports behind it need.
+            draft = self._fitting_draft(seq, budget, len(self.ready)) if n == 1 else []
+            out.chunks.append(ScheduledChunk(seq, 1 + len(draft), draft) if draft else ScheduledChunk(seq, n))
+            budget -= out.chunks[-1].num_tokens
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

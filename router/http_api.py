@@ -121,7 +121,8 @@ class _Body(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
-                                   ("speculative", self.speculative), ("proposer", self.proposer)) if v is not None}
+                                   ("speculative", self.speculative),
+                                   ("proposer", self.proposer or None)) if v is not None}  # "": unset, as over gRPC
         return SamplingParams(max_tokens=max_tokens, top_k=max(0, self.top_k or 0), stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
                               logprobs=logprobs, **given)

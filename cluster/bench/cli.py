@@ -57,6 +57,16 @@ def _bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_draft_kv(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.draft_kv import DraftKVBenchConfig, run
+
+    cfg = DraftKVBenchConfig(model=args.model, draft_model=args.draft_model, prompt_tokens=tuple(args.tokens),
+                             transports=tuple(args.transports), repeats=args.repeats, out=Path(args.out))
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
 def _bench_kv(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.kv import KVBenchConfig, run
 
@@ -236,10 +246,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     be.set_defaults(func=_bench_engine)
     bsp = bench_sub.add_parser("spec", help="decoding with and without speculation: TPOT and output tokens/s",
                                description="Speculative decoding (the model-free suffix proposer, the draft model, "
-                                           "and both) against plain decoding on the same requests, in one run: code completion of held-out Python source, and random prompts "
-                                           "with the conversation trace's lengths (greedy, and sampled), at several "
-                                           "batch sizes (outputs checked identical) and under open-loop load "
-                                           "(goodput).",
+                                           "and both) against plain decoding on the same requests, in one run: code "
+                                           "completion of held-out Python source, and random prompts with the "
+                                           "conversation trace's lengths (greedy, and sampled), at several batch "
+                                           "sizes (outputs checked identical) and under open-loop load (goodput).",
                                **examples("pdserve bench spec --docs docs/benchmarks.md",
                                           "pdserve bench spec --batches 1 --repeats 1   # a quick look"))
     bsp.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
@@ -257,6 +267,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--out", default="bench-results/spec.json", help="results file (default: %(default)s)")
     _docs_option(bsp)
     bsp.set_defaults(func=_bench_spec)
+    bd = bench_sub.add_parser("draft-kv", help="disaggregated speculation: the draft model's prompt KV recomputed on "
+                                               "the decode worker against sent with the target's",
+                              description="What a draft model's prompt KV costs a disaggregated deployment: its "
+                                          "prompt pass on the decode worker (what pdserve does) against sending it "
+                                          "through each KV transport, per prompt length, in one run.",
+                              **examples("pdserve bench draft-kv --docs docs/benchmarks.md",
+                                         "pdserve bench draft-kv --tokens 384 --repeats 1   # a quick look"))
+    bd.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    bd.add_argument("--draft-model", default="pystd-llama-draft", help="its draft model (default: %(default)s)")
+    bd.add_argument("--tokens", type=int, nargs="+", default=[384, 1536], help="prompt lengths (default: 384 1536)")
+    bd.add_argument("--transports", nargs="+", default=["shm", "tcp"],
+                    help="of shm, tcp, grpc, gloo (default: shm tcp)")
+    bd.add_argument("--repeats", type=int, default=5, help="repeats of each measurement (default: %(default)s)")
+    bd.add_argument("--out", default="bench-results/draft-kv.json", help="results file (default: %(default)s)")
+    _docs_option(bd)
+    bd.set_defaults(func=_bench_draft_kv)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)",
                               description="Each KV transport's bytes/s against a plain TCP socket, and each codec and "

@@ -29,6 +29,7 @@ SMOKE_CAVEAT = "too few requests for its figures or ratios to mean anything; run
 SECTIONS: dict[str, tuple[str, str]] = {
     "engine": ("The engine against transformers' `generate`", "pdserve.cluster.bench.engine"),
     "spec": ("Speculative decoding", "pdserve.cluster.bench.spec"),
+    "draft-kv": ("Speculative decoding, disaggregated: the draft model's prompt KV", "pdserve.cluster.bench.draft_kv"),
     "kv": ("KV transfer: transports and codecs", "pdserve.cluster.bench.kv"),
     "cluster": ("Disaggregated against colocated at low load", "pdserve.cluster.bench.cluster"),
     "serve": ("Serving under load: goodput", "pdserve.cluster.bench.serve"),

@@ -90,10 +90,10 @@ class OpenLoopFigures:
 class SpecBenchResult:
     provenance: dict
     model: str
-    draft_model: str | None
     threads: int
     prompt_len: int
     output_len: int
+    draft_model: str | None = None  # none: the model-free proposer alone
     # workload -> batch -> system -> one RunFigures per repeat
     runs: dict[str, dict[int, dict[str, list[RunFigures]]]] = field(default_factory=dict)
     open_loop: dict[str, OpenLoopFigures] = field(default_factory=dict)  # workload ->
@@ -174,7 +174,7 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     probe = LLMEngine(model_dir, EngineConfig(max_num_seqs=1))
-    result = SpecBenchResult(provenance(), cfg.model, cfg.draft_model, cfg.threads, cfg.prompt_len, cfg.output_len)
+    result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len, cfg.draft_model)
     # Every prompt a batch or open-loop run could take: the search measures at most `max_runs` rates
     # per system, and the idle runs take a few more.
     needed = cfg.repeats * sum(cfg.batches) + (2 * cfg.max_runs * cfg.open_loop_requests + IDLE_REQUESTS

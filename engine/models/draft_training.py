@@ -65,7 +65,8 @@ def draft_from_target(target: LlamaForCausalLM, num_layers: int) -> LlamaForCaus
     kept = {name for name in target.state_dict() if not name.startswith("model.layers.")
             or int(name.split(".")[2]) < num_layers}
     if missing or set(unexpected) & kept:
-        raise RuntimeError(f"the draft does not take the target's weights: missing {missing}")
+        raise RuntimeError(f"the draft does not take the target's weights: missing {missing}, left out "
+                           f"{sorted(set(unexpected) & kept)}")
     return draft
 
 

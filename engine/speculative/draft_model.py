@@ -4,9 +4,9 @@ Leviathan et al. 2023, Chen et al. 2023).
 The draft model has the target's tokenizer and runs in the same engine, on the same device, through
 the same paged attention, with a KV pool of its own holding as many tokens as the target's. Each
 sequence keeps its draft KV between steps: a step first feeds the tokens the draft has not seen (the
-whole prompt the first time: the draft's prompt KV is computed on the decode side, where it is
-cheaper than sending it, see docs/speculative-decoding.md; then the tokens accepted since), then
-extends every drafting sequence by one greedy token per pass, all sequences batched in each pass.
+whole prompt the first time: in a disaggregated deployment the draft's prompt KV is computed on the
+decode worker, not sent; `pdserve bench draft-kv` measures both ways; then the tokens accepted since),
+then extends every drafting sequence by one greedy token per pass, all sequences batched in each pass.
 A sequence stops drafting when the estimated chance that the target accepts its whole path falls under
 `min_token_prob` (`_token_chance`: for a sampled request the product of the guesses' probabilities
 under the draft; for a greedy one, how often guesses that likely under the draft were accepted).
@@ -23,12 +23,11 @@ overwritten when those positions are fed again, and never attended before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import bisect
 import math
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -92,23 +91,30 @@ class _DraftState:
     fed: list[int] = field(default_factory=list)  # draft tokens whose KV was written after them, in order
     proposed: Draft = field(default_factory=Draft)  # the last draft proposed
     guess_probabilities: list[float] = field(default_factory=list)  # of its tokens, under the draft model
+    proposed_at: int = -1  # the sequence's output length when it was proposed
+    used_at: int = 0  # the proposer's call that last reserved blocks for it (the least recent lose them first)
     # What the draft's guesses for this sequence were worth lately (each pass's `_token_chance`): a
     # sequence it cannot guess for is not worth passes, whatever its record of verified drafts says.
     confidence: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
 
 
 class DraftModelProposer:
+    """Drafts for decoding sequences with a draft model on this engine (the module's header says how)."""
+
     def __init__(self, config: SpeculativeConfig, draft_dir: str | Path, dtype: torch.dtype, device: str,
-                 block_size: int, num_blocks: int, target_vocab: dict[str, int], max_model_len: int) -> None:
+                 block_size: int, num_blocks: int, target_vocab: dict[str, int], target_vocab_size: int,
+                 max_model_len: int, catch_up_tokens: int) -> None:
         loaded = load_model(draft_dir, dtype, device, block_size, max_model_len)
-        if loaded.tokenizer.get_vocab() != target_vocab:
-            raise ValueError(f"draft model {str(draft_dir)!r} does not have the target's tokenizer: its "
-                             "drafts would be other tokens; give a draft trained for this model")
+        if loaded.tokenizer.get_vocab() != target_vocab or loaded.vocab_size != target_vocab_size:
+            raise ValueError(f"draft model {str(draft_dir)!r} does not have the target's tokenizer and vocabulary: "
+                             "its drafts would be other tokens; give a draft trained for this model")
         if loaded.max_model_len < max_model_len:
             raise ValueError(f"draft model {str(draft_dir)!r} reaches {loaded.max_model_len} tokens, fewer "
                              f"than the target's max_model_len={max_model_len}")
         self.config = config
         self.block_size = block_size
+        self.catch_up_tokens = catch_up_tokens  # prompt tokens fed to the draft per step at most, over all sequences
+        self._calls = 0
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
         self.runner = ModelRunner(loaded.model, PagedKVCache(loaded.kv_layout, num_blocks, device), device)
         self.pass_cost = DraftPassCost()
@@ -118,25 +124,31 @@ class DraftModelProposer:
         self._states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[DraftRequest], worth: DraftWorth) -> list[Draft]:
-        tokens: dict[str, list[int]] = {r.seq.request_id: [] for r in requests}
-        chances: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
-        active = [r for r in requests if self._reserve(r, requests)]
+        self._calls += 1
         self.confidence.tick()
         self.calibration.tick()
+        for request in requests:
+            self._states.setdefault(request.seq.request_id, _DraftState()).confidence.tick()
+        tokens: dict[str, list[int]] = {r.seq.request_id: [] for r in requests}
+        chances: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
         guessed: dict[str, list[float]] = {r.seq.request_id: [] for r in requests}
-        for request in active:
-            self._states[request.seq.request_id].confidence.tick()
+        if requests and self._worth_a_pass(requests, chances, worth):
+            active = [r for r in requests if self._reserve(r, requests)]
+            # Those far behind are fed their prompt first (within a budget); the rest of it, next step.
+            self._catch_up_prompts([r.seq for r in active if self._behind(r.seq) > self.config.max_draft_tokens + 1])
+            active = [r for r in active if self._behind(r.seq) <= self.config.max_draft_tokens + 1]
+        else:
+            active = []
         while active and self._worth_a_pass(active, chances, worth):
             # The first pass feeds what each sequence's draft KV lacks; each later one its newest guess.
-            runs = [self._feed_draft(r.seq, tokens[r.seq.request_id][-1]) if tokens[r.seq.request_id]
-                    else self._catch_up(r.seq) for r in active]
+            runs = [self._guess_run(r.seq, tokens[r.seq.request_id]) for r in active]
             t0 = time.perf_counter()
             probs = torch.softmax(self.runner.forward(runs).float(), dim=-1).max(dim=-1)
-            if all(run.as_decode for run in runs):  # a prompt's catch-up is paid once, not per pass
-                self.pass_cost.observe(len(active), sum(len(run.input_ids) for run in runs), time.perf_counter() - t0)
+            self.pass_cost.observe(len(active), sum(len(run.input_ids) for run in runs), time.perf_counter() - t0)
             still: list[DraftRequest] = []
-            for request, p, token in zip(active, probs.values.tolist(), probs.indices.tolist()):
+            for request, run, p, token in zip(active, runs, probs.values.tolist(), probs.indices.tolist()):
                 rid = request.seq.request_id
+                self._written(request.seq, run, tokens[rid])
                 accepted = self._token_chance(request, p)
                 guessed[rid].append(p)
                 self._states[rid].confidence.observe(accepted, 1.0 - accepted)
@@ -151,14 +163,15 @@ class DraftModelProposer:
             active = still
         drafts = [Draft(tokens[r.seq.request_id], chances[r.seq.request_id]) for r in requests]
         for request, draft in zip(requests, drafts):
-            if request.seq.request_id in self._states:
-                state = self._states[request.seq.request_id]
-                state.proposed, state.guess_probabilities = draft, guessed[request.seq.request_id]
+            state = self._states[request.seq.request_id]
+            state.proposed, state.guess_probabilities = draft, guessed[request.seq.request_id]
+            state.proposed_at = len(request.seq.output_token_ids)
         return drafts
 
     def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
         state = self._states.get(seq.request_id)
-        if state is None or not seq.params.is_greedy or draft != state.proposed.tokens[: len(draft)]:
+        if (state is None or not seq.params.is_greedy or state.proposed_at != len(seq.output_token_ids)
+                or draft != state.proposed.tokens[: len(draft)]):
             return  # sampled requests' guesses need no calibration; another proposer's draft tells nothing
         for j in range(min(accepted + 1, len(draft))):
             self.calibration.observe(state.guess_probabilities[j], j < accepted)
@@ -182,9 +195,9 @@ class DraftModelProposer:
         tokens = 0
         for request in active:
             so_far = chances[request.seq.request_id]
-            # a first pass feeds what was accepted since (a prompt's catch-up is paid once: not counted)
-            behind = request.seq.num_tokens - self._states[request.seq.request_id].computed
-            tokens += 1 if so_far else min(behind, self.config.max_draft_tokens + 1)
+            # a first pass feeds what was accepted since (a prompt's catch-up is priced apart: its tokens
+            # are fed once, and only to a sequence worth drafting for)
+            tokens += 1 if so_far else min(self._behind(request.seq), self.config.max_draft_tokens + 1)
             reached = min(so_far[-1], request.acceptance ** len(so_far)) if so_far else 1.0
             usual = self.confidence.rate(prior=request.acceptance)
             sure = self._states[request.seq.request_id].confidence.rate(prior=usual)
@@ -199,38 +212,72 @@ class DraftModelProposer:
 
     def _reserve(self, request: DraftRequest, batch: list[DraftRequest]) -> bool:
         """Blocks for the sequence's tokens and a whole draft; False (no draft this step) when the pool
-        cannot hold them even after dropping sequences outside this step."""
+        cannot hold them even after dropping the draft KV of the sequences drafted for longest ago
+        (outside this step), as few as needed."""
         seq = request.seq
-        state = self._states.setdefault(seq.request_id, _DraftState())
+        state = self._states[seq.request_id]
+        state.used_at = self._calls
         need = -(-(seq.num_tokens + request.max_tokens) // self.block_size) - len(state.blocks)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
-            drafting = {r.seq.request_id for r in batch}
-            for rid in [rid for rid in self._states if rid not in drafting]:
-                self.pool.free(self._states.pop(rid).blocks)
+        drafting = {r.seq.request_id for r in batch}
+        idle = sorted((s.used_at, rid) for rid, s in self._states.items() if rid not in drafting and s.blocks)
+        for _, rid in idle:
+            if self.pool.can_allocate(need):
+                break
+            dropped = self._states[rid]
+            self.pool.free(dropped.blocks)
+            dropped.blocks, dropped.computed, dropped.fed = [], 0, []
         if not self.pool.can_allocate(need):
             return False
         state.blocks.extend(self.pool.allocate(need))
         return True
 
-    def _catch_up(self, seq: Sequence) -> TokenRun:
-        """The sequence's tokens that its draft KV lacks: after the longest prefix of the drafts fed
-        last time that the sequence did generate."""
+    def _behind(self, seq: Sequence) -> int:
+        state = self._states.get(seq.request_id)
+        return seq.num_tokens - (state.computed if state is not None else 0)
+
+    def _catch_up_prompts(self, seqs: list[Sequence]) -> None:
+        """Feed sequences far behind (a new prompt, or draft KV dropped) their missing tokens but the
+        newest as prompt chunks, no more than the engine's own chunk budget in all this step: those fed
+        whole draft in this step's passes, the others when they have caught up."""
+        budget = self.catch_up_tokens
+        runs: list[tuple[Sequence, TokenRun]] = []
+        for seq in seqs:
+            state = self._states[seq.request_id]
+            take = min(budget, self._behind(seq) - 1)  # the newest token is fed with the first guess
+            if take <= 0:
+                break
+            first = state.computed
+            runs.append((seq, TokenRun(seq.token_ids[first : first + take], first, state.blocks,
+                                       as_decode=False, num_logits=0)))
+            budget -= take
+        if runs:
+            self.runner.forward([run for _, run in runs])
+            for seq, run in runs:
+                state = self._states[seq.request_id]
+                state.computed, state.fed = run.first_position + len(run.input_ids), []
+
+    def _guess_run(self, seq: Sequence, drafted: list[int]) -> TokenRun:
+        """What a pass feeds the sequence for its next guess: its newest draft token; before the first,
+        its tokens that its draft KV lacks (after the longest prefix of the drafts fed last time that it
+        did generate). Nothing changes until the pass has run (`_written`)."""
         state = self._states[seq.request_id]
+        if drafted:
+            return TokenRun([drafted[-1]], state.computed + len(state.fed), state.blocks, as_decode=True,
+                            num_logits=1)
         tokens = seq.token_ids
         agreed = 0
         while (agreed < len(state.fed) and state.computed + agreed < len(tokens) - 1
                and tokens[state.computed + agreed] == state.fed[agreed]):
             agreed += 1
         first = min(state.computed + agreed, len(tokens) - 1)  # the newest token is always fed
-        new = tokens[first:]
-        state.computed, state.fed = len(tokens), []
-        # A few new tokens over earlier context attend as decode queries; a prompt as a prefill span.
-        as_decode = first > 0 and len(new) <= self.config.max_draft_tokens + 1
-        return TokenRun(new, first, state.blocks, as_decode=as_decode, num_logits=1)
+        return TokenRun(tokens[first:], first, state.blocks, as_decode=first > 0, num_logits=1)
 
-    def _feed_draft(self, seq: Sequence, token: int) -> TokenRun:
+    def _written(self, seq: Sequence, run: TokenRun, drafted: list[int]) -> None:
+        """A pass wrote `run`'s KV: the sequence's tokens up to its length, or one more draft token."""
         state = self._states[seq.request_id]
-        state.fed.append(token)
-        return TokenRun([token], state.computed + len(state.fed) - 1, state.blocks, as_decode=True, num_logits=1)
+        if drafted:
+            state.fed.append(drafted[-1])
+        else:
+            state.computed, state.fed = len(seq.token_ids), []

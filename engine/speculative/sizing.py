@@ -51,9 +51,10 @@ class DecodeCostModel(OnlineFit):
     verifies, sequences), for relative error: drafts are sized by ratios, and a batch of one must be
     priced as well as a batch of 32. The start-up profile's steps (every batch size, draft length and
     two contexts) give the fit its shape; the steps served then only rescale it (a moving average of
-    measured over predicted), because they come in few shapes (a run at one batch size, say), from
-    which a refit would trade one coefficient for another and misprice every other shape. Without a
-    profile the steps served are fitted themselves (the last `window`, refitted every `refit_every`)."""
+    measured over predicted, kept by the engine loop's thread), because they come in few shapes (a run
+    at one batch size, say), from which a refit would trade one coefficient for another and misprice
+    every other shape. Without a profile the steps served are fitted themselves (the last `window`,
+    refitted every `refit_every`)."""
 
     relative_error = True
     SCALE_WEIGHT = 0.02  # of each step served in the scale: about its last 50 steps
@@ -75,8 +76,9 @@ class DecodeCostModel(OnlineFit):
             self._observe((tokens, quad, verifies, seqs), seconds)
             return
         predicted = float(self._fit @ (1.0, tokens, quad, verifies, seqs))
-        if predicted > 0:
-            self._scale += self.SCALE_WEIGHT * (seconds / predicted - self._scale)
+        if predicted > 0:  # clipped: one step stalled by the machine (a page fault, a GC) moves it little
+            ratio = min(max(seconds / predicted, self._scale / 4), self._scale * 4)
+            self._scale += self.SCALE_WEIGHT * (ratio - self._scale)
 
 
 ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5

@@ -79,15 +79,17 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
     with Client(cluster.address, timeout=60) as client:
         results = [client.generate(p, temperature=0, max_tokens=48, ignore_eos=True) for p in prompts]
         declined = client.generate(prompts[0], temperature=0, max_tokens=48, ignore_eos=True, speculative=False)
+        picked = client.generate(prompts[1], temperature=0, max_tokens=48, ignore_eos=True, proposer="draft_model")
     assert [r.token_ids for r in results] == [hf_reference[ARCH].greedy(p, 48) for p in prompts]
     assert declined.token_ids == results[0].token_ids and declined.draft_tokens == 0
+    assert picked.token_ids == results[1].token_ids
     if cluster.manifest.speculative is None:
         assert all(r.draft_tokens == r.accepted_draft_tokens == 0 for r in results)
     else:
         assert all(r.draft_tokens >= r.accepted_draft_tokens for r in results)
         assert results[0].accepted_draft_tokens > 0
-        if cluster.manifest.speculative.method == "both":  # the random prompt is the draft model's
-            assert_acceptance_as_colocated(cluster, prompts[1], results[1])
+        if cluster.manifest.speculative.method == "both":  # the random prompt, by the draft model alone
+            assert_acceptance_as_colocated(cluster, prompts[1], picked)
         with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as page:
             metrics = page.read().decode()
         accepted = re.findall(r'^pdserve_spec_accepted_draft_tokens_total\{worker="[^"]+"\} (\S+)$', metrics, re.M)
@@ -97,10 +99,11 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
 
 def assert_acceptance_as_colocated(cluster: Cluster, prompt: list[int], result) -> None:
     """The draft model accepted as much on the decode worker (its prompt KV computed there) as in one
-    engine that prefills and decodes: the draft saw the same tokens."""
+    engine that prefills and decodes: the draft saw the same tokens (its drafts are whole and verified
+    whole, not sized by measured times)."""
     m = cluster.manifest
     engine = LLMEngine(m.model, EngineConfig(**{**m.engine_config(m.pools.decode), "num_threads": None}))
-    engine.add_request(prompt, SamplingParams.greedy(max_tokens=48, ignore_eos=True))
+    engine.add_request(prompt, SamplingParams.greedy(max_tokens=48, ignore_eos=True, proposer="draft_model"))
     local = [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step() if o.finished][0]
     assert local.token_ids == result.token_ids
     assert (result.draft_tokens, result.accepted_draft_tokens) == (local.num_draft_tokens, local.num_accepted_tokens)
@@ -157,6 +160,7 @@ def test_a_deadline_stops_the_request_and_frees_both_pools(cluster, caplog):
         ("hello", {"top_p": float("-inf")}, InvalidArgument, "top_p must be in"),
         ("hello", {"top_p": 1.5}, InvalidArgument, "top_p must be in"),
         ("hello", {"top_k": 0, "max_tokens": 3, "stop": [""]}, InvalidArgument, "stop must be"),
+        ("hello", {"proposer": "medusa"}, InvalidArgument, "proposer must be one of suffix, draft_model"),
         ("", {}, InvalidArgument, "prompt is empty"),
         ([5] * 600, {}, InvalidArgument, "context limit is 512"),
         ([5, 99999], {}, InvalidArgument, "token ids must be integers in"),

@@ -171,6 +171,9 @@ def test_errors_carry_openai_status_codes(api, cluster, model):
         assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error", bad
     with pytest.raises(openai.BadRequestError, match="context limit"):
         api.completions.create(model=model, prompt=[5] * 600, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="proposer must be one of suffix, draft_model") as e:
+        api.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"proposer": "medusa"})
+    assert e.value.body["param"] == "proposer"
     wrong_key = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.completions.create(model=model, prompt="hi", max_tokens=2)

@@ -34,6 +34,7 @@ ARCH = "tiny-llama"
         ({"logprobs": 5}, "logprobs must be true or false, got 5"),
         ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
         ({"speculative": 0}, "speculative must be true or false"),
+        ({"proposer": "x" * 10**6}, "proposer must be one of suffix, draft_model"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

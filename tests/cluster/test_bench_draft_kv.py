@@ -1,0 +1,32 @@
+"""`pdserve bench draft-kv`, run small: the draft's prompt pass and its KV through the transports, and
+its section of the docs."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from pdserve.cluster.bench.draft_kv import DraftKVBenchConfig, run
+from pdserve.cluster.bench.report import key_of, publish
+from pdserve.engine.models.draft_training import draft_from_target
+
+
+def test_the_draft_kv_benchmark_times_recomputing_and_sending_and_writes_its_section(tmp_path, model_dirs):
+    target = model_dirs["tiny-llama"]
+    draft = tmp_path / "draft"
+    draft_from_target(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), 1).save_pretrained(draft)
+    AutoTokenizer.from_pretrained(target).save_pretrained(draft)
+    out = tmp_path / "draft-kv.json"
+    result = run(DraftKVBenchConfig(model=str(target), draft_model=str(draft), prompt_tokens=(64, 200),
+                                    transports=("tcp",), repeats=2, out=out), log=lambda _: None)
+    assert [r["tokens"] for r in result["rows"]] == [64, 200]
+    assert all(r["recompute_s"] > 0 and r["target_kv_bytes"] == 2 * r["draft_kv_bytes"] for r in result["rows"])
+    assert {(s["transport"], s["tokens"]) for s in result["sends"]} == {("tcp", 64), ("tcp", 200)}
+    assert all(s["bytes"] == r["draft_kv_bytes"] for s, r in zip(result["sends"], result["rows"]))
+    page = tmp_path / "benchmarks.md"
+    results = json.loads(out.read_text())
+    publish(page, key_of(results), results)
+    text = page.read_text()
+    assert "the draft model's prompt KV" in text and "| 200 |" in text and "sent by tcp (ms)" in text
