@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TEST_PRESETS, HFReference
+from transformers import AutoTokenizer, LlamaForCausalLM
 
+from pdserve.engine.models.draft_training import draft_from_target
 from pdserve.engine.models.presets import make_model
 from pdserve.router.event_loop import EventLoopThread
 
@@ -22,6 +24,16 @@ torch.set_num_threads(1)
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {name: make_model(name, root / name, seed=0) for name in TEST_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft model for tiny-llama: its first layer, embeddings and head (untrained: agrees at times)."""
+    target = model_dirs["tiny-llama"]
+    out = tmp_path_factory.mktemp("draft") / "tiny-llama-draft"
+    draft_from_target(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), 1).save_pretrained(out)
+    AutoTokenizer.from_pretrained(target).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,7 @@ class SpecBenchResult:
     prompt_len: int
     output_len: int
     draft_model: str | None = None  # none: the model-free proposer alone
+    reused: list[str] = field(default_factory=list)  # workloads whose prompts ran out and were handed out again
     # workload -> batch -> system -> one RunFigures per repeat
     runs: dict[str, dict[int, dict[str, list[RunFigures]]]] = field(default_factory=dict)
     open_loop: dict[str, OpenLoopFigures] = field(default_factory=dict)  # workload ->
@@ -103,13 +104,13 @@ class SpecBenchResult:
 
 
 def code_prompts(tokenize: Callable[[str], list[int]], n: int, length: int, rng: random.Random) -> list[list[int]]:
-    """`n` stretches of `length` tokens of held-out Python source, no two overlapping, drawn at random
-    from every file's stretches."""
+    """`n` stretches of `length` tokens of held-out Python source (all there are, when fewer), no two
+    overlapping, drawn at random from every file's stretches."""
     stretches = [ids[start : start + length] for ids in (tokenize(text) for text in corpus_texts("heldout"))
                  for start in range(0, len(ids) - length + 1, length)]
-    if len(stretches) < n:
-        raise ValueError(f"the held-out source has {len(stretches)} stretches of {length} tokens; {n} are needed")
-    return rng.sample(stretches, n)
+    if not stretches:
+        raise ValueError(f"the held-out source has no stretch of {length} tokens")
+    return rng.sample(stretches, min(n, len(stretches)))
 
 
 def workload_params(workload: str, output_len: int, seed: int) -> SamplingParams:
@@ -147,20 +148,23 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
 
 
 class PromptPool:
-    """A workload's prompts, each handed out once: no run is served from an earlier run's prefix cache
-    or recent-output index. Open-loop runs at one rate share their prompts across systems."""
+    """A workload's prompts, each handed out once while they last (the held-out source holds a few
+    hundred code prompts), then again from the first (`reused`): every run builds its engine afresh, so
+    even a prompt handed out twice is never served from an earlier run's prefix cache or recent-output
+    index. Open-loop runs at one rate share their prompts across systems."""
 
     def __init__(self, prompts: list[list[int]]) -> None:
         self._prompts = prompts
         self._taken = 0
+        self.reused = False
         self._by_rate: dict[float, list[list[int]]] = {}
 
     def take(self, n: int) -> list[list[int]]:
-        if self._taken + n > len(self._prompts):
-            raise ValueError(f"the workload has {len(self._prompts)} prompts; more are needed: fewer repeats, "
-                             f"batches or open-loop requests")
+        count = len(self._prompts)
+        self.reused |= self._taken + n > count
+        taken = [self._prompts[(self._taken + i) % count] for i in range(n)]
         self._taken += n
-        return self._prompts[self._taken - n : self._taken]
+        return taken
 
     def for_rate(self, rate: float, n: int) -> list[list[int]]:
         if rate not in self._by_rate:
@@ -175,18 +179,17 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     model_dir = resolve_model(cfg.model)
     probe = LLMEngine(model_dir, EngineConfig(max_num_seqs=1))
     result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len, cfg.draft_model)
-    # Every prompt a batch or open-loop run could take: the search measures at most `max_runs` rates
-    # per system, and the idle runs take a few more.
-    needed = cfg.repeats * sum(cfg.batches) + (2 * cfg.max_runs * cfg.open_loop_requests + IDLE_REQUESTS
-                                               if cfg.open_loop_requests else 0)
+    compared = systems(cfg)
+    # Every prompt a batch or open-loop run could take: each system's search measures at most `max_runs`
+    # rates, and the idle runs take a few more.
+    needed = cfg.repeats * sum(cfg.batches) + (len(compared) * cfg.max_runs * cfg.open_loop_requests
+                                               + IDLE_REQUESTS if cfg.open_loop_requests else 0)
     shapes = azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]
     pools = {
         "code": PromptPool(code_prompts(probe.tokenize, needed, cfg.prompt_len, random.Random(0))),
         "conversation": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=1)),
         "sampled": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=2)),
     }
-
-    compared = systems(cfg)
 
     def engine_for(spec: SpeculativeConfig | None) -> LLMEngine:
         engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(64, *cfg.batches),
@@ -211,6 +214,7 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
                     raise AssertionError(f"{workload} batch {batch}: speculation changed the output")
         if cfg.open_loop_requests:
             result.open_loop[workload] = open_loop_goodput(workload, pool, engine_for, compared, cfg, log)
+    result.reused = [workload for workload, pool in pools.items() if pool.reused]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps({"benchmark": "spec", **asdict(result)}, indent=2))
     log(summary_table(result))
@@ -356,9 +360,11 @@ def markdown(results: dict) -> str:
         f"two prompts overlap); conversation: greedy, random token ids with the conversation trace's prompt lengths "
         f"(up to {result.prompt_len}); sampled: other such prompts sampled at temperature 1, each request with its "
         f"own seed. Every run builds its engine afresh (empty prefix cache and recent-output index), which profiles "
-        f"its decode steps first as a worker does when it starts, and takes prompts no other run used; the systems "
-        "run the same prompts in turn. " + "; ".join(described[s] for s in spec) + ". Each proposes up to 8 draft "
-        "tokens per sequence per step, each step's draft lengths sized by goodput.",
+        f"its decode steps first as a worker does when it starts, and takes prompts no other run used"
+        + (f" (but for {', '.join(result.reused)}, whose prompts ran out and were handed out again: never "
+           "served from an earlier run's caches, which every run starts without)" if result.reused else "")
+        + "; the systems run the same prompts in turn. " + "; ".join(described[s] for s in spec)
+        + ". Each proposes up to 8 draft tokens per sequence per step, each step's draft lengths sized by goodput.",
         "",
         f"First table: at each batch size every request starts at once; medians of {repeats} repeats; the outputs "
         f"of off and {', '.join(spec)} were identical, token for token; tokens per step is a request's output tokens "

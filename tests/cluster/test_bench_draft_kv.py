@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import json
 
-import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
-
 from pdserve.cluster.bench.draft_kv import DraftKVBenchConfig, run
 from pdserve.cluster.bench.report import key_of, publish
-from pdserve.engine.models.draft_training import draft_from_target
 
 
-def test_the_draft_kv_benchmark_times_recomputing_and_sending_and_writes_its_section(tmp_path, model_dirs):
-    target = model_dirs["tiny-llama"]
-    draft = tmp_path / "draft"
-    draft_from_target(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), 1).save_pretrained(draft)
-    AutoTokenizer.from_pretrained(target).save_pretrained(draft)
+def test_the_draft_kv_benchmark_times_recomputing_and_sending_and_writes_its_section(tmp_path, model_dirs,
+                                                                                    tiny_llama_draft):
+    target, draft = model_dirs["tiny-llama"], tiny_llama_draft
     out = tmp_path / "draft-kv.json"
     result = run(DraftKVBenchConfig(model=str(target), draft_model=str(draft), prompt_tokens=(64, 200),
                                     transports=("tcp",), repeats=2, out=out), log=lambda _: None)

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 
-import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
-
 from pdserve.cluster.bench.report import key_of, publish
-from pdserve.cluster.bench.spec import SpecBenchConfig, run
-from pdserve.engine.models.draft_training import draft_from_target
+from pdserve.cluster.bench.spec import PromptPool, SpecBenchConfig, run
 
 SYSTEMS = {"off", "suffix", "draft", "both"}
 
 
-def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_its_section(tmp_path, model_dirs):
-    target = model_dirs["tiny-llama"]
-    draft = tmp_path / "draft"
-    draft_from_target(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), 1).save_pretrained(draft)
-    AutoTokenizer.from_pretrained(target).save_pretrained(draft)
+def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_its_section(tmp_path, model_dirs,
+                                                                                          tiny_llama_draft):
+    target, draft = model_dirs["tiny-llama"], tiny_llama_draft
     out = tmp_path / "spec.json"
     lines: list[str] = []
     result = run(SpecBenchConfig(model=str(target), draft_model=str(draft), batches=(1, 2), repeats=2, prompt_len=48,
@@ -40,3 +34,10 @@ def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_
     assert "## Speculative decoding" in text and "| code | 1 |" in text and "| conversation | 2 |" in text
     assert "TPOT at batch 1 on code" in text and "the outputs of off and suffix, draft, both were identical" in text
     assert "| sampled | tight:" in text and "| goodput off (req/s) |" in text
+
+
+def test_a_workload_whose_prompts_run_out_hands_them_out_again_and_says_so():
+    pool = PromptPool([[1], [2], [3]])
+    assert pool.take(2) == [[1], [2]] and not pool.reused
+    assert pool.take(2) == [[3], [1]] and pool.reused
+    assert pool.for_rate(1.0, 2) == pool.for_rate(1.0, 2) == [[2], [3]]  # one rate: the same prompts for all

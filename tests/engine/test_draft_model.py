@@ -24,16 +24,6 @@ from pdserve.engine.speculative.proposer import SuffixThenModel
 ARCH = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def one_layer_draft(model_dirs, tmp_path_factory):
-    """tiny-llama's first layer, embeddings and head: an untrained draft that agrees with it at times."""
-    target = LlamaForCausalLM.from_pretrained(model_dirs[ARCH], dtype=torch.float32)
-    out = tmp_path_factory.mktemp("draft") / "tiny-llama-draft"
-    draft_from_target(target, 1).save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_dirs[ARCH]).save_pretrained(out)
-    return out
-
-
 def draft_engine(model_dirs, draft_dir, method: str = "draft_model", **kwargs) -> LLMEngine:
     kwargs.setdefault("kv_memory_bytes", 16 * 2**20)
     spec = SpeculativeConfig(method=method, draft_model=str(draft_dir), max_draft_tokens=6, min_token_prob=0.0,
@@ -83,7 +73,7 @@ def test_a_draft_model_that_is_the_target_has_its_greedy_drafts_accepted(model_d
 
 
 @pytest.mark.parametrize("method,seed", [("draft_model", 0), ("draft_model", 1), ("both", 2)])
-def test_a_draft_model_keeps_greedy_output_exact_over_random_batch_mixes(model_dirs, hf_reference, one_layer_draft,
+def test_a_draft_model_keeps_greedy_output_exact_over_random_batch_mixes(model_dirs, hf_reference, tiny_llama_draft,
                                                                          method, seed):
     """An untrained one-layer draft (accepted in part) over prompts sharing prefixes, chunked prompt
     passes and a pool small enough to preempt: the target's output, and both pools empty after."""
@@ -95,7 +85,7 @@ def test_a_draft_model_keeps_greedy_output_exact_over_random_batch_mixes(model_d
         prompts[:3] = [p[:8] * 5 for p in prompts[:3]]
     lengths = [rng.randint(1, 40) for _ in prompts]
     probe = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
-    engine = draft_engine(model_dirs, one_layer_draft, method, max_model_len=256, max_num_seqs=6,
+    engine = draft_engine(model_dirs, tiny_llama_draft, method, max_model_len=256, max_num_seqs=6,
                           kv_memory_bytes=(256 // 16 + 3) * probe.kv_layout.bytes_per_block,
                           max_num_batched_tokens=40, prefill_chunk_size=rng.choice([7, 40]))
     outputs = list(run_checked(engine, prompts, lengths).values())
@@ -107,9 +97,9 @@ def test_a_draft_model_keeps_greedy_output_exact_over_random_batch_mixes(model_d
     assert_draft_pool_idle(engine)
 
 
-def test_a_request_aborted_mid_draft_frees_its_draft_kv(model_dirs, hf_reference, one_layer_draft):
+def test_a_request_aborted_mid_draft_frees_its_draft_kv(model_dirs, hf_reference, tiny_llama_draft):
     prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 20, 50, seed=8)
-    engine = draft_engine(model_dirs, one_layer_draft)
+    engine = draft_engine(model_dirs, tiny_llama_draft)
     ids = [engine.add_request(p, SamplingParams.greedy(max_tokens=100, ignore_eos=True)) for p in prompts]
     engine.step()
     for request_id in ids:
@@ -152,9 +142,9 @@ def test_the_shipped_draft_agrees_with_its_target_on_held_out_source():
     assert scores["greedy_agreement"] > 0.5 and scores["sampled_acceptance"] > 0.5, scores
 
 
-def test_a_request_picks_one_proposer_where_the_deployment_runs_both(model_dirs, hf_reference, one_layer_draft):
+def test_a_request_picks_one_proposer_where_the_deployment_runs_both(model_dirs, hf_reference, tiny_llama_draft):
     prompts = random_prompts(3, hf_reference[ARCH].vocab_size, 20, 30, seed=11)
-    engine = draft_engine(model_dirs, one_layer_draft, "both")
+    engine = draft_engine(model_dirs, tiny_llama_draft, "both")
     picks = {engine.add_request(p, SamplingParams.greedy(max_tokens=12, ignore_eos=True, proposer=pick)): pick
              for p, pick in zip(prompts, ["suffix", "draft_model", None])}
     engine.step()  # the prompt passes
@@ -166,11 +156,11 @@ def test_a_request_picks_one_proposer_where_the_deployment_runs_both(model_dirs,
         SamplingParams(proposer="medusa")
 
 
-def test_the_draft_model_runs_only_while_its_tokens_are_worth_its_passes(model_dirs, hf_reference, one_layer_draft):
+def test_the_draft_model_runs_only_while_its_tokens_are_worth_its_passes(model_dirs, hf_reference, tiny_llama_draft):
     """A pass costs its measured time whatever it yields: none runs where the tokens it is expected to
     add (chance times what a token saves) are worth less than it (the first: and than verifying), and
     none for a request whose drafts fail."""
-    engine = draft_engine(model_dirs, one_layer_draft)
+    engine = draft_engine(model_dirs, tiny_llama_draft)
     engine.add_request(random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=2)[0],  # sampled: each
                        SamplingParams(temperature=1.0, seed=0, max_tokens=50, ignore_eos=True))  # guess is worth p
     engine.step()
