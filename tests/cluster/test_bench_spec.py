@@ -15,12 +15,12 @@ def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_
     target, draft = model_dirs["tiny-llama"], tiny_llama_draft
     out = tmp_path / "spec.json"
     lines: list[str] = []
-    result = run(SpecBenchConfig(model=str(target), draft_model=str(draft), batches=(1, 2), repeats=2, prompt_len=48,
+    result = run(SpecBenchConfig(model=str(target), draft_model=str(draft), batches=(1, 2), repeats=1, prompt_len=48,
                                  output_len=12, open_loop_requests=4, max_runs=2, start_rate=50.0, out=out), log=lines.append)
     for workload in ("code", "conversation", "sampled"):
         for batch in (1, 2):
             runs = result.runs[workload][batch]
-            assert set(runs) == SYSTEMS and all(len(r) == 2 for r in runs.values())
+            assert set(runs) == SYSTEMS and all(len(r) == 1 for r in runs.values())
             assert all(r.drafted == r.accepted == 0 for r in runs["off"])
             assert all(r.tpot_ms > 0 and r.output_tps > 0 and r.decode_steps > 0 for rs in runs.values() for r in rs)
     for figures in result.open_loop.values():  # each system searched, for both objectives

@@ -49,8 +49,8 @@ def cluster(request, model_dirs):
     speculative = None
     if method:
         speculative = {"goodput_sizing": False, "method": method[0], "min_token_prob": 0.0}
-        if method[0] == "both":
-            speculative["draft_model"] = str(model_dirs[ARCH])
+        if method[0] == "both":  # short drafts: each draft token is a pass of the (target-sized) draft
+            speculative.update(draft_model=str(model_dirs[ARCH]), max_draft_tokens=3)
     c = Cluster(manifest(model_dirs[ARCH], mode, transport, speculative=speculative), log=lambda _: None)
     c.start()
     yield c
