@@ -162,7 +162,10 @@ class ShmChannel:
             self._closed = True
         self.control.close()  # a send waiting for a slot stops within one poll
         with self._lock:
-            if self.control.unanswered or self.segment.path is not None or not self.control.taken_whole:
+            # Nothing sent: the segment is as it was taken (a fresh one, still named, is mapped by the
+            # receiver of the next frame that uses it), so it goes back to the pool.
+            used = self.bytes_sent > 0 or bool(self.control.unanswered)
+            if used and (self.control.unanswered or self.segment.path is not None or not self.control.taken_whole):
                 # Unanswered: the receiver may still read it. Never answered, or a frame refused before
                 # it was taken (the receiver could not map the segment, whose name the answer unlinked):
                 # it may not have mapped it. Either way: not reused, released on both sides.

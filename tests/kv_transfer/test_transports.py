@@ -535,6 +535,29 @@ def test_a_sender_stalled_mid_frame_holds_up_no_other_sender(monkeypatch):
         receiver.stop()
 
 
+def test_a_shm_channel_closed_before_its_first_frame_leaves_its_segment_to_the_next():
+    """A transfer can end before any frame went out (a request done at its first token while its
+    frames still waited their turn): its fresh segment, never seen by the receiver, is pooled like
+    any other, and the next transfer uses it (the receiver maps it then)."""
+    sink = RecordingSink()
+    receiver, sender = start_receiver("shm", sink), make_sender("shm")
+    try:
+        unused = sender.open(receiver.address, "t1")
+        unused.close()
+        assert (sender.segments_made, len(sender._pools[receiver.address])) == (1, 1)
+        channel = sender.open(receiver.address, "t2")
+        assert channel.segment is unused.segment
+        header, data = frame(0, 1000, seed=0)
+        channel.send(header, data)
+        channel.finish(timeout=10)
+        channel.close()
+        assert sink.frames == [(header, data.tobytes())]
+        assert (sender.segments_made, len(sender._pools[receiver.address])) == (1, 1)
+    finally:
+        sender.close()
+        receiver.stop()
+
+
 def test_a_channel_closing_after_its_address_was_forgotten_releases_its_segment():
     """The peer restarted elsewhere while a transfer to its old address was still open: that
     channel's segment is released on both sides when it closes, not pooled again for an address
