@@ -8,8 +8,9 @@ context back through its block table.
   - a prefill chunk with no earlier context attends to its own fresh K/V (causal);
   - a chunk that continues earlier context (chunked prefill, prefix-cache hit) gathers its blocks and
     uses a causal mask shifted by the context length;
-  - all decode rows run as one padded batch over their gathered blocks: one query token each, or
-    several when a speculative step verifies draft tokens (each query sees the context up to itself).
+  - decode rows run as a padded batch over their gathered blocks: one query token each, and the
+    rows verifying draft tokens as a second batch (each query sees the context up to itself), so a
+    long draft pads only the rows that verify.
 
 Each layer's own attention arguments are honoured: `sliding_window` (a query at position i sees keys
 j with i - window < j <= i, transformers' definition; Mistral, Qwen2, Gemma's local layers) narrows
@@ -115,7 +116,7 @@ class PagedBatch:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # [total_tokens] pool slot of each new token
     prefills: list[PrefillSpan]
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # rows of one query token, and rows verifying drafts (padded apart)
     on_layer_written: Callable[[int], None] | None = None  # KV-transfer hook (save_kv_layer)
 
 
@@ -214,8 +215,7 @@ def paged_attention_forward(
         o = _attend(q[None, :, span.start : stop], k, v, span.mask(sliding_window, q.device), scaling, softcap)
         out[span.start : stop] = o[0].transpose(0, 1)
 
-    if batch.decode is not None:
-        d = batch.decode
+    for d in batch.decodes:
         qd = q[:, d.token_index].transpose(0, 1)  # [B, heads, Q, head_dim]
         kd = _gather_padded(cache.key_blocks(layer), d.block_ids)
         vd = _gather_padded(cache.value_blocks(layer), d.block_ids)

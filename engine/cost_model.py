@@ -81,7 +81,7 @@ class StepCost:
 
 def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient ≥ 0: the best fit over subsets of the columns (there
-    are at most five, so trying every subset is exact and cheap)."""
+    are at most six, so trying every subset is exact and cheap)."""
     n = features.shape[1]
     best, best_err = np.zeros(n), float(np.sum(seconds**2))
     for k in range(1, n + 1):

@@ -66,6 +66,7 @@ class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0
     quad_tokens: int = 0  # Σ new·(cached + new) over the chunks: the attention term of the cost model
+    keys_read: int = 0  # Σ (cached + new) over the chunks: the KV attention reads
     num_decode_seqs: int = 0
     num_preempted: int = 0
     forward_s: float = 0.0
@@ -185,6 +186,7 @@ class LLMEngine:
             return []
         sampling = [c for c in plan.chunks if c.samples]
         quad = sum(c.num_tokens * (c.seq.num_computed_tokens + c.num_tokens) for c in plan.chunks)
+        keys = sum(c.seq.num_computed_tokens + c.num_tokens for c in plan.chunks)
         logits = self.runner.execute(plan.chunks)
         # A row per sampled position: a verifying chunk's newest token and each of its drafts.
         rows = [(c.seq, len(c.seq.output_token_ids) + j) for c in sampling for j in range(1 + len(c.draft))]
@@ -202,6 +204,7 @@ class LLMEngine:
             num_seqs=len(plan.chunks),
             num_tokens=plan.num_tokens,
             quad_tokens=quad,
+            keys_read=keys,
             num_decode_seqs=sum(1 for c in plan.chunks if c.num_tokens == 1 or c.draft),
             num_preempted=len(plan.preempted),
             forward_s=self.runner.last_forward_s,
@@ -212,7 +215,7 @@ class LLMEngine:
         if self.proposer is not None and self.last_step.num_decode_seqs == len(plan.chunks):  # sizes drafts
             # Without the drafting: a proposer that spends time (a draft model) weighs that itself.
             self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks), len(plan.chunks),
-                                           self.last_step.total_s - propose_s)
+                                           keys, self.last_step.total_s - propose_s)
         return outputs
 
     def _propose(self, proposer: Proposer) -> None:
@@ -240,7 +243,7 @@ class LLMEngine:
         decoding_quad = sum(s.num_computed_tokens + 1 for s in decoding)
         worth = DraftWorth()  # unmeasured: drafting is worth anything
         if cost.measured:  # an accepted draft token saves this step's time per decoding sequence
-            step_s = cost.step_s(prompt_tokens + len(decoding), decoding_quad, False, len(decoding))
+            step_s = cost.step_s(prompt_tokens + len(decoding), decoding_quad, False, len(decoding), decoding_quad)
             worth = DraftWorth(token_s=step_s / len(decoding), verify_s=cost.verify)
         drafts = proposer.propose(asking, worth)
         drafting = [(r, draft) for r, draft in zip(asking, drafts) if draft.tokens]

@@ -68,7 +68,11 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=prefills,
-            decode=self._decode_batch(decode_rows) if decode_rows else None,
+            # Rows verifying drafts apart from those decoding one token: one padded batch would pad
+            # every row to the longest draft, each costing its whole context once per padded query.
+            decodes=[self._decode_batch(group) for group in (
+                [row for row in decode_rows if row.num_queries == 1],
+                [row for row in decode_rows if row.num_queries > 1]) if group],
             on_layer_written=on_layer_written,
         )
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)

@@ -143,13 +143,14 @@ class _FixedDraft:
 
 
 def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXTS,
-                   seed: int = 0) -> list[tuple[int, int, bool, int, float]]:
+                   seed: int = 0) -> list[tuple[int, int, bool, int, int, float]]:
     """Measure decode steps of `DECODE_BATCHES` requests with prompts of each of `contexts` tokens,
     verifying drafts of each of `DRAFT_LENGTHS` tokens where the engine speculates (rejected drafts: they
     cost what accepted ones do); feed them to `engine.decode_step_costs` as anchors. Two contexts tell
     attention's cost from a sequence's. Where the engine is not idle (a restarted worker already
     serving) or its context is too short, nothing is measured: the decode cost is then learned from
-    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, sequences, seconds)."""
+    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, sequences, keys
+    read, seconds)."""
     lengths = DRAFT_LENGTHS if engine.config.speculative is not None else (0,)
     steps_each = (1 + DECODE_STEPS) * (1 + max(lengths))
     room = engine.max_model_len - 1 - MAX_WAIT_STEPS - steps_each * len(lengths)
@@ -165,7 +166,7 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
                                                                                    goodput_sizing=False))
         engine.proposer = drafts
     ours: set[bytes] = set()
-    samples: list[tuple[int, int, bool, int, float]] = []
+    samples: list[tuple[int, int, bool, int, int, float]] = []
     try:
         for prompt_len, batch in itertools.product(contexts, DECODE_BATCHES):
             prompts = [[rng.randrange(engine.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
@@ -187,7 +188,7 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
                         stats = engine.last_step
                         if step and stats.num_seqs == stats.num_decode_seqs == batch:
                             samples.append((stats.num_tokens, stats.quad_tokens, length > 0, batch,
-                                            stats.total_s - stats.propose_s))
+                                            stats.keys_read, stats.total_s - stats.propose_s))
             finally:
                 for request_id in ids:
                     if request_id in engine.requests:  # the blocks its output filled are cached too

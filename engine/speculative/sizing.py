@@ -7,8 +7,8 @@ occurrences that continued that way); each request's record bounds that: α, the
 tokens were accepted one after another lately (fading, starting from the worker's recent record),
 caps the j-th token's chance at α^j. A request verifying k draft tokens is expected to produce
 1 + g₁ + ... + g_k tokens, g_j = min(p_j, α^j). The step takes the worker's measured decode-step cost
-(`DecodeCost`: a + b·tokens + c·attention, plus a premium when it verifies anything) over every
-sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises
+(`DecodeCost`: a + b·tokens + c·attention + g·keys read + s·sequences, plus a premium when it
+verifies anything) over every sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises
 the step's goodput, and a step verifies at all only when its drafts pay for the premium: long drafts
 where the fixed cost of a step dominates (small batches), few or none where a step is already bound
 by its tokens (large batches), none where drafts keep failing. As old failures fade a request tries
@@ -27,28 +27,33 @@ from pdserve.engine.cost_model import OnlineFit
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """A decode step's seconds: a + b·tokens + c·attention + s·sequences, plus `verify` when any sequence
-    verifies a draft. On a CPU that premium is large: one token per sequence runs the weights as
-    matrix-vector products, more than one as matrix products, which cost more for a few rows. A
-    sequence costs more than a draft token of another (its own context gathered, its own sampling)."""
+    """A decode step's seconds: a + b·tokens + c·quad + g·keys + s·sequences, plus `verify` when any
+    sequence verifies a draft. quad (Σ queries × their context) is attention's arithmetic; keys (Σ each
+    sequence's context) is the KV it reads, once per sequence however many queries it verifies: at a
+    long context that read dominates, and a draft token adds only its arithmetic. On a CPU the
+    premium is large: one token per sequence runs the weights as matrix-vector products, more than one
+    as matrix products, which cost more for a few rows. A sequence costs more than a draft token of
+    another (its own sampling)."""
 
     a: float = 0.0
     b: float = 0.0
     c: float = 0.0
     verify: float = 0.0
     per_seq: float = 0.0
+    gather: float = 0.0  # g: per key read
 
     @property
     def measured(self) -> bool:
-        return any((self.a, self.b, self.c, self.verify, self.per_seq))
+        return any((self.a, self.b, self.c, self.verify, self.per_seq, self.gather))
 
-    def step_s(self, tokens: float, quad: float, verifies: bool, seqs: float = 0) -> float:
-        return self.a + self.b * tokens + self.c * quad + self.verify * verifies + self.per_seq * seqs
+    def step_s(self, tokens: float, quad: float, verifies: bool, seqs: float = 0, keys: float = 0) -> float:
+        return (self.a + self.b * tokens + self.c * quad + self.verify * verifies + self.per_seq * seqs
+                + self.gather * keys)
 
 
 class DecodeCostModel(OnlineFit):
     """The engine's decode steps (no prompt chunk in them) fitted to `DecodeCost` over (tokens, quad,
-    verifies, sequences), for relative error: drafts are sized by ratios, and a batch of one must be
+    verifies, sequences, keys), for relative error: drafts are sized by ratios, and a batch of one must be
     priced as well as a batch of 32. The start-up profile's steps (every batch size, draft length and
     two contexts) give the fit its shape; the steps served then only rescale it (a moving average of
     measured over predicted, kept by the engine loop's thread), because they come in few shapes (a run
@@ -60,22 +65,22 @@ class DecodeCostModel(OnlineFit):
     SCALE_WEIGHT = 0.02  # of each step served in the scale: about its last 50 steps
 
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
-        super().__init__(4, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
+        super().__init__(5, window, refit_every, horizon_s=math.inf, clock=time.monotonic)
         self._scale = 1.0
 
     @property
     def cost(self) -> DecodeCost:
         return DecodeCost(*(self._fit * self._scale).tolist())
 
-    def add_profile(self, samples: list[tuple[int, int, bool, int, float]]) -> None:
+    def add_profile(self, samples: list[tuple[int, int, bool, int, int, float]]) -> None:
         self._add_profile(samples)
         self._scale = 1.0
 
-    def observe(self, tokens: int, quad: int, verifies: bool, seqs: int, seconds: float) -> None:
+    def observe(self, tokens: int, quad: int, verifies: bool, seqs: int, keys: int, seconds: float) -> None:
         if not self.profiled:
-            self._observe((tokens, quad, verifies, seqs), seconds)
+            self._observe((tokens, quad, verifies, seqs, keys), seconds)
             return
-        predicted = float(self._fit @ (1.0, tokens, quad, verifies, seqs))
+        predicted = float(self._fit @ (1.0, tokens, quad, verifies, seqs, keys))
         if predicted > 0:  # clipped: one step stalled by the machine (a page fault, a GC) moves it little
             ratio = min(max(seconds / predicted, self._scale / 4), self._scale * 4)
             self._scale += self.SCALE_WEIGHT * (ratio - self._scale)
@@ -104,8 +109,10 @@ def draft_lengths(candidates: list[DraftCandidate], cost: DecodeCost, other_toke
     if not cost.measured or not candidates:
         return [len(c.probabilities) for c in candidates]
     expected = float(len(candidates))
-    seconds = cost.step_s(other_tokens + len(candidates), other_quad + sum(c.context_len + 1 for c in candidates),
-                          verifies=False, seqs=other_seqs + len(candidates))
+    # One query per sequence: its quad term and the keys it reads are both its context.
+    quad = other_quad + sum(c.context_len + 1 for c in candidates)
+    seconds = cost.step_s(other_tokens + len(candidates), quad, verifies=False, seqs=other_seqs + len(candidates),
+                          keys=quad)
     # The best drafts for a step that verifies (its premium paid), against a step that does not.
     lengths, verified_expected, verified_seconds = _best_drafts(candidates, cost, expected, seconds + cost.verify)
     if verified_expected / verified_seconds <= expected / seconds:
@@ -124,8 +131,8 @@ def _best_drafts(candidates: list[DraftCandidate], cost: DecodeCost, expected: f
         c, verified = candidates[i], lengths[i]
         if verified < len(c.probabilities):
             gain = c.gain(verified + 1)
-            # its token, and the attention term of a chunk of 1 + verified tokens growing by one
-            extra = cost.b + cost.c * (c.context_len + 2 * (1 + verified) + 1)
+            # its token, the attention term of a chunk of 1 + verified tokens growing by one, its key
+            extra = cost.b + cost.c * (c.context_len + 2 * (1 + verified) + 1) + cost.gather
             heapq.heappush(offers, (-gain / extra if extra > 0 else -float("inf"), i, gain, extra))
 
     for i in range(len(candidates)):

@@ -90,9 +90,11 @@ def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leave
     engine = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))
     proposer, record = engine.proposer, engine.acceptance.greedy.rate(prior=0.5)
     samples = profile_decode(engine)
-    assert {tokens for tokens, _, _, _, _ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
-    single = [quad for tokens, quad, _, _, _ in samples if tokens == 1]  # one sequence, short and long contexts
+    assert {tokens for tokens, *_ in samples} == {b * (1 + k) for b in DECODE_BATCHES for k in DRAFT_LENGTHS}
+    single = [keys for tokens, quad, _, _, keys, _ in samples if tokens == 1]  # one sequence, short and long contexts
     assert min(single) < DECODE_CONTEXTS[0] + 20 and max(single) > DECODE_CONTEXTS[1]
+    # the KV read is each sequence's context once, whatever it verifies; the arithmetic grows with the queries
+    assert all(quad >= keys * (tokens // seqs) for tokens, quad, _, seqs, keys, _ in samples)
     assert engine.decode_step_costs.cost.measured
     assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
     assert engine.acceptance.greedy.rate(prior=0.5) == record  # its rejected drafts say nothing of requests'
@@ -102,4 +104,4 @@ def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leave
     busy.add_request([5] * 20, SamplingParams.greedy(max_tokens=4))
     assert profile_decode(busy) == [] and not busy.decode_step_costs.cost.measured
     plain = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20))
-    assert {tokens for tokens, _, _, _, _ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps
+    assert {tokens for tokens, *_ in profile_decode(plain)} == set(DECODE_BATCHES)  # no drafts: plain steps

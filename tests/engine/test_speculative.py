@@ -338,9 +338,9 @@ def test_a_draft_token_is_worth_what_the_proposer_says_but_no_more_than_the_reco
 def test_goodput_sized_speculation_keeps_outputs_exact(model_dirs, hf_reference):
     engine, prompts, truth = spoiled_run(model_dirs, hf_reference, 12, 5, 80, seed=41, spoil=0.5, max_draft_tokens=8,
                                          goodput_sizing=True)
-    engine.decode_step_costs.add_profile([(1, 101, False, 1, 5e-3), (2, 204, True, 1, 6e-3),  # a fit to start from
-                                          (9, 900, True, 1, 7e-3), (8, 800, False, 8, 8e-3),
-                                          (16, 1600, True, 8, 9e-3), (32, 3200, False, 32, 12e-3)])
+    engine.decode_step_costs.add_profile([(1, 101, False, 1, 101, 5e-3), (2, 204, True, 1, 102, 6e-3),  # to start from
+                                          (9, 900, True, 1, 100, 7e-3), (8, 800, False, 8, 800, 8e-3),
+                                          (16, 1600, True, 8, 800, 9e-3), (32, 3200, False, 32, 3200, 12e-3)])
     assert engine.decode_step_costs.profiled
     outputs = run_all(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
@@ -352,15 +352,15 @@ def test_steps_served_rescale_the_profiled_decode_cost_without_refitting_its_sha
     never trade one of its coefficients for another."""
     true = DecodeCost(a=4e-3, b=1e-4, verify=1e-3, per_seq=2e-4)
     model = DecodeCostModel()
-    model.add_profile([(b * (1 + k), 0, k > 0, b, true.step_s(b * (1 + k), 0, k > 0, b))
+    model.add_profile([(b * (1 + k), 0, k > 0, b, 0, true.step_s(b * (1 + k), 0, k > 0, b))
                        for b in (1, 8, 32) for k in (0, 1, 4, 8)])
     assert model.cost.step_s(8, 0, False, 8) == pytest.approx(true.step_s(8, 0, False, 8), rel=1e-3)
     for _ in range(300):  # a loaded machine: every step, all of one shape, twice as slow
-        model.observe(8, 0, False, 8, 2 * true.step_s(8, 0, False, 8))
+        model.observe(8, 0, False, 8, 0, 2 * true.step_s(8, 0, False, 8))
     assert model.cost.verify / model.cost.a == pytest.approx(true.verify / true.a, rel=1e-3)
     assert model.cost.step_s(1, 0, True, 1) == pytest.approx(2 * true.step_s(1, 0, True, 1), rel=0.01)
 
 
 def test_a_profile_sample_of_the_wrong_width_is_refused():
-    with pytest.raises(ValueError, match="4 features and the seconds"):
-        DecodeCostModel().add_profile([(1, 101, False, 5e-3)])
+    with pytest.raises(ValueError, match="5 features and the seconds"):
+        DecodeCostModel().add_profile([(1, 101, False, 1, 5e-3)])
