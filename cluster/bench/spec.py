@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 from pdserve.cluster.bench.report import provenance
-from pdserve.cluster.bench.serve_metrics import GoodputSearch, Objective, RequestRecord, attainment, percentile
+from pdserve.cluster.bench.serve_metrics import (
+    TARGET_ATTAINMENT, GoodputSearch, Objective, RequestRecord, attainment, percentile,
+)
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 from pdserve.engine.models.training import corpus_texts
@@ -84,6 +86,9 @@ class OpenLoopFigures:
     objectives: dict[str, tuple[float, float]]  # name -> (TTFT, TPOT) seconds
     goodput: dict[str, dict[str, float]]  # system -> objective -> highest rate meeting it
     converged: dict[str, dict[str, bool]]
+    # The goodput target checked directly (a search resolves rates to 15% only): each speculative system
+    # run at MIN_THROUGHPUT_RATIO x off's goodput; system -> objective -> share of requests meeting it.
+    at_target: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,8 +186,8 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     result = SpecBenchResult(provenance(), cfg.model, cfg.threads, cfg.prompt_len, cfg.output_len, cfg.draft_model)
     compared = systems(cfg)
     # Every prompt a batch or open-loop run could take: each system's search measures at most `max_runs`
-    # rates, and the idle runs take a few more.
-    needed = cfg.repeats * sum(cfg.batches) + (len(compared) * cfg.max_runs * cfg.open_loop_requests
+    # rates, the direct checks at the target (two objectives) a few more, and the idle runs a few more.
+    needed = cfg.repeats * sum(cfg.batches) + (len(compared) * (cfg.max_runs + 2) * cfg.open_loop_requests
                                                + IDLE_REQUESTS if cfg.open_loop_requests else 0)
     shapes = azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]
     pools = {
@@ -250,6 +255,10 @@ def open_loop_goodput(workload: str, pool: PromptPool, engine_for: Callable[[Spe
         found = {o.name: search.goodput(o) for o in objectives}
         figures.goodput[system] = {name: g.rate for name, g in found.items()}
         figures.converged[system] = {name: g.converged for name, g in found.items()}
+        if system != "off":  # runs the search made are reused where the rate is one of them
+            figures.at_target[system] = {
+                o.name: attainment(search.records(MIN_THROUGHPUT_RATIO * figures.goodput["off"][o.name]), o)
+                for o in objectives if figures.goodput["off"][o.name]}
     return figures
 
 
@@ -323,7 +332,9 @@ def summary_table(result: SpecBenchResult) -> str:
         for workload, f in result.open_loop.items():
             for name, (ttft, tpot) in f.objectives.items():
                 off = f.goodput["off"][name]
-                cells = [f"{f.goodput[s][name]:.2f} ({f.goodput[s][name] / off:.2f}×)" if off
+                cells = [f"{f.goodput[s][name]:.2f} ({f.goodput[s][name] / off:.2f}×"
+                         + (f"; {f.at_target[s][name]:.0%} met at {MIN_THROUGHPUT_RATIO:g}× off's)" if s in f.at_target
+                            and name in f.at_target[s] else ")") if off
                          else f"{f.goodput[s][name]:.2f} (—)" for s in spec]
                 bounds = "" if all(f.converged[s][name] for s in f.goodput) else " (a search's run budget ran out)"
                 lines.append(f"| {workload} | {name}: {ttft * 1e3:.0f} ms, {tpot * 1e3:.1f} ms | {off:.2f} | "
@@ -345,8 +356,8 @@ def markdown(results: dict) -> str:
                      for s in spec}
     throughput = {s: [result.median(w, b, s, "output_tps") / result.median(w, b, "off", "output_tps")
                       for w, batches in result.runs.items() for b in batches] for s in spec}
-    goodput = {s: [f.goodput[s][name] / f.goodput["off"][name] for f in result.open_loop.values()
-                   for name in f.objectives if f.goodput["off"][name]] for s in spec}
+    at_target = {s: [share for f in result.open_loop.values() for share in f.at_target.get(s, {}).values()]
+                 for s in spec}
     repeats = len(next(iter(next(iter(result.runs.values())).values()))["off"])
     described = {
         "suffix": "suffix: the model-free proposer",
@@ -370,7 +381,7 @@ def markdown(results: dict) -> str:
         f"of off and {', '.join(spec)} were identical, token for token; tokens per step is a request's output tokens "
         f"after its first over the steps that gave them (1 without speculation). Second table: requests arrive at "
         f"Poisson times, goodput is the highest rate at which 90% of them meet both objectives, searched per system "
-        f"from 1 req/s and no lower than 0.5 req/s (0: missed even there); the "
+        f"from 1 req/s and no lower than 0.5 req/s (0: missed even there) to within 15%; the "
         f"objectives are `pdserve bench serve`'s, from the latency of requests sent one at a time without "
         f"speculation (tight: 2× idle p90 TTFT and 1.5× idle p90 TPOT; loose: 5× and 3×).",
         "", summary_table(result), "",
@@ -383,8 +394,10 @@ def markdown(results: dict) -> str:
         + f". Output tok/s with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without at every workload and batch, "
         "lowest: "
         + _lowest(throughput)
-        + (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective, "
-           "lowest: "
-           + _lowest(goodput) if any(goodput.values()) else "") + ".",
+        + (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective "
+           f"(finer than the search resolves: each system run at {MIN_THROUGHPUT_RATIO:g}× off's goodput, where "
+           f"at least {TARGET_ATTAINMENT:.0%} of its requests must meet the objectives), lowest share: "
+           + "; ".join(f"{s} {min(r):.0%} ({'met' if min(r) >= TARGET_ATTAINMENT else 'MISSED'})"
+                       for s, r in at_target.items() if r) if any(at_target.values()) else "") + ".",
     ]
     return "\n".join(lines)

@@ -26,6 +26,11 @@ def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_
     for figures in result.open_loop.values():  # each system searched, for both objectives
         assert set(figures.goodput) == SYSTEMS and set(figures.objectives) == {"tight", "loose"}
         assert figures.idle_ttft_s > 0 and figures.idle_tpot_s > 0
+        # the goodput target checked directly: each speculative system run at 0.97x off's goodput
+        checked = {name for name, rate in figures.goodput["off"].items() if rate}
+        assert {s: set(shares) for s, shares in figures.at_target.items()} == {s: checked for s in SYSTEMS - {"off"}}
+        assert all(0 <= share <= 1 for shares in figures.at_target.values() for share in shares.values())
+    assert any(figures.at_target for figures in result.open_loop.values())
     assert any("open loop" in line for line in lines)
     page = tmp_path / "benchmarks.md"
     results = json.loads(out.read_text())
@@ -33,7 +38,7 @@ def test_the_spec_benchmark_measures_every_proposer_on_fresh_prompts_and_writes_
     text = page.read_text()
     assert "## Speculative decoding" in text and "| code | 1 |" in text and "| conversation | 2 |" in text
     assert "TPOT at batch 1 on code" in text and "the outputs of off and suffix, draft, both were identical" in text
-    assert "| sampled | tight:" in text and "| goodput off (req/s) |" in text
+    assert "| sampled | tight:" in text and "| goodput off (req/s) |" in text and "met at 0.97× off's" in text
 
 
 def test_a_workload_whose_prompts_run_out_hands_them_out_again_and_says_so():
