@@ -89,7 +89,7 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # the sequence's first tokens whose draft KV is in the blocks
     fed: list[int] = field(default_factory=list)  # draft tokens whose KV was written after them, in order
-    proposed: Draft = field(default_factory=Draft)  # the last draft proposed
+    proposed: list[int] = field(default_factory=list)  # the last draft's tokens
     guess_probabilities: list[float] = field(default_factory=list)  # of its tokens, under the draft model
     proposed_at: int = -1  # the sequence's output length when it was proposed
     used_at: int = 0  # the proposer's call that last reserved blocks for it (the least recent lose them first)
@@ -146,9 +146,9 @@ class DraftModelProposer:
             probs = torch.softmax(self.runner.forward(runs).float(), dim=-1).max(dim=-1)
             self.pass_cost.observe(len(active), sum(len(run.input_ids) for run in runs), time.perf_counter() - t0)
             still: list[DraftRequest] = []
-            for request, run, p, token in zip(active, runs, probs.values.tolist(), probs.indices.tolist()):
+            for request, p, token in zip(active, probs.values.tolist(), probs.indices.tolist()):
                 rid = request.seq.request_id
-                self._written(request.seq, run, tokens[rid])
+                self._written(request.seq, tokens[rid])
                 accepted = self._token_chance(request, p)
                 guessed[rid].append(p)
                 self._states[rid].confidence.observe(accepted, 1.0 - accepted)
@@ -164,14 +164,14 @@ class DraftModelProposer:
         drafts = [Draft(tokens[r.seq.request_id], chances[r.seq.request_id]) for r in requests]
         for request, draft in zip(requests, drafts):
             state = self._states[request.seq.request_id]
-            state.proposed, state.guess_probabilities = draft, guessed[request.seq.request_id]
+            state.proposed, state.guess_probabilities = draft.tokens, guessed[request.seq.request_id]
             state.proposed_at = len(request.seq.output_token_ids)
         return drafts
 
     def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
         state = self._states.get(seq.request_id)
         if (state is None or not seq.params.is_greedy or state.proposed_at != len(seq.output_token_ids)
-                or draft != state.proposed.tokens[: len(draft)]):
+                or draft != state.proposed[: len(draft)]):
             return  # sampled requests' guesses need no calibration; another proposer's draft tells nothing
         for j in range(min(accepted + 1, len(draft))):
             self.calibration.observe(state.guess_probabilities[j], j < accepted)
@@ -274,8 +274,8 @@ class DraftModelProposer:
         first = min(state.computed + agreed, len(tokens) - 1)  # the newest token is always fed
         return TokenRun(tokens[first:], first, state.blocks, as_decode=first > 0, num_logits=1)
 
-    def _written(self, seq: Sequence, run: TokenRun, drafted: list[int]) -> None:
-        """A pass wrote `run`'s KV: the sequence's tokens up to its length, or one more draft token."""
+    def _written(self, seq: Sequence, drafted: list[int]) -> None:
+        """A pass wrote the sequence's `_guess_run`: its tokens up to its length, or one more draft token."""
         state = self._states[seq.request_id]
         if drafted:
             state.fed.append(drafted[-1])
