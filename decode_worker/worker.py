@@ -71,8 +71,10 @@ class DecodeWorker(WorkerBase):
                       lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
 
     def ping(self) -> WorkerStatus:
+        shape = self.engine.decode_step_shape
         return self.status(self.receiver.num_in_flight, kv_addresses=self.kv_addresses,
-                           receiver_counts=self.receiver.counts())
+                           receiver_counts=self.receiver.counts(), step_tokens_per_seq=shape.tokens_per_seq,
+                           step_propose_s=shape.propose_s)
 
     def profile(self) -> WorkerStatus:
         """Measure prompt passes and decode steps (before serving; the launcher runs one worker at a

@@ -33,7 +33,9 @@ from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
 from pdserve.engine.speculative.draft import WORKER_RECORD_DECAY, DraftRequest, DraftWorth, WorkerRecord
-from pdserve.engine.speculative.sizing import ACCEPTANCE_PRIOR, DecodeCost, DecodeCostModel, DraftCandidate, draft_lengths
+from pdserve.engine.speculative.sizing import (
+    ACCEPTANCE_PRIOR, DecodeCost, DecodeCostModel, DecodeStepShape, DraftCandidate, draft_lengths,
+)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class LLMEngine:
         # Steps with no prompt chunk alone: what a decode step costs, and each token a draft adds to it
         # (a prompt pass's per-token cost is far above a small decode batch's). Sizes speculation.
         self.decode_step_costs = DecodeCostModel()
+        self.decode_step_shape = DecodeStepShape()  # what speculation adds to a decode step, for the router
         # How drafts fared lately, over every request: a new request's starting belief.
         self.acceptance = WorkerRecord(WORKER_RECORD_DECAY)
         self._ids = itertools.count()
@@ -216,6 +219,7 @@ class LLMEngine:
             # Without the drafting: a proposer that spends time (a draft model) weighs that itself.
             self.decode_step_costs.observe(plan.num_tokens, quad, any(c.draft for c in plan.chunks), len(plan.chunks),
                                            keys, self.last_step.total_s - propose_s)
+            self.decode_step_shape.observe(plan.num_tokens, len(plan.chunks), propose_s)
         return outputs
 
     def _propose(self, proposer: Proposer) -> None:

@@ -180,11 +180,12 @@ class Router:
     @staticmethod
     def local_estimate_s(request: RouteRequest, decode: WorkerRef) -> float:
         """TTFT of a prefill on `decode`: the prompts already placed there to prefill, then one step of
-        its running batch with this prompt in it."""
-        cost = decode.step_cost
+        its running batch with this prompt in it (where it speculates: each sequence's drafts verified in
+        that step too, and the drafting before it)."""
+        cost, status = decode.step_cost, decode.status
         ahead = decode.queued.values()
         queued = sum(cost.compute_s(q.new_tokens, q.cached_tokens) for q in ahead)
-        running = cost.step_s(decode.outstanding, 0)
+        running = cost.step_s(decode.outstanding * status.step_tokens_per_seq, 0) + status.step_propose_s
         return queued + running + cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
 
     def _measured_local(self, request: RouteRequest, decode: WorkerRef, remote_estimate_s: float | None) -> bool:

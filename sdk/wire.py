@@ -94,6 +94,9 @@ class WorkerStatus:
     # Decode only:
     kv_addresses: dict[str, str] = field(default_factory=dict)  # transport -> where its KV receiver listens
     receiver_counts: dict[str, int] = field(default_factory=dict)  # the KV receiver's counters, by event
+    # Speculative decoding's share of a decode step, recently: tokens per sequence (1: none) and drafting's seconds
+    step_tokens_per_seq: float = 1.0
+    step_propose_s: float = 0.0
 
     @property
     def holdings(self) -> dict[str, int]:

@@ -8,11 +8,11 @@ tokens were accepted one after another lately (fading, starting from the worker'
 caps the j-th token's chance at α^j. A request verifying k draft tokens is expected to produce
 1 + g₁ + ... + g_k tokens, g_j = min(p_j, α^j). The step takes the worker's measured decode-step cost
 (`DecodeCost`: a + b·tokens + c·attention + g·keys read + s·sequences, plus a premium when it
-verifies anything) over every sequence's tokens. Draft tokens are taken best expected-tokens-per-second first while each raises
-the step's goodput, and a step verifies at all only when its drafts pay for the premium: long drafts
-where the fixed cost of a step dominates (small batches), few or none where a step is already bound
-by its tokens (large batches), none where drafts keep failing. As old failures fade a request tries
-again.
+verifies anything) over every sequence's tokens. Draft tokens are taken best expected tokens per
+second first while each raises the step's goodput, and a step verifies at all only when its drafts
+pay for the premium: long drafts where the fixed cost of a step dominates (small batches), few or
+none where a step is already bound by its tokens (large batches), none where drafts keep failing. As
+old failures fade a request tries again.
 """
 
 from __future__ import annotations
@@ -84,6 +84,22 @@ class DecodeCostModel(OnlineFit):
         if predicted > 0:  # clipped: one step stalled by the machine (a page fault, a GC) moves it little
             ratio = min(max(seconds / predicted, self._scale / 4), self._scale * 4)
             self._scale += self.SCALE_WEIGHT * (ratio - self._scale)
+
+
+class DecodeStepShape:
+    """What speculation adds to a worker's decode steps, averaged over the recent ones: the tokens a step
+    computes per sequence (its newest and the drafts it verifies) and the seconds spent drafting. The
+    router prices a worker's running batch with it (`StepCost` counts tokens, not sequences)."""
+
+    WEIGHT = 0.02  # of each decode step: about its last 50
+
+    def __init__(self) -> None:
+        self.tokens_per_seq = 1.0
+        self.propose_s = 0.0
+
+    def observe(self, tokens: int, seqs: int, propose_s: float) -> None:
+        self.tokens_per_seq += self.WEIGHT * (tokens / seqs - self.tokens_per_seq)
+        self.propose_s += self.WEIGHT * (propose_s - self.propose_s)
 
 
 ACCEPTANCE_PRIOR = 0.8  # a worker with no record believes a draft token is accepted 4 times in 5

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import TEST_PRESETS, assert_pool_idle, random_prompts, run_all
+from helpers import TEST_PRESETS, assert_pool_idle, drain, random_prompts, run_all
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_pool import hash_prompt_blocks
@@ -204,6 +204,45 @@ def test_a_request_can_turn_speculation_off_for_itself(model_dirs, hf_reference)
     outputs = run_all(engine, prompts, params)
     assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
     assert [o.num_draft_tokens > 0 for o in outputs] == [True, False, True, False]
+
+
+def test_rows_verifying_drafts_are_attended_apart_from_one_token_rows(model_dirs, hf_reference, monkeypatch):
+    """One request verifying drafts beside requests decoding one token each: the latter stay a batch
+    of one query per row (padded to the draft's length, each would read its context once per padded
+    query), and the output is unchanged."""
+    import pdserve.engine.attention as attention
+
+    ref = hf_reference["tiny-llama"]
+    prompts = random_prompts(4, ref.vocab_size, 20, 40, seed=16)
+    truth = {tuple(p): ref.greedy(p, NEW_TOKENS) for p in prompts}
+
+    class FirstRequestDrafts(SpoilingProposer):  # the first request's true next tokens, as many as it may
+        def propose(self, requests, worth):
+            drafts = [self.truth[first][len(r.seq.output_token_ids):][: r.max_tokens]
+                      if tuple(r.seq.prompt_token_ids) == first else [] for r in requests]
+            return [Draft(tokens, [1.0] * len(tokens)) for tokens in drafts]
+
+    first = tuple(prompts[0])
+    batches: list[tuple[int, int]] = []  # (rows, queries) of each decode batch attended
+    attend = attention._attend
+
+    def recording(q, k, v, mask, scale, softcap):
+        if mask is not None and mask.dim() == 4 and q.shape[0] == mask.shape[0]:
+            batches.append((q.shape[0], q.shape[2]))
+        return attend(q, k, v, mask, scale, softcap)
+
+    monkeypatch.setattr(attention, "_attend", recording)
+    engine = speculative_engine(model_dirs["tiny-llama"], FirstRequestDrafts(truth, ref.vocab_size, 0.0),
+                                max_draft_tokens=6)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # the prompt passes
+    batches.clear()
+    engine.step()  # the first request's first draft, every request decoding
+    assert set(batches) == {(3, 1), (1, 7)}
+    outputs = drain(engine, ids)
+    assert [o.token_ids for o in outputs] == [truth[tuple(p)] for p in prompts]
+    assert engine.decode_step_shape.tokens_per_seq > 1  # what the worker reports to the router
+    assert_pool_idle(engine)
 
 
 def test_a_request_aborted_between_verifying_steps_frees_everything(model_dirs, hf_reference):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -248,6 +249,17 @@ def test_a_measured_threshold_still_sends_prompts_away_from_a_busy_decode_worker
     assert router.place(work(list(range(limit)))).local  # idle: the decode worker answers first
     d.queued.update({f"q{i}": QueuedPrefill(limit, 0, False) for i in range(40)})  # a line of local prefills
     assert not router.place(work(list(range(limit)))).local
+
+
+def test_a_speculating_decode_workers_running_batch_is_priced_with_its_drafts():
+    """A decode step verifies each sequence's drafts and drafts before it: a prompt prefilled there waits
+    for that step, so its estimate counts the tokens per sequence and the drafting the worker reports."""
+    plain = worker("d", "decode", outstanding=16)
+    speculating = worker("d", "decode", outstanding=16)
+    speculating.status = dataclasses.replace(speculating.status, step_tokens_per_seq=3.0, step_propose_s=0.002)
+    request_, cost = request(100), StepCost(*COST)
+    extra = Router.local_estimate_s(request_, speculating) - Router.local_estimate_s(request_, plain)
+    assert extra == pytest.approx(cost.b * 16 * 2 + 0.002)
 
 
 def test_early_rejection_when_the_best_estimate_misses_the_objective():
