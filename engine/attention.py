@@ -70,8 +70,8 @@ class PrefillSpan:
 
 @dataclass
 class DecodeBatch:
-    """Every decode row of the step, attended as one padded batch: row b's `query_lens[b]` query
-    tokens are the last of its `context_lens[b]` keys (one, or more to verify draft tokens)."""
+    """Decode rows of the step attended as one padded batch (the rows of one query token, or those
+    verifying drafts): row b's `query_lens[b]` query tokens are the last of its `context_lens[b]` keys."""
 
     token_index: torch.Tensor  # [B, Q] positions of the query tokens in the packed row (padding repeats)
     block_ids: torch.Tensor  # [B, max_blocks] block tables, padded with block 0

@@ -68,12 +68,12 @@ class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0
     quad_tokens: int = 0  # Σ new·(cached + new) over the chunks: the attention term of the cost model
-    keys_read: int = 0  # Σ (cached + new) over the chunks: the KV attention reads
     num_decode_seqs: int = 0
     num_preempted: int = 0
     forward_s: float = 0.0
     propose_s: float = 0.0  # drafting (speculative decoding)
     total_s: float = 0.0
+    keys_read: int = 0  # Σ (cached + new) over the chunks: the KV attention reads
 
 
 class LLMEngine:
@@ -247,7 +247,8 @@ class LLMEngine:
         decoding_quad = sum(s.num_computed_tokens + 1 for s in decoding)
         worth = DraftWorth()  # unmeasured: drafting is worth anything
         if cost.measured:  # an accepted draft token saves this step's time per decoding sequence
-            step_s = cost.step_s(prompt_tokens + len(decoding), decoding_quad, False, len(decoding), decoding_quad)
+            # one query per sequence: the attention term and the keys read are both its context
+            step_s = cost.step_s(prompt_tokens + len(decoding), decoding_quad, False, len(decoding), keys=decoding_quad)
             worth = DraftWorth(token_s=step_s / len(decoding), verify_s=cost.verify)
         drafts = proposer.propose(asking, worth)
         drafting = [(r, draft) for r, draft in zip(asking, drafts) if draft.tokens]

@@ -158,7 +158,7 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
     if engine.requests or not contexts:
         return []
     rng = random.Random(seed)
-    config, proposer, acceptance = engine.config, engine.proposer, engine.acceptance
+    config, proposer, acceptance, shape = engine.config, engine.proposer, engine.acceptance, engine.decode_step_shape
     drafts = _FixedDraft()
     engine.acceptance = WorkerRecord(acceptance.greedy.decay)
     if config.speculative is not None:
@@ -194,8 +194,9 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
                     if request_id in engine.requests:  # the blocks its output filled are cached too
                         ours.update(engine.requests[request_id].block_hashes)
                     engine.abort_request(request_id)
-    finally:  # its rejected drafts are no news of what requests accept
+    finally:  # its rejected drafts are no news of what requests accept, nor its steps of what they verify
         engine.config, engine.proposer, engine.acceptance = config, proposer, acceptance
+        engine.decode_step_shape = shape
         engine.pool.forget_cached(ours)
     engine.decode_step_costs.add_profile(samples)
     return samples

@@ -185,7 +185,9 @@ class Router:
         cost, status = decode.step_cost, decode.status
         ahead = decode.queued.values()
         queued = sum(cost.compute_s(q.new_tokens, q.cached_tokens) for q in ahead)
-        running = cost.step_s(decode.outstanding * status.step_tokens_per_seq, 0) + status.step_propose_s
+        running = cost.step_s(decode.outstanding * status.step_tokens_per_seq, 0)
+        if decode.outstanding:  # an empty batch drafts nothing
+            running += status.step_propose_s
         return queued + running + cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
 
     def _measured_local(self, request: RouteRequest, decode: WorkerRef, remote_estimate_s: float | None) -> bool:

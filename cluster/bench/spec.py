@@ -86,8 +86,9 @@ class OpenLoopFigures:
     objectives: dict[str, tuple[float, float]]  # name -> (TTFT, TPOT) seconds
     goodput: dict[str, dict[str, float]]  # system -> objective -> highest rate meeting it
     converged: dict[str, dict[str, bool]]
-    # The goodput target checked directly (a search resolves rates to 15% only): each speculative system
-    # run at MIN_THROUGHPUT_RATIO x off's goodput; system -> objective -> share of requests meeting it.
+    # The goodput target checked at one rate rather than between two searches' brackets (15% wide): each
+    # speculative system run at MIN_THROUGHPUT_RATIO x off's goodput (the highest rate off was measured to
+    # meet the objective at); system -> objective -> share of requests meeting it.
     at_target: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -347,6 +348,21 @@ def _lowest(ratios: dict[str, list[float]]) -> str:
                      for s, r in ratios.items() if r)
 
 
+def _goodput_verdict(at_target: dict[str, list[float]], ratios: dict[str, list[float]]) -> str:
+    """The goodput target's sentence: checked at 0.97x off's goodput where the run did (each system's
+    lowest share of requests meeting the objectives there), else from the searched goodputs' ratios."""
+    if any(at_target.values()):
+        return (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective "
+                f"(each system run at {MIN_THROUGHPUT_RATIO:g}× off's goodput, the highest rate off was measured to "
+                f"meet the objectives at; at least {TARGET_ATTAINMENT:.0%} of its requests must meet them there), "
+                "lowest share: " + "; ".join(f"{s} {min(r):.0%} ({'met' if min(r) >= TARGET_ATTAINMENT else 'MISSED'})"
+                                             for s, r in at_target.items() if r))
+    if any(ratios.values()):
+        return (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective, "
+                "lowest: " + _lowest(ratios))
+    return ""
+
+
 def markdown(results: dict) -> str:
     result = _from_json(results)
     spec = _speculative(result)
@@ -358,6 +374,8 @@ def markdown(results: dict) -> str:
                       for w, batches in result.runs.items() for b in batches] for s in spec}
     at_target = {s: [share for f in result.open_loop.values() for share in f.at_target.get(s, {}).values()]
                  for s in spec}
+    goodput = {s: [f.goodput[s][name] / f.goodput["off"][name] for f in result.open_loop.values()
+                   for name in f.objectives if f.goodput["off"][name]] for s in spec}
     repeats = len(next(iter(next(iter(result.runs.values())).values()))["off"])
     described = {
         "suffix": "suffix: the model-free proposer",
@@ -394,10 +412,6 @@ def markdown(results: dict) -> str:
         + f". Output tok/s with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without at every workload and batch, "
         "lowest: "
         + _lowest(throughput)
-        + (f". Goodput with speculation ≥ {MIN_THROUGHPUT_RATIO:g}× without on every workload and objective "
-           f"(finer than the search resolves: each system run at {MIN_THROUGHPUT_RATIO:g}× off's goodput, where "
-           f"at least {TARGET_ATTAINMENT:.0%} of its requests must meet the objectives), lowest share: "
-           + "; ".join(f"{s} {min(r):.0%} ({'met' if min(r) >= TARGET_ATTAINMENT else 'MISSED'})"
-                       for s, r in at_target.items() if r) if any(at_target.values()) else "") + ".",
+        + _goodput_verdict(at_target, goodput) + ".",
     ]
     return "\n".join(lines)

@@ -40,7 +40,7 @@ class DecodeCost:
     c: float = 0.0
     verify: float = 0.0
     per_seq: float = 0.0
-    gather: float = 0.0  # g: per key read
+    gather: float = 0.0  # g: per key read (a batch reads each row up to its longest: contexts alike, about Σ)
 
     @property
     def measured(self) -> bool:

@@ -122,6 +122,7 @@ class ShmChannel:
             self.control.close()
             raise
         self._closed = False
+        self._announced = False  # a frame named the segment to the receiver (which may have mapped it)
         self._closing = threading.Lock()  # two closes at once (a resend's and a lease expiry's): one acts
         self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
 
@@ -142,6 +143,7 @@ class ShmChannel:
                     np.copyto(segment.bytes[offset : offset + view.nbytes], np.frombuffer(view, dtype=np.uint8))
                     self.control.send(FRAME, [header.pack(), segment.name.encode(), _SLOT.pack(offset, view.nbytes)],
                                       tag=slot)
+                    self._announced = True
                 except BaseException:  # not sent (closed meanwhile): the slot is free again
                     segment.free.append(slot)
                     raise
@@ -162,10 +164,10 @@ class ShmChannel:
             self._closed = True
         self.control.close()  # a send waiting for a slot stops within one poll
         with self._lock:
-            # Nothing sent: the segment is as it was taken (a fresh one, still named, is mapped by the
-            # receiver of the next frame that uses it), so it goes back to the pool.
-            used = self.bytes_sent > 0 or bool(self.control.unanswered)
-            if used and (self.control.unanswered or self.segment.path is not None or not self.control.taken_whole):
+            # No frame named it: the segment is as it was taken (a fresh one, still named, is mapped by
+            # the receiver of the next frame that uses it), so it goes back to the pool.
+            if self._announced and (self.control.unanswered or self.segment.path is not None
+                                    or not self.control.taken_whole):
                 # Unanswered: the receiver may still read it. Never answered, or a frame refused before
                 # it was taken (the receiver could not map the segment, whose name the answer unlinked):
                 # it may not have mapped it. Either way: not reused, released on both sides.

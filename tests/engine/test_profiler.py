@@ -98,6 +98,7 @@ def test_the_decode_profile_measures_steps_verifying_each_draft_length_and_leave
     assert engine.decode_step_costs.cost.measured
     assert engine.proposer is proposer and engine.config.speculative.goodput_sizing  # put back
     assert engine.acceptance.greedy.rate(prior=0.5) == record  # its rejected drafts say nothing of requests'
+    assert engine.decode_step_shape.tokens_per_seq == 1.0  # nor of what their steps verify
     assert_pool_idle(engine)
     assert engine.pool.num_cached == 0  # its prompts' blocks forgotten
     busy = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=16 * 2**20, speculative=SpeculativeConfig()))

@@ -260,6 +260,9 @@ def test_a_speculating_decode_workers_running_batch_is_priced_with_its_drafts():
     request_, cost = request(100), StepCost(*COST)
     extra = Router.local_estimate_s(request_, speculating) - Router.local_estimate_s(request_, plain)
     assert extra == pytest.approx(cost.b * 16 * 2 + 0.002)
+    idle = worker("d", "decode")
+    idle.status = speculating.status
+    assert Router.local_estimate_s(request_, idle) == Router.local_estimate_s(request_, worker("d", "decode"))
 
 
 def test_early_rejection_when_the_best_estimate_misses_the_objective():
