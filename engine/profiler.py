@@ -31,6 +31,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import RequestOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative.draft import Draft, DraftRequest, DraftWorth, WorkerRecord
+from pdserve.engine.speculative.sizing import DecodeStepShape
 
 PROFILE_LENGTHS = (8, 32, 128, 512, 2048)
 ROUNDS = 2  # per length; the first is a warm-up
@@ -160,7 +161,7 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
     rng = random.Random(seed)
     config, proposer, acceptance, shape = engine.config, engine.proposer, engine.acceptance, engine.decode_step_shape
     drafts = _FixedDraft()
-    engine.acceptance = WorkerRecord(acceptance.greedy.decay)
+    engine.acceptance, engine.decode_step_shape = WorkerRecord(acceptance.greedy.decay), DecodeStepShape()
     if config.speculative is not None:
         engine.config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                                    goodput_sizing=False))
