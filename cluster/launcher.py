@@ -157,8 +157,10 @@ class Cluster:
         )
         stack = self.router_stack
         engine_config = {**m.engine_config(spec), "stored_step_cost": self._stored_cost(spec)}
-        if role == "prefill":  # it never decodes: no proposer, no draft model loaded
-            engine_config["speculative"] = None
+        if role == "prefill":  # it never decodes: no draft model loaded, unless it computes the draft's prompt KV
+            spec = m.speculative
+            sends = spec is not None and spec.draft_model is not None and spec.draft_kv == "send"
+            engine_config.update(speculative=engine_config["speculative"] if sends else None, draft_prompt_kv=sends)
         args: list[Any] = [name, model, engine_config, stack.tokens.address, self._transfer_settings()]
         kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name),
                                   "log_level": m.log_level}

@@ -239,10 +239,16 @@ class SpeculativeSpec(_Strict):
     draft_model: str | None = Field(
         None, description="draft_model and both: the draft model, as `model` names one (pystd-llama-draft is the "
                           "shipped model's; `pdserve train-draft` makes one for another Llama trained the same way). "
-                          "It must have the target's tokenizer, and be on every decode worker's node (a shipped "
-                          "model or preset is; a directory must be at the same path on each). Its KV pool holds as "
-                          "many tokens as the target's: memory on top of kv_memory_mb, in the ratio of its layers "
-                          "to the target's.")
+                          "It must have the target's tokenizer, and be on every decode worker's node (and every "
+                          "prefill worker's, with draft_kv: send; a shipped model or preset is; a directory must be "
+                          "at the same path on each). Its KV pool holds as many tokens as the target's: memory on "
+                          "top of kv_memory_mb, in the ratio of its layers to the target's.")
+    draft_kv: Literal["send", "recompute"] = Field(
+        "send", description="Disaggregated, with a draft model: where its prompt KV is computed. send: by the prefill "
+                            "worker beside the target's, and sent in the same transfer (the prompt pass takes the "
+                            "draft's share longer); recompute: by the decode worker, on the request's first drafting "
+                            "step (every request decoding beside it waits that long). `pdserve bench draft-kv` "
+                            "measures both.")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="Draft tokens per sequence per step at most.")
     max_match: int = Field(16, ge=1, le=256, description="suffix: the longest suffix of a request's tokens matched.")
     max_spec_factor: float = Field(1.0, gt=0, le=64, description="suffix: a draft is at most this many times as "

@@ -91,16 +91,17 @@ class DecodeWorker(WorkerBase):
     # --- KV transfer, receiving side ------------------------------------------------------------
     @ray.method(concurrency_group=RESERVE_GROUP)
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str] | None = None) -> Lease:
+                num_kv_tokens: int, codecs: list[str] | None = None, draft_kv: str | None = None) -> Lease:
         """Reserve blocks for an incoming request; the lease says which leading blocks are cached here,
-        the codec agreed (the first of `codecs` this worker can decode, else raw), where the
-        transports listen, and what recomputing the KV here would cost instead."""
+        the codec agreed (the first of `codecs` this worker can decode, else raw), whether the draft
+        model's KV is to come too (`draft_kv`: the sender's draft), where the transports listen, and
+        what recomputing the KV here would cost instead."""
         if self.fault is not None:
             raise TransferError(self.fault)
         if not request_id.startswith(PROBE_PREFIX):  # the launcher's transfer probes are no requests
             self.faults.took_request()
         lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                      codecs or ["raw"])
+                                      codecs or ["raw"], draft_kv)
         missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
         recompute_s = self.engine.step_costs.coefficients.prefill_s(missing, num_kv_tokens - missing)
         return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id,

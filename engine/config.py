@@ -30,6 +30,9 @@ class EngineConfig:
     # profile takes them instead of measuring (`engine.profiler.profile_prefill`); None: measure.
     stored_step_cost: StepCost | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # A prefill worker that sends the draft model's prompt KV (`SpeculativeConfig.draft_kv`): each prompt
+    # chunk is also run through the speculative settings' draft model, into its own KV pool.
+    draft_prompt_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -42,6 +45,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {self.prefill_chunk_size!r}")
+        if self.draft_prompt_kv and (self.speculative is None or self.speculative.draft_model is None):
+            raise ValueError("draft_prompt_kv needs speculative settings that name a draft model")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len!r}")
 

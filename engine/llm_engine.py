@@ -8,7 +8,9 @@ sees each layer's KV the moment the forward pass has written it; on the receivin
 then need no transfer), `import_kv` (or a direct write into the reserved blocks) fills them, and
 `commit_import(handoff)` queues the request for the batch (it takes the next free slot);
 `resume_request(handoff)` instead recomputes the KV from the tokens. `abort_request` frees whatever
-a request holds, in any state.
+a request holds, in any state. With a draft model, its prompt KV can travel too: the sending engine
+computes it beside the target's (`EngineConfig.draft_prompt_kv`; the layer hook numbers its layers
+after the target's), the receiving one reserves blocks for it (`begin_import(..., draft_kv=True)`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,6 +59,8 @@ class ImportReservation:
 
     block_ids: list[int]
     cached_blocks: int
+    # Blocks of the draft model's pool for the prompt's draft KV (asked for, and the pool had room); else empty.
+    draft_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -102,7 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
-        self.proposer = None if config.speculative is None else make_proposer(
+        self.proposer, self.draft_model = (None, None) if config.speculative is None else make_proposer(
             config.speculative, config, num_blocks, self.tokenizer.get_vocab(), self.vocab_size, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.last_step = StepStats()
@@ -191,6 +195,9 @@ class LLMEngine:
         quad = sum(c.num_tokens * (c.seq.num_computed_tokens + c.num_tokens) for c in plan.chunks)
         keys = sum(c.seq.num_computed_tokens + c.num_tokens for c in plan.chunks)
         logits = self.runner.execute(plan.chunks)
+        if self.config.draft_prompt_kv:
+            self._draft_prompt_pass([c for c in plan.chunks
+                                     if not c.seq.output_token_ids and self.draft_model.drafts_for(c.seq.params)])
         # A row per sampled position: a verifying chunk's newest token and each of its drafts.
         rows = [(c.seq, len(c.seq.output_token_ids) + j) for c in sampling for j in range(1 + len(c.draft))]
         tokens, logprobs = self.sampler(logits, *zip(*rows)) if rows else ([], [])
@@ -221,6 +228,13 @@ class LLMEngine:
                                            keys, self.last_step.total_s - propose_s)
             self.decode_step_shape.observe(plan.num_tokens, len(plan.chunks), propose_s)
         return outputs
+
+    def _draft_prompt_pass(self, prompts: list[ScheduledChunk]) -> None:
+        """The draft model's KV of these prompt chunks (`EngineConfig.draft_prompt_kv`), its layers
+        shown to the layer hook after the target's (layer `num_layers + i`)."""
+        hook, first = self.runner.layer_hook, self.kv_layout.num_layers
+        if prompts:
+            self.draft_model.prompt_pass(prompts, None if hook is None else lambda i, fed: hook(first + i, fed))
 
     def _propose(self, proposer: Proposer) -> None:
         """Draft tokens for every decoding sequence (no more than it could still generate), cut to the
@@ -347,6 +361,13 @@ class LLMEngine:
         """Call `hook(layer, chunks)` during each forward pass as soon as a layer's KV is written."""
         self.runner.layer_hook = hook
 
+    def layer_blocks(self, seq: Sequence, layer: int) -> list[int]:
+        """The blocks holding `seq`'s KV of `layer` (as the layer hook numbers them): the target's
+        layers', or past them the draft model's (`EngineConfig.draft_prompt_kv`)."""
+        if layer < self.kv_layout.num_layers:
+            return list(seq.block_table)
+        return self.draft_model.blocks_of(seq.request_id)
+
     def set_preempt_hook(self, hook: Callable[[str], None] | None) -> None:
         """Call `hook(request_id)` for each request a step preempts, before that step's forward pass
         writes into the blocks it gave up: whoever still reads that request's KV from its old blocks
@@ -388,9 +409,10 @@ class LLMEngine:
 
     # --- KV handoff: receiving side -------------------------------------------------------------
     def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     num_kv_tokens: int) -> ImportReservation:
+                     num_kv_tokens: int, draft_kv: bool = False) -> ImportReservation:
         """Reserve blocks for `num_kv_tokens` tokens of an incoming request, reusing the full leading
-        blocks this engine's prefix cache holds (the sender skips those).
+        blocks this engine's prefix cache holds (the sender skips those); `draft_kv`: and blocks of
+        the draft model's pool for their draft KV, where it has room (`ImportReservation`).
 
         Raises OutOfBlocks when the pool cannot hold them, ValueError for a bad request.
         """
@@ -412,7 +434,10 @@ class LLMEngine:
         seq.status = SequenceStatus.IMPORTING
         self.requests[seq.request_id] = seq
         self._import_targets[seq.request_id] = num_kv_tokens
-        return ImportReservation(list(seq.block_table), len(hits))
+        draft = self.draft_model
+        wanted = draft_kv and draft is not None and draft.drafts_for(params)
+        draft_blocks = draft.reserve_import(request_id, num_kv_tokens) if wanted else []
+        return ImportReservation(list(seq.block_table), len(hits), draft_blocks)
 
     def import_kv(self, kv: KVBlocks) -> None:
         seq = self.requests.get(kv.request_id)
@@ -424,9 +449,10 @@ class LLMEngine:
             raise ValueError(f"block indices {kv.block_indices} outside the {len(seq.block_table)} reserved")
         self.kv_cache.write([seq.block_table[i] for i in kv.block_indices], kv.data, kv.layer)
 
-    def commit_import(self, handoff: RequestHandoff, exact: bool = True) -> None:
+    def commit_import(self, handoff: RequestHandoff, exact: bool = True, draft_arrived: bool = False) -> None:
         """The KV is complete: add the tokens sampled so far and queue the request for the batch.
-        `exact`: False when the KV came through a lossy codec (it is then never cached as a prefix)."""
+        `exact`: False when the KV came through a lossy codec (it is then never cached as a prefix);
+        `draft_arrived`: the draft model's KV filled its reserved blocks too (else it is computed here)."""
         seq = self.requests.get(handoff.request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
             raise KeyError(f"request {handoff.request_id!r} has no import in progress")
@@ -443,6 +469,8 @@ class LLMEngine:
             seq.append_token(token, logprob)
         seq.num_computed_tokens = reserved
         seq.exact_kv = exact
+        if self.draft_model is not None:
+            self.draft_model.import_committed(seq.request_id, reserved if draft_arrived else 0)
         self.scheduler.publish_full_blocks(seq)
         self.scheduler.add_ready(seq)
 

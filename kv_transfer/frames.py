@@ -9,7 +9,9 @@ and at multiples of `frame_tokens` (CacheGen's context chunks); the receiver tra
 each layer arrived, so a layer sent again may be cut differently. The `LevelController` picks each
 frame's quality level. On CUDA, frames are read out on a side stream (`off_the_compute_stream`), to
 pinned host memory, or, for a channel whose payloads live on the GPU (NCCL) and the raw codec, not
-copied out at all.
+copied out at all. A transfer that carries the draft model's prompt KV too (its lease's
+`draft_layers`) sends its layers as layers `num_layers + i`, raw (CacheGen's tables are the target's),
+from the prompt's first token (the decode worker's draft keeps no prefix cache).
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ class FrameCutter:
 
     def __init__(self, transfer_id: str, channel: LayerChannel, controller: LevelController,
                  kv_cache: PagedKVCache, first_token: int, num_tokens: int,
-                 frame_tokens: int = FRAME_TOKENS, before_frame: Callable[[], None] = lambda: None) -> None:
+                 frame_tokens: int = FRAME_TOKENS, before_frame: Callable[[], None] = lambda: None,
+                 draft_cache: PagedKVCache | None = None) -> None:
         self.transfer_id = transfer_id
         # Called before each frame is read: may raise to stop the transfer (its blocks may be another's
         # by now); that the channel took the frame before is progress.
@@ -161,23 +164,33 @@ class FrameCutter:
         self.first_token = first_token  # the decode worker holds every token before it
         self.num_tokens = num_tokens
         self.frame_tokens = frame_tokens
-        self.num_layers = kv_cache.layout.num_layers
+        self.target_layers = kv_cache.layout.num_layers
+        self.draft_cache = draft_cache  # the draft model's KV, sent too (None: not this transfer's)
+        self._draft_raw = make_codec("raw", None, draft_cache.layout) if draft_cache is not None else None
+        self.num_layers = self.target_layers + (draft_cache.layout.num_layers if draft_cache is not None else 0)
         self.frames_sent = 0
         self.bytes_sent = 0  # payload bytes, over every channel the transfer used (a resend opens another)
         self.levels_used: dict[int, int] = {}  # level -> frames
-        self._token_layers_left = (num_tokens - first_token) * self.num_layers
-        self._sent_until = [first_token] * self.num_layers  # tokens before it are sent, per layer
+        # the target's token-layers the level controller must fit in the time left
+        self._token_layers_left = (num_tokens - first_token) * self.target_layers
+        # tokens before it are sent, per layer (the draft's layers start at the prompt's first)
+        self._sent_until = [first_token] * self.target_layers + [0] * (self.num_layers - self.target_layers)
 
     def send_through(self, layer: int, block_ids: list[int], end: int) -> None:
-        """Send what is not sent yet of `layer`'s tokens before `end` (their KV is final)."""
+        """Send what is not sent yet of `layer`'s tokens before `end` (their KV is final); nothing of a
+        draft layer this transfer does not carry."""
+        if layer >= self.num_layers:
+            return
         start = self._sent_until[layer]
         if end > start:
             self._send_range(layer, block_ids, start, end, resend=False)
             self._sent_until[layer] = end
 
-    def resend_layers(self, layers: list[int], block_ids: list[int]) -> None:
-        for layer in layers:
-            self._send_range(layer, block_ids, self.first_token, self._sent_until[layer], resend=True)
+    def resend_layers(self, layers: dict[int, list[int]]) -> None:
+        """Send these layers (each with the blocks holding it) once more, as far as they were sent."""
+        for layer, block_ids in layers.items():
+            first = self.first_token if layer < self.target_layers else 0
+            self._send_range(layer, block_ids, first, self._sent_until[layer], resend=True)
 
     def _send_range(self, layer: int, block_ids: list[int], start: int, end: int, resend: bool) -> None:
         while start < end:
@@ -188,17 +201,22 @@ class FrameCutter:
     def _send_frame(self, layer: int, block_ids: list[int], start: int, n: int, resend: bool) -> None:
         self.before_frame()
         device = self.channel.device
+        target = layer < self.target_layers
         with off_the_compute_stream(self.kv_cache.data.device):
             # Raw KV bound for a device (NCCL) goes there as it is; every other codec encodes on the host.
-            kv = read_kv(self.kv_cache, layer, block_ids, start, n,
-                         to_host=device is None or self.controller.codec.name != "raw")
-            codec, level, payload = self._encode(kv, layer, max(n, self._token_layers_left))
+            if target:
+                kv = read_kv(self.kv_cache, layer, block_ids, start, n,
+                             to_host=device is None or self.controller.codec.name != "raw")
+                codec, level, payload = self._encode(kv, layer, max(n, self._token_layers_left))
+            else:
+                kv = read_kv(self.draft_cache, layer - self.target_layers, block_ids, start, n, to_host=device is None)
+                codec, level, payload = self._draft_raw, 0, self._draft_raw.encode(kv, layer)
             header, payload = make_frame(self.transfer_id, layer, start, n, codec.name, level, payload, device)
             self.channel.send(header, payload)
         self.frames_sent += 1
         self.bytes_sent += header.payload_bytes
         self.levels_used[level] = self.levels_used.get(level, 0) + 1
-        if not resend:
+        if target and not resend:
             self._token_layers_left -= n
 
     def _encode(self, kv: torch.Tensor, layer: int, tokens_left: int) -> tuple[Codec, int, Payload]:

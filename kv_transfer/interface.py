@@ -98,6 +98,8 @@ class Lease:
     node_id: str = ""  # the decode worker's node (same node: shared memory)
     worker_id: str = ""  # the decode worker's name: a restarted one keeps it and listens on new addresses
     recompute_s: float | None = None  # the decode worker's estimate of recomputing the KV from the tokens
+    # The draft model's layers to send after the target's (layer num_layers + i, raw, from token 0); 0: none
+    draft_layers: int = 0
 
 
 class FrameSink(Protocol):

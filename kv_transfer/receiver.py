@@ -18,6 +18,12 @@ codec's own fault included), is counted and dropped; `commit` then names the lay
 incomplete, the sender sends their frames once more, and if they still do not arrive the request is
 recomputed here from its tokens (`commit(..., recompute=True)`).
 
+With a draft model on both sides (`SpeculativeConfig.draft_kv`: send), a reservation the sender asks
+for holds blocks of the draft's pool too, where it has room (the lease says how many draft layers to
+send: numbered after the target's, raw, from the prompt's first token). They are best effort: the
+commit waits for the target's layers only, and the draft KV counts only if it all arrived (else the
+draft's prompt pass runs here).
+
 An abort may arrive before the reservation it cancels (Ray runs a threaded actor's calls in any
 order); the request's (or the transfer's) tombstone makes that reservation fail.
 """
@@ -39,7 +45,8 @@ from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.codecs import Codec, frame_checksum, parse_offer, usable_codec
+from pdserve.engine.kv_cache import KVLayout, PagedKVCache
+from pdserve.kv_transfer.codecs import Codec, frame_checksum, make_codec, parse_offer, usable_codec
 from pdserve.kv_transfer.interface import CorruptFrame, FrameHeader, KVMemoryFull, Lease, TransferError, shown
 from pdserve.kv_transfer.side_streams import beside_the_engine, landed
 from pdserve.kv_transfer.state import Transfer, TransferState
@@ -58,16 +65,26 @@ class _Incoming:
     num_tokens: int
     codec: Codec
     expires_at: float  # time.monotonic(): a step of the wall clock must not expire every transfer
-    first_token: int  # the first token the transfer carries (those before are cached here)
-    written: np.ndarray  # [layer, token]: whether that token's KV of that layer has arrived intact
+    first_token: int  # the first token the target's layers carry (those before are cached here)
+    target_layers: int
+    # [layer, token]: whether that token's KV of that layer (the target's layers, then the draft's) arrived intact
+    written: np.ndarray
     # Frames are written into the blocks under `lock`, and only while the transfer takes frames: an
     # abort (failing the transfer) or the commit (handing the blocks to the engine) ends that under
     # the lock, so after any write under way.
     lock: threading.Lock = field(default_factory=threading.Lock)
     takes_frames: bool = True
 
+    def first_of(self, layer: int) -> int:
+        """The first token `layer` carries: the draft's layers carry the whole prompt."""
+        return self.first_token if layer < self.target_layers else 0
+
     def incomplete_layers(self) -> list[int]:
-        return np.flatnonzero(~self.written[:, self.first_token :].all(axis=1)).tolist()
+        """The target's layers still incomplete (the draft's are best effort: `draft_arrived`)."""
+        return np.flatnonzero(~self.written[: self.target_layers, self.first_token :].all(axis=1)).tolist()
+
+    def draft_arrived(self) -> bool:
+        return len(self.written) > self.target_layers and bool(self.written[self.target_layers :].all())
 
 
 class KVReceiver:
@@ -79,9 +96,14 @@ class KVReceiver:
         self.reserve_wait_s = reserve_wait_s
         self.layout = loop.engine.kv_layout
         self.kv_cache = loop.engine.kv_cache
+        draft = loop.engine.draft_model  # its prompt KV may come with the target's
+        self.draft_identity = draft.kv_identity if draft is not None else None
+        self.draft_cache: PagedKVCache | None = draft.runner.kv_cache if draft is not None else None
+        self._draft_raw = make_codec("raw", None, self.draft_cache.layout) if self.draft_cache is not None else None
+        self._refused_drafts: set[str] = set()  # draft KV offered unlike this worker's (logged once each)
         self.aborted = Tombstones()
         # frames, corrupt_frames, refused_frames (dropped: no open transfer, or one the frame cannot
-        # belong to), recomputed, bytes, cached_blocks
+        # belong to), recomputed, bytes, cached_blocks, draft_kv_arrived, draft_kv_incomplete
         self.counters: Counter[str] = Counter()  # under `_counting`: frames arrive on many threads at once
         self._counting = threading.Lock()
         self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
@@ -96,20 +118,25 @@ class KVReceiver:
 
     # --- control plane --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",)) -> Lease:
+                num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",),
+                draft_kv: str | None = None) -> Lease:
+        """`draft_kv`: the sender can send the draft model's prompt KV too, of the draft it names
+        (`DraftModelProposer.kv_identity`); taken when it is this worker's draft."""
         if self.closed is not None:
             raise TransferError(self.closed)
         transfer = Transfer(transfer_id, request_id)
         codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
-            reservation = self._reserve_blocks(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens)
+            reservation = self._reserve_blocks(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
+                                               self._takes_draft(draft_kv))
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
         transfer.advance(TransferState.TRANSFERRING)
+        draft_layers = self.draft_cache.layout.num_layers if reservation.draft_block_ids else 0
         incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.monotonic() + self.lease_s,
-                             reservation.cached_blocks * self.layout.block_size,
-                             np.zeros((self.layout.num_layers, num_kv_tokens), dtype=bool))
+                             reservation.cached_blocks * self.layout.block_size, self.layout.num_layers,
+                             np.zeros((self.layout.num_layers + draft_layers, num_kv_tokens), dtype=bool))
         with self._lock:
             closed = self.closed
             if closed is None:
@@ -122,7 +149,23 @@ class KVReceiver:
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
             raise TransferError(f"request {request_id!r} was aborted")
-        return Lease(transfer_id, reservation.num_blocks, self.lease_s, reservation.cached_blocks, codec.name)
+        return self._lease(incoming)
+
+    def _lease(self, incoming: _Incoming) -> Lease:
+        reservation = incoming.reservation
+        return Lease(incoming.transfer.transfer_id, reservation.num_blocks, self.lease_s, reservation.cached_blocks,
+                     incoming.codec.name, draft_layers=len(incoming.written) - incoming.target_layers)
+
+    def _takes_draft(self, offered: str | None) -> bool:
+        """Whether a sender's draft KV (`offered`: its draft's identity) can serve this worker's draft."""
+        if offered is None or self.draft_identity is None:
+            return False
+        if offered != self.draft_identity and offered not in self._refused_drafts:
+            if len(self._refused_drafts) < 64:  # bounded: a peer's text
+                self._refused_drafts.add(offered)
+            log.warning("draft KV %s refused: this decode worker's draft is %r (give both pools the same "
+                        "speculative settings); its draft's prompt pass runs here", shown(offered), self.draft_identity)
+        return offered == self.draft_identity
 
     def negotiate(self, offered: list[str] | tuple[str, ...]) -> Codec:
         """The first offered codec (`codecs.offers`) this side can decode, holding what the offer's
@@ -145,7 +188,7 @@ class KVReceiver:
         return codec
 
     def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams, num_kv_tokens: int) -> ImportReservation:
+                        params: SamplingParams, num_kv_tokens: int, draft_kv: bool) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
 
         def ended() -> bool:
@@ -157,7 +200,8 @@ class KVReceiver:
             if ended():
                 raise TransferError(self.closed or f"request {request_id!r} was aborted")
             try:
-                return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens),
+                return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens,
+                                                               draft_kv),
                                       timeout=max(1.0, deadline - time.monotonic()), kind="kv")
             except OutOfBlocks as e:
                 remaining = deadline - time.monotonic()
@@ -191,7 +235,7 @@ class KVReceiver:
             ended_most = self._ended.get(header.transfer_id)
         if incoming is not None:
             self._check_frame(incoming, header)
-            most = header.num_tokens * self.layout.bytes_per_token_layer
+            most = header.num_tokens * self._layout_of(incoming, header.layer).bytes_per_token_layer
         elif ended_most is not None:
             most = ended_most
         else:
@@ -201,14 +245,19 @@ class KVReceiver:
                                 f"(at most {most})")
 
     def _check_frame(self, incoming: _Incoming, header: FrameHeader) -> None:
-        if not 0 <= header.layer < self.layout.num_layers:
-            raise TransferError(f"layer {header.layer} outside [0, {self.layout.num_layers})")
-        if not incoming.first_token <= header.start_token < header.start_token + header.num_tokens \
-                <= incoming.num_tokens:
+        layers = len(incoming.written)
+        if not 0 <= header.layer < layers:
+            raise TransferError(f"layer {header.layer} outside [0, {layers})")
+        first = incoming.first_of(header.layer)
+        if not first <= header.start_token < header.start_token + header.num_tokens <= incoming.num_tokens:
             raise TransferError(f"frame tokens [{header.start_token}, {header.start_token + header.num_tokens}) "
-                                f"outside the [{incoming.first_token}, {incoming.num_tokens}) this transfer carries")
-        if header.codec not in (incoming.codec.name, "raw"):
-            raise TransferError(f"frame in codec {shown(header.codec)}, {incoming.codec.name!r} was agreed")
+                                f"outside the [{first}, {incoming.num_tokens}) this transfer carries")
+        agreed = incoming.codec.name if header.layer < incoming.target_layers else "raw"  # the draft's: raw
+        if header.codec not in (agreed, "raw"):
+            raise TransferError(f"frame in codec {shown(header.codec)}, {agreed!r} was agreed")
+
+    def _layout_of(self, incoming: _Incoming, layer: int) -> KVLayout:
+        return self.layout if layer < incoming.target_layers else self.draft_cache.layout
 
     def receive_frame(self, header: FrameHeader, payload: memoryview | torch.Tensor) -> None:
         with beside_the_engine(self.kv_cache.data.device):
@@ -239,14 +288,19 @@ class KVReceiver:
             self._count("refused_frames")
             self.abort(header.transfer_id, str(e))
             raise
-        slots = self.kv_cache.token_slots(incoming.reservation.block_ids, header.start_token, header.num_tokens)
+        if header.layer < incoming.target_layers:
+            cache, block_ids, layer = self.kv_cache, incoming.reservation.block_ids, header.layer
+        else:
+            cache, block_ids = self.draft_cache, incoming.reservation.draft_block_ids
+            layer = header.layer - incoming.target_layers
+        slots = cache.token_slots(block_ids, header.start_token, header.num_tokens)
         with incoming.lock:
             if not incoming.takes_frames or incoming.transfer.state.is_terminal:
                 self._count("refused_frames")
                 raise TransferError(f"transfer {shown(header.transfer_id)} already ended "
                                     f"({incoming.transfer.error or 'committing'})")
             try:
-                self.kv_cache.write_tokens(header.layer, slots, kv)
+                cache.write_tokens(layer, slots, kv)
             finally:
                 landed(self.kv_cache.data.device)
             incoming.written[header.layer, header.start_token : header.start_token + header.num_tokens] = True
@@ -269,16 +323,20 @@ class KVReceiver:
         """The KV of a frame whose checksum holds; TransferError for a frame that could not belong to
         this transfer, CorruptFrame for one that does not decode (for whatever reason)."""
         self._check_frame(incoming, header)
-        codec = incoming.codec if header.codec == incoming.codec.name else self.negotiate(["raw"])
+        layout = self._layout_of(incoming, header.layer)
+        if header.layer >= incoming.target_layers:  # the draft's KV
+            codec = self._draft_raw
+        else:
+            codec = incoming.codec if header.codec == incoming.codec.name else self.negotiate(["raw"])
         try:
-            kv = codec.decode(payload, header.layer, header.level, header.num_tokens, self.layout.dtype)
+            kv = codec.decode(payload, header.layer, header.level, header.num_tokens, layout.dtype)
         except (CorruptFrame, TransferError):
             raise
         except Exception as e:  # a fault of the codec's own (a bug): the frame is dropped as one that does
             # not decode, so the request is recomputed here at worst
             self._give_up_on(codec, e)
             raise CorruptFrame(f"codec {codec.name!r} failed on it: {type(e).__name__}: {e}") from e
-        expected = (2, header.num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+        expected = (2, header.num_tokens, layout.num_kv_heads, layout.head_dim)
         if tuple(kv.shape) != expected:
             self._give_up_on(codec, ValueError(f"decoded to shape {tuple(kv.shape)}, not {expected}"))
             raise CorruptFrame(f"codec {codec.name!r} decoded it to shape {tuple(kv.shape)}, not {expected}")
@@ -303,10 +361,7 @@ class KVReceiver:
     # --- control plane, continued ---------------------------------------------------------------
     def renew(self, transfer_id: str) -> Lease:
         """Extend a lease whose transfer is still making progress on the sending side."""
-        incoming = self._extend(self._get(transfer_id))
-        reservation = incoming.reservation
-        return Lease(transfer_id, reservation.num_blocks, self.lease_s, reservation.cached_blocks,
-                     incoming.codec.name)
+        return self._lease(self._extend(self._get(transfer_id)))
 
     def _extend(self, incoming: _Incoming) -> _Incoming:
         incoming.expires_at = time.monotonic() + self.lease_s
@@ -343,13 +398,16 @@ class KVReceiver:
             if recompute:
                 engine.resume_request(handoff)
             else:
-                engine.commit_import(handoff, incoming.codec.lossless)
+                engine.commit_import(handoff, incoming.codec.lossless, draft_arrived)
 
+        draft_arrived = incoming.draft_arrived()
         try:
             self.loop.call(admit, kind="kv")
             if recompute:
                 self._count("recomputed")
                 log.warning("request %s: KV did not arrive intact, recomputing it here", handoff.request_id)
+            elif len(incoming.written) > incoming.target_layers:  # a draft KV was reserved for
+                self._count("draft_kv_arrived" if draft_arrived else "draft_kv_incomplete")
         except Exception as e:
             incoming.transfer.fail(f"commit failed: {e}")
             self.loop.post(lambda eng: eng.abort_request(handoff.request_id))
@@ -431,8 +489,9 @@ class KVReceiver:
         """Take an open transfer out, remembering it among those that ended. Under `_lock`."""
         incoming = self._incoming.pop(transfer_id, None)
         if incoming is not None:
-            carried = incoming.num_tokens - incoming.first_token
-            self._ended[transfer_id] = carried * self.layout.bytes_per_token_layer
+            widest = max(self._layout_of(incoming, layer).bytes_per_token_layer
+                         for layer in (0, len(incoming.written) - 1))
+            self._ended[transfer_id] = incoming.num_tokens * widest  # the draft's layers carry the whole prompt
             if len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
         return incoming

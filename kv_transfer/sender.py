@@ -75,7 +75,8 @@ class DecodePeer(Protocol):
     name: str  # for messages
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str]) -> Future[Lease]: ...
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
+        """`draft_kv`: this side can send the draft model's prompt KV too, of the draft it names."""
 
     def renew(self, transfer_id: str) -> Future[Lease]: ...
 
@@ -84,6 +85,14 @@ class DecodePeer(Protocol):
 
     def abort(self, transfer_id: str, reason: str) -> None:
         """Free the reservation there (best effort: its lease frees it anyway)."""
+
+
+@dataclass(frozen=True)
+class DraftKV:
+    """The draft model's KV on a prefill worker that sends it (`EngineConfig.draft_prompt_kv`)."""
+
+    identity: str  # `DraftModelProposer.kv_identity`: a decode worker takes it only for the same draft
+    kv_cache: PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -228,9 +237,11 @@ class KVSender:
     def __init__(self, settings: TransferSettings, kv_cache: PagedKVCache, codecs: dict[str, Codec],
                  on_end: Callable[[OutgoingKV, TransferOutcome], None],
                  on_crash: Callable[[BaseException], None],
-                 node_id: str = "", wrap_channel: Callable[[LayerChannel], LayerChannel] = lambda c: c) -> None:
+                 node_id: str = "", wrap_channel: Callable[[LayerChannel], LayerChannel] = lambda c: c,
+                 draft: DraftKV | None = None) -> None:
         self.settings = settings
         self.kv_cache = kv_cache
+        self.draft = draft  # the draft model's prompt KV, offered with each reservation
         self.codecs = codecs  # by name, in the order they are offered; raw among them
         self.node_id = node_id
         self._on_end = on_end
@@ -258,7 +269,8 @@ class KVSender:
         `arrived`: when the request came (wall clock), which its TTFT objective counts from."""
         transfer = Transfer(uuid.uuid4().hex, request_id)
         reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params,
-                                   len(prompt_token_ids), offers(self.codecs))
+                                   len(prompt_token_ids), offers(self.codecs),
+                                   self.draft.identity if self.draft is not None else None)
         slo = self.settings.ttft_slo_s
         kv = OutgoingKV(transfer, prompt_token_ids, params, new_tokens, peer, self._link(peer), reservation,
                         time.monotonic() + self.settings.deadlines.reservation_bound_s,
@@ -593,9 +605,10 @@ class KVSender:
         if kv.transfer.state.is_terminal:
             return
         channel = self._open_channel(kv.lease, kv.transfer.transfer_id)
+        draft = self.draft.kv_cache if self.draft is not None and kv.lease.draft_layers else None
         cutter = FrameCutter(kv.transfer.transfer_id, channel, controller, self.kv_cache, first,
                              len(kv.prompt_token_ids), self.settings.frame_tokens,
-                             before_frame=lambda: self._frame_due(kv))
+                             before_frame=lambda: self._frame_due(kv), draft_cache=draft)
         with kv.lock:
             owned = not kv.ended
             if owned:
@@ -637,12 +650,12 @@ class KVSender:
             owned = not kv.ended
             if owned:
                 kv.cutter.channel = fresh
-            block_ids = kv.written[max(kv.written)][1]
+            blocks = {layer: kv.written[layer][1] for layer in layers}
         _close_logged(old)
         if not owned:
             _close_logged(fresh)
             return
-        kv.cutter.resend_layers(layers, block_ids)
+        kv.cutter.resend_layers(blocks)
 
     def _close(self, channel: LayerChannel, drain: bool) -> None:
         """Close a channel; one of a transfer that ended early once its frames in flight are answered

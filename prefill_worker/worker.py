@@ -44,7 +44,7 @@ from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import usable_codec
 from pdserve.kv_transfer.interface import Lease
-from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
+from pdserve.kv_transfer.sender import DraftKV, KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
 from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
@@ -66,9 +66,9 @@ class RayDecodePeer:
         self.name = "its decode worker"  # until a lease names it
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str]) -> Future[Lease]:
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
         return self.handle.reserve.remote(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                          codecs).future()
+                                          codecs, draft_kv).future()
 
     def renew(self, transfer_id: str) -> Future[Lease]:
         return self.handle.renew_lease.remote(transfer_id).future()
@@ -110,9 +110,11 @@ class PrefillWorker(WorkerBase):
         self.engine.set_preempt_hook(self._on_preempted)
         self.max_queued = max_queued
         codecs = self._usable_codecs(self.kv.codecs)  # by name, in the order they are offered
+        draft = self.engine.draft_model if self.engine.config.draft_prompt_kv else None
         self.sender = KVSender(self.kv, self.engine.kv_cache, codecs, self._transfer_ended,
                                lambda e: self._on_fault(f"KV sender failed: {type(e).__name__}: {e}"),
-                               node_id=self.node_id, wrap_channel=self.faults.channel)
+                               node_id=self.node_id, wrap_channel=self.faults.channel,
+                               draft=DraftKV(draft.kv_identity, draft.runner.kv_cache) if draft is not None else None)
         self._jobs: dict[str, _Job] = {}
         self.aborted = Tombstones()
         self._peers: dict[Any, RayDecodePeer] = {}  # decode worker's actor handle -> its peer
@@ -323,13 +325,14 @@ class PrefillWorker(WorkerBase):
 
     # --- on the engine loop thread --------------------------------------------------------------
     def _push_layer(self, layer: int, chunks: list[ScheduledChunk]) -> None:
-        """A layer of these chunks is written: the KV of every token before its end is final, and its
-        blocks stay held until the job ends (the sender may read them later)."""
+        """A layer of these chunks is written (the target's, or past them the draft model's): the KV of
+        every token before its end is final, and its blocks stay held until the job ends (the sender
+        may read them later)."""
         for chunk in chunks:
             job = self._jobs.get(chunk.seq.request_id)
             if job is not None and job.kv is not None:
                 self.sender.layer_written(job.kv, layer, chunk.seq.num_computed_tokens + chunk.num_tokens,
-                                          list(chunk.seq.block_table))
+                                          self.engine.layer_blocks(chunk.seq, layer))
 
     def _on_preempted(self, request_id: str) -> None:
         """The engine gave up the request's blocks (its KV memory is full), and another request may write

@@ -86,6 +86,7 @@ class WorkerStatus:
     transfers: int  # KV transfers in flight, either side
     step_cost: StepCost  # fitted from its measured steps
     step_budget: int  # tokens one engine step computes at most
+    draft_blocks: int = 0  # blocks its draft model's KV pool holds (speculative decoding with a draft model)
     # Prefill only:
     jobs: int = 0  # requests queued or handing their KV off
     chunk_tokens: int = 0  # the longest prompt chunk one step computes (LAPS's chunk, else the step budget)
@@ -100,10 +101,10 @@ class WorkerStatus:
 
     @property
     def holdings(self) -> dict[str, int]:
-        """What it holds (only the nonzero): KV blocks beyond its prefix cache, requests in its engine,
-        transfers and queued jobs. Nothing, when idle."""
-        held = {"blocks": self.kv.held_blocks, "requests": self.requests, "transfers": self.transfers,
-                "jobs": self.jobs}
+        """What it holds (only the nonzero): KV blocks beyond its prefix cache (its draft model's too),
+        requests in its engine, transfers and queued jobs. Nothing, when idle."""
+        held = {"blocks": self.kv.held_blocks, "draft_blocks": self.draft_blocks, "requests": self.requests,
+                "transfers": self.transfers, "jobs": self.jobs}
         return {k: v for k, v in held.items() if v}
 
 

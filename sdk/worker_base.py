@@ -59,12 +59,15 @@ class WorkerBase:
     def status(self, transfers: int, **role: Any) -> WorkerStatus:
         """The health report: the part every role has, `role` the role's own fields."""
         engine = self.engine
+        draft = engine.draft_model
         return WorkerStatus(worker_id=self.worker_id, node_id=self.node_id, node_ip=self.node_ip,
                             model_digest=self.model_digest, alive=self.fault is None and self.loop.running,
                             fault=self.fault, profiled=self._profiled, kv=engine.pool.status(),
                             requests=len(engine.requests), transfers=transfers,
                             step_cost=engine.step_costs.coefficients,
-                            step_budget=engine.config.max_num_batched_tokens, **role)
+                            step_budget=engine.config.max_num_batched_tokens,
+                            draft_blocks=draft.pool.num_blocks - draft.pool.num_free if draft is not None else 0,
+                            **role)
 
     def common_stats(self) -> dict[str, Any]:
         return {"loop": vars(self.loop.busy), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

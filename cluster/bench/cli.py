@@ -267,11 +267,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--out", default="bench-results/spec.json", help="results file (default: %(default)s)")
     _docs_option(bsp)
     bsp.set_defaults(func=_bench_spec)
-    bd = bench_sub.add_parser("draft-kv", help="disaggregated speculation: the draft model's prompt KV recomputed on "
-                                               "the decode worker against sent with the target's",
-                              description="What a draft model's prompt KV costs a disaggregated deployment: its "
-                                          "prompt pass on the decode worker (what pdserve does) against sending it "
-                                          "through each KV transport, per prompt length, in one run.",
+    bd = bench_sub.add_parser("draft-kv", help="disaggregated speculation: the draft model's prompt KV sent with the "
+                                               "target's against recomputed on the decode worker",
+                              description="What a draft model's prompt KV costs a disaggregated deployment: sent "
+                                          "(the prefill worker's prompt pass with the draft's beside it, and its "
+                                          "bytes through each KV transport) against its prompt pass on the decode "
+                                          "worker, per prompt length, in one run.",
                               **examples("pdserve bench draft-kv --docs docs/benchmarks.md",
                                          "pdserve bench draft-kv --tokens 384 --repeats 1   # a quick look"))
     bd.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")

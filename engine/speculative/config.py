@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = frozenset({"suffix", "draft_model", "both"})
+DRAFT_KV_WAYS = frozenset({"send", "recompute"})
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class SpeculativeConfig:
     # Each step's draft lengths chosen to raise its goodput from the measured decode-step cost, the
     # proposer's estimates and each request's record (`engine.speculative.sizing`); False: drafts whole.
     goodput_sizing: bool = True
+    # Disaggregated deployments with a draft model: the draft's prompt KV computed by the prefill worker
+    # beside the target's and sent with it ("send"), or computed by the decode worker on the request's
+    # first drafting step ("recompute").
+    draft_kv: str = "send"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -36,6 +41,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} " + (
                 "needs draft_model: a model with the target's tokenizer (pystd-llama-draft for pystd-llama)"
                 if self.draft_model is None else "takes no draft_model (draft_model and both do)"))
+        if self.draft_kv not in DRAFT_KV_WAYS:
+            raise ValueError(f"draft_kv must be one of {sorted(DRAFT_KV_WAYS)}, got {self.draft_kv!r}")
         for name in ("max_draft_tokens", "max_match"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -4,8 +4,7 @@ Leviathan et al. 2023, Chen et al. 2023).
 The draft model has the target's tokenizer and runs in the same engine, on the same device, through
 the same paged attention, with a KV pool of its own holding as many tokens as the target's. Each
 sequence keeps its draft KV between steps: a step first feeds the tokens the draft has not seen (the
-whole prompt the first time: in a disaggregated deployment the draft's prompt KV is computed on the
-decode worker, not sent; `pdserve bench draft-kv` measures both ways; then the tokens accepted since),
+whole prompt the first time, unless it arrived with the target's; then the tokens accepted since),
 then extends every drafting sequence by one greedy token per pass, all sequences batched in each pass.
 A sequence stops drafting when the estimated chance that the target accepts its whole path falls under
 `min_token_prob` (`_token_chance`: for a sampled request the product of the guesses' probabilities
@@ -19,6 +18,13 @@ are accepted rarely, or where a decode step is cheap per sequence (large batches
 stops running at all; as a request's old failures fade it is tried again.
 Draft tokens the target rejects leave stale KV behind the sequence's verified length: it is
 overwritten when those positions are fed again, and never attended before.
+
+In a disaggregated deployment the draft's prompt KV can travel with the target's
+(`SpeculativeConfig.draft_kv`; `pdserve bench draft-kv` measures both ways): the prefill worker runs
+each prompt chunk through the draft too (`prompt_pass`, from the prompt's first token: the draft keeps
+no prefix cache), the KV transfer sends its layers after the target's, and the decode worker reserves
+blocks for them with the target's (`reserve_import`) and takes them as the sequence's draft KV when
+they all arrived (`import_committed`); else the draft's prompt pass runs there, as without a transfer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +43,8 @@ from pdserve.engine.cost_model import OnlineFit
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import ModelRunner, TokenRun
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sequence import REQUEST_RECORD_DECAY, Sequence
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.engine.speculative.draft import (
@@ -93,6 +102,7 @@ class _DraftState:
     guess_probabilities: list[float] = field(default_factory=list)  # of its tokens, under the draft model
     proposed_at: int = -1  # the sequence's output length when it was proposed
     used_at: int = 0  # the proposer's call that last reserved blocks for it (the least recent lose them first)
+    importing: bool = False  # its blocks await its prompt's draft KV from a transfer: never dropped meanwhile
     # What the draft's guesses for this sequence were worth lately (each pass's `_token_chance`): a
     # sequence it cannot guess for is not worth passes, whatever its record of verified drafts says.
     confidence: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
@@ -220,18 +230,23 @@ class DraftModelProposer:
         need = -(-(seq.num_tokens + request.max_tokens) // self.block_size) - len(state.blocks)
         if need <= 0:
             return True
-        drafting = {r.seq.request_id for r in batch}
-        idle = sorted((s.used_at, rid) for rid, s in self._states.items() if rid not in drafting and s.blocks)
+        if not self._make_room(need, keep={r.seq.request_id for r in batch}):
+            return False
+        state.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def _make_room(self, need: int, keep: set[str]) -> bool:
+        """Whether `need` blocks are free, after dropping the draft KV of the sequences drafted for
+        longest ago (as few as needed; not those in `keep`, nor one awaiting its draft KV)."""
+        idle = sorted((s.used_at, rid) for rid, s in self._states.items()
+                      if rid not in keep and s.blocks and not s.importing)
         for _, rid in idle:
             if self.pool.can_allocate(need):
                 break
             dropped = self._states[rid]
             self.pool.free(dropped.blocks)
             dropped.blocks, dropped.computed, dropped.fed = [], 0, []
-        if not self.pool.can_allocate(need):
-            return False
-        state.blocks.extend(self.pool.allocate(need))
-        return True
+        return self.pool.can_allocate(need)
 
     def _behind(self, seq: Sequence) -> int:
         state = self._states.get(seq.request_id)
@@ -281,3 +296,64 @@ class DraftModelProposer:
             state.fed.append(drafted[-1])
         else:
             state.computed, state.fed = len(seq.token_ids), []
+
+    # --- the draft's prompt KV handed over (disaggregated deployments) ----------------------------
+    @property
+    def kv_identity(self) -> str:
+        """What the two sides of a transfer must hold alike for one's draft KV to serve the other: the
+        draft model named, and the shape of its KV."""
+        layout = self.runner.kv_cache.layout
+        return (f"{self.config.draft_model}|{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}|{layout.dtype}"
+                f"|{self.block_size}")
+
+    def drafts_for(self, params: SamplingParams) -> bool:
+        """Whether this draft model may draft for a request with `params` (its prompt KV is worth computing)."""
+        return params.speculative and (self.config.method == "draft_model" or params.proposer != "suffix")
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        state = self._states.get(request_id)
+        return list(state.blocks) if state is not None else []
+
+    def prompt_pass(self, chunks: list[ScheduledChunk], on_layer_written: Callable[[int, list[ScheduledChunk]], None]
+                    | None = None) -> None:
+        """On a prefill worker, after the target's pass over these prompt chunks: the draft's KV of each
+        sequence's tokens up to its chunk's end, from the first its draft KV lacks (the draft keeps no
+        prefix cache: a prompt the target found cached is fed from its start). A sequence whose draft
+        KV the pool cannot hold is left out (its decode worker computes it). `on_layer_written(layer,
+        chunks fed)` as each of the draft's layers is written."""
+        fed: list[ScheduledChunk] = []
+        runs: list[TokenRun] = []
+        for chunk in chunks:
+            seq = chunk.seq
+            state = self._states.setdefault(seq.request_id, _DraftState())
+            end = seq.num_computed_tokens + chunk.num_tokens
+            need = -(-end // self.block_size) - len(state.blocks)
+            if need > 0 and not self.pool.can_allocate(need):
+                continue
+            if need > 0:
+                state.blocks.extend(self.pool.allocate(need))
+            runs.append(TokenRun(seq.token_ids[state.computed : end], state.computed, state.blocks, as_decode=False,
+                                 num_logits=0))
+            fed.append(chunk)
+        if not runs:
+            return
+        self.runner.forward(runs, None if on_layer_written is None else lambda layer: on_layer_written(layer, fed))
+        for chunk, run in zip(fed, runs):
+            state = self._states[chunk.seq.request_id]
+            state.computed, state.fed = run.first_position + len(run.input_ids), []
+
+    def reserve_import(self, request_id: str, num_tokens: int) -> list[int]:
+        """On a decode worker: blocks for an incoming request's draft KV of `num_tokens` tokens, kept
+        until `import_committed`; none when the pool cannot hold them even after dropping idle
+        sequences' draft KV (the draft's prompt pass then runs here)."""
+        need = -(-num_tokens // self.block_size)
+        if not self._make_room(need, keep={request_id}):
+            return []
+        state = self._states[request_id] = _DraftState(self.pool.allocate(need), used_at=self._calls, importing=True)
+        return list(state.blocks)
+
+    def import_committed(self, request_id: str, num_tokens: int) -> None:
+        """The request's draft KV of its first `num_tokens` tokens arrived in its reserved blocks (0: none did)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            state.importing, state.computed, state.fed = False, num_tokens, []

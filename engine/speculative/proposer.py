@@ -56,15 +56,15 @@ class SuffixThenModel:
 
 
 def make_proposer(config: SpeculativeConfig, engine: EngineConfig, num_blocks: int, target_vocab: dict[str, int],
-                  target_vocab_size: int, max_model_len: int) -> Proposer:
-    """The proposer a deployment's speculative settings name; a draft model gets a KV pool of
-    `num_blocks` blocks, as many tokens as the target's."""
+                  target_vocab_size: int, max_model_len: int) -> tuple[Proposer, DraftModelProposer | None]:
+    """The proposer a deployment's speculative settings name, and its draft model if it has one (which
+    gets a KV pool of `num_blocks` blocks, as many tokens as the target's)."""
     if config.method == "suffix":
-        return SuffixProposer(config)
+        return SuffixProposer(config), None
     from pdserve.engine.models.presets import resolve_model  # only a draft model needs the model registry
 
     assert config.draft_model is not None  # SpeculativeConfig's check: a method with a model names one
     model = DraftModelProposer(config, resolve_model(config.draft_model), engine.torch_dtype, engine.device,
                                engine.block_size, num_blocks, target_vocab, target_vocab_size, max_model_len,
                                catch_up_tokens=engine.chunk_limit)
-    return model if config.method == "draft_model" else SuffixThenModel(SuffixProposer(config), model)
+    return (model if config.method == "draft_model" else SuffixThenModel(SuffixProposer(config), model)), model

@@ -1,5 +1,5 @@
-"""`pdserve bench draft-kv`, run small: the draft's prompt pass and its KV through the transports, and
-its section of the docs."""
+"""`pdserve bench draft-kv`, run small: the prompt pass with and without the draft's beside it, the
+draft's prompt pass alone and its KV through the transports, and its section of the docs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def test_the_draft_kv_benchmark_times_recomputing_and_sending_and_writes_its_sec
                                     transports=("tcp",), repeats=2, out=out), log=lambda _: None)
     assert [r["tokens"] for r in result["rows"]] == [64, 200]
     assert all(r["recompute_s"] > 0 and r["target_kv_bytes"] == 2 * r["draft_kv_bytes"] for r in result["rows"])
+    assert all(r["prefill_with_draft_s"] > 0 and r["prefill_s"] > 0 for r in result["rows"])
     assert {(s["transport"], s["tokens"]) for s in result["sends"]} == {("tcp", 64), ("tcp", 200)}
     assert all(s["bytes"] == r["draft_kv_bytes"] for s, r in zip(result["sends"], result["rows"]))
     page = tmp_path / "benchmarks.md"
@@ -24,3 +25,4 @@ def test_the_draft_kv_benchmark_times_recomputing_and_sending_and_writes_its_sec
     publish(page, key_of(results), results)
     text = page.read_text()
     assert "the draft model's prompt KV" in text and "| 200 |" in text and "sent by tcp (ms)" in text
+    assert "with the draft's (ms)" in text

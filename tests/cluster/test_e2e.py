@@ -16,7 +16,7 @@ import grpc
 import pytest
 import ray
 from cluster_helpers import (assert_aborted, assert_idle, manifest, on_worker, record_engine_aborts, wait_clean_audit,
-                             wait_for_lifetime_record)
+                             wait_for_lifetime_record, wait_until_idle)
 from helpers import random_prompts, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -90,6 +90,10 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
         assert results[0].accepted_draft_tokens > 0
         if cluster.manifest.speculative.method == "both":  # the random prompt, by the draft model alone
             assert_acceptance_as_colocated(cluster, prompts[1], picked)
+            # every request's draft KV came with the target's (sent by default): none computed on the decode side
+            counts = [s.receiver_counts for s in wait_until_idle(cluster) if s.receiver_counts]
+            assert sum(c.get("draft_kv_arrived", 0) for c in counts) >= 4
+            assert not any(c.get("draft_kv_incomplete") for c in counts)
         with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as page:
             metrics = page.read().decode()
         accepted = re.findall(r'^pdserve_spec_accepted_draft_tokens_total\{worker="[^"]+"\} (\S+)$', metrics, re.M)
@@ -98,7 +102,7 @@ def test_speculative_decoding_keeps_outputs_exact_and_reports_its_drafts(cluster
 
 
 def assert_acceptance_as_colocated(cluster: Cluster, prompt: list[int], result) -> None:
-    """The draft model accepted as much on the decode worker (its prompt KV computed there) as in one
+    """The draft model accepted as much on the decode worker (its prompt KV sent by the prefill worker) as in one
     engine that prefills and decodes: the draft saw the same tokens (its drafts are whole and verified
     whole, not sized by measured times)."""
     m = cluster.manifest

@@ -8,13 +8,15 @@ back to fully free, and a committed request decodes exactly what transformers' `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+import torch
 from helpers import random_prompts
 from helpers import assert_pool_idle, wait_until
 
@@ -22,10 +24,11 @@ from pdserve.deadlines import KVDeadlines
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.kv_transfer.codecs import make_codec
 from pdserve.kv_transfer.interface import KVMemoryFull, Lease, TransferError
 from pdserve.kv_transfer.receiver import KVReceiver
-from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
+from pdserve.kv_transfer.sender import DraftKV, KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
 from pdserve.kv_transfer.transports import start_receiver
@@ -75,9 +78,10 @@ class LocalPeer:
         return self._pool.submit(run)
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str]) -> Future[Lease]:
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
         def reserve() -> Lease:
-            lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens, codecs)
+            lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens, codecs,
+                                          draft_kv)
             return dataclasses.replace(lease, addresses=self.addresses, node_id="node", worker_id=self.name,
                                        recompute_s=self.recompute_s)
 
@@ -120,7 +124,8 @@ class Sides:
         request_id = f"r{len(self.ended)}-{time.monotonic_ns()}"
         kv = sender.start(request_id, prompt, GREEDY, len(prompt), peer or self.peer, time.time())
         self.prefill.set_layer_hook(lambda layer, chunks: [
-            sender.layer_written(kv, layer, c.seq.num_computed_tokens + c.num_tokens, list(c.seq.block_table))
+            sender.layer_written(kv, layer, c.seq.num_computed_tokens + c.num_tokens,
+                                 self.prefill.layer_blocks(c.seq, layer))
             for c in chunks])
         self.prefill.add_request(prompt, GREEDY, request_id, prefill_only=True)
         while self.prefill.has_unfinished_requests():
@@ -139,12 +144,19 @@ class Sides:
 
     def assert_idle(self) -> None:
         assert wait_until(lambda: self.receiver.num_in_flight == 0 and not self.decode.requests
-                          and self.decode.pool.num_free == self.decode.pool.num_blocks, 10), \
+                          and self.decode.pool.num_free == self.decode.pool.num_blocks
+                          and draft_pool_free(self.decode), 10), \
             (self.receiver.num_in_flight, list(self.decode.requests))
         for request_id in list(self.prefill.requests):
             self.prefill.release(request_id)
         assert_pool_idle(self.prefill)
+        assert draft_pool_free(self.prefill)
         assert wait_until(lambda: all(sender.num_transfers() == 0 for sender in self.senders), 10)
+
+
+def draft_pool_free(engine: LLMEngine) -> bool:
+    draft = engine.draft_model
+    return draft is None or draft.pool.num_free == draft.pool.num_blocks
 
 
 KV_DEADLINES = {f.name for f in dataclasses.fields(KVDeadlines)}
@@ -163,35 +175,46 @@ def settings(**overrides) -> TransferSettings:
 def sides(request, model_dirs):
     prefill = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=8 * 2**20, max_num_batched_tokens=64))
     decode = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=8 * 2**20))
+    with running(request.param, prefill, decode) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def running(transport: str, prefill: LLMEngine, decode: LLMEngine) -> Iterator[Sides]:
+    """A prefill engine's sender and a decode engine's receiver (on its loop) over `transport`."""
     decoded: list = []
     loop = EngineLoop(decode, decoded.extend).start()
     receiver = KVReceiver(loop, lease_s=2.0, reserve_wait_s=0.5)
-    receiving = start_receiver(request.param, receiver, "127.0.0.1")
+    receiving = start_receiver(transport, receiver, "127.0.0.1")
     stop = threading.Event()
     expiry = threading.Thread(target=lambda: [receiver.expire_leases() for _ in iter(lambda: stop.wait(0.05), True)],
                               name="test-lease-expiry")  # as the decode worker's lease thread
     expiry.start()
-    peer = LocalPeer(receiver, {request.param: receiving.address})
+    peer = LocalPeer(receiver, {transport: receiving.address})
     ended: dict[str, TransferOutcome] = {}
     crashes: list[BaseException] = []
     senders: list[KVSender] = []
     codecs = {"raw": make_codec("raw", None, prefill.kv_layout)}
+    draft = prefill.draft_model  # computing the draft's prompt KV (`draft_prompt_kv`): it is sent too
+    offered = DraftKV(draft.kv_identity, draft.runner.kv_cache) if prefill.config.draft_prompt_kv else None
 
-    def make(**overrides) -> KVSender:
-        made = KVSender(settings(transport=request.param, **overrides), prefill.kv_cache, codecs,
-                        lambda kv, outcome: ended.__setitem__(kv.request_id, outcome), crashes.append, node_id="node")
+    def make(draft: DraftKV | None = offered, **overrides) -> KVSender:
+        made = KVSender(settings(transport=transport, **overrides), prefill.kv_cache, codecs,
+                        lambda kv, outcome: ended.__setitem__(kv.request_id, outcome), crashes.append, node_id="node",
+                        draft=draft)
         senders.append(made)
         return made
 
-    sides = Sides(prefill, decode, receiver, peer, make(), ended, decoded, make, senders)
-    yield sides
-    stop.set()
-    expiry.join(5)
-    for made in senders:
-        made.close()
-    peer.close()
-    receiving.stop()
-    loop.stop()
+    try:
+        yield Sides(prefill, decode, receiver, peer, make(), ended, decoded, make, senders)
+    finally:
+        stop.set()
+        expiry.join(5)
+        for made in senders:
+            made.close()
+        peer.close()
+        receiving.stop()
+        loop.stop()
     assert crashes == []
 
 
@@ -506,4 +529,130 @@ def test_closing_the_sender_ends_every_transfer_and_leaks_nothing(sides):
     sides.sender.close()
     assert all(kv.transfer.state is TransferState.FAILED for kv in kvs)
     sides.peer.release("commit")
+    sides.assert_idle()
+
+
+# --- the draft model's prompt KV, sent with the target's -------------------------------------------
+@pytest.fixture(params=["shm", "tcp"])
+def draft_sides(request, model_dirs, tiny_llama_draft):
+    """A prefill engine that computes the draft model's prompt KV beside the target's, and a decode
+    engine that drafts with the same draft."""
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(tiny_llama_draft), max_draft_tokens=4)
+    prefill = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=8 * 2**20, max_num_batched_tokens=64,
+                                                       speculative=spec, draft_prompt_kv=True))
+    decode = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=8 * 2**20, speculative=spec))
+    with running(request.param, prefill, decode) as made:
+        yield made
+
+
+def draft_kv_of(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tensor:
+    """[layer, 2, token, head, dim]: the draft model's KV of a request's first tokens, in `engine`'s draft pool."""
+    draft = engine.draft_model
+    cache = draft.runner.kv_cache
+    slots = cache.token_slots(draft.blocks_of(request_id), 0, num_tokens)
+    return torch.stack([cache.read_tokens(layer, slots) for layer in range(cache.layout.num_layers)])
+
+
+def record_draft_imports(monkeypatch: pytest.MonkeyPatch, decode: LLMEngine) -> dict[str, torch.Tensor | None]:
+    """request id -> the draft KV that arrived for it as its import was committed (None: none did)."""
+    arrived: dict[str, torch.Tensor | None] = {}
+    committed = decode.draft_model.import_committed
+
+    def record(request_id: str, num_tokens: int) -> None:
+        arrived[request_id] = draft_kv_of(decode, request_id, num_tokens).clone() if num_tokens else None
+        committed(request_id, num_tokens)
+
+    monkeypatch.setattr(decode.draft_model, "import_committed", record)
+    return arrived
+
+
+@pytest.mark.parametrize("layerwise_min_tokens", [0, 10_000], ids=["layer by layer", "after the pass"])
+def test_the_draft_models_prompt_kv_travels_with_the_targets_exactly(draft_sides, hf_reference, tiny_llama_draft,
+                                                                     monkeypatch, layerwise_min_tokens):
+    """Two prompts sharing 96 tokens, in chunks of 64: the second's target KV is partly cached on both
+    sides, its draft's (no prefix cache) is computed and sent from its first token. Each request's
+    draft KV arrives whole, bit for bit the prefill side's, which is what the draft computes over the
+    prompt in one pass; the decode side drafts from it (its own prompt pass for the draft never runs)."""
+    sides = draft_sides
+    arrived = record_draft_imports(monkeypatch, sides.decode)
+    caught_up: list[str] = []
+    catch_up = sides.decode.draft_model._catch_up_prompts
+    monkeypatch.setattr(sides.decode.draft_model, "_catch_up_prompts",
+                        lambda seqs: (caught_up.extend(s.request_id for s in seqs), catch_up(seqs)))
+    reference = LLMEngine(tiny_llama_draft, EngineConfig(kv_memory_bytes=8 * 2**20))
+    sender = sides.make(layerwise_min_tokens=layerwise_min_tokens)
+    shared = prompt_of(sides, 96, seed=40)
+    for i, prompt in enumerate([shared + prompt_of(sides, 54, seed=41), shared + prompt_of(sides, 30, seed=42)]):
+        kv, request_id = sides.transfer(prompt, sender=sender)
+        assert sides.outcome(kv) == TransferOutcome()
+        assert kv.lease.draft_layers == sides.prefill.draft_model.runner.kv_cache.layout.num_layers
+        assert (kv.lease.cached_blocks > 0) == (i == 1)
+        sent = draft_kv_of(sides.prefill, request_id, len(prompt))
+        assert torch.equal(arrived[request_id], sent)
+        reference.add_request(prompt, SamplingParams.greedy(max_tokens=2), f"ref-{i}", prefill_only=True)
+        while reference.has_unfinished_requests():
+            reference.step()
+        torch.testing.assert_close(sent, draft_kv_of_target(reference, f"ref-{i}", len(prompt)))
+        assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+        sides.prefill.release(request_id)
+    assert caught_up == []
+    assert sides.receiver.counts()["draft_kv_arrived"] == 2
+    sides.assert_idle()
+
+
+def draft_kv_of_target(engine: LLMEngine, request_id: str, num_tokens: int) -> torch.Tensor:
+    """`draft_kv_of` for an engine that runs the draft model as its target (a held request's KV)."""
+    cache = engine.kv_cache
+    slots = cache.token_slots(engine.requests[request_id].block_table, 0, num_tokens)
+    return torch.stack([cache.read_tokens(layer, slots) for layer in range(cache.layout.num_layers)])
+
+
+def test_a_draft_kv_that_cannot_come_whole_is_computed_on_the_decode_side(draft_sides, hf_reference, monkeypatch):
+    """A sender whose draft is another (refused at the reservation), a decode side whose draft pool has
+    no room, and draft frames lost on the way (the commit waits for the target's layers only, and
+    sends nothing again): each request decodes exactly, its draft's prompt pass run on the decode side."""
+    sides = draft_sides
+    arrived = record_draft_imports(monkeypatch, sides.decode)
+    target_layers = sides.prefill.kv_layout.num_layers
+    draft = sides.prefill.draft_model
+
+    other = sides.make(draft=DraftKV("another draft", draft.runner.kv_cache))
+    prompt = prompt_of(sides, 40, seed=50)
+    kv, request_id = sides.transfer(prompt, sender=other)
+    assert sides.outcome(kv) == TransferOutcome() and kv.lease.draft_layers == 0
+    assert kv.cutter.num_layers == target_layers and arrived[request_id] is None
+    assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+
+    pool = sides.decode.draft_model.pool
+    taken = pool.allocate(pool.num_free)  # the decode loop is idle: nothing else takes or frees draft blocks
+    try:
+        prompt = prompt_of(sides, 40, seed=51)
+        kv, request_id = sides.transfer(prompt)
+        assert sides.outcome(kv) == TransferOutcome() and kv.lease.draft_layers == 0
+        assert arrived[request_id] is None
+        assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    finally:
+        assert wait_until(lambda: not sides.decode.requests)  # idle again before the test touches the pool
+        pool.free(taken)
+
+    class LosingDraftFrames:
+        def __init__(self, channel) -> None:
+            self._channel = channel
+
+        def send(self, header, payload):
+            if header.layer >= target_layers:
+                header = dataclasses.replace(header, crc32=header.crc32 ^ 1)
+            self._channel.send(header, payload)
+
+        def __getattr__(self, name):
+            return getattr(self._channel, name)
+
+    monkeypatch.setattr(sides.sender, "_wrap_channel", LosingDraftFrames)
+    prompt = prompt_of(sides, 40, seed=52)
+    kv, request_id = sides.transfer(prompt)
+    assert sides.outcome(kv) == TransferOutcome() and kv.lease.draft_layers > 0
+    assert arrived[request_id] is None and sides.sender.counters["frames_resent"] == 0
+    assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    counts = sides.receiver.counts()
+    assert counts["draft_kv_incomplete"] == 1 and "draft_kv_arrived" not in counts and counts["corrupt_frames"] > 0
     sides.assert_idle()
