@@ -161,6 +161,8 @@ class Cluster:
             spec = m.speculative
             sends = spec is not None and spec.draft_model is not None and spec.draft_kv == "send"
             engine_config.update(speculative=engine_config["speculative"] if sends else None, draft_prompt_kv=sends)
+            if sends:  # a stored profile timed prompt passes without the draft's beside them
+                engine_config["stored_step_cost"] = None
         args: list[Any] = [name, model, engine_config, stack.tokens.address, self._transfer_settings()]
         kwargs: dict[str, Any] = {"kv_events": stack.kv_events.address, "faults": m.faults.for_worker(name),
                                   "log_level": m.log_level}

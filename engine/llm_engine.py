@@ -252,7 +252,7 @@ class LLMEngine:
                        self.max_model_len - seq.num_tokens - 1)
             if room > 0 and seq.num_uncomputed_tokens == 1 and seq.params.speculative and not seq.prefill_only:
                 prior = self.acceptance.of(seq.params).rate(prior=ACCEPTANCE_PRIOR)
-                asking.append(DraftRequest(seq, room, seq.acceptance.rate(prior)))
+                asking.append(DraftRequest(seq, room, seq.acceptance.rate(prior), seq.acceptance.uncertainty(prior)))
         if not asking:
             return
         cost = self._decode_cost() if spec.goodput_sizing else DecodeCost()
@@ -435,8 +435,12 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
         self._import_targets[seq.request_id] = num_kv_tokens
         draft = self.draft_model
-        wanted = draft_kv and draft is not None and draft.drafts_for(params)
-        draft_blocks = draft.reserve_import(request_id, num_kv_tokens) if wanted else []
+        try:
+            wanted = draft_kv and draft is not None and draft.drafts_for(params)
+            draft_blocks = draft.reserve_import(request_id, num_kv_tokens) if wanted else []
+        except BaseException:  # no one else would free what the import holds
+            self.abort_request(request_id)
+            raise
         return ImportReservation(list(seq.block_table), len(hits), draft_blocks)
 
     def import_kv(self, kv: KVBlocks) -> None:

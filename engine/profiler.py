@@ -150,8 +150,8 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
     cost what accepted ones do); feed them to `engine.decode_step_costs` as anchors. Two contexts tell
     attention's cost from a sequence's. Where the engine is not idle (a restarted worker already
     serving) or its context is too short, nothing is measured: the decode cost is then learned from
-    serving alone. Returns the samples kept: (tokens, attention term, verified drafts, sequences, keys
-    read, seconds)."""
+    serving alone. A draft model's passes are profiled too (`DraftModelProposer.profile`). Returns the
+    samples kept: (tokens, attention term, verified drafts, sequences, keys read, seconds)."""
     lengths = DRAFT_LENGTHS if engine.config.speculative is not None else (0,)
     steps_each = (1 + DECODE_STEPS) * (1 + max(lengths))
     room = engine.max_model_len - 1 - MAX_WAIT_STEPS - steps_each * len(lengths)
@@ -200,4 +200,6 @@ def profile_decode(engine: LLMEngine, contexts: tuple[int, ...] = DECODE_CONTEXT
         engine.decode_step_shape = shape
         engine.pool.forget_cached(ours)
     engine.decode_step_costs.add_profile(samples)
+    if engine.draft_model is not None:  # what its passes cost, one token per sequence and a first pass's
+        engine.draft_model.profile(DECODE_BATCHES, max(contexts))
     return samples

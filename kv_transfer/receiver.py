@@ -103,7 +103,8 @@ class KVReceiver:
         self._refused_drafts: set[str] = set()  # draft KV offered unlike this worker's (logged once each)
         self.aborted = Tombstones()
         # frames, corrupt_frames, refused_frames (dropped: no open transfer, or one the frame cannot
-        # belong to), recomputed, bytes, cached_blocks, draft_kv_arrived, draft_kv_incomplete
+        # belong to), recomputed, bytes, cached_blocks, draft_kv_arrived, draft_kv_incomplete,
+        # draft_kv_declined (offered, not taken)
         self.counters: Counter[str] = Counter()  # under `_counting`: frames arrive on many threads at once
         self._counting = threading.Lock()
         self._codecs: dict[str, Codec | None] = {}  # by offer; None: cannot be used here
@@ -146,6 +147,8 @@ class KVReceiver:
             self.loop.post(lambda e: e.abort_request(request_id))
             raise TransferError(closed)
         self._count("cached_blocks", reservation.cached_blocks)
+        if draft_kv is not None and not draft_layers:  # another draft, or no room in the draft pool
+            self._count("draft_kv_declined")
         if request_id in self.aborted or transfer_id in self.aborted:  # aborted while being made
             self.abort(transfer_id, "aborted during the reservation")
             raise TransferError(f"request {request_id!r} was aborted")
@@ -160,9 +163,9 @@ class KVReceiver:
         """Whether a sender's draft KV (`offered`: its draft's identity) can serve this worker's draft."""
         if offered is None or self.draft_identity is None:
             return False
-        if offered != self.draft_identity and offered not in self._refused_drafts:
-            if len(self._refused_drafts) < 64:  # bounded: a peer's text
-                self._refused_drafts.add(offered)
+        if offered != self.draft_identity and shown(offered) not in self._refused_drafts:
+            if len(self._refused_drafts) < 64:  # bounded: a peer's text, cut
+                self._refused_drafts.add(shown(offered))
             log.warning("draft KV %s refused: this decode worker's draft is %r (give both pools the same "
                         "speculative settings); its draft's prompt pass runs here", shown(offered), self.draft_identity)
         return offered == self.draft_identity
@@ -489,9 +492,10 @@ class KVReceiver:
         """Take an open transfer out, remembering it among those that ended. Under `_lock`."""
         incoming = self._incoming.pop(transfer_id, None)
         if incoming is not None:
-            widest = max(self._layout_of(incoming, layer).bytes_per_token_layer
-                         for layer in (0, len(incoming.written) - 1))
-            self._ended[transfer_id] = incoming.num_tokens * widest  # the draft's layers carry the whole prompt
+            carried = (incoming.num_tokens - incoming.first_token) * self.layout.bytes_per_token_layer
+            if len(incoming.written) > incoming.target_layers:  # the draft's layers carry the whole prompt
+                carried = max(carried, incoming.num_tokens * self.draft_cache.layout.bytes_per_token_layer)
+            self._ended[transfer_id] = carried
             if len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
         return incoming

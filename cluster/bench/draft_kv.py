@@ -135,10 +135,11 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     ratios = [row["recompute_s"] / min(send[(t, row["tokens"])] for t in transports) for row in rows]
     longer = [row["prefill_with_draft_s"] / row["prefill_s"] - 1 for row in rows]
-    lines += ["", f"Sending, the prefill worker's prompt pass takes {100 * min(longer):.0f}–{100 * max(longer):.0f}% "
-              "longer, and the transfer grows by the draft's share of the KV; the decode worker's one-time stall "
-              f"when it recomputes instead is {min(ratios):.0f}–{max(ratios):.0f}× that extra transfer time on the "
-              "fastest transport. Either way the draft sees the same tokens, so a disaggregated deployment accepts "
+    lines += ["", "Either way the draft's prompt pass runs once: sending moves it from the decode worker, where every "
+              "request decoding beside it waits it out, to the prefill worker, where the request's first token waits "
+              f"for it (its prompt pass {100 * min(longer):.0f}–{100 * max(longer):.0f}% longer here), and adds the "
+              f"draft's bytes to the transfer ({1 / max(ratios):.1%}–{1 / min(ratios):.1%} of the pass's time on the "
+              "fastest transport). The draft sees the same tokens both ways, so a disaggregated deployment accepts "
               "what a colocated one does (a test checks the counts of a request drafted by the draft model on a "
               "1P+1D cluster against one engine, and that its draft KV arrived)."]
     return "\n".join(lines)

@@ -31,6 +31,8 @@ class DraftRequest:
     seq: Sequence
     max_tokens: int
     acceptance: float  # the chance that a draft token is accepted after the one before it (its record)
+    # How far `acceptance` may be off: its standard error, large while the record holds few verifications
+    uncertainty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class AcceptanceRecord:
         """The chance that a draft token is accepted after the one before it (each taken as
         independent), `prior` weighing as `weight` tokens: the prior without a record."""
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+
+    def uncertainty(self, prior: float, weight: float = 2.0) -> float:
+        """The standard error of `rate` (a binomial proportion's, over the tokens it weighs)."""
+        rate = self.rate(prior, weight)
+        return math.sqrt(rate * (1.0 - rate) / (self.accepted + self.rejected + weight))
 
 
 class WorkerRecord:

@@ -54,8 +54,12 @@ from pdserve.engine.speculative.draft import (
 
 class DraftPassCost(OnlineFit):
     """Seconds of one draft pass: a + b·sequences + c·tokens (a first pass feeds each sequence the
-    tokens accepted since its last draft), from the passes run; none measured: free, so the first
-    passes run and measure."""
+    tokens accepted since its last draft), from the start-up profile's passes (`profile`, kept as
+    anchors) and the passes run; none measured: free, so the first passes run and measure. Passes run
+    while serving mostly feed one token per sequence, so alone they cannot tell the cost of a token
+    from a sequence's: a fit of them priced a first pass's nine tokens at 7 ms where it took 2 ms, and
+    the draft model stopped for good (its KV then lagged further each step, so each first pass looked
+    dearer). The profile measures passes that feed several tokens per sequence as well."""
 
     relative_error = True
 
@@ -67,6 +71,10 @@ class DraftPassCost(OnlineFit):
 
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:
         self._observe((sequences, tokens), seconds)
+
+    def add_profile(self, samples: list[tuple[int, int, float]]) -> None:
+        """(sequences, tokens, seconds) of the start-up profile's passes; fits at once."""
+        self._add_profile(samples)
 
 
 class GuessCalibration:
@@ -200,7 +208,10 @@ class DraftModelProposer:
         """Whether the tokens the next pass is expected to add save more than the pass costs (the first
         pass: and the verification it leads to): each sequence's chance that its draft so far is
         accepted (capped by its record) times the chance of one more token (its record, capped by what
-        the draft's guesses for it were worth lately)."""
+        the draft's guesses for it were worth lately). A step's first pass takes each record at one
+        standard error above its rate: a record of a verification or two is mostly luck, and without
+        passes it learns nothing (one unlucky draft used to shut the draft model out of a request for
+        good); a long record of failures still stops it."""
         expected = 0.0
         tokens = 0
         for request in active:
@@ -209,11 +220,38 @@ class DraftModelProposer:
             # are fed once, and only to a sequence worth drafting for)
             tokens += 1 if so_far else min(self._behind(request.seq), self.config.max_draft_tokens + 1)
             reached = min(so_far[-1], request.acceptance ** len(so_far)) if so_far else 1.0
-            usual = self.confidence.rate(prior=request.acceptance)
+            own = request.acceptance if so_far else min(1.0, request.acceptance + request.uncertainty)
+            usual = self.confidence.rate(prior=own)
             sure = self._states[request.seq.request_id].confidence.rate(prior=usual)
-            expected += reached * min(request.acceptance, sure)
+            expected += reached * min(own, sure)
         first = not any(chances[r.seq.request_id] for r in active)
         return expected * worth.token_s > self.pass_cost.seconds(len(active), tokens) + first * worth.verify_s
+
+    def profile(self, batches: tuple[int, ...], context: int, rounds: int = 3) -> list[tuple[int, int, float]]:
+        """Time passes over `context` tokens of draft KV for each of `batches` sequences, each feeding
+        one token and feeding a whole first pass's (`max_draft_tokens + 1`) per sequence; feed them to
+        `pass_cost` as its anchors. Returns the samples: (sequences, tokens, seconds). The KV read is
+        whatever the pool's blocks hold: only the time counts, and nothing is kept. Needs the pool free
+        enough for the largest batch (else it measures the batches that fit)."""
+        samples: list[tuple[int, int, float]] = []
+        blocks_each = -(-(context + self.config.max_draft_tokens + 1) // self.block_size)
+        for batch in batches:
+            if not self.pool.can_allocate(batch * blocks_each):
+                continue
+            tables = [self.pool.allocate(blocks_each) for _ in range(batch)]
+            try:
+                for fed in (1, self.config.max_draft_tokens + 1):
+                    runs = [TokenRun([3] * fed, context, table, as_decode=True, num_logits=1) for table in tables]
+                    for repeat in range(1 + rounds):  # the first warms up
+                        t0 = time.perf_counter()
+                        self.runner.forward(runs)
+                        if repeat:
+                            samples.append((batch, batch * fed, time.perf_counter() - t0))
+            finally:
+                for table in tables:
+                    self.pool.free(table)
+        self.pass_cost.add_profile(samples)
+        return samples
 
     def finished(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
@@ -237,9 +275,12 @@ class DraftModelProposer:
 
     def _make_room(self, need: int, keep: set[str]) -> bool:
         """Whether `need` blocks are free, after dropping the draft KV of the sequences drafted for
-        longest ago (as few as needed; not those in `keep`, nor one awaiting its draft KV)."""
+        longest ago (as few as needed; not those in `keep`, nor one awaiting its draft KV); nothing is
+        dropped when even all of them would not make the room."""
         idle = sorted((s.used_at, rid) for rid, s in self._states.items()
                       if rid not in keep and s.blocks and not s.importing)
+        if self.pool.num_free + sum(len(self._states[rid].blocks) for _, rid in idle) < need:
+            return False
         for _, rid in idle:
             if self.pool.can_allocate(need):
                 break
@@ -318,9 +359,11 @@ class DraftModelProposer:
                     | None = None) -> None:
         """On a prefill worker, after the target's pass over these prompt chunks: the draft's KV of each
         sequence's tokens up to its chunk's end, from the first its draft KV lacks (the draft keeps no
-        prefix cache: a prompt the target found cached is fed from its start). A sequence whose draft
-        KV the pool cannot hold is left out (its decode worker computes it). `on_layer_written(layer,
-        chunks fed)` as each of the draft's layers is written."""
+        prefix cache: a prompt the target found cached is fed from its start, within the step's
+        catch-up budget). A sequence whose draft KV the pool cannot hold, or whose cached prefix is
+        longer than the budget, is left out (its decode worker computes the draft's KV: the first token
+        must not wait on a long pass of the draft). `on_layer_written(layer, chunks fed)` as each of the
+        draft's layers is written."""
         fed: list[ScheduledChunk] = []
         runs: list[TokenRun] = []
         for chunk in chunks:
@@ -328,7 +371,8 @@ class DraftModelProposer:
             state = self._states.setdefault(seq.request_id, _DraftState())
             end = seq.num_computed_tokens + chunk.num_tokens
             need = -(-end // self.block_size) - len(state.blocks)
-            if need > 0 and not self.pool.can_allocate(need):
+            behind = seq.num_computed_tokens - state.computed  # a cached prefix, or a chunk left out before
+            if behind > self.catch_up_tokens or (need > 0 and not self.pool.can_allocate(need)):
                 continue
             if need > 0:
                 state.blocks.extend(self.pool.allocate(need))
@@ -344,10 +388,10 @@ class DraftModelProposer:
 
     def reserve_import(self, request_id: str, num_tokens: int) -> list[int]:
         """On a decode worker: blocks for an incoming request's draft KV of `num_tokens` tokens, kept
-        until `import_committed`; none when the pool cannot hold them even after dropping idle
-        sequences' draft KV (the draft's prompt pass then runs here)."""
+        until `import_committed`; none when the pool has not that many free (the draft's prompt pass
+        then runs here: a transfer's draft KV is not worth the draft KV of requests decoding now)."""
         need = -(-num_tokens // self.block_size)
-        if not self._make_room(need, keep={request_id}):
+        if not self.pool.can_allocate(need):
             return []
         state = self._states[request_id] = _DraftState(self.pool.allocate(need), used_at=self._calls, importing=True)
         return list(state.blocks)

@@ -17,7 +17,8 @@ from pdserve.engine.models.draft_training import DraftConfig, agreement, draft_f
 from pdserve.engine.models.presets import resolve_model
 from pdserve.engine.models.training import RECIPE_FILE, heldout_text
 from pdserve.engine.speculative.config import SpeculativeConfig
-from pdserve.engine.speculative.draft import DraftRequest, DraftWorth, WorkerRecord
+from pdserve.engine.profiler import DECODE_BATCHES, profile_decode
+from pdserve.engine.speculative.draft import AcceptanceRecord, DraftRequest, DraftWorth, WorkerRecord
 from pdserve.engine.speculative.draft_model import DraftModelProposer, GuessCalibration
 from pdserve.engine.speculative.proposer import SuffixThenModel
 
@@ -177,6 +178,45 @@ def test_the_draft_model_runs_only_while_its_tokens_are_worth_its_passes(model_d
     assert proposer.propose([sure], DraftWorth(0.5))[0].tokens == []  # 0.9 tokens x 0.5 s < 1 s
     assert proposer.propose([sure], DraftWorth(10.0, verify_s=9.0))[0].tokens == []  # 9 s < 1 s + 9 s
     assert proposer.propose([failing], DraftWorth(10.0))[0].tokens == []  # 0.01 x 10 s < 1 s
+
+
+def test_a_requests_first_pass_counts_what_its_short_record_may_be_off_by(model_dirs, hf_reference,
+                                                                          tiny_llama_draft):
+    """One failed verification is mostly luck: a step's first pass, not worth it at the record's rate,
+    still runs while the record is that young (its rate plus one standard error), and no longer once
+    failures pile up."""
+    engine = draft_engine(model_dirs, tiny_llama_draft)
+    engine.add_request(random_prompts(1, hf_reference[ARCH].vocab_size, 30, 30, seed=3)[0],
+                       SamplingParams(temperature=1.0, seed=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    seq = next(iter(engine.requests.values()))
+    proposer = draft_proposer(engine)
+    for _ in range(16):  # a refit's worth of passes of a second each
+        proposer.pass_cost.observe(1, 1, 1.0)
+    young, old = AcceptanceRecord(decay=1.0), AcceptanceRecord(decay=1.0)
+    young.observe(accepted=0, rejected=True)
+    for _ in range(20):
+        old.observe(accepted=0, rejected=True)
+    worth = DraftWorth(token_s=1.5)  # at 0.53 a token, a first pass is worth 0.8 s: less than it costs
+    assert young.rate(prior=0.8) * worth.token_s < 1.0 < (young.rate(0.8) + young.uncertainty(0.8)) * worth.token_s
+    as_sure = DraftRequest(seq, 4, acceptance=young.rate(prior=0.8))
+    assert proposer.propose([as_sure], worth)[0].tokens == []
+    hopeful = DraftRequest(seq, 4, acceptance=young.rate(prior=0.8), uncertainty=young.uncertainty(prior=0.8))
+    assert proposer.propose([hopeful], worth)[0].tokens
+    failing = DraftRequest(seq, 4, acceptance=old.rate(prior=0.8), uncertainty=old.uncertainty(prior=0.8))
+    assert proposer.propose([failing], worth)[0].tokens == []
+
+
+def test_the_decode_profile_times_draft_passes_that_feed_several_tokens(model_dirs, tiny_llama_draft):
+    """Passes while serving mostly feed one token per sequence, which cannot tell a token's cost from a
+    sequence's: the profile's passes anchor the fit with first passes' several tokens too."""
+    engine = draft_engine(model_dirs, tiny_llama_draft, max_model_len=256)
+    profile_decode(engine, contexts=(32,))
+    proposer = draft_proposer(engine)
+    assert proposer.pass_cost.profiled
+    fed = {(seqs, tokens // seqs) for seqs, tokens, _ in proposer.pass_cost._anchors}
+    assert fed == {(batch, n) for batch in DECODE_BATCHES for n in (1, proposer.config.max_draft_tokens + 1)}
+    assert_draft_pool_idle(engine)
 
 
 def test_greedy_and_sampled_requests_keep_separate_worker_records():

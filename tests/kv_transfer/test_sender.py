@@ -569,10 +569,12 @@ def record_draft_imports(monkeypatch: pytest.MonkeyPatch, decode: LLMEngine) -> 
 @pytest.mark.parametrize("layerwise_min_tokens", [0, 10_000], ids=["layer by layer", "after the pass"])
 def test_the_draft_models_prompt_kv_travels_with_the_targets_exactly(draft_sides, hf_reference, tiny_llama_draft,
                                                                      monkeypatch, layerwise_min_tokens):
-    """Two prompts sharing 96 tokens, in chunks of 64: the second's target KV is partly cached on both
-    sides, its draft's (no prefix cache) is computed and sent from its first token. Each request's
-    draft KV arrives whole, bit for bit the prefill side's, which is what the draft computes over the
-    prompt in one pass; the decode side drafts from it (its own prompt pass for the draft never runs)."""
+    """Prompts in chunks of 64, the second sharing the first's 48 first tokens: its target KV is partly
+    cached on both sides, its draft's (no prefix cache) is computed and sent from its first token.
+    Each request's draft KV arrives whole, bit for bit the prefill side's, which is what the draft
+    computes over the prompt in one pass; the decode side drafts from it (its own prompt pass for the
+    draft never runs). A third shares 128 tokens, more than a step's catch-up budget: its draft's KV
+    is left to the decode side, and the request decodes exactly all the same."""
     sides = draft_sides
     arrived = record_draft_imports(monkeypatch, sides.decode)
     caught_up: list[str] = []
@@ -581,8 +583,8 @@ def test_the_draft_models_prompt_kv_travels_with_the_targets_exactly(draft_sides
                         lambda seqs: (caught_up.extend(s.request_id for s in seqs), catch_up(seqs)))
     reference = LLMEngine(tiny_llama_draft, EngineConfig(kv_memory_bytes=8 * 2**20))
     sender = sides.make(layerwise_min_tokens=layerwise_min_tokens)
-    shared = prompt_of(sides, 96, seed=40)
-    for i, prompt in enumerate([shared + prompt_of(sides, 54, seed=41), shared + prompt_of(sides, 30, seed=42)]):
+    first = prompt_of(sides, 150, seed=40)
+    for i, prompt in enumerate([first, first[:48] + prompt_of(sides, 30, seed=42)]):
         kv, request_id = sides.transfer(prompt, sender=sender)
         assert sides.outcome(kv) == TransferOutcome()
         assert kv.lease.draft_layers == sides.prefill.draft_model.runner.kv_cache.layout.num_layers
@@ -596,7 +598,13 @@ def test_the_draft_models_prompt_kv_travels_with_the_targets_exactly(draft_sides
         assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
         sides.prefill.release(request_id)
     assert caught_up == []
-    assert sides.receiver.counts()["draft_kv_arrived"] == 2
+    prompt = first[:128] + prompt_of(sides, 20, seed=43)
+    kv, request_id = sides.transfer(prompt, sender=sender)
+    assert sides.outcome(kv) == TransferOutcome() and kv.lease.draft_layers > 0 and arrived[request_id] is None
+    assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    assert caught_up == [request_id]
+    counts = sides.receiver.counts()
+    assert (counts["draft_kv_arrived"], counts["draft_kv_incomplete"]) == (2, 1)
     sides.assert_idle()
 
 
@@ -655,4 +663,5 @@ def test_a_draft_kv_that_cannot_come_whole_is_computed_on_the_decode_side(draft_
     assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     counts = sides.receiver.counts()
     assert counts["draft_kv_incomplete"] == 1 and "draft_kv_arrived" not in counts and counts["corrupt_frames"] > 0
+    assert counts["draft_kv_declined"] == 2  # another draft, and no room
     sides.assert_idle()
