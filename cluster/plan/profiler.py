@@ -307,6 +307,10 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
     pool = manifest.pools.decode
     engine_config = manifest.engine_config(pool)
     engine_config.pop("num_threads")
+    # The simulator times decode steps of one token per request, and prompt passes of the target alone:
+    # measured so, whatever the manifest's speculative settings (drafts would speed decode cells up
+    # on whatever the profile's random prompts repeat).
+    engine_config["speculative"] = None
     workers, checks = {}, {}
     log(f"profiling {manifest.model} on {machine()}")
     for t in threads:
