@@ -319,7 +319,7 @@ class KVSender:
         if cutter is not None and failed and finishing:  # its delivery waits on the decode worker: cut it short
             _close_logged(cutter.channel)
         elif cutter is not None:  # frames in flight are answered first, so the channel's resources are reused
-            kv.link.ends.submit(kv, lambda: self._close(cutter.channel, drain=failed))
+            kv.link.ends.submit(kv, lambda: self._close(cutter.channel, drain=failed, behind=kv))
         return True
 
     def refusal(self, peer: DecodePeer) -> str | None:
@@ -657,9 +657,16 @@ class KVSender:
             return
         kv.cutter.resend_layers(blocks)
 
-    def _close(self, channel: LayerChannel, drain: bool) -> None:
+    def _close(self, channel: LayerChannel, drain: bool, behind: OutgoingKV | None = None) -> None:
         """Close a channel; one of a transfer that ended early once its frames in flight are answered
-        (a frame the decode side refused is answered too), so its resources are reused."""
+        (a frame the decode side refused is answered too), so its resources are reused. `behind`: the
+        transfer whose other work on its link (a frame being sent) goes first, for as long as a drain
+        waits: a frame past `_frame_due` that went only after the drain found nothing unanswered left
+        the channel closing on a frame in flight (shm then released its segment rather than reuse it)."""
+        if drain and behind is not None:
+            deadline = time.monotonic() + DRAIN_S
+            while behind.pending > 1 and time.monotonic() < deadline:  # this piece is one
+                time.sleep(0.005)
         if drain:
             try:
                 channel.finish(DRAIN_S)
