@@ -304,6 +304,8 @@ class LLMEngine:
             rejected = accepted < len(chunk.draft)
             seq.num_draft_tokens += len(chunk.draft)
             seq.num_accepted_tokens += len(new) - 1
+            seq.num_verifications += 1
+            seq.num_rejected_drafts += rejected
             seq.acceptance.observe(len(new) - 1, rejected)
             self.acceptance.of(seq.params).observe(len(new) - 1, rejected)
             self.scheduler.mark_verified(chunk)
@@ -354,6 +356,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
+            num_verifications=seq.num_verifications,
+            num_rejected_drafts=seq.num_rejected_drafts,
+            num_model_verifications=seq.num_model_verifications,
         )
 
     # --- KV handoff: sending side ---------------------------------------------------------------

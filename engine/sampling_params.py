@@ -184,6 +184,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for it so far
     num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # steps that verified a draft for it
+    # of those, the ones that ended on a rejected draft token: accepted / (accepted + these) is the chance
+    # a draft token is accepted when the one before it was (the simulator's `acceptance`)
+    num_rejected_drafts: int = 0
+    num_model_verifications: int = 0  # of the verifications, those whose draft a draft model proposed
 
     @property
     def first_new_index(self) -> int:

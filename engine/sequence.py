@@ -44,6 +44,9 @@ class Sequence:
     draft_probabilities: list[float] = field(default_factory=list)  # the proposer's, for each prefix of them
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # steps that verified a draft for it
+    num_rejected_drafts: int = 0  # of those, the ones that ended on a rejected draft token
+    num_model_verifications: int = 0  # of those, the ones whose draft a draft model proposed
     # How its drafts fared lately: how far the next ones are believed (`engine.speculative.sizing`).
     acceptance: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
 

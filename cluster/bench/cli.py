@@ -67,6 +67,19 @@ def _bench_draft_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_simulator_spec(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.simulator_spec import SimSpecBenchConfig, run
+
+    cfg = SimSpecBenchConfig(model=args.model, draft_model=None if args.draft_model == "none" else args.draft_model,
+                             profile=args.profile, workloads=tuple(args.workloads), batches=tuple(args.batches),
+                             repeats=args.repeats,
+                             prompt_len=args.prompt_len, output_len=args.output_len, threads=args.threads,
+                             out=Path(args.out))
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
 def _bench_kv(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.kv import KVBenchConfig, run
 
@@ -447,3 +460,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bsim.add_argument("--no-progress", action="store_true", help="no progress bars")
     _docs_option(bsim)
     bsim.set_defaults(func=_bench_simulator)
+    bss = bench_sub.add_parser("simulator-spec", help="the simulator's speculative decoding against the engine's: "
+                                                      "TPOT measured and predicted",
+                               description="Batches of each workload of `pdserve bench spec` decoded by the engine "
+                                           "without speculation and with each proposer, and simulated with each "
+                                           "run's own acceptance; TPOT side by side. Needs this machine's profile "
+                                           "measured with speculation (`pdserve profile --manifest "
+                                           "deploy/speculative.yaml`).",
+                               **examples("pdserve bench simulator-spec --docs docs/benchmarks.md",
+                                          "pdserve bench simulator-spec --workloads code --batches 1   # a quick look"))
+    bss.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    bss.add_argument("--draft-model", default="pystd-llama-draft",
+                     help="the model's draft model, or none: the model-free proposer only (default: %(default)s)")
+    bss.add_argument("--profile", type=Path, default=None, help="the profile (default: the model's on this machine)")
+    bss.add_argument("--workloads", nargs="+", default=["code", "conversation", "sampled"],
+                     choices=["code", "conversation", "sampled"], help="as `bench spec` names them (default: all)")
+    bss.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
+    bss.add_argument("--repeats", type=int, default=3, help="runs of each batch, on fresh prompts (default: "
+                                                            "%(default)s)")
+    bss.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
+    bss.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
+    bss.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    bss.add_argument("--out", default="bench-results/simulator-spec.json", help="results file (default: %(default)s)")
+    _docs_option(bss)
+    bss.set_defaults(func=_bench_simulator_spec)

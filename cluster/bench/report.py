@@ -35,6 +35,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "serve": ("Serving under load: goodput", "pdserve.cluster.bench.serve"),
     "serve-long-prompts": ("Serving under load: goodput on long prompts", "pdserve.cluster.bench.serve"),
     "simulator": ("The cluster simulator against measured runs", "pdserve.cluster.bench.simulator"),
+    "simulator-spec": ("The cluster simulator's speculative decoding against the engine's",
+                       "pdserve.cluster.bench.simulator_spec"),
     "policies": ("Placement policies side by side", "pdserve.cluster.bench.policies"),
     "overload": ("Overload: a burst far past capacity", "pdserve.cluster.bench.overload"),
     "soak": ("Soak: kills, corruption and a cancel storm", "pdserve.cluster.bench.soak"),

@@ -33,6 +33,7 @@ from pdserve.cluster.bench.serve_metrics import (
     TARGET_ATTAINMENT, GoodputSearch, Objective, RequestRecord, attainment, percentile,
 )
 from pdserve.cluster.bench.workload import azure_trace_shapes, random_token_prompts
+from pdserve.cluster.plan.sim_speculation import Drafting
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, resolve_model
 from pdserve.engine.models.training import corpus_texts
 from pdserve.engine.profiler import profile_decode
@@ -74,6 +75,21 @@ class RunFigures:
     drafted: int
     accepted: int
     decode_steps: int = 0  # steps that gave a request tokens after its first, summed over requests
+    verifications: int | None = None  # steps that verified a draft, summed over requests (None: not recorded)
+    rejected: int | None = None  # of those, the ones that ended on a rejected draft token
+    model_verifications: int | None = None  # of those, the ones whose draft the draft model proposed
+
+    @staticmethod
+    def drafting(runs: list["RunFigures"]) -> Drafting | None:
+        """What the simulator needs of the runs' drafts (None: none verified, or not recorded)."""
+        if any(r.verifications is None or r.rejected is None or r.model_verifications is None for r in runs):
+            return None
+
+        def total(figure: str) -> int:
+            return sum(getattr(r, figure) for r in runs)
+
+        return Drafting.measured(total("accepted"), total("verifications"), total("rejected"), total("drafted"),
+                                 total("decode_steps"), total("model_verifications"))
 
 
 @dataclass
@@ -150,7 +166,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
     tpot = statistics.median((last[i] - first[i]) / (output_len - 1) for i in ids)
     figures = RunFigures(tpot_ms=tpot * 1e3, output_tps=len(ids) * output_len / wall,
                          drafted=sum(o.num_draft_tokens for o in done.values()),
-                         accepted=sum(o.num_accepted_tokens for o in done.values()), decode_steps=steps)
+                         accepted=sum(o.num_accepted_tokens for o in done.values()), decode_steps=steps,
+                         verifications=sum(o.num_verifications for o in done.values()),
+                         rejected=sum(o.num_rejected_drafts for o in done.values()),
+                         model_verifications=sum(o.num_model_verifications for o in done.values()))
     return figures, [done[i].token_ids for i in ids]
 
 
@@ -179,6 +198,30 @@ class PromptPool:
         return self._by_rate[rate]
 
 
+BENCH_KV_MEMORY_MB = 512
+
+
+def bench_engine(model_dir: Path, spec: SpeculativeConfig | None, batches: tuple[int, ...],
+                 max_model_len: int) -> LLMEngine:
+    """A fresh engine for one run, profiled as a worker starts: warm, and speculation knows its step costs."""
+    engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(64, *batches),
+                                               max_model_len=max_model_len,
+                                               kv_memory_bytes=BENCH_KV_MEMORY_MB * 2**20))
+    profile_decode(engine)
+    return engine
+
+
+def workload_pools(tokenize: Callable[[str], list[int]], vocab_size: int, needed: int, prompt_len: int,
+                   output_len: int) -> dict[str, PromptPool]:
+    """Each workload's prompts (`needed` of each)."""
+    shapes = azure_trace_shapes(needed, 1.0, 1.0, prompt_len, output_len, seed=1)[0]
+    return {
+        "code": PromptPool(code_prompts(tokenize, needed, prompt_len, random.Random(0))),
+        "conversation": PromptPool(random_token_prompts(shapes, vocab_size, seed=1)),
+        "sampled": PromptPool(random_token_prompts(shapes, vocab_size, seed=2)),
+    }
+
+
 def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchResult:
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2 (TPOT is measured between tokens)")
@@ -191,19 +234,10 @@ def run(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> SpecBenchRe
     # rates, the direct checks at the target (two objectives) a few more, and the idle runs a few more.
     needed = cfg.repeats * sum(cfg.batches) + (len(compared) * (cfg.max_runs + 2) * cfg.open_loop_requests
                                                + IDLE_REQUESTS if cfg.open_loop_requests else 0)
-    shapes = azure_trace_shapes(needed, 1.0, 1.0, cfg.prompt_len, cfg.output_len, seed=1)[0]
-    pools = {
-        "code": PromptPool(code_prompts(probe.tokenize, needed, cfg.prompt_len, random.Random(0))),
-        "conversation": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=1)),
-        "sampled": PromptPool(random_token_prompts(shapes, probe.vocab_size, seed=2)),
-    }
+    pools = workload_pools(probe.tokenize, probe.vocab_size, needed, cfg.prompt_len, cfg.output_len)
 
     def engine_for(spec: SpeculativeConfig | None) -> LLMEngine:
-        engine = LLMEngine(model_dir, EngineConfig(speculative=spec, max_num_seqs=max(64, *cfg.batches),
-                                                   max_model_len=cfg.prompt_len + cfg.output_len,
-                                                   kv_memory_bytes=512 * 2**20))
-        profile_decode(engine)  # as a worker starts: warm, and speculation knows its step costs
-        return engine
+        return bench_engine(model_dir, spec, cfg.batches, cfg.prompt_len + cfg.output_len)
 
     for workload, pool in pools.items():
         for batch in cfg.batches:
@@ -314,7 +348,7 @@ def summary_table(result: SpecBenchResult) -> str:
     spec = _speculative(result)
     lines = ["| workload | batch | TPOT off (ms) | " + " | ".join(f"TPOT {s} (ms, off / {s})" for s in spec)
              + " | " + " | ".join(f"tok/s {s} / off" for s in spec)
-             + " | " + " | ".join(f"{s}: drafts accepted, tokens per step" for s in spec) + " |",
+             + " | " + " | ".join(f"{s}: drafts accepted, tokens per step, drafting" for s in spec) + " |",
              "|---" * (3 + 3 * len(spec)) + "|"]
     for workload, batches in result.runs.items():
         for batch, runs in batches.items():
@@ -326,6 +360,9 @@ def summary_table(result: SpecBenchResult) -> str:
                 drafted, accepted = sum(r.drafted for r in runs[s]), sum(r.accepted for r in runs[s])
                 steps = sum(r.decode_steps for r in runs[s])
                 per_step = f"{len(runs[s]) * batch * (result.output_len - 1) / steps:.2f}" if steps else "—"
+                drafting = RunFigures.drafting(runs[s])
+                per_step += "" if drafting is None else (f", {drafting.acceptance:.2f} / {drafting.share:.0%} / "
+                                                         f"{drafting.length:.1f} / {drafting.model_share:.0%}")
                 cells.append(f"{accepted / drafted:.0%}, {per_step}" if drafted else f"none drafted, {per_step}")
             lines.append(f"| {workload} | {batch} | {tpot['off']:.2f} | " + " | ".join(cells) + " |")
     if result.open_loop:
@@ -410,7 +447,12 @@ def markdown(results: dict) -> str:
         "",
         f"First table: at each batch size every request starts at once; medians of {repeats} repeats; the outputs "
         f"of off and {', '.join(spec)} were identical, token for token; tokens per step is a request's output tokens "
-        f"after its first over the steps that gave them (1 without speculation). Second table: requests arrive at "
+        f"after its first over the steps that gave them (1 without speculation); drafting is what `pdserve plan` takes "
+        f"of a workload's drafts: acceptance (the chance a draft token is accepted when the one before it was: "
+        f"`--acceptance`) / the share of a request's decode steps that verified a draft (`--draft-share`) / the "
+        f"draft tokens such a step verified (`--draft-length`) / the share of those drafts the draft model proposed "
+        f"(`--draft-model-share`); plan with the row of the batch size the workers will run at. "
+        f"Second table: requests arrive at "
         f"Poisson times, goodput is the highest rate at which 90% of them meet both objectives, searched per system "
         f"from 1 req/s and no lower than 0.5 req/s (0: missed even there) to within 15%; the "
         f"objectives are `pdserve bench serve`'s, from the latency of requests sent one at a time without "

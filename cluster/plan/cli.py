@@ -56,6 +56,28 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drafting(args: argparse.Namespace, manifest: Any) -> Any:
+    """The workload's drafting (`sim_speculation.Drafting`) where the manifest speculates, else None."""
+    from pdserve.cluster.plan.sim_speculation import Drafting
+
+    described = args.draft_share != 1.0 or args.draft_length is not None or args.draft_model_share != 1.0
+    spec = manifest.speculative
+    if spec is None:
+        if args.acceptance is not None or described:
+            raise ValueError("--acceptance and the other draft options describe speculative decoding, and the "
+                             "manifest has no `speculative` section")
+        return None
+    if args.acceptance is None:
+        raise ValueError("the manifest decodes speculatively: give the workload's --acceptance (and --draft-share, "
+                         "--draft-length, as `pdserve bench spec` measures them)")
+    if args.draft_length is not None and args.draft_length > spec.max_draft_tokens:
+        raise ValueError(f"--draft-length {args.draft_length} is more than the manifest's max_draft_tokens "
+                         f"({spec.max_draft_tokens})")
+    if args.draft_model_share != 1.0 and spec.method != "both":
+        raise ValueError(f"--draft-model-share is for method both (the manifest's is {spec.method})")
+    return Drafting(args.acceptance, args.draft_share, args.draft_length, args.draft_model_share)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.serve_metrics import Objective
     from pdserve.cluster.bench.workload import check_azure_trace, find_trace, load_azure_trace, scale_requests
@@ -64,9 +86,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.slo_ttft <= 0 or args.slo_tpot <= 0 or args.cpus < 1 or (args.rate is not None and args.rate <= 0):
         raise ValueError("--slo-ttft, --slo-tpot, --cpus and --rate must be positive")
+    manifest = _base_manifest(args)
+    drafting = _drafting(args, manifest)
     if args.requests < 2 or args.run_seconds <= 0:
         raise ValueError("--requests must be at least 2 and --run-seconds positive")
-    manifest = _base_manifest(args)
     digest = _model_digest(manifest)
     path = _profile_path(args, manifest, digest)
     if not path.is_file():
@@ -84,7 +107,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"planning for {manifest.model} on {profile.hardware}, {len(shapes)} requests of {args.trace} per rate")
     threads = [int(t) for t in args.threads.split(",")] if args.threads else None
     result = plan(manifest, profile, shapes, objective, args.cpus, args.rate, seed=args.seed,
-                  min_duration_s=args.run_seconds, threads=threads)
+                  min_duration_s=args.run_seconds, threads=threads, drafting=drafting)
     best = result.best
     print(f"best: {best.candidate.name} ({best.candidate.cpus} CPUs), predicted goodput {best.goodput.rate:.2f} req/s")
     close = [e for e in result.tried if e is not best and e.goodput.rate >= best.goodput.rate * (1 - NEAR_TIE)]
@@ -147,5 +170,18 @@ def add_plan_commands(sub: Any) -> None:
     pl.add_argument("--output-scale", type=float, default=0.25, help="scale of output lengths (default: %(default)s)")
     pl.add_argument("--out", type=Path, default=Path("planned.yaml"), help="the manifest to write "
                                                                          "(default: %(default)s)")
+    pl.add_argument("--acceptance", type=float, default=None,
+                    help="where the manifest decodes speculatively: the workload's chance that a draft token is "
+                         "accepted when the one before it was (`pdserve bench spec` measures it, at the batch "
+                         "size the workers will run at)")
+    pl.add_argument("--draft-share", type=float, default=1.0,
+                    help="with --acceptance: the share of a request's decode steps that verify a draft "
+                         "(default: %(default)s)")
+    pl.add_argument("--draft-length", type=float, default=None,
+                    help="with --acceptance: draft tokens such a step verifies, on average (default: "
+                         "max_draft_tokens)")
+    pl.add_argument("--draft-model-share", type=float, default=1.0,
+                    help="with --acceptance and method both: the share of the drafts that the draft model "
+                         "proposed, the others the suffix proposer's (default: %(default)s)")
     pl.add_argument("--plot", type=Path, default=None, help="also plot the goodput of every deployment tried (PNG)")
     pl.set_defaults(func=_plan)

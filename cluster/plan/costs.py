@@ -13,6 +13,12 @@ A step that mixes both costs the decode table's time plus the prompt part's marg
 its fixed cost already paid), times the ratio of measured mixed steps to that sum (`mixed_scale`:
 on 2 cores, mixed steps cost about a fifth more than their parts).
 
+Where the manifest decodes speculatively, the profile also holds what speculation adds
+(`SpeculationCosts`): the engine's own decode-step fit over verified drafts (the one that sizes its
+drafts), a draft model's pass cost, and a prefill worker's prompt pass with the draft's beside it (the
+draft's prompt KV sent). How many drafts are accepted is the workload's, not the machine's: the
+simulator takes it apart (`sim_speculation`).
+
 A profile is stored beside the model cache, keyed by the model's digest and the machine
 (`default_profile_path`); a local cluster's workers take their prompt-pass costs from it instead of
 measuring them at start-up (`find_stored_profile`; the manifest's `profile`).
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.cost_model import StepCost
+from pdserve.engine.speculative.sizing import DecodeCost
 
 PROFILE_FORMAT = 2
 
@@ -72,6 +79,41 @@ class DecodeTable:
 
 
 @dataclass(frozen=True)
+class DraftPassCost:
+    """Seconds of one draft-model pass: a + per_seq·sequences + per_token·tokens fed."""
+
+    a: float
+    per_seq: float
+    per_token: float
+
+    def seconds(self, sequences: int, tokens: int) -> float:
+        return self.a + self.per_seq * sequences + self.per_token * tokens
+
+
+@dataclass(frozen=True)
+class SpeculationCosts:
+    """What speculative decoding adds to a worker's steps: the same for every proposer, but for a draft
+    model's passes (measured where the profiled manifest names one)."""
+
+    verify: DecodeCost  # decode steps over verified drafts: the engine's fit, as its start-up profile makes it
+    draft_model: str | None = None  # the manifest's `speculative.draft_model`, whose costs follow
+    draft_pass: DraftPassCost | None = None  # its pass
+    prompt_with_draft: StepCost | None = None  # a prefill worker's pass with the draft's beside it (draft_kv: send)
+
+    def decode_scale(self, contexts: list[int], lengths: list[int]) -> float:
+        """How many times longer a decode step of sequences with `contexts` tokens of KV takes verifying
+        `lengths` draft tokens each than verifying none (the terms `sizing.draft_lengths` prices)."""
+        plain_quad = sum(c + 1 for c in contexts)
+        plain = self.verify.step_s(len(contexts), plain_quad, verifies=False, seqs=len(contexts), keys=plain_quad)
+        if plain <= 0 or not any(lengths):
+            return 1.0
+        quad = sum((1 + k) * (c + 1 + k) for c, k in zip(contexts, lengths))
+        drafted = self.verify.step_s(len(contexts) + sum(lengths), quad, verifies=True, seqs=len(contexts),
+                                     keys=plain_quad + sum(lengths))
+        return drafted / plain
+
+
+@dataclass(frozen=True)
 class WorkerCosts:
     """One worker's step costs at a number of torch threads."""
 
@@ -79,13 +121,16 @@ class WorkerCosts:
     prefill: StepCost
     decode: DecodeTable
     mixed_scale: float = 1.0  # measured mixed steps over the sum of their parts
+    speculation: SpeculationCosts | None = None  # measured where the manifest decodes speculatively
 
-    def step_s(self, decode_seqs: int, decode_context: int, prompt_tokens: int, prompt_quad: int) -> float:
-        """A step of `decode_seqs` decoding sequences (their contexts summing to `decode_context`) and
-        `prompt_tokens` prompt tokens (attention term `prompt_quad`)."""
+    def step_s(self, decode_seqs: int, decode_context: int, prompt_tokens: int, prompt_quad: int,
+               decode_scale: float = 1.0) -> float:
+        """A step of `decode_seqs` decoding sequences (their contexts summing to `decode_context`; their
+        part `decode_scale` times longer when they verify drafts) and `prompt_tokens` prompt tokens
+        (attention term `prompt_quad`)."""
         if not decode_seqs:
             return self.prefill.step_s(prompt_tokens, prompt_quad) if prompt_tokens else 0.0
-        decode = self.decode.step_s(decode_seqs, decode_context / decode_seqs)
+        decode = self.decode.step_s(decode_seqs, decode_context / decode_seqs) * decode_scale
         if not prompt_tokens:
             return decode
         return max(decode, (decode + self.prefill.b * prompt_tokens + self.prefill.c * prompt_quad) * self.mixed_scale)
@@ -166,7 +211,7 @@ class HardwareProfile:
         workers = {int(t): WorkerCosts(w["threads"], StepCost(**w["prefill"]),
                                        DecodeTable(tuple(w["decode"]["batches"]), tuple(w["decode"]["contexts"]),
                                                    tuple(tuple(row) for row in w["decode"]["seconds"])),
-                                       w["mixed_scale"])
+                                       w["mixed_scale"], _speculation(w.get("speculation")))
                    for t, w in data.pop("workers").items()}
         transfers = {name: TransferCost(**t) for name, t in data.pop("transfers").items()}
         return cls(workers=workers, transfers=transfers, **data)
@@ -180,6 +225,16 @@ class HardwareProfile:
             return cls.from_json(data)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
             raise ValueError(f"cannot read the profile {path}: {e}") from None
+
+
+def _speculation(data: dict[str, Any] | None) -> SpeculationCosts | None:
+    """A profile's `SpeculationCosts` (None: measured without speculation)."""
+    if data is None:
+        return None
+    draft, with_draft = data["draft_pass"], data["prompt_with_draft"]
+    return SpeculationCosts(DecodeCost(**data["verify"]), data["draft_model"],
+                            DraftPassCost(**draft) if draft is not None else None,
+                            StepCost(**with_draft) if with_draft is not None else None)
 
 
 def machine() -> str:

@@ -27,6 +27,7 @@ from pdserve.cluster.bench.serve_metrics import (TARGET_ATTAINMENT, Goodput, Goo
                                                 attainment)
 from pdserve.cluster.bench.workload import TraceRequest, run_seed
 from pdserve.cluster.plan.costs import HardwareProfile
+from pdserve.cluster.plan.sim_speculation import Drafting
 from pdserve.cluster.plan.simulator import ClusterSimulator, trace_requests
 
 CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
@@ -128,24 +129,28 @@ class Plan:
 
 
 def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], seed: int,
-                   name: str = "", min_duration_s: float = MIN_DURATION_S) -> Callable[[float], list[RequestRecord]]:
+                   name: str = "", min_duration_s: float = MIN_DURATION_S,
+                   drafting: Drafting | None = None) -> Callable[[float], list[RequestRecord]]:
     """`measure(rate)` for `GoodputSearch`: the shapes (over again, for runs of at least `min_duration_s`
     of arrivals: a short run at a high rate ends before its queues build up) at Poisson arrivals of
-    `rate`, each run fresh (its own prompts and arrivals) on a fresh simulated cluster."""
+    `rate`, each run fresh (its own prompts and arrivals) on a fresh simulated cluster. `drafting`:
+    the workload's (`ClusterSimulator`), where the manifest decodes speculatively."""
     def measure(rate: float) -> list[RequestRecord]:
         n = max(len(shapes), math.ceil(rate * min_duration_s))
         arrivals = poisson_arrivals(n, rate, run_seed(seed, "plan", rate))
         # every run starts a fresh simulated cluster, whose caches hold nothing of the runs before
-        return ClusterSimulator(manifest, profile, name).run(trace_requests(shapes, arrivals), rate).records
+        simulator = ClusterSimulator(manifest, profile, name, drafting=drafting, seed=run_seed(seed, "drafts", rate))
+        return simulator.run(trace_requests(shapes, arrivals), rate).records
 
     return measure
 
 
 def evaluate(candidate: Candidate, base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest],
              objective: Objective, seed: int = 0, max_runs: int = 12, rel_tol: float = REL_TOL,
-             min_duration_s: float = MIN_DURATION_S, target_rate: float | None = None) -> Evaluated:
+             min_duration_s: float = MIN_DURATION_S, target_rate: float | None = None,
+             drafting: Drafting | None = None) -> Evaluated:
     manifest = candidate.manifest(base)
-    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s=min_duration_s)
+    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s, drafting)
     search = GoodputSearch(measure, start_rate=target_rate or 1.0, min_rate=0.01, max_rate=10_000, rel_tol=rel_tol,
                            max_runs=max_runs)
     carries = None if target_rate is None else attainment(search.records(target_rate), objective) >= TARGET_ATTAINMENT
@@ -173,9 +178,11 @@ def bottleneck(base: Any, profile: HardwareProfile, shapes: Sequence[TraceReques
 
 def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], objective: Objective, cpus: int,
          target_rate: float | None = None, seed: int = 0, min_duration_s: float = MIN_DURATION_S,
-         threads: Sequence[int] | None = None, log: Callable[[str], None] = print) -> Plan:
+         threads: Sequence[int] | None = None, log: Callable[[str], None] = print,
+         drafting: Drafting | None = None) -> Plan:
     """Simulate every candidate within `cpus`; raises Infeasible when none meets `objective` (or, with
-    `target_rate`, none carries it)."""
+    `target_rate`, none carries it). `drafting`: the workload's, where `base` decodes speculatively
+    (`ClusterSimulator`)."""
     if len(shapes) < 2:
         raise ValueError(f"a plan needs at least 2 requests of the trace, got {len(shapes)}")
     fewest = min(threads or profile.workers)
@@ -186,7 +193,7 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
     def run(batch: list[Candidate]) -> None:
         for candidate in batch:
             result = evaluate(candidate, base, profile, shapes, objective, seed, min_duration_s=min_duration_s,
-                              target_rate=target_rate)
+                              target_rate=target_rate, drafting=drafting)
             tried.append(result)
             carries = "" if result.carries is None else \
                 f" ({'carries' if result.carries else 'misses'} {target_rate:g})"

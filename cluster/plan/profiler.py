@@ -10,6 +10,13 @@ For each number of torch threads, in this process, on an engine with the manifes
 - mixed steps, a decode batch with one prompt chunk beside it: the median ratio of their time to the
   sum of the two parts' is the profile's `mixed_scale`.
 
+Where the manifest decodes speculatively, for each number of threads, what speculation adds
+(`costs.SpeculationCosts`): an engine with its `speculative` settings runs the start-up profile its
+workers run (`engine.profiler.profile_decode`: decode steps verifying drafts of several lengths, and a
+draft model's passes), whose fits are kept as measured; with a draft model, the prompt passes again
+with the draft's beside them (a prefill worker that sends the draft's KV). The decode table is
+measured without speculation either way: the simulator scales it by the verify fit.
+
 Then, for each KV transport, a 1P+1D cluster of the manifest on this machine (local prefill off):
 prompts of several lengths one at a time, and from each one's lifetime events the handoff (prefill
 end to decode start, every cost of the transfer in it; a line over prompt length), the dispatch (the
@@ -37,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.cluster.plan.costs import DecodeTable, HardwareProfile, TransferCost, WorkerCosts
+from pdserve.cluster.plan.costs import (DecodeTable, DraftPassCost, HardwareProfile, SpeculationCosts, TransferCost,
+                                        WorkerCosts)
 from pdserve.engine.cost_model import StepCost, fit_nonnegative
 from pdserve.wire import LifetimeEvent
 
@@ -75,9 +83,11 @@ class _EngineProfiler:
                 kept.append(replace(step))
         return kept
 
-    def prefill_samples(self, step_budget: int, max_model_len: int) -> list[tuple[int, int, float]]:
-        """(tokens, quad, seconds) of single prompt passes, fresh and behind a cached half: per shape, the
-        median of `PREFILL_PASSES` passes after a warm-up one (a shared machine's passes vary by half)."""
+    def prefill_samples(self, step_budget: int, max_model_len: int,
+                        behind_cache: bool = True) -> list[tuple[int, int, float]]:
+        """(tokens, quad, seconds) of single prompt passes, fresh and (`behind_cache`) behind a cached half:
+        per shape, the median of `PREFILL_PASSES` passes after a warm-up one (a shared machine's passes
+        vary by half)."""
         limit = min(step_budget, max_model_len - 1)
         lengths = sorted({min(n, limit) for n in (8, 32, 128, 512, 2048, limit)})
         samples = []
@@ -98,7 +108,7 @@ class _EngineProfiler:
 
         for n in lengths:
             median_pass(lambda: self.prompt(n), lambda s: s.num_seqs == 1 and s.num_tokens == n)
-            if n // 2 >= 16:
+            if behind_cache and n // 2 >= 16:
                 median_pass(lambda: behind_cached_half(n),
                             lambda s: s.num_seqs == 1 and s.quad_tokens > s.num_tokens ** 2)
         return samples
@@ -165,14 +175,7 @@ def profile_engine(engine: Any, threads: int, seed: int,
     config = engine.config
     p = _EngineProfiler(engine, seed, log)
     started = time.monotonic()
-    samples = p.prefill_samples(config.max_num_batched_tokens, engine.max_model_len)
-    data = np.array(samples, dtype=float)
-    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-    prefill = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
-    prefill_errors = (features @ np.array(prefill.as_tuple())) / data[:, 2] - 1
-    log(f"  {threads} thread(s): prompt passes a={prefill.a * 1e3:.2f} ms, b={prefill.b * 1e6:.2f} us/token, "
-        f"c={prefill.c * 1e9:.3f} ns/token^2 from {len(samples)} prompt shapes ({PREFILL_PASSES} passes each) "
-        f"(median error {np.median(np.abs(prefill_errors)):.1%}, max {np.max(np.abs(prefill_errors)):.1%})")
+    prefill, prefill_errors = _prompt_pass_fit(p, f"  {threads} thread(s): prompt passes")
     contexts = tuple(c for c in DECODE_CONTEXTS if c <= engine.max_model_len // 2) or (engine.max_model_len // 4,)
     rows, batches, measured_contexts, extrapolated = [], [], None, 0
     for batch in DECODE_BATCHES:
@@ -207,6 +210,50 @@ def profile_engine(engine: Any, threads: int, seed: int,
     return costs, checks
 
 
+def _prompt_pass_fit(p: _EngineProfiler, label: str, fresh_only: bool = False) -> tuple[StepCost, np.ndarray]:
+    """The prompt passes' fit a + b·N + c·Q, and its relative error on each shape measured; `fresh_only`:
+    of prompts with nothing cached (where a draft model runs beside the target: it keeps no prefix
+    cache, so its share of a pass behind a cached prefix is not the target's N and Q)."""
+    samples = p.prefill_samples(p.engine.config.max_num_batched_tokens, p.engine.max_model_len,
+                                behind_cache=not fresh_only)
+    data = np.array(samples, dtype=float)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    fit = StepCost(*fit_nonnegative(features, data[:, 2]).tolist())
+    errors = (features @ np.array(fit.as_tuple())) / data[:, 2] - 1
+    p.log(f"{label} a={fit.a * 1e3:.2f} ms, b={fit.b * 1e6:.2f} us/token, c={fit.c * 1e9:.3f} ns/token^2 from "
+          f"{len(samples)} prompt shapes ({PREFILL_PASSES} passes each) (median error "
+          f"{np.median(np.abs(errors)):.1%}, max {np.max(np.abs(errors)):.1%})")
+    return fit, errors
+
+
+def profile_speculation(model_dir: Any, threads: int, engine_config: dict[str, Any], seed: int,
+                        log: Callable[[str], None]) -> SpeculationCosts:
+    """What the manifest's speculative decoding (`engine_config["speculative"]`) adds at `threads`."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.profiler import profile_decode
+
+    config = EngineConfig(**{**engine_config, "num_threads": threads, "enable_prefix_caching": True})
+    engine = LLMEngine(model_dir, config)
+    samples = profile_decode(engine, seed=seed)
+    if not samples:
+        raise RuntimeError("no decode step verifying drafts fits the engine: raise kv_memory_mb or max_model_len")
+    verify = engine.decode_step_costs.cost
+    log(f"  {threads} thread(s): decode steps verifying drafts: {verify.a * 1e3:.2f} ms + "
+        f"{verify.b * 1e6:.1f} us/token + {verify.verify * 1e3:.2f} ms when verifying + {verify.per_seq * 1e6:.1f} "
+        f"us/sequence ({len(samples)} steps)")
+    draft_pass = prompt_with_draft = None
+    if engine.draft_model is not None:
+        draft_pass = DraftPassCost(*engine.draft_model.pass_cost.coefficients)
+        log(f"  {threads} thread(s): a draft pass {draft_pass.a * 1e3:.2f} ms + {draft_pass.per_seq * 1e6:.1f} "
+            f"us/sequence + {draft_pass.per_token * 1e6:.1f} us/token")
+        with_draft = LLMEngine(model_dir, replace(config, draft_prompt_kv=True))
+        prompt_with_draft, _ = _prompt_pass_fit(_EngineProfiler(with_draft, seed, log),
+                                                f"  {threads} thread(s): prompt passes with the draft's",
+                                                fresh_only=True)
+    return SpeculationCosts(verify, config.speculative.draft_model, draft_pass, prompt_with_draft)
+
+
 @dataclass(frozen=True)
 class ServingCosts:
     """What serving adds to the engine's steps, measured in a running 1P+1D cluster."""
@@ -236,6 +283,7 @@ def profile_serving(manifest: Any, transport: str, costs: WorkerCosts, seed: int
     data["router"]["local_prefill_tokens"] = 0  # every prompt hands its KV off: that is what is measured
     data["server"].update(address="127.0.0.1:0", http_address=None)
     data["profile"] = "measure"  # a profile stored earlier must not stand in for what is measured again here
+    data["speculative"] = None  # what serving adds to a step of one token per sequence, as the decode table's
     m = type(manifest).model_validate(data)
     rng = random.Random(seed)
     dispatch, setup, delivery, overhead, handoffs = [], [], [], [], []
@@ -307,14 +355,17 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
     pool = manifest.pools.decode
     engine_config = manifest.engine_config(pool)
     engine_config.pop("num_threads")
-    # The simulator times decode steps of one token per request, and prompt passes of the target alone:
-    # measured so, whatever the manifest's speculative settings (drafts would speed decode cells up
-    # on whatever the profile's random prompts repeat).
-    engine_config["speculative"] = None
+    # The decode table and prompt passes are measured without speculation (drafts would speed decode
+    # cells up on whatever the profile's random prompts repeat); what speculation adds, apart.
+    speculative = engine_config.pop("speculative")
     workers, checks = {}, {}
     log(f"profiling {manifest.model} on {machine()}")
     for t in threads:
-        workers[t], checks[f"threads_{t}"] = profile_threads(model_dir, t, engine_config, seed, log)
+        workers[t], checks[f"threads_{t}"] = profile_threads(model_dir, t, {**engine_config, "speculative": None},
+                                                             seed, log)
+        if speculative is not None:
+            measured = profile_speculation(model_dir, t, {**engine_config, "speculative": speculative}, seed, log)
+            workers[t] = replace(workers[t], speculation=measured)
     transfers, serving = {}, None
     for transport in transports:  # at the fewest threads measured: the default manifest's workers
         measured = profile_serving(manifest, transport, workers[min(threads)], seed, log)

@@ -9,8 +9,9 @@ between steps, as its engine loop runs them (`call`); KV blocks, with the most r
 sequence preempted (and recomputed) when a running one needs a block and none is free; and a prefix
 cache of chained block hashes (blocks in use shared, freed ones evictable, least recently freed first)
 whose stores and removals are reported to a listener, as a worker's KV events feed the router's index.
-It leaves out what does not: token values, sampling, stop strings (every request generates its
-trace's output length).
+Speculative decoding, where the manifest has it, is `sim_speculation`'s: a decoding sequence may gain
+several tokens in a step. It leaves out what does not decide latency: token values, sampling, stop
+strings (every request generates its trace's output length).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from pdserve.cluster.plan.costs import WorkerCosts
+from pdserve.cluster.plan.sim_speculation import SimSpeculation
+from pdserve.engine.speculative.sizing import DecodeStepShape
 
 
 class IndexEvent(NamedTuple):
@@ -49,6 +52,7 @@ class SimSequence:
     cached_tokens: int = 0  # found in the prefix cache when first admitted
     preemptions: int = 0
     plain_blocks: int = 0  # blocks it holds that no hash names
+    draft_computed: int = 0  # tokens of its context a draft model holds KV of (speculative decoding)
     refs: list[bytes] = field(default_factory=list)  # cached blocks it holds, in order (its leading blocks)
 
     def __post_init__(self) -> None:
@@ -67,8 +71,8 @@ class EngineListener(Protocol):
     def step_started(self, engine: "SimEngine") -> float:
         """A step starts: how many times longer than alone it takes (cores shared with other workers)."""
 
-    def sampled(self, engine: "SimEngine", seq: SimSequence, now: float) -> None:
-        """A step ending at `now` sampled `seq`'s next token (its `generated` already counts it)."""
+    def sampled(self, engine: "SimEngine", seq: SimSequence, tokens: int, now: float) -> None:
+        """A step ending at `now` gave `seq` its next `tokens` tokens (its `generated` already counts them)."""
 
     def step_ended(self, engine: "SimEngine", now: float) -> None:
         """A step ended; blocks may have come free."""
@@ -87,8 +91,11 @@ class SimEngine:
     def __init__(self, name: str, costs: WorkerCosts, limits: EngineLimits, listener: EngineListener,
                  schedule_at: Callable[[float, Callable[[float], None]], None],
                  on_cache_events: Callable[[str, list[IndexEvent]], None] | None = None,
-                 step_overhead: Callable[[int], float] = lambda decode_seqs: 0.0) -> None:
+                 step_overhead: Callable[[int], float] = lambda decode_seqs: 0.0,
+                 speculation: SimSpeculation | None = None) -> None:
         self.name = name
+        self.speculation = speculation
+        self.decode_shape = DecodeStepShape()  # what drafts add to its decode steps, as a worker reports it
         self.step_overhead = step_overhead  # what a serving worker adds to a step streaming tokens of this many
         self.costs = costs
         self.limits = limits
@@ -161,6 +168,8 @@ class SimEngine:
         """Its KV arrived with its first token: it joins the batch (its full blocks now cached)."""
         self.importing.remove(seq)
         seq.num_tokens, seq.computed, seq.generated = seq.prompt_len + 1, seq.prompt_len, 1
+        if self.speculation is not None and self.speculation.draft_kv_sent:
+            seq.draft_computed = seq.prompt_len
         self._publish(seq)
         self._flush_events()
         self.ready.append(seq)
@@ -187,22 +196,32 @@ class SimEngine:
         self._flush_events()
         if not chunks:
             return  # waiting for blocks a handoff releases (it kicks again)
-        decode_seqs = decode_context = prompt_tokens = prompt_quad = 0
+        # a sequence computing its newest token (not a recomputed chunk of one token after a preemption)
+        decoding = [seq for seq, n in chunks if seq.generated and seq.uncomputed == n == 1]
+        decode_context = sum(seq.computed + 1 for seq in decoding)
+        prompt_tokens = prompt_quad = 0
         for seq, n in chunks:
-            if seq.generated and n == 1:
-                decode_seqs += 1
-                decode_context += seq.computed + 1
-            else:
+            if seq not in decoding:
                 prompt_tokens += n
                 prompt_quad += n * (seq.computed + n)
-        seconds = self.costs.step_s(decode_seqs, decode_context, prompt_tokens, prompt_quad)
-        if decode_seqs:
-            seconds += self.step_overhead(decode_seqs)
+        drafts: dict[SimSequence, tuple[int, bool]] = {}  # draft tokens verified, by the draft model
+        decode_scale, draft_s = 1.0, 0.0
+        if self.speculation is not None and decoding:
+            plain_s = self.costs.decode.step_s(len(decoding), decode_context / len(decoding))
+            spec = self.speculation.size([s.computed for s in decoding], [s.output_len - s.generated for s in decoding],
+                                         [max(0, s.computed - s.draft_computed) for s in decoding], plain_s,
+                                         prompt_tokens, prompt_quad)
+            drafts = {seq: (k, m) for seq, k, m in zip(decoding, spec.lengths, spec.by_model) if k}
+            decode_scale, draft_s = spec.decode_scale, spec.draft_s
+            self.decode_shape.observe(len(decoding) + sum(spec.lengths), len(decoding), draft_s)
+        seconds = self.costs.step_s(len(decoding), decode_context, prompt_tokens, prompt_quad, decode_scale)
+        if decoding:
+            seconds += draft_s + self.step_overhead(len(decoding))
         seconds *= self.listener.step_started(self)
         self.busy = True
         self.busy_s += seconds
         self.steps += 1
-        self._schedule_at(now + seconds, lambda end: self._end_step(chunks, end))
+        self._schedule_at(now + seconds, lambda end: self._end_step(chunks, drafts, end))
 
     # --- one step -------------------------------------------------------------------------------
     def _schedule(self) -> tuple[list[tuple[SimSequence, int]], bool]:
@@ -283,28 +302,46 @@ class SimEngine:
             seq.cached_tokens = seq.computed
         return n
 
-    def _end_step(self, chunks: list[tuple[SimSequence, int]], now: float) -> None:
-        """The step's outputs, then the calls queued meanwhile (still busy: what they add waits for the
-        next step, as every command the engine loop holds runs before it steps again), then the next step."""
+    def _end_step(self, chunks: list[tuple[SimSequence, int]], drafts: dict[SimSequence, tuple[int, bool]],
+                  now: float) -> None:
+        """The step's outputs (each sequence's accepted draft tokens, then the token sampled after them),
+        then the calls queued meanwhile (still busy: what they add waits for the next step, as every
+        command the engine loop holds runs before it steps again), then the next step."""
         for seq, n in chunks:
             seq.computed += n
             self._publish(seq)
             if seq.computed < seq.num_tokens:
                 continue
-            seq.generated += 1
+            drafted, by_model = drafts.get(seq, (0, False))
+            accepted = self._keep_accepted(seq, self.speculation.accepted(drafted)) if drafted else 0
+            seq.computed += accepted
+            if by_model:  # its draft KV holds all but the token sampled after the draft (fed with the next one)
+                seq.draft_computed = seq.computed
+            seq.generated += 1 + accepted
             if seq.prefill_only or seq.generated >= seq.output_len:
                 self.running.remove(seq)
                 if not seq.prefill_only:
                     self._free(seq)
             else:
-                seq.num_tokens += 1
-            self.listener.sampled(self, seq, now)
+                seq.num_tokens += 1 + accepted
+            self.listener.sampled(self, seq, 1 + accepted, now)
         self._flush_events()
         while self._calls:
             self._calls.popleft()(now)
         self.busy = False
         self.listener.step_ended(self, now)
         self.kick(now)
+
+    def _keep_accepted(self, seq: SimSequence, accepted: int) -> int:
+        """Of `accepted` draft tokens, those whose KV fits the blocks `seq` holds or can take (blocks
+        for them are taken at the step's end; where none is left the draft is cut short, where the
+        engine, which takes them for the whole draft before it verifies, would have verified less)."""
+        need = self._blocks_needed(seq, accepted)
+        while need and not self._allocate(need):
+            accepted -= 1
+            need = self._blocks_needed(seq, accepted)
+        seq.plain_blocks += need
+        return accepted
 
     # --- blocks ---------------------------------------------------------------------------------
     def _blocks_needed(self, seq: SimSequence, n: int) -> int:

@@ -16,6 +16,11 @@ and TPOT percentiles, attainment, goodput.
 Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
 that waits past `reserve_wait_s` (it waits here as long as it must; pools too small to pass work on
 make the run raise), codecs, and token values.
+
+Speculative decoding (the manifest's `speculative`) needs the workload's drafting (`drafting`: how
+often its decode steps verify drafts, how long, and how many are accepted) and a profile measured with it
+(`costs.SpeculationCosts`); decode steps then verify drafts as `sim_speculation` sizes them, and
+prefill workers that send a draft model's prompt KV take the profile's prompt pass with the draft's.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.cluster.bench.serve_metrics import RequestRecord
 from pdserve.cluster.bench.workload import TraceRequest
-from pdserve.cluster.plan.costs import HardwareProfile
+from pdserve.cluster.plan.costs import HardwareProfile, WorkerCosts
 from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine, SimSequence
+from pdserve.cluster.plan.sim_speculation import Drafting, SimSpeculation
 from pdserve.engine.block_pool import KVPoolStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
@@ -229,10 +235,11 @@ class ClusterSimulator:
     worker shares, where the whole deployment runs on one machine (None: a manifest that starts its own
     local Ray cluster runs on the profiled machine's cores; one that joins a cluster, on workers' own):
     a step that starts while workers with more threads than that are stepping, with the router's CPU
-    for the tokens of the last second, takes as many times longer (processor sharing)."""
+    for the tokens of the last second, takes as many times longer (processor sharing). `drafting`:
+    the workload's, where the manifest decodes speculatively (see the module's text)."""
 
     def __init__(self, manifest: Any, profile: HardwareProfile, name: str = "",
-                 shared_cores: int | None = None) -> None:
+                 shared_cores: int | None = None, drafting: Drafting | None = None, seed: int = 0) -> None:
         self.manifest = m = manifest
         self.profile = profile
         on_one_machine = m.ray.address == "local"
@@ -263,6 +270,9 @@ class ClusterSimulator:
         max_model_len = self.max_model_len
         for role, worker, spec in m.workers():
             costs = profile.costs(spec.threads)
+            speculation = None
+            if m.speculative is not None:
+                costs, speculation = self._speculating(costs, role, drafting, f"{seed}:{worker}")
             chunk = m.max_num_batched_tokens
             laps = None
             if role == "prefill":
@@ -273,7 +283,8 @@ class ClusterSimulator:
                                      max_model_len)
                 chunk = laps.chunk_tokens or chunk
             limits = EngineLimits(total_blocks, m.block_size, m.max_num_batched_tokens, chunk, m.max_num_seqs)
-            engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead)
+            engine = SimEngine(worker, costs, limits, self, self.clock.at, self._cache_events, profile.step_overhead,
+                               speculation)
             self.engines[worker] = engine
             self.waiting_for_room[worker] = deque()
             if laps is not None:
@@ -293,6 +304,28 @@ class ClusterSimulator:
         self._outstanding = 0
         self._rate = 0.0
         self._last_progress = 0.0  # the last request's arrival or end, or engine step's end
+
+    def _speculating(self, costs: WorkerCosts, role: str, drafting: Drafting | None,
+                     seed: str) -> tuple[WorkerCosts, SimSpeculation | None]:
+        """A worker's costs where the manifest decodes speculatively, and its drafts (decoding roles)."""
+        spec, measured = self.manifest.speculative, costs.speculation
+        uses_draft_model = spec.method != "suffix"
+        if measured is None or (uses_draft_model and measured.draft_model != spec.draft_model):
+            raise ValueError(f"the manifest decodes speculatively ({spec.method}"
+                             + (f" with the draft model {spec.draft_model}" if uses_draft_model else "")
+                             + f"), and the profile of {costs.threads} thread(s) was measured "
+                             + ("without speculation" if measured is None else
+                                f"with the draft model {measured.draft_model}" if measured.draft_model else
+                                "without a draft model")
+                             + ": measure it with this manifest's `speculative` (`pdserve profile --manifest`)")
+        sends_draft = self.manifest.mode == "disaggregated" and uses_draft_model and spec.draft_kv == "send"
+        if role == "prefill":
+            return (replace(costs, prefill=measured.prompt_with_draft) if sends_draft else costs), None
+        if drafting is None:
+            raise ValueError("the manifest decodes speculatively: the simulator needs the workload's drafting (at "
+                             "least its acceptance, the chance a draft token is accepted when the one before it "
+                             "was; `--acceptance`)")
+        return costs, SimSpeculation(measured, spec, drafting, sends_draft, seed)
 
     # --- a run ----------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest], rate: float = 0.0) -> SimResult:
@@ -411,11 +444,11 @@ class ClusterSimulator:
         router = min(1.0, len(self._recent_tokens) * self.profile.router_cpu_s_per_token)  # one event loop: a core
         return max(1.0, (self._stepping_threads + router) / self.shared_cores)
 
-    def sampled(self, engine: SimEngine, seq: SimSequence, now: float) -> None:
+    def sampled(self, engine: SimEngine, seq: SimSequence, tokens: int, now: float) -> None:
         flight = self.flights[seq.request_id]
         seen = now + self.profile.delivery_s
         if self.shared_cores:
-            self._recent_tokens.append(now)
+            self._recent_tokens.extend([now] * tokens)
         if seq.generated == 1:
             flight.record.first_token_time = seen
             flight.record.cached_tokens = seq.cached_tokens
@@ -498,5 +531,6 @@ class ClusterSimulator:
                 kv=KVPoolStatus(engine.free_blocks, lim.total_blocks, len(engine.evictable) + len(engine.in_use), 0, 0),
                 requests=engine.num_requests, transfers=0, step_cost=engine.costs.prefill, step_budget=lim.step_budget,
                 jobs=self.prefill_sides[name].queues.queued if name in self.prefill_sides else 0,
-                chunk_tokens=chunk, short_prompt_tokens=short_tokens)
+                chunk_tokens=chunk, short_prompt_tokens=short_tokens,
+                step_tokens_per_seq=engine.decode_shape.tokens_per_seq, step_propose_s=engine.decode_shape.propose_s)
             ref.reported_at = now

@@ -69,6 +69,11 @@ class DraftPassCost(OnlineFit):
     def seconds(self, sequences: int, tokens: int) -> float:
         return float(self._fit @ (1.0, sequences, tokens))
 
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c) of the current fit."""
+        return tuple(self._fit.tolist())
+
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:
         self._observe((sequences, tokens), seconds)
 
@@ -188,9 +193,11 @@ class DraftModelProposer:
 
     def verified(self, seq: Sequence, draft: list[int], accepted: int) -> None:
         state = self._states.get(seq.request_id)
-        if (state is None or not seq.params.is_greedy or state.proposed_at != len(seq.output_token_ids)
-                or draft != state.proposed[: len(draft)]):
-            return  # sampled requests' guesses need no calibration; another proposer's draft tells nothing
+        if state is None or state.proposed_at != len(seq.output_token_ids) or draft != state.proposed[: len(draft)]:
+            return  # another proposer's draft tells nothing
+        seq.num_model_verifications += 1
+        if not seq.params.is_greedy:
+            return  # sampled requests' guesses need no calibration
         for j in range(min(accepted + 1, len(draft))):
             self.calibration.observe(state.guess_probabilities[j], j < accepted)
 
