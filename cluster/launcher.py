@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
-from pdserve.cluster.supervisor import HEALTH_GROUP, Supervisor
+from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
@@ -40,11 +40,14 @@ log = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside the engine loop
 # Pings get their own threads, so blocking calls on the other threads cannot delay them; so do a decode
 # worker's reservations, which wait for free blocks (see decode_worker.worker).
-CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2}, DecodeWorker: {HEALTH_GROUP: 2, RESERVE_GROUP: RESERVE_THREADS}}
+# The supervisor's watch call on each worker holds a thread of its own, open for the worker's life.
+CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1},
+                      DecodeWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1, RESERVE_GROUP: RESERVE_THREADS}}
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
 SNAPSHOT_TIMEOUT_S = 10.0
+RAY_DEATH_INFO_WAIT = "RAY_timeout_ms_task_wait_for_death_info"  # Ray's setting (ms), see `_init_ray`
 
 
 class Cluster:
@@ -114,6 +117,11 @@ class Cluster:
     def _init_ray(self) -> None:
         if ray.is_initialized():
             return
+        # A call to a worker whose process died fails at once (ActorUnavailableError) instead of after
+        # Ray waits up to a second for its death to be confirmed (more for a worker it restarts): the
+        # supervisor's watch call on each worker is how a dead one is found. Set before `ray.init`, as
+        # Ray reads its settings then; the environment's own value stands.
+        os.environ.setdefault(RAY_DEATH_INFO_WAIT, "0")
         m = self.manifest
         if m.ray.address == "local":
             specs = [m.pools.prefill, m.pools.decode]

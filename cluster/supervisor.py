@@ -1,21 +1,26 @@
 """Supervision of the worker actors: a thread that pings every worker and keeps `WorkerRef.healthy`.
 
-Liveness is not load: pings run in the actors' own `health` concurrency group, so no amount of
-blocking work on a worker's other threads delays them. A worker is unhealthy when its ping fails or
-goes unanswered for `misses_to_fail` rounds (the actor died or hangs) or when it reports itself dead
-(its engine loop or another of its threads failed: it has already failed its requests with an
-explicit error). Such a worker is killed so that Ray restarts it (`max_restarts`); it is healthy
-again once a ping answers alive (a restarted worker first profiles its prompt passes: placement
-needs its step costs). A restarted worker rejoins after a back-off (`RestartBackoff`) that doubles
-with each restart in a short while, so a worker in a crash loop (a bad node, a request that kills
-it) is kept out longer and longer instead of failing requests at the pace Ray restarts it. Placement
-skips unhealthy workers, streams waiting on them end with UNAVAILABLE, and `on_change` hears of
-every change (the router server publishes it on the standard gRPC health service). A worker whose
-last ping is still unanswered gets no new one, so a stalled actor does not pile pings up.
+Liveness is not load: pings run in the actors' own `health` concurrency group, so no amount of blocking
+work on a worker's other threads delays them. A worker is unhealthy when its ping fails or goes
+unanswered for `misses_to_fail` rounds (the actor hangs, or its node is gone), when it reports itself
+dead (its engine loop or another of its threads failed: it has already failed its requests with an
+explicit error), or at once when its process dies: each worker that answers a ping gets a `watch` call
+held open on a thread of its own (the `watch` group), which Ray fails the moment the process dies, so a
+killed worker is known within milliseconds instead of a few ping rounds (`worker_lost`, the one place a
+worker is declared lost between rounds). A ping sent before a worker was lost says nothing of it after.
+Such a worker is killed so that Ray restarts it (`max_restarts`); it is healthy again once a ping
+answers alive (a restarted worker first profiles its prompt passes: placement needs its step costs). A
+restarted worker rejoins after a back-off (`RestartBackoff`) that doubles with each restart in a short
+while, so a worker in a crash loop (a bad node, a request that kills it) is kept out longer and longer
+instead of failing requests at the pace Ray restarts it. Placement skips unhealthy workers, streams
+waiting on them end with UNAVAILABLE, and `on_change` hears of every change (the router server
+publishes it on the standard gRPC health service). A worker whose last ping is still unanswered gets no
+new one, so a stalled actor does not pile pings up.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -28,6 +33,7 @@ from pdserve.router.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 HEALTH_GROUP = "health"  # the actors' concurrency group for pings (see launcher)
+WATCH_GROUP = "watch"  # ... and for the supervisor's watch call, open for the worker's life
 
 
 class RestartBackoff:
@@ -74,7 +80,13 @@ class Supervisor:
         self._missed: dict[str, int] = {}  # worker name -> rounds in a row its ping went unanswered
         self._restarting: set[str] = set()
         self._profiling: dict[str, ray.ObjectRef] = {}  # restarted workers measuring their step costs
+        self._watches: dict[str, ray.ObjectRef] = {}  # worker name -> its open watch call
+        self._losses: dict[str, int] = {}  # worker name -> times it was lost between rounds
+        self._pinged_after: dict[str, int] = {}  # worker name -> its losses when its pending ping was sent
         self._reported = [w.healthy for w in workers]  # the health `on_change` last reported
+        # Health changes and their reports: the supervisor's thread and Ray's callback threads (watches).
+        # Re-entrant: a watch that has already failed runs its callback at once, inside `_watch`.
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
@@ -91,23 +103,64 @@ class Supervisor:
         for w in self.workers:
             if w.name not in self._pending:
                 self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
+                self._pinged_after[w.name] = self._losses.get(w.name, 0)
         ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending),
                             timeout=self.deadlines.ping_timeout_s)
         answered = set(ready)
-        for w in self.workers:
-            ref = self._pending[w.name]
-            if ref in answered:
-                del self._pending[w.name]
-                self._missed[w.name] = 0
-                w.healthy = self._alive(ref, w)
-            else:  # one slow answer (a starved core) is not death; `misses_to_fail` in a row are
-                self._missed[w.name] = self._missed.get(w.name, 0) + 1
-                w.healthy = w.healthy and self._missed[w.name] < self.deadlines.misses_to_fail
+        with self._lock:
+            for w in self.workers:
+                ref = self._pending[w.name]
+                if ref in answered:
+                    del self._pending[w.name]
+                    self._missed[w.name] = 0
+                    stale = self._pinged_after[w.name] != self._losses.get(w.name, 0)  # sent before it was lost
+                    w.healthy = not stale and self._alive(ref, w)
+                    if w.healthy:
+                        self._watch(w)
+                else:  # one slow answer (a starved core) is not death; `misses_to_fail` in a row are
+                    self._missed[w.name] = self._missed.get(w.name, 0) + 1
+                    w.healthy = w.healthy and self._missed[w.name] < self.deadlines.misses_to_fail
+            self._report()
+        self.after_round()
+
+    def watched(self) -> set[str]:
+        """The workers with a watch call open."""
+        with self._lock:
+            return set(self._watches)
+
+    def worker_lost(self, worker: WorkerRef, cause: str) -> None:
+        """`worker` is gone (its process died): unhealthy at once, reported at once. Any thread."""
+        with self._lock:
+            if self._stop.is_set() or not worker.healthy:
+                return
+            log.warning("worker %s lost: %s", worker.name, cause)
+            worker.healthy = False
+            self._losses[worker.name] = self._losses.get(worker.name, 0) + 1
+            self._report()
+
+    def _report(self) -> None:
+        """Tell `on_change` of health that changed since it was last told (under the lock)."""
         health = [w.healthy for w in self.workers]
         if health != self._reported:  # against what was reported: a round that failed before telling
             self.on_change()          # (or whose `on_change` raised) is told by the next one
             self._reported = health
-        self.after_round()
+
+    def _watch(self, worker: WorkerRef) -> None:
+        """Hold a watch call open on `worker` unless one is (under the lock): it fails when the process dies."""
+        if worker.name in self._watches:
+            return
+        ref = worker.handle.watch.options(concurrency_group=WATCH_GROUP).remote()
+        self._watches[worker.name] = ref
+
+        def ended(future: concurrent.futures.Future) -> None:  # on a Ray thread
+            with self._lock:
+                if self._watches.get(worker.name) == ref:
+                    del self._watches[worker.name]
+            error = None if future.cancelled() else future.exception()
+            if error is not None:  # (a watch that returned: the worker closed, as the cluster stops)
+                self.worker_lost(worker, f"its process died ({type(error).__name__})")
+
+        ref.future().add_done_callback(ended)
 
     def _alive(self, ref: ray.ObjectRef, worker: WorkerRef) -> bool:
         try:

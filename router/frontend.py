@@ -116,6 +116,7 @@ class Frontend:
         self.retry = retry
         self.metrics = RouterMetrics(router)
         self.aborts = AbortBatcher()
+        self.active: set[ActiveRequest] = set()  # started and not finished (on the router's event loop)
         self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "router-tokenizer")
 
     @contextmanager
@@ -162,6 +163,12 @@ class Frontend:
     def close(self) -> None:
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
+    def workers_lost(self) -> None:
+        """Workers became unhealthy (on the router's event loop): each stream waiting on one of them is
+        told at once, as a worker's own error tells it, instead of at its next look."""
+        for active in list(self.active):
+            active.check_workers()
+
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
               accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:
         """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (a bad prompt, or more
@@ -190,6 +197,7 @@ class Frontend:
             self.hub.unsubscribe(work.request_id)
             self.router.finished(placement)
             raise RequestFailed(UNAVAILABLE, f"could not dispatch the request: {type(e).__name__}: {e}") from None
+        self.active.add(active)
         return active
 
 
@@ -242,9 +250,9 @@ class ActiveRequest:
             try:
                 msg: TokenMessage = await asyncio.wait_for(self._queue.get(), DEAD_WORKER_CHECK_S)
             except asyncio.TimeoutError:
-                dead = [w.name for w in self.placement.depends_on if not w.healthy]
-                if dead:
-                    await self._retry(f"worker {', '.join(dead)} stopped responding while serving the request")
+                lost = self._lost_workers()
+                if lost:
+                    await self._retry(lost)
                 elif frontend.hub.gap_s(self.work.request_id) > LOST_MESSAGE_S:
                     await self._retry(f"a token message was lost: later tokens waited {LOST_MESSAGE_S:.0f} s for "
                                       f"the one at output position {len(self.generated)}")
@@ -293,6 +301,18 @@ class ActiveRequest:
             response.text_delta = detok.add(tokens)
             yield response
 
+    def _lost_workers(self) -> str | None:
+        """Why the current attempt cannot go on: a worker it waits on is unhealthy; None if none is."""
+        dead = [w.name for w in self.placement.depends_on if not w.healthy]
+        return f"worker {', '.join(dead)} stopped responding while serving the request" if dead else None
+
+    def check_workers(self) -> None:
+        """Retry at once if a worker the current attempt waits on became unhealthy: its stream gets the
+        error a failed worker would send."""
+        lost = self._lost_workers()
+        if lost:
+            self.frontend.hub.deliver(TokenMessage(request_id=self.work.request_id, error_code=UNAVAILABLE, error=lost))
+
     async def _retry(self, cause: str) -> None:
         """End the current attempt and start the next, on healthy workers (waiting up to the budget's
         `wait_s` for one); past the retry budget, UNAVAILABLE naming the cause."""
@@ -340,6 +360,7 @@ class ActiveRequest:
         if self._finished:
             return
         self._finished = True
+        self.frontend.active.discard(self)
         self._end_attempt(aborted=self.code != OK)
         frontend, placement = self.frontend, self.placement
         self.events.setdefault(LifetimeEvent.FINISHED, time.time())

@@ -45,6 +45,7 @@ class RouterStack:
             opened.pop_all()
         self.placement: Router | None = None  # once `place` has run
         self.server: RouterServer | None = None  # once `serve` has run
+        self.frontend: Frontend | None = None  # once `serve` has run
         self._served: ServedModel | None = None
 
     def place(self, workers: list[WorkerRef], served: ServedModel) -> Router:
@@ -61,8 +62,8 @@ class RouterStack:
         """Start the servers (after `place`); `collectors` join the router's /metrics. Returns the gRPC
         API's HOST:PORT."""
         m = self.manifest
-        frontend = Frontend(self._served, self.placement, self.tokens,
-                            RetryBudget(m.router.max_retries, m.router.retry_wait_s))
+        self.frontend = frontend = Frontend(self._served, self.placement, self.tokens,
+                                            RetryBudget(m.router.max_retries, m.router.retry_wait_s))
         for collector in collectors:
             frontend.metrics.registry.register(collector)
         s = m.server
@@ -78,9 +79,9 @@ class RouterStack:
         return self.server.http_address if self.server is not None else None
 
     def health_changed(self) -> None:
-        """Workers' health changed (from the cluster's supervisor): a worker that stopped answering
-        leaves the prefix index at once (it rejoins through a snapshot when its events resume); then
-        the health service hears of it."""
+        """Workers' health changed (from the cluster's supervisor, on any thread): a worker that stopped
+        answering leaves the prefix index at once (it rejoins through a snapshot when its events
+        resume); then the health service hears of it, and the streams waiting on it retry."""
         for w in self.placement.prefill_pool + self.placement.decode_pool:
             if not w.healthy:
                 self.kv_events.forget(w.name)
@@ -88,6 +89,11 @@ class RouterStack:
                     self.placement.approximate.drop(w.name)
         if self.server is not None:
             self.server.health_changed()
+        if self.frontend is not None:  # streams waiting on a lost worker retry now
+            try:
+                self.loop.loop.call_soon_threadsafe(self.frontend.workers_lost)
+            except RuntimeError:  # the router's loop is closed (shutting down): no stream waits any more
+                pass
 
     def stats(self) -> dict[str, Any]:
         """The cumulative placement counts and the settings in effect (`Router.snapshot_stats`), with

@@ -6,6 +6,7 @@ common part. Each role adds its own requests, KV side and report on top.
 from __future__ import annotations
 
 import resource
+import threading
 import warnings
 from typing import Any
 
@@ -51,6 +52,7 @@ class WorkerBase:
         self.sink = TokenSink(token_sink, self.kv.secret)
         self.fault: str | None = None  # why the worker is dead (it has failed its requests); None: alive
         self._profiled = False
+        self._closed = threading.Event()
 
     def start_loop(self) -> None:
         """Start the engine loop, once the role's own state (which its callbacks use) is set up."""
@@ -76,7 +78,14 @@ class WorkerBase:
         """Every cached block (hash, parent) and the sequence number of the last event they reflect."""
         return self.loop.call(lambda e: self.kv_events.snapshot(e.pool.cached_blocks()))
 
+    def watch(self) -> None:
+        """Returns when the worker closes. The supervisor keeps one such call open on each worker (on a
+        thread of its own): when the process dies, Ray fails the call at once, which tells the
+        supervisor long before a ping round would."""
+        self._closed.wait()
+
     def close_common(self) -> None:
+        self._closed.set()
         self.loop.stop()
         self.sink.close()
         if self.kv_events is not None:

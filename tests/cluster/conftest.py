@@ -20,7 +20,7 @@ import pytest
 import ray
 from cluster_helpers import RayNode, free_port
 
-from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.launcher import RAY_DEATH_INFO_WAIT, Cluster
 from pdserve.cluster.supervisor import RestartBackoff
 
 # Logical CPUs: every test cluster asks for fractions of a CPU per worker and must never wait for
@@ -39,7 +39,8 @@ def shared_ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     # drivers join without a token, as on a machine that never made one.
     head = RayNode(["--head", "--node-ip-address=127.0.0.1", f"--port={address.rsplit(':', 1)[1]}",
                     f"--num-cpus={SHARED_RAY_CPUS}", "--include-dashboard=false", "--disable-usage-stats"],
-                   tmp_path_factory.mktemp("shared-ray") / "head.log", {**os.environ, "RAY_AUTH_MODE": "disabled"})
+                   tmp_path_factory.mktemp("shared-ray") / "head.log",
+                   {**os.environ, "RAY_AUTH_MODE": "disabled", RAY_DEATH_INFO_WAIT: "0"})  # as `Cluster` runs Ray
     try:
         yield address
     finally:
@@ -54,6 +55,7 @@ def shared_ray(request: pytest.FixtureRequest) -> Iterator[None]:
         if ray.is_initialized():
             ray.shutdown()
     elif not ray.is_initialized():
+        os.environ.setdefault(RAY_DEATH_INFO_WAIT, "0")  # as `Cluster` sets it before joining
         ray.init(address=request.getfixturevalue("shared_ray_address"), logging_level=logging.WARNING,
                  configure_logging=True)
     yield

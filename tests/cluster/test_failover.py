@@ -19,7 +19,8 @@ from helpers import random_prompts, worker_status
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.supervisor import HEALTH_GROUP, RestartBackoff, Supervisor
+from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, RestartBackoff, Supervisor
+from pdserve.deadlines import HealthDeadlines
 from pdserve.router.frontend import DEAD_WORKER_CHECK_S
 from pdserve.router.workers import WorkerRef
 from pdserve.wire import WorkerStatus
@@ -27,6 +28,7 @@ from pdserve.wire import WorkerStatus
 ARCH = "tiny-llama"
 STALL_MS = 15  # every decode step stalls this long, so a kill lands mid-stream
 WORKERS = ["prefill-0", "prefill-1", "decode-2", "decode-3"]
+WORKERS_1P2D = ["prefill-0", "decode-1", "decode-2"]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run inside the workers travel by value
 
 
@@ -260,11 +262,18 @@ def test_the_idle_audit_is_on_metrics(cluster):
     assert len(held) == len(WORKERS) and all(line.endswith(" 0.0") for line in held), held
 
 
-@ray.remote(num_cpus=0, concurrency_groups={HEALTH_GROUP: 1})
+@ray.remote(num_cpus=0, concurrency_groups={HEALTH_GROUP: 1, WATCH_GROUP: 1})
 class Pingable:
     def __init__(self, status: WorkerStatus) -> None:
         self.up = True
         self.status = status
+        self.closed = threading.Event()
+
+    def watch(self) -> None:
+        self.closed.wait()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def set_up(self, up: bool) -> None:
         self.up = up
@@ -303,6 +312,27 @@ def test_a_health_change_whose_report_failed_is_reported_by_the_next_round(clust
         ray.kill(actor)
 
 
+def test_a_workers_death_is_known_at_once_not_at_the_next_ping_round(cluster):
+    """The supervisor's watch call on a worker fails the moment its process dies: the worker is
+    unhealthy, and the router told, long before a ping round (a minute apart here) could see it."""
+    actor = Pingable.remote(worker_status())
+    ref = WorkerRef("w0", "decode", actor)
+    told = threading.Event()
+    deadlines = HealthDeadlines(ping_interval_s=60.0, ping_timeout_s=5.0)
+    supervisor = Supervisor([ref], on_change=told.set, deadlines=deadlines).start()
+    try:
+        deadline = time.monotonic() + 30
+        while "w0" not in supervisor.watched():  # the first round's ping answered: its watch is open
+            assert time.monotonic() < deadline, "no watch call was opened on the worker"
+            time.sleep(0.01)
+        assert ref.healthy and not told.is_set()
+        os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+        assert told.wait(30) and not ref.healthy  # the next ping round is a minute after the first
+    finally:
+        supervisor.stop()
+        ray.kill(actor)
+
+
 def test_a_worker_restarted_again_and_again_waits_longer_each_time_before_rejoining():
     now = [0.0]
     backoff = RestartBackoff(first_s=1.0, max_s=4.0, window_s=60.0, clock=lambda: now[0])
@@ -322,3 +352,37 @@ def test_a_worker_restarted_again_and_again_waits_longer_each_time_before_rejoin
     now[0] += 61  # a restart long after the last ones starts afresh
     assert wait_out() == 1.0
     assert backoff.may_rejoin("prefill-0") is False  # each worker has its own count
+
+
+def test_a_stream_on_a_killed_worker_resumes_at_once_not_at_the_next_ping_round(model_dirs, hf_reference):
+    """Ping rounds 20 s apart: a decode worker killed mid-stream is known lost when its process dies
+    (the supervisor's watch call fails), and the stream resumes on the other decode worker then, not
+    when a ping round or the stream's own look would find it."""
+    pools = {"prefill": {"replicas": 1, "num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+    faults = {"stall_every_steps": 1, "stall_ms": STALL_MS, "workers": WORKERS_1P2D[1:]}
+    slow_pings = {"ping_interval_s": 20, "ping_timeout_s": 5}
+    m = manifest(model_dirs[ARCH], pools=pools, faults=faults, supervision=slow_pings, kv_transfer={"lease_s": 60})
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 40, 40, seed=9)[0]
+    with Cluster(m, log=lambda _: None) as cluster, Client(cluster.address, timeout=120) as client:
+        deadline = time.monotonic() + 30
+        while cluster._supervisor.watched() != set(WORKERS_1P2D):  # the first round's pings answered
+            assert time.monotonic() < deadline, cluster._supervisor.watched()
+            time.sleep(0.01)
+        stream = client.generate(prompt, stream=True, max_tokens=120, temperature=0, ignore_eos=True)
+        streamed = []
+        for chunk in stream:
+            streamed += chunk.token_ids
+            if len(streamed) >= 20:
+                break
+        victim = first_worker(cluster, "decode", lambda self: len(self.engine.requests) > 0)
+        os.kill(on_worker(victim, _pid), signal.SIGKILL)
+        killed = time.monotonic()
+        resumed = None
+        for chunk in stream:
+            resumed = resumed or time.monotonic()
+            streamed += chunk.token_ids
+        assert streamed == hf_reference[ARCH].greedy(prompt, 120)
+        assert cluster.router.stats.retries == 1
+        # Its next tokens came from the other decode worker before any ping round could have seen the
+        # kill (the first after start-up is 20 s later, and two missed ones make a worker lost).
+        assert resumed - killed < slow_pings["ping_interval_s"]
