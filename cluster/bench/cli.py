@@ -216,6 +216,17 @@ def _docs_option(parser: argparse.ArgumentParser) -> None:
                              "date and commit (e.g. docs/benchmarks.md)")
 
 
+def _spec_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The options `bench spec` and `bench simulator-spec` share: the models and the batches' shape."""
+    parser.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    parser.add_argument("--draft-model", default="pystd-llama-draft",
+                        help="the model's draft model, or none: the model-free proposer only (default: %(default)s)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
+    parser.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add `soak` and `bench` (with its own subcommands) to the command line's subparsers `sub`."""
     sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
@@ -265,14 +276,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                            "sizes (outputs checked identical) and under open-loop load (goodput).",
                                **examples("pdserve bench spec --docs docs/benchmarks.md",
                                           "pdserve bench spec --batches 1 --repeats 1   # a quick look"))
-    bsp.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
-    bsp.add_argument("--draft-model", default="pystd-llama-draft",
-                     help="the model's draft model, or none: the model-free proposer only (default: %(default)s)")
-    bsp.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
+    _spec_workload_options(bsp)
     bsp.add_argument("--repeats", type=int, default=3, help="runs of each system per batch (default: %(default)s)")
-    bsp.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
-    bsp.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
-    bsp.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     bsp.add_argument("--open-loop-requests", type=int, default=24,
                      help="requests per rate of the open-loop goodput search; 0: none (default: %(default)s)")
     bsp.add_argument("--max-runs", type=int, default=8, help="rates each goodput search may measure "
@@ -463,24 +468,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bss = bench_sub.add_parser("simulator-spec", help="the simulator's speculative decoding against the engine's: "
                                                       "TPOT measured and predicted",
                                description="Batches of each workload of `pdserve bench spec` decoded by the engine "
-                                           "without speculation and with each proposer, and simulated with each "
-                                           "run's own acceptance; TPOT side by side. Needs this machine's profile "
+                                           "without speculation and with each proposer, and simulated given the "
+                                           "drafting measured at the first batch size and at each; TPOT and the "
+                                           "speedup side by side. Needs this machine's profile "
                                            "measured with speculation (`pdserve profile --manifest "
                                            "deploy/speculative.yaml`).",
                                **examples("pdserve bench simulator-spec --docs docs/benchmarks.md",
                                           "pdserve bench simulator-spec --workloads code --batches 1   # a quick look"))
-    bss.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
-    bss.add_argument("--draft-model", default="pystd-llama-draft",
-                     help="the model's draft model, or none: the model-free proposer only (default: %(default)s)")
+    _spec_workload_options(bss)
     bss.add_argument("--profile", type=Path, default=None, help="the profile (default: the model's on this machine)")
     bss.add_argument("--workloads", nargs="+", default=["code", "conversation", "sampled"],
                      choices=["code", "conversation", "sampled"], help="as `bench spec` names them (default: all)")
-    bss.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default: 1 8 32)")
     bss.add_argument("--repeats", type=int, default=3, help="runs of each batch, on fresh prompts (default: "
                                                             "%(default)s)")
-    bss.add_argument("--prompt-len", type=int, default=384, help="code prompts' tokens (default: %(default)s)")
-    bss.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
-    bss.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     bss.add_argument("--out", default="bench-results/simulator-spec.json", help="results file (default: %(default)s)")
     _docs_option(bss)
     bss.set_defaults(func=_bench_simulator_spec)
