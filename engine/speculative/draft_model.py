@@ -42,6 +42,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.cost_model import OnlineFit
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.model_loader import load_model
+from pdserve.engine.model_store import model_digest
 from pdserve.engine.model_runner import ModelRunner, TokenRun
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk
@@ -135,6 +136,9 @@ class DraftModelProposer:
             raise ValueError(f"draft model {str(draft_dir)!r} reaches {loaded.max_model_len} tokens, fewer "
                              f"than the target's max_model_len={max_model_len}")
         self.config = config
+        # Its weights' digest: a transfer's draft KV is taken only from the same weights (a draft of the
+        # same name retrained elsewhere would be KV of another model)
+        self.weights_digest = model_digest(draft_dir)
         self.block_size = block_size
         self.catch_up_tokens = catch_up_tokens  # prompt tokens fed to the draft per step at most, over all sequences
         self._calls = 0
@@ -349,10 +353,10 @@ class DraftModelProposer:
     @property
     def kv_identity(self) -> str:
         """What the two sides of a transfer must hold alike for one's draft KV to serve the other: the
-        draft model named, and the shape of its KV."""
+        draft model named, its weights (by digest), and the shape of its KV."""
         layout = self.runner.kv_cache.layout
-        return (f"{self.config.draft_model}|{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}|{layout.dtype}"
-                f"|{self.block_size}")
+        return (f"{self.config.draft_model}|{self.weights_digest[:16]}|{layout.num_layers}x{layout.num_kv_heads}x"
+                f"{layout.head_dim}|{layout.dtype}|{self.block_size}")
 
     def drafts_for(self, params: SamplingParams) -> bool:
         """Whether this draft model may draft for a request with `params` (its prompt KV is worth computing)."""

@@ -235,3 +235,25 @@ def test_a_greedy_guess_is_worth_what_guesses_as_likely_under_the_draft_were_wor
         calibration.observe(0.02, accepted=False)
     assert calibration.chance(0.25, prior=0.5) > 0.95 and calibration.chance(0.01, prior=0.5) < 0.05
     assert calibration.chance(0.9, prior=0.5) == pytest.approx(0.5)  # another bin: still the prior
+
+
+def test_a_drafts_kv_identity_names_its_weights_not_only_its_name(model_dirs, tiny_llama_draft, tmp_path):
+    """A draft of the same name with other weights (retrained on another node, say) offers KV that is
+    not this draft's: the identity a transfer's sides compare tells them apart."""
+    import shutil
+
+    other = tmp_path / "retrained"
+    shutil.copytree(tiny_llama_draft, other)
+    model = LlamaForCausalLM.from_pretrained(other, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(other)
+    target = LLMEngine(model_dirs[ARCH], EngineConfig(kv_memory_bytes=4 * 2**20))
+    named = SpeculativeConfig(method="draft_model", draft_model="the-draft")
+
+    def identity(draft_dir) -> str:
+        return DraftModelProposer(named, draft_dir, torch.float32, "cpu", 16, 8, target.tokenizer.get_vocab(),
+                                  target.vocab_size, target.max_model_len, 64).kv_identity
+
+    assert identity(tiny_llama_draft) == identity(tiny_llama_draft)
+    assert identity(tiny_llama_draft) != identity(other)
