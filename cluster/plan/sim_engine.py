@@ -197,13 +197,15 @@ class SimEngine:
         if not chunks:
             return  # waiting for blocks a handoff releases (it kicks again)
         # a sequence computing its newest token (not a recomputed chunk of one token after a preemption)
-        decoding = [seq for seq, n in chunks if seq.generated and seq.uncomputed == n == 1]
-        decode_context = sum(seq.computed + 1 for seq in decoding)
+        decoding: list[SimSequence] = []
         prompt_tokens = prompt_quad = 0
         for seq, n in chunks:
-            if seq not in decoding:
+            if seq.generated and seq.uncomputed == n == 1:
+                decoding.append(seq)
+            else:
                 prompt_tokens += n
                 prompt_quad += n * (seq.computed + n)
+        decode_context = sum(seq.computed + 1 for seq in decoding)
         drafts: dict[SimSequence, tuple[int, bool]] = {}  # draft tokens verified, by the draft model
         decode_scale, draft_s = 1.0, 0.0
         if self.speculation is not None and decoding:

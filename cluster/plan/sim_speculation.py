@@ -19,10 +19,9 @@ its drafts above those without them (the engine's `_worth_a_pass`, for the batch
 Measure the drafting at the batch size the workers will run at: the suffix proposer's index of recent
 outputs lets requests decoding together draft from each other, so a batch of one drafts less (at larger
 batches the engine's sizing has shortened the drafts a little, and the simulator sizes them again).
-Left out: how one
-request's drafting differs from the workload's mean (and the two proposers' drafts of `both` from
-each other), a draft model's passes beyond what is verified (in `both`, passes whose draft lost to the
-suffix proposer's), and drafts counted against the step's token budget.
+Left out: how one request's drafting differs from the workload's mean (and the two proposers' drafts
+of `both` from each other), a draft model's passes beyond what is verified (in `both`, passes whose
+draft lost to the suffix proposer's), and drafts counted against the step's token budget.
 """
 
 from __future__ import annotations
