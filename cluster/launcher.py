@@ -19,7 +19,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
-from pdserve.decode_worker.worker import RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
+from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
@@ -27,7 +27,7 @@ from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.frontend import ServedModel
+from pdserve.router.frontend import DrainReport, ServedModel
 from pdserve.router.stack import RouterStack
 from pdserve.router.workers import WorkerRef
 from pdserve.wire import ClusterSecret, WorkerStatus
@@ -42,7 +42,8 @@ ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside 
 # worker's reservations, which wait for free blocks (see decode_worker.worker).
 # The supervisor's watch call on each worker holds a thread of its own, open for the worker's life.
 CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1},
-                      DecodeWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1, RESERVE_GROUP: RESERVE_THREADS}}
+                      DecodeWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1, RESERVE_GROUP: RESERVE_THREADS,
+                                     MIGRATE_GROUP: MIGRATE_THREADS}}
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
@@ -253,6 +254,17 @@ class Cluster:
         """The router's cumulative placement counts and the settings in effect (`Router.snapshot_stats`),
         with the KV event hub's counters (`kv_events`)."""
         return self.router_stack.stats()
+
+    def drain(self, worker_name: str, timeout_s: float = 300.0) -> DrainReport:
+        """Take a worker out of placement and move the requests it decodes to the other decode workers
+        with their KV (`Frontend.drain`); returns once none depends on it. It takes no request until
+        `reopen`."""
+        stack = self.router_stack
+        return stack.loop.run(stack.frontend.drain(worker_name, timeout_s), timeout_s + 10)
+
+    def reopen(self, worker_name: str) -> None:
+        """Let a drained worker take requests again."""
+        self.router_stack.frontend.reopen(worker_name)
 
     def _probe_transfers(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         """Seed the router's transfer cost with a few handoffs of raw KV (reserve to abort)."""

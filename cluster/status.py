@@ -50,7 +50,7 @@ def render(report: dict[str, Any]) -> str:
     for pool in report["pools"]:
         for w in pool["workers"]:
             used = w["kv_blocks_total"] - w["kv_blocks_free"]
-            rows.append((pool["name"], w["name"], w["role"], w["node"], "healthy" if w["healthy"] else "DOWN",
+            rows.append((pool["name"], w["name"], w["role"], w["node"], _health(w),
                          str(w["requests"]), str(w["queued_prompts"]),
                          f"{w['kv_used']:.0%} ({used}/{w['kv_blocks_total']} blocks)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -59,3 +59,9 @@ def render(report: dict[str, Any]) -> str:
         if pool["needed"] and not pool["healthy"]:
             lines.append(f"\nno healthy worker in the {pool['name']} pool: the cluster cannot serve")
     return "\n".join(lines)
+
+
+def _health(worker: dict[str, Any]) -> str:
+    if not worker["healthy"]:
+        return "DOWN"
+    return "draining" if worker["draining"] else "healthy"

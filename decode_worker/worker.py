@@ -7,6 +7,14 @@ transports the manifest allows (shared memory, gRPC, gloo or NCCL), all deliveri
 per request per step. `generate` runs a whole request here: the colocated mode, and the declared
 fallback for prompts that are not worth a transfer.
 
+`migrate` moves a running request to another decode worker with its KV (live migration), through
+the sending side of the same protocol (`KVSender`, raw KV only: a lossy codec would change the
+tokens the request goes on to sample): the request leaves this batch between two steps, keeping its
+blocks; the other worker reserves with the tokens sampled so far and takes the KV; on its commit the
+blocks here are freed and the stream goes on from there with the next token. A move that fails (the
+other worker refused, died, or let the lease lapse) puts the request back into this batch: nothing
+is lost and nothing repeats.
+
 A fault in the engine loop or the lease thread fails every request the worker holds with an
 explicit INTERNAL error and makes `ping` report the worker dead, so the supervisor restarts it.
 
@@ -18,10 +26,12 @@ prefix cache to the router (`pdserve.kv_events`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -30,16 +40,20 @@ from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.model_store import ModelSource
 from pdserve.engine.profiler import profile_decode, profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import SequenceStatus
+from pdserve.kv_transfer.codecs import make_codec
 from pdserve.kv_transfer.interface import PROBE_PREFIX, Lease, TransferError
 from pdserve.faults import FaultSettings
 from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
+from pdserve.kv_transfer.state import TransferState
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
-from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, WorkerStatus, WorkRequest,
-                          token_message)
+from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, MoveOutcome, WorkerStatus,
+                          WorkRequest, token_message)
 from pdserve.diagnostics import LogLevel
-from pdserve.worker_base import WorkerBase
+from pdserve.worker_base import RayDecodePeer, WorkerBase
 
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
@@ -47,6 +61,21 @@ from pdserve.worker_base import WorkerBase
 # its own `reserve_wait_s` late, and the prefill side gives up on it `reserve_answer_margin_s` later.
 RESERVE_GROUP = "reserve"
 RESERVE_THREADS = 64
+# Moves out get their own threads too: each `migrate` call waits for its move to end, and a drain
+# moving a whole batch must not hold the threads its commits and aborts need. More moves wait for one.
+MIGRATE_GROUP = "migrate"
+MIGRATE_THREADS = 16
+
+
+@dataclass(eq=False)
+class _Move:
+    """A running request being moved out (`DecodeWorker.migrate`)."""
+
+    request_id: str
+    kv: OutgoingKV | None = None  # its transfer, once started
+    aborted: bool = False  # the router cancelled it meanwhile: the move is not started, or ended
+    outcome: TransferOutcome | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 class DecodeWorker(WorkerBase):
@@ -65,6 +94,11 @@ class DecodeWorker(WorkerBase):
         self._receivers = [start_receiver(name, self.receiver, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
                                           on_crash=self._receiver_crashed(name))
                            for name in self.kv.receivers]
+        self.mover = KVSender(self.kv, self.engine.kv_cache, {"raw": make_codec("raw", None, self.engine.kv_layout)},
+                              self._move_ended, lambda e: self._on_fault(f"KV mover failed: {type(e).__name__}: {e}"),
+                              node_id=self.node_id, wrap_channel=self.faults.channel)
+        self._moves: dict[str, _Move] = {}
+        self._moves_lock = threading.Lock()
         self.kv_addresses = {r.name: r.address for r in self._receivers}
         # Ends the leases of transfers that stopped making progress: the one periodic chore here.
         start_guarded("lease-expiry", self._expire_leases,
@@ -91,17 +125,19 @@ class DecodeWorker(WorkerBase):
     # --- KV transfer, receiving side ------------------------------------------------------------
     @ray.method(concurrency_group=RESERVE_GROUP)
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str] | None = None, draft_kv: str | None = None) -> Lease:
+                num_kv_tokens: int, codecs: list[str] | None = None, draft_kv: str | None = None,
+                output_token_ids: list[int] | None = None) -> Lease:
         """Reserve blocks for an incoming request; the lease says which leading blocks are cached here,
         the codec agreed (the first of `codecs` this worker can decode, else raw), whether the draft
         model's KV is to come too (`draft_kv`: the sender's draft), where the transports listen, and
-        what recomputing the KV here would cost instead."""
+        what recomputing the KV here would cost instead. `output_token_ids`: a request moved here
+        from another decode worker, the tokens it sampled there (but the last)."""
         if self.fault is not None:
             raise TransferError(self.fault)
         if not request_id.startswith(PROBE_PREFIX):  # the launcher's transfer probes are no requests
             self.faults.took_request()
         lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                      codecs or ["raw"], draft_kv)
+                                      codecs or ["raw"], draft_kv, output_token_ids)
         missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
         recompute_s = self.engine.step_costs.coefficients.prefill_s(missing, num_kv_tokens - missing)
         return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id,
@@ -111,16 +147,20 @@ class DecodeWorker(WorkerBase):
         return self.receiver.renew(transfer_id)
 
     def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool = False) -> list[int]:
-        """Queue the request for the batch (`decode_start`: from here on it is this worker's to decode);
-        returns the layers still incomplete instead (see `KVReceiver.commit`)."""
+        """Queue the request for the batch (`decode_start`, or `migrated` for a request moved here
+        running: from here on it is this worker's to decode); returns the layers still incomplete
+        instead (see `KVReceiver.commit`)."""
         request_id = handoff.request_id
-        events = self._events[request_id] = {LifetimeEvent.TRANSFER_END: time.time()}  # every frame has been delivered
+        now = time.time()  # every frame has been delivered
         try:
-            events[LifetimeEvent.KV_RESERVED] = self.receiver.reserved_at(transfer_id)
-            events[LifetimeEvent.TRANSFER_START] = self.receiver.started_at(transfer_id)
+            moved = self.receiver.is_move(transfer_id)
+            # A moved request's earlier events are the worker's it came from (`MoveOutcome.events`).
+            events = self._events[request_id] = {} if moved else {
+                LifetimeEvent.TRANSFER_END: now, LifetimeEvent.KV_RESERVED: self.receiver.reserved_at(transfer_id),
+                LifetimeEvent.TRANSFER_START: self.receiver.started_at(transfer_id)}
             incomplete = self.receiver.commit(transfer_id, handoff, recompute)
             if not incomplete:  # admitted (its first step may already have ended it: then it is the step's end)
-                events.setdefault(LifetimeEvent.DECODE_START, time.time())
+                events.setdefault(LifetimeEvent.MIGRATED if moved else LifetimeEvent.DECODE_START, time.time())
             return incomplete
         finally:
             if request_id in self.receiver.aborted or request_id not in self.engine.requests:
@@ -163,12 +203,94 @@ class DecodeWorker(WorkerBase):
             self._events.pop(work.request_id, None)
             self.loop.post(lambda e: e.abort_request(work.request_id))
 
+    # --- moving running requests out (live migration) -----------------------------------------------
+    @ray.method(concurrency_group=MIGRATE_GROUP)
+    def migrate(self, request_id: str, target: Any) -> MoveOutcome:
+        """Move a running request to decode worker `target` (its actor handle) with its KV; returns
+        when the move has ended. Moved: `target` holds it and sends its next token, this worker holds
+        nothing of it. Not moved: it decodes here still (`tried`: False when it was not decoding here,
+        as a request still queued or prefilling: it can move later, or by recompute)."""
+        move = _Move(request_id)
+        with self._moves_lock:
+            if self.fault is not None or request_id in self._moves or request_id in self.receiver.aborted:
+                return MoveOutcome(False, self.fault or "it is already moving, or was cancelled", tried=False)
+            self._moves[request_id] = move
+        try:
+            return self._move(move, target)
+        finally:
+            with self._moves_lock:
+                if self._moves.get(request_id) is move:
+                    del self._moves[request_id]
+
+    def _move(self, move: _Move, target: Any) -> MoveOutcome:
+        request_id = move.request_id
+
+        def hold(engine: LLMEngine) -> tuple[RequestHandoff | None, list[int]]:
+            handoff = engine.hold_decoding(request_id)
+            return handoff, list(engine.requests[request_id].block_table) if handoff is not None else []
+
+        handoff, blocks = self.loop.call(hold, kind="kv")
+        if handoff is None:
+            return MoveOutcome(False, f"it is not decoding on {self.worker_id}", tried=False)
+        held_at = time.perf_counter()
+        try:
+            kv = self.mover.start(request_id, handoff.prompt_token_ids, handoff.params, 0, RayDecodePeer(target),
+                                  None, output_token_ids=handoff.output_token_ids)
+        except Exception as e:  # the Ray call could not even be sent
+            self.loop.post(lambda engine: _resume_if_held(engine, request_id))
+            return MoveOutcome(False, f"the move could not start: {type(e).__name__}: {e}")
+        with self._moves_lock:
+            move.kv, aborted = kv, move.aborted
+        if aborted:  # cancelled while it was being held: `abort` found no transfer to end
+            self.mover.end(kv, "aborted by the router")
+            return MoveOutcome(False, "aborted by the router")
+        for layer in range(self.engine.kv_layout.num_layers):  # all written: they go at once
+            self.mover.layer_written(kv, layer, kv.num_kv_tokens, blocks)
+        self.mover.prompt_done(kv, handoff)
+        # The sender ends every transfer (its own lease bounds one that stops progressing).
+        while not move.ended.wait(1.0) and not self._stop.is_set():
+            pass
+        outcome = move.outcome
+        if outcome is None or outcome.error is not None:
+            return MoveOutcome(False, outcome.error if outcome is not None else "the worker is shutting down")
+        return MoveOutcome(True, recomputed=kv.recompute, kv_tokens=kv.num_kv_tokens, kv_bytes=kv.transfer.bytes_moved,
+                           pause_s=time.perf_counter() - held_at, events=self._events.pop(request_id, {}))
+
+    def _move_ended(self, kv: OutgoingKV, outcome: TransferOutcome) -> None:
+        """The mover ended a move's transfer (on its thread): committed, the blocks here go (the
+        request is the target's); failed, the request goes back into this batch."""
+        request_id = kv.request_id
+        with self._moves_lock:
+            move = self._moves.get(request_id)
+        if move is None or move.kv is not kv:
+            return
+        if kv.transfer.state is TransferState.DONE:
+            self.loop.post(lambda engine: engine.abort_request(request_id))
+        else:
+            self.loop.post(lambda engine: _resume_if_held(engine, request_id))
+        move.outcome = outcome
+        move.ended.set()
+
+    def _end_move(self, request_id: str, reason: str) -> None:
+        """Stop moving a request out (cancelled, or the worker failed): its transfer ends before the
+        engine frees the blocks it reads."""
+        with self._moves_lock:
+            move = self._moves.get(request_id)
+            if move is None:
+                return
+            move.aborted, kv = True, move.kv
+        if kv is not None:
+            self.mover.end(kv, reason)
+            move.outcome = TransferOutcome(error=reason)
+            move.ended.set()
+
     def abort(self, request_ids: list[str]) -> list[str]:
-        """Clients went away: free whatever the requests hold here (queued, running or mid-transfer),
-        in one engine command. Returns the ids of those this worker held."""
+        """Clients went away: free whatever the requests hold here (queued, running, mid-transfer or
+        moving out), in one engine command. Returns the ids of those this worker held."""
         held = set()
         for request_id in request_ids:
             self._events.pop(request_id, None)
+            self._end_move(request_id, "aborted by the router")
             if self.receiver.abort_request(request_id, "aborted by the router"):
                 held.add(request_id)
         if self.loop.running:
@@ -177,6 +299,7 @@ class DecodeWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.mover.close()
         for receiver in self._receivers:
             receiver.stop()
         self.close_common()
@@ -195,7 +318,8 @@ class DecodeWorker(WorkerBase):
                 local.update({LifetimeEvent.PREFILL_END: now, LifetimeEvent.DECODE_START: now})
             if out.finished:
                 events = self._events.pop(out.request_id, {}) | {LifetimeEvent.DECODE_END: now}
-                events.setdefault(LifetimeEvent.DECODE_START, now)
+                if LifetimeEvent.MIGRATED not in events:  # a moved request started decoding elsewhere
+                    events.setdefault(LifetimeEvent.DECODE_START, now)
             messages.append(token_message(
                 out.request_id, out.new_token_ids, logprobs=out.logprobs[out.first_new_index:] if out.logprobs else None,
                 finish_reason=out.finish_reason if out.finished else None, text=out.text if out.finished else None,
@@ -212,6 +336,10 @@ class DecodeWorker(WorkerBase):
     def _on_fault(self, reason: str) -> None:
         """Fail every request held here with an explicit error; `ping` now reports the worker dead."""
         self.fault = self.fault or f"{self.worker_id}: {reason}"
+        with self._moves_lock:
+            moving = list(self._moves)
+        for request_id in moving:  # no move reads blocks freed below
+            self._end_move(request_id, self.fault)
         held = set(self.receiver.close(reason))  # no transfer takes frames into blocks freed below
         if self.loop.running:  # the lease thread died, the loop did not: free what the requests hold
             held |= set(self.loop.call(lambda e: [r for r in list(e.requests) if e.abort_request(r)]))
@@ -223,3 +351,10 @@ class DecodeWorker(WorkerBase):
     def _expire_leases(self) -> None:
         while not self._stop.wait(self.kv.deadlines.lease_check_s):
             self.receiver.expire_leases()
+
+
+def _resume_if_held(engine: LLMEngine, request_id: str) -> None:
+    """Put a request whose move failed back into the batch, unless it ended meanwhile (cancelled)."""
+    seq = engine.requests.get(request_id)
+    if seq is not None and seq.status is SequenceStatus.HELD:
+        engine.resume_held(request_id)

@@ -8,7 +8,10 @@ sees each layer's KV the moment the forward pass has written it; on the receivin
 then need no transfer), `import_kv` (or a direct write into the reserved blocks) fills them, and
 `commit_import(handoff)` queues the request for the batch (it takes the next free slot);
 `resume_request(handoff)` instead recomputes the KV from the tokens. `abort_request` frees whatever
-a request holds, in any state. With a draft model, its prompt KV can travel too: the sending engine
+a request holds, in any state. A decoding request moves the same way (live migration): `hold_decoding`
+takes it out of the batch with its KV and gives its handoff, the receiving engine reserves with the
+tokens it has sampled (`begin_import(..., output_token_ids=...)`), and `resume_held` puts it back
+into the batch here when the move fails. With a draft model, its prompt KV can travel too: the sending engine
 computes it beside the target's (`EngineConfig.draft_prompt_kv`; the layer hook numbers its layers
 after the target's), the receiving one reserves blocks for it (`begin_import(..., draft_kv=True)`).
 """
@@ -385,6 +388,20 @@ class LLMEngine:
             raise KeyError(f"request {request_id!r} is not held for export (add it with prefill_only=True)")
         return seq
 
+    def hold_decoding(self, request_id: str) -> RequestHandoff | None:
+        """Take a decoding request out of the batch, keeping its KV (HELD, as a prefill-only request
+        after its pass), to move it to another engine; its handoff. None when it has no KV to move
+        (unknown, finished, waiting, or prefilling here): it can only move by recompute."""
+        seq = self.requests.get(request_id)
+        if seq is None or not seq.output_token_ids or not self.scheduler.hold(seq):
+            return None
+        seq.draft_token_ids, seq.draft_probabilities = [], []  # proposed for a step it will not take here
+        return self.export_handoff(request_id)
+
+    def resume_held(self, request_id: str) -> None:
+        """Put a request `hold_decoding` took out back into the batch (its move failed)."""
+        self.scheduler.add_ready(self._held(request_id))
+
     def export_handoff(self, request_id: str) -> RequestHandoff:
         seq = self._held(request_id)
         return RequestHandoff(
@@ -414,14 +431,17 @@ class LLMEngine:
 
     # --- KV handoff: receiving side -------------------------------------------------------------
     def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     num_kv_tokens: int, draft_kv: bool = False) -> ImportReservation:
+                     num_kv_tokens: int, draft_kv: bool = False,
+                     output_token_ids: list[int] | tuple[int, ...] = ()) -> ImportReservation:
         """Reserve blocks for `num_kv_tokens` tokens of an incoming request, reusing the full leading
         blocks this engine's prefix cache holds (the sender skips those); `draft_kv`: and blocks of
         the draft model's pool for their draft KV, where it has room (`ImportReservation`).
+        `output_token_ids`: the tokens a moved request has sampled already, whose KV (all but the
+        last's) comes too.
 
         Raises OutOfBlocks when the pool cannot hold them, ValueError for a bad request.
         """
-        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq = self._new_sequence(prompt_token_ids, params, request_id, output_token_ids=list(output_token_ids))
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"an import must carry 1..{seq.num_tokens} tokens of KV, got {num_kv_tokens}")
         bs = self.config.block_size
@@ -473,9 +493,13 @@ class LLMEngine:
                 f"{len(handoff.output_token_ids)} sampled; {reserved} tokens were reserved and at least one "
                 "sampled token is needed"
             )
+        known = len(seq.output_token_ids)  # sampled before the reservation (a moved request's)
+        if handoff.output_token_ids[:known] != seq.output_token_ids:
+            raise ValueError(f"handoff of {handoff.request_id!r} does not continue the tokens it was reserved with")
         del self._import_targets[handoff.request_id]
-        for token, logprob in itertools.zip_longest(handoff.output_token_ids, handoff.logprobs):
-            seq.append_token(token, logprob)
+        for token in handoff.output_token_ids[known:]:
+            seq.append_token(token, None)
+        seq.logprobs = list(handoff.logprobs)
         seq.num_computed_tokens = reserved
         seq.exact_kv = exact
         if self.draft_model is not None:

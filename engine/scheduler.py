@@ -211,6 +211,16 @@ class Scheduler:
             seq.block_hashes.append(h)
             self.pool.cache_block(seq.block_table[i], h, parent)
 
+    def hold(self, seq: Sequence) -> bool:
+        """Take a decoding sequence (running, or a committed import waiting for its slot) out of the
+        batch with its blocks (HELD), to be moved; False, changing nothing, for any other."""
+        queue = self.running if seq in self.running else self.ready if seq in self.ready else None
+        if queue is None or seq.num_uncomputed_tokens != 1:
+            return False
+        queue.remove(seq)
+        seq.status = SequenceStatus.HELD
+        return True
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence; a prefill-only one keeps its blocks (HELD) until `release`."""
         seq.finish_reason = reason

@@ -74,6 +74,7 @@ class _Incoming:
     # the lock, so after any write under way.
     lock: threading.Lock = field(default_factory=threading.Lock)
     takes_frames: bool = True
+    moved: bool = False  # a running request moved here from another decode worker, not a prompt's handoff
 
     def first_of(self, layer: int) -> int:
         """The first token `layer` carries: the draft's layers carry the whole prompt."""
@@ -120,16 +121,18 @@ class KVReceiver:
     # --- control plane --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",),
-                draft_kv: str | None = None) -> Lease:
+                draft_kv: str | None = None, output_token_ids: list[int] | None = None) -> Lease:
         """`draft_kv`: the sender can send the draft model's prompt KV too, of the draft it names
-        (`DraftModelProposer.kv_identity`); taken when it is this worker's draft."""
+        (`DraftModelProposer.kv_identity`); taken when it is this worker's draft. `output_token_ids`:
+        set (perhaps empty) for a running request moved here from another decode worker: the tokens
+        it sampled before its last, whose KV comes with the prompt's."""
         if self.closed is not None:
             raise TransferError(self.closed)
         transfer = Transfer(transfer_id, request_id)
         codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
             reservation = self._reserve_blocks(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                               self._takes_draft(draft_kv))
+                                               self._takes_draft(draft_kv), output_token_ids or [])
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
@@ -137,7 +140,8 @@ class KVReceiver:
         draft_layers = self.draft_cache.layout.num_layers if reservation.draft_block_ids else 0
         incoming = _Incoming(transfer, reservation, num_kv_tokens, codec, time.monotonic() + self.lease_s,
                              reservation.cached_blocks * self.layout.block_size, self.layout.num_layers,
-                             np.zeros((self.layout.num_layers + draft_layers, num_kv_tokens), dtype=bool))
+                             np.zeros((self.layout.num_layers + draft_layers, num_kv_tokens), dtype=bool),
+                             moved=output_token_ids is not None)
         with self._lock:
             closed = self.closed
             if closed is None:
@@ -191,7 +195,8 @@ class KVReceiver:
         return codec
 
     def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams, num_kv_tokens: int, draft_kv: bool) -> ImportReservation:
+                        params: SamplingParams, num_kv_tokens: int, draft_kv: bool,
+                        output_token_ids: list[int]) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
 
         def ended() -> bool:
@@ -204,7 +209,7 @@ class KVReceiver:
                 raise TransferError(self.closed or f"request {request_id!r} was aborted")
             try:
                 return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens,
-                                                               draft_kv),
+                                                               draft_kv, output_token_ids),
                                       timeout=max(1.0, deadline - time.monotonic()), kind="kv")
             except OutOfBlocks as e:
                 remaining = deadline - time.monotonic()
@@ -422,6 +427,10 @@ class KVReceiver:
         """When the transfer's first frame arrived (when it was reserved, if none did: recomputed here)."""
         events = self._get(transfer_id).transfer.events
         return events.get(FIRST_FRAME, events[TransferState.TRANSFERRING.value])
+
+    def is_move(self, transfer_id: str) -> bool:
+        """Whether the transfer moves a running request here (reserved with its sampled tokens)."""
+        return self._get(transfer_id).moved
 
     def reserved_at(self, transfer_id: str) -> float:
         """When the transfer's blocks were reserved."""

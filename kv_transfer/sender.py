@@ -75,8 +75,11 @@ class DecodePeer(Protocol):
     name: str  # for messages
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
-        """`draft_kv`: this side can send the draft model's prompt KV too, of the draft it names."""
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
+                output_token_ids: list[int] | None = None) -> Future[Lease]:
+        """`draft_kv`: this side can send the draft model's prompt KV too, of the draft it names.
+        `output_token_ids`: set (perhaps empty) for a running request moved from another decode worker:
+        the tokens it sampled before its last, whose KV comes with the prompt's."""
 
     def renew(self, transfer_id: str) -> Future[Lease]: ...
 
@@ -110,9 +113,9 @@ class OutgoingKV:
     the loop and the link read them under `lock`."""
 
     transfer: Transfer
-    prompt_token_ids: list[int]
+    num_kv_tokens: int  # the tokens whose KV goes: the prompt's (a moved request's: and all but its last token's)
     params: SamplingParams
-    new_tokens: int  # the prompt tokens this worker computes (its prefix cache holds the rest)
+    new_tokens: int  # the tokens this worker computes (its prefix cache holds the rest); a move computes none
     peer: DecodePeer
     link: _Link
     reservation: Future[Lease]
@@ -264,17 +267,21 @@ class KVSender:
 
     # --- the worker's calls ------------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, new_tokens: int,
-              peer: DecodePeer, arrived: float) -> OutgoingKV:
+              peer: DecodePeer, arrived: float | None, output_token_ids: list[int] | None = None) -> OutgoingKV:
         """Ask `peer` to reserve for the request (beside its prompt pass, which the caller starts).
-        `arrived`: when the request came (wall clock), which its TTFT objective counts from."""
+        `arrived`: when the request came (wall clock), which its TTFT objective counts from (None: no
+        objective applies, as for a move). `output_token_ids`: a decoding request moved with its KV:
+        the tokens it has sampled (the KV of all but the last goes; the caller records every layer
+        written, with no pass to wait for)."""
         transfer = Transfer(uuid.uuid4().hex, request_id)
-        reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params,
-                                   len(prompt_token_ids), offers(self.codecs),
-                                   self.draft.identity if self.draft is not None else None)
+        num_kv_tokens = len(prompt_token_ids) + max(0, len(output_token_ids or ()) - 1)
+        reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
+                                   offers(self.codecs), self.draft.identity if self.draft is not None else None,
+                                   output_token_ids=output_token_ids[:-1] if output_token_ids is not None else None)
         slo = self.settings.ttft_slo_s
-        kv = OutgoingKV(transfer, prompt_token_ids, params, new_tokens, peer, self._link(peer), reservation,
+        kv = OutgoingKV(transfer, num_kv_tokens, params, new_tokens, peer, self._link(peer), reservation,
                         time.monotonic() + self.settings.deadlines.reservation_bound_s,
-                        arrived + slo if slo is not None else None)
+                        arrived + slo if slo is not None and arrived is not None else None)
         with self._lock:
             self._active.add(kv)
         reservation.add_done_callback(lambda _: self._wake.set())
@@ -428,7 +435,7 @@ class KVSender:
         controller = LevelController(codec, self._level_sizes[codec.name], bandwidth, kv.objective_deadline)
         layout = self.kv_cache.layout
         first = lease.cached_blocks * layout.block_size
-        transfer_s = controller.transfer_s((len(kv.prompt_token_ids) - first) * layout.num_layers)
+        transfer_s = controller.transfer_s((kv.num_kv_tokens - first) * layout.num_layers)
         recompute = (self.settings.recompute and lease.recompute_s is not None and transfer_s is not None
                      and transfer_s > lease.recompute_s)
         if not recompute:
@@ -579,7 +586,7 @@ class KVSender:
             "bytes": sent, "first_layer": kv.times.get("first_frame", events[TransferState.TRANSFERRING.value]),
             "last_layer": kv.times.get("last_frame", 0.0), "prompt_done": kv.times.get("prompt_done", 0.0),
             "delivered": kv.times.get("delivered", 0.0), "committed": events[TransferState.DONE.value],
-            "tokens": len(kv.prompt_token_ids), "recomputed": kv.recompute, "layerwise": kv.layerwise,
+            "tokens": kv.num_kv_tokens, "recomputed": kv.recompute, "layerwise": kv.layerwise,
             "cached_tokens": kv.lease.cached_blocks * layout.block_size, "codec": kv.lease.codec,
             "levels": dict(kv.cutter.levels_used) if kv.cutter is not None else {}})
 
@@ -607,7 +614,7 @@ class KVSender:
         channel = self._open_channel(kv.lease, kv.transfer.transfer_id)
         draft = self.draft.kv_cache if self.draft is not None and kv.lease.draft_layers else None
         cutter = FrameCutter(kv.transfer.transfer_id, channel, controller, self.kv_cache, first,
-                             len(kv.prompt_token_ids), self.settings.frame_tokens,
+                             kv.num_kv_tokens, self.settings.frame_tokens,
                              before_frame=lambda: self._frame_due(kv), draft_cache=draft)
         with kv.lock:
             owned = not kv.ended

@@ -31,19 +31,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
-from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import usable_codec
-from pdserve.kv_transfer.interface import Lease
 from pdserve.kv_transfer.sender import DraftKV, KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import TransferState
@@ -52,32 +49,9 @@ from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
                           WorkerStatus, WorkRequest, token_message)
 from pdserve.diagnostics import LogLevel
-from pdserve.worker_base import WorkerBase
+from pdserve.worker_base import RayDecodePeer, WorkerBase
 
 log = logging.getLogger(__name__)
-
-
-class RayDecodePeer:
-    """A decode worker's actor as the KV sender calls it (`kv_transfer.sender.DecodePeer`)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.key: Hashable = handle  # actor handles compare by actor id: a restarted worker is the same
-        self.name = "its decode worker"  # until a lease names it
-
-    def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
-        return self.handle.reserve.remote(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                          codecs, draft_kv).future()
-
-    def renew(self, transfer_id: str) -> Future[Lease]:
-        return self.handle.renew_lease.remote(transfer_id).future()
-
-    def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool) -> Future[list[int]]:
-        return self.handle.commit.remote(transfer_id, handoff, recompute).future()
-
-    def abort(self, transfer_id: str, reason: str) -> None:
-        self.handle.abort_transfer.remote(transfer_id, reason)
 
 
 @dataclass(eq=False)

@@ -12,6 +12,10 @@ failure is a `RequestFailed` carrying a gRPC status code name, its message (the 
 API) and, for bad input, the request field at fault; each API maps it to its own errors. Output past
 what the context leaves after the prompt is refused, never cut short unasked.
 
+`ActiveRequest.migrate` moves a running request to another decode worker with its KV (live
+migration: the stream pauses, then goes on from there with the next token); `Frontend.drain` takes a
+worker out of placement and moves every request it holds away, for a scale-down or a role change.
+
 `ActiveRequest.finish` ends a request once, on every path: it gives back its placement, aborts it on
 every worker it touched unless it completed (a cancel, a deadline or a failure frees its KV there),
 counts it in the metrics and writes its lifetime (DistServe's per-request events) as one JSON log
@@ -28,8 +32,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve.engine.sampling_params import (
@@ -45,13 +50,14 @@ from pdserve.router.admission import Overloaded
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing import Placement, Router
 from pdserve.router.token_hub import TokenStreamHub
-from pdserve.router.workers import NoHealthyWorker
+from pdserve.router.workers import NoHealthyWorker, WorkerRef
 from pdserve.wire import (
     INTERNAL,
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
     LifetimeEvent,
+    MoveOutcome,
     TokenMessage,
     WorkRequest,
     is_handoff_notice,
@@ -71,6 +77,9 @@ NOT_FOUND, CANCELLED, OK = "NOT_FOUND", "CANCELLED", "OK"
 # `prompt_ids`), so each job is short; a few threads keep a slow one from holding up the others.
 TOKENIZER_THREADS = 4
 T = TypeVar("T")
+MOVES_AT_ONCE = 8  # a drain's moves in flight (a decode worker runs 16 at once: `MIGRATE_THREADS`)
+MOVE_TRIES = 3  # moves of one request that failed before a drain moves it by recompute instead
+DRAIN_POLL_S = 0.05  # how often a drain looks for requests to move while its moves run
 
 
 class RequestFailed(Exception):
@@ -96,6 +105,18 @@ class RetryBudget:
 
     max_retries: int = 3  # attempts after the first; past them the request fails with UNAVAILABLE
     wait_s: float = 30.0  # how long a retry waits for a healthy worker (one being restarted, say)
+
+
+@dataclass
+class DrainReport:
+    """What draining a worker took (`Frontend.drain`)."""
+
+    worker: str
+    moved: int = 0  # running requests moved with their KV (or, where the target judged it cheaper, their tokens)
+    recomputed: int = 0  # requests whose moves kept failing, resumed elsewhere from their tokens
+    failed_moves: int = 0
+    pauses_s: list[float] = field(default_factory=list)  # each move: out of the batch there until committed here
+    seconds: float = 0.0
 
 
 @dataclass
@@ -168,6 +189,61 @@ class Frontend:
         told at once, as a worker's own error tells it, instead of at its next look."""
         for active in list(self.active):
             active.check_workers()
+
+    async def drain(self, name: str, timeout_s: float = 300.0) -> DrainReport:
+        """Take worker `name` out of placement and move every request it decodes to the other decode
+        workers with its KV (a request whose moves keep failing is resumed elsewhere from its tokens);
+        returns once no request depends on it (its prompts finished too). It stays out of placement
+        until `reopen`. Raises NoHealthyWorker when no other decode worker can take its requests,
+        TimeoutError past `timeout_s`."""
+        worker = self._worker(name)
+        started = time.monotonic()
+        worker.draining = True
+        report, tries = DrainReport(name), Counter[ActiveRequest]()
+        moving: dict[ActiveRequest, asyncio.Task[MoveOutcome]] = {}
+
+        def count(done: list[ActiveRequest]) -> None:
+            for active in done:
+                outcome = moving.pop(active).result()
+                if outcome.moved:
+                    report.moved += 1
+                    report.pauses_s.append(outcome.pause_s)
+                elif outcome.tried:
+                    report.failed_moves += 1
+                    tries[active] += 1
+
+        while holding := [a for a in self.active if worker in (*a.placement.depends_on, a.placement.moving_to)]:
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"worker {name} still holds {len(holding)} requests after {timeout_s:.0f} s")
+            count([a for a, task in moving.items() if task.done()])
+            for active in holding:
+                if active in moving or not active.decoding_on(worker) or len(moving) >= MOVES_AT_ONCE:
+                    continue
+                if tries[active] >= MOVE_TRIES:
+                    report.recomputed += 1
+                    active.resume_elsewhere(f"its moves off draining worker {name} failed {MOVE_TRIES} times")
+                    continue
+                moving[active] = asyncio.create_task(active.migrate(self.router.move_target(active.placement)))
+            if moving:
+                await asyncio.wait(list(moving.values()), timeout=DRAIN_POLL_S)
+            else:
+                await asyncio.sleep(DRAIN_POLL_S)
+        if moving:  # their requests are off the worker: their outcomes are due at once
+            await asyncio.wait(list(moving.values()))
+            count(list(moving))
+        report.seconds = time.monotonic() - started
+        return report
+
+    def reopen(self, name: str) -> None:
+        """Let a drained worker take requests again."""
+        self._worker(name).draining = False
+
+    def _worker(self, name: str) -> WorkerRef:
+        router = self.router
+        for worker in (*router.prefill_pool, *router.decode_pool):
+            if worker.name == name:
+                return worker
+        raise ValueError(f"no worker named {name!r}")
 
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
               accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:
@@ -300,6 +376,37 @@ class ActiveRequest:
                 return
             response.text_delta = detok.add(tokens)
             yield response
+
+    def decoding_on(self, worker: WorkerRef) -> bool:
+        """Whether `worker` decodes this request and it is past its first token (a move can take it)."""
+        p = self.placement
+        return not self._finished and p.decode is worker and p.moving_to is None and self._attempt_started
+
+    async def migrate(self, target: WorkerRef) -> MoveOutcome:
+        """Move the request from its decode worker to `target` with its KV (live migration): its stream
+        pauses, then goes on from `target` with the next token. One that fails leaves the request where
+        it was (a source that died is the health check's to notice: the request is then retried)."""
+        placement, source = self.placement, self.placement.decode
+        placement.moving_to = target
+        try:
+            outcome = await asyncio.wrap_future(
+                source.handle.migrate.remote(self.work.request_id, target.handle).future())
+        except Exception as e:  # the call failed: the source died, or Ray could not deliver it
+            outcome = MoveOutcome(False, f"worker {source.name} failed the move: {type(e).__name__}: {e}")
+        if self.placement is not placement:  # retried meanwhile: that retry's aborts covered `target` too
+            return outcome
+        if outcome.moved:
+            for name, at in outcome.events.items():  # the source's part of the lifetime (its decode start)
+                self.events.setdefault(name, at)
+            self.frontend.router.moved(placement, target)
+        else:
+            placement.moving_to = None
+        return outcome
+
+    def resume_elsewhere(self, cause: str) -> None:
+        """End the current attempt and resume the request on another worker from its tokens, as a lost
+        worker would have it (counted against its retry budget)."""
+        self.frontend.hub.deliver(TokenMessage(request_id=self.work.request_id, error_code=UNAVAILABLE, error=cause))
 
     def _lost_workers(self) -> str | None:
         """Why the current attempt cannot go on: a worker it waits on is unhealthy; None if none is."""

@@ -24,6 +24,7 @@ class WorkerHealth:
     queued_prompts: int  # prompts the router placed on it that are not yet past their first token
     kv_blocks_total: int
     kv_blocks_free: int
+    draining: bool = False  # taken out of placement; what it holds moves away (`Frontend.drain`)
 
     @property
     def kv_used(self) -> float:
@@ -77,4 +78,4 @@ def worker_health(worker: WorkerRef, mode: str) -> WorkerHealth:
         name=worker.name, role="colocated" if mode == "colocated" else worker.pool,
         node=status.node_ip if status else "", healthy=worker.healthy, requests=status.requests if status else 0,
         queued_prompts=len(worker.queued), kv_blocks_total=worker.total_blocks if status else 0,
-        kv_blocks_free=worker.free_blocks if status else 0)
+        kv_blocks_free=worker.free_blocks if status else 0, draining=worker.draining)

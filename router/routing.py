@@ -35,7 +35,7 @@ from pdserve.router.admission import Overloaded, PoolAdmission
 from pdserve.router.policies import RouteRequest, TransferCost, make_policy
 from pdserve.router.policies.estimated_ttft import is_short
 from pdserve.router.prefix_index import ApproximateIndex, PrefixIndex
-from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, healthy_workers
+from pdserve.router.workers import NoHealthyWorker, QueuedPrefill, WorkerRef, placeable_workers
 from pdserve.wire import LifetimeEvent, WorkRequest
 
 
@@ -76,6 +76,7 @@ class RoutingStats:
     early_rejections: int = 0
     retries: int = 0  # placements of requests that lost a worker (`place_again`)
     prefill_pool_down: int = 0  # prompts prefilled on their decode worker as no prefill worker was healthy
+    moved: int = 0  # running requests moved to another decode worker with their KV
     per_worker: Counter = field(default_factory=Counter)
 
 
@@ -91,10 +92,13 @@ class Placement:
     depends_on: list[WorkerRef] = field(default_factory=list)
     prefill_pending: bool = True  # until the first token
     decode_pending: bool = True  # until the end
+    # The decode worker the request is being moved to, KV and all (`Router.moved` makes it `decode`):
+    # touched, since it may hold the request already; depended on only once the move is done.
+    moving_to: WorkerRef | None = None
 
     @property
     def touched(self) -> list[WorkerRef]:
-        return [w for w in (self.prefill, self.decode) if w is not None]
+        return [w for w in (self.prefill, self.decode, self.moving_to) if w is not None]
 
     @property
     def prefiller(self) -> WorkerRef:
@@ -146,12 +150,12 @@ class Router:
             self.stats.retries += 1
             if not generated:
                 return self._place(request, admitted=True, avoid=avoid)
-            decode = self.decode_policy.choose(request, _preferring(healthy_workers(self.decode_pool), avoid)).worker
+            decode = self.decode_policy.choose(request, _preferring(placeable_workers(self.decode_pool), avoid)).worker
             return self._book(request, decode=decode, prefill=None)
 
     def _place(self, request: RouteRequest, admitted: bool = False, avoid: list[WorkerRef] = ()) -> Placement:
         def open_workers(pool: list[WorkerRef], admission: PoolAdmission) -> list[WorkerRef]:
-            healthy = healthy_workers(pool)
+            healthy = placeable_workers(pool)
             return _preferring(healthy, avoid) if admitted else admission.open_workers(healthy)
 
         decode_open = open_workers(self.decode_pool, self.decode_admission)
@@ -281,6 +285,28 @@ class Router:
         if p.prefill is not None and LifetimeEvent.DECODE_START in events and LifetimeEvent.PREFILL_END in events:
             handoff_s = events[LifetimeEvent.DECODE_START] - events[LifetimeEvent.PREFILL_END]
             self.transfer.observe(p.request.num_prompt_tokens, max(0.0, handoff_s))
+
+    def move_target(self, p: Placement) -> WorkerRef:
+        """The decode worker to move a running request to (the decode policy's choice among the
+        others open for placement); raises NoHealthyWorker when there is none."""
+        with self._lock:
+            others = [w for w in self.decode_pool if w is not p.decode]
+            return self.decode_policy.choose(p.request, placeable_workers(others)).worker
+
+    def moved(self, p: Placement, target: WorkerRef) -> None:
+        """The request's decode worker handed it to `target` with its KV: its load there from now on."""
+        with self._lock:
+            p.moving_to = None
+            if not p.decode_pending:  # it ended meanwhile, and gave back its load on the old one
+                return
+            blocks = p.request.num_blocks_with_output
+            p.decode.outstanding -= 1
+            p.decode.active_blocks -= blocks
+            target.outstanding += 1
+            target.active_blocks += blocks
+            p.decode = target
+            p.depends_on = [target]
+            self.stats.moved += 1
 
     def retry_after_s(self) -> float:
         return max(self.prefill_admission.retry_after_s(), self.decode_admission.retry_after_s())

@@ -40,6 +40,7 @@ class WorkerRef:
     outstanding: int = 0  # requests holding an admission slot here (`router.admission`)
     queued: dict[str, QueuedPrefill] = field(default_factory=dict)  # request id -> its prompt work here
     active_blocks: int = 0  # KV blocks the requests placed here may hold (prompt + max_tokens)
+    draining: bool = False  # takes no new request; those it holds move away (`Frontend.drain`)
 
     @property
     def step_cost(self) -> StepCost:
@@ -68,10 +69,11 @@ class NoHealthyWorker(RuntimeError):
     pass
 
 
-def healthy_workers(workers: list[WorkerRef]) -> list[WorkerRef]:
-    """The healthy ones; raises NoHealthyWorker when there is none."""
-    healthy = [w for w in workers if w.healthy]
-    if not healthy:
+def placeable_workers(workers: list[WorkerRef]) -> list[WorkerRef]:
+    """The healthy ones not draining; raises NoHealthyWorker when there is none."""
+    placeable = [w for w in workers if w.healthy and not w.draining]
+    if not placeable:
         pool = workers[0].pool if workers else "unknown"
-        raise NoHealthyWorker(f"no healthy worker in the {pool} pool")
-    return healthy
+        draining = sum(w.healthy and w.draining for w in workers)
+        raise NoHealthyWorker(f"no healthy worker in the {pool} pool" + (f" ({draining} draining)" if draining else ""))
+    return placeable

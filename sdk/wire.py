@@ -4,6 +4,8 @@
   both               `LifetimeEvent`: the names of a request's lifetime events (router's and workers').
   worker -> cluster  `WorkerStatus`, a worker's health report (the answer to `ping` and `profile`):
                      what the supervisor, placement, the idle audit and /metrics read.
+  worker -> router   `MoveOutcome`, the answer to a decode worker's `migrate` call: whether a running
+                     request moved to another decode worker with its KV.
   worker -> router   `TokenMessage`s (protobuf, `proto/pdserve/v1/internal.proto`) over pyzmq: a
                      worker's `TokenSink` PUSHes one `TokenBatch` per engine step, every request's new
                      tokens in it, to the router's PULL socket; `parse_token_batch` turns bytes back
@@ -38,7 +40,7 @@ from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch, TokenMessage
 
-__all__ = ["WorkRequest", "WorkerStatus", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
+__all__ = ["WorkRequest", "WorkerStatus", "MoveOutcome", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
            "TokenSink", "MalformedMessage", "parse_token_batch", "token_message", "Tombstones", "ClusterSecret",
            "rejected_peers", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE", "INVALID_ARGUMENT"]
 
@@ -108,6 +110,20 @@ class WorkerStatus:
         return {k: v for k, v in held.items() if v}
 
 
+@dataclass(frozen=True)
+class MoveOutcome:
+    """How a decode worker's move of one running request to another decode worker ended."""
+
+    moved: bool  # the target holds the request now, and the source nothing of it
+    reason: str = ""  # why it did not move (it goes on where it was, unless the source failed)
+    tried: bool = True  # False: the request was not decoding there (queued, prefilling, gone): nothing was sent
+    recomputed: bool = False  # moved, but the target rebuilt the KV from the tokens (cheaper than sending it)
+    kv_tokens: int = 0  # the tokens whose KV moved
+    kv_bytes: int = 0
+    pause_s: float = 0.0  # from taking it out of the source's batch to the target's commit
+    events: dict[str, float] = field(default_factory=dict)  # the source's lifetime events of the request
+
+
 class Tombstones:
     """Ids of requests aborted recently (bounded). Ray may run a threaded actor's calls out of order,
     so an abort can overtake the call that starts the request; the start then finds the tombstone."""
@@ -148,6 +164,7 @@ class LifetimeEvent(StrEnum):
     TRANSFER_END = "transfer_end"  # decode worker: every frame delivered
     HANDOFF_COMMITTED = "handoff_committed"  # prefill worker's notice: the decode worker holds it (not logged)
     DECODE_START = "decode_start"
+    MIGRATED = "migrated"  # decode worker: it took the request over from another, KV and all (the last such move)
     DECODE_END = "decode_end"
     FINISHED = "finished"  # router: it ended
     RETRY = "retry"  # router: a new attempt began; recorded as `retry_<attempt>` (`retry`)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import resource
 import threading
 import warnings
+from collections.abc import Hashable
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -16,9 +18,12 @@ from ray.util.annotations import RayDeprecationWarning
 from pdserve.diagnostics import LogLevel, configure_diagnostics
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
+from pdserve.kv_transfer.interface import Lease
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.wire import TokenSink, WorkerStatus
 
@@ -103,3 +108,27 @@ class WorkerBase:
 
     def _on_publisher_crash(self, error: BaseException) -> None:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")
+
+
+class RayDecodePeer:
+    """A decode worker's actor as the KV sender calls it (`kv_transfer.sender.DecodePeer`)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.key: Hashable = handle  # actor handles compare by actor id: a restarted worker is the same
+        self.name = "its decode worker"  # until a lease names it
+
+    def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
+                output_token_ids: list[int] | None = None) -> Future[Lease]:
+        return self.handle.reserve.remote(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
+                                          codecs, draft_kv, output_token_ids).future()
+
+    def renew(self, transfer_id: str) -> Future[Lease]:
+        return self.handle.renew_lease.remote(transfer_id).future()
+
+    def commit(self, transfer_id: str, handoff: RequestHandoff, recompute: bool) -> Future[list[int]]:
+        return self.handle.commit.remote(transfer_id, handoff, recompute).future()
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self.handle.abort_transfer.remote(transfer_id, reason)

@@ -67,6 +67,16 @@ def _bench_draft_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_migration(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.migration import MigrationBenchConfig, run
+
+    cfg = MigrationBenchConfig(model=args.model, contexts=tuple(args.contexts), repeats=args.repeats,
+                               transport=args.transport, out=Path(args.out))
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
 def _bench_simulator_spec(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.simulator_spec import SimSpecBenchConfig, run
 
@@ -302,6 +312,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bd.add_argument("--out", default="bench-results/draft-kv.json", help="results file (default: %(default)s)")
     _docs_option(bd)
     bd.set_defaults(func=_bench_draft_kv)
+    bm = bench_sub.add_parser("migration", help="live migration: how long a stream pauses when its request moves "
+                                                "to another decode worker with its KV, against by recompute",
+                              description="A running request moved between two decode workers of a local cluster, "
+                                          "with its KV and by recompute, alternately, per context length: the "
+                                          "longest gap between two tokens the client received, beside a decode step "
+                                          "and the KV's transfer time measured in the same run.",
+                              **examples("pdserve bench migration --docs docs/benchmarks.md",
+                                         "pdserve bench migration --contexts 256 --repeats 2   # a quick look"))
+    bm.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    bm.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024],
+                    help="tokens in context when the request moves (default: 256 512 1024)")
+    bm.add_argument("--repeats", type=int, default=20, help="runs per context length and way (default: %(default)s)")
+    bm.add_argument("--transport", default="auto", help="KV transport (default: %(default)s)")
+    bm.add_argument("--out", default="bench-results/migration.json", help="results file (default: %(default)s)")
+    _docs_option(bm)
+    bm.set_defaults(func=_bench_migration)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)",
                               description="Each KV transport's bytes/s against a plain TCP socket, and each codec and "

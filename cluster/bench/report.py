@@ -40,6 +40,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "policies": ("Placement policies side by side", "pdserve.cluster.bench.policies"),
     "overload": ("Overload: a burst far past capacity", "pdserve.cluster.bench.overload"),
     "soak": ("Soak: kills, corruption and a cancel storm", "pdserve.cluster.bench.soak"),
+    "migration": ("Live migration: a running request moved with its KV", "pdserve.cluster.bench.migration"),
 }
 HEADER = ("# Benchmarks\n\nThe current results of every benchmark, each written by the benchmark itself "
           "(`pdserve bench ... --docs docs/benchmarks.md`, or `pdserve bench report RESULTS.json --docs "

@@ -29,8 +29,9 @@ from pdserve.wire import LifetimeEvent
 ARCH = "tiny-llama"
 TOKEN = "s3cret-token"
 PROMPT = [17, 291, 45, 8, 733, 102, 56, 9, 400, 12, 88, 300]
-# A disaggregated request's whole lifetime: every event but a retry's and the handoff notice (which is not logged).
-LIFETIME = set(LifetimeEvent) - {LifetimeEvent.RETRY, LifetimeEvent.HANDOFF_COMMITTED}
+# A disaggregated request's whole lifetime: every event but a retry's, a move's and the handoff notice
+# (which is not logged).
+LIFETIME = set(LifetimeEvent) - {LifetimeEvent.RETRY, LifetimeEvent.MIGRATED, LifetimeEvent.HANDOFF_COMMITTED}
 
 
 @pytest.fixture(scope="module")

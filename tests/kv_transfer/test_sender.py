@@ -78,10 +78,11 @@ class LocalPeer:
         return self._pool.submit(run)
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None) -> Future[Lease]:
+                num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
+                output_token_ids: list[int] | None = None) -> Future[Lease]:
         def reserve() -> Lease:
             lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens, codecs,
-                                          draft_kv)
+                                          draft_kv, output_token_ids)
             return dataclasses.replace(lease, addresses=self.addresses, node_id="node", worker_id=self.name,
                                        recompute_s=self.recompute_s)
 
