@@ -203,6 +203,9 @@ def markdown(result: dict) -> str:
     worker = ", ".join(f"{r['worker_pause_p50_s'] * 1e3:.1f}" for r in rows)
     lines += ["", f"Recomputing paused the stream {min(ratio):.1f}–{max(ratio):.1f}× as long as moving with the KV "
               f"(medians). Of the moved pause, the source worker's part (out of its batch until the target's commit) "
-              f"was {worker} ms (median, per context length); the rest is the router's call to the source and the "
-              "target's first step."]
+              f"was {worker} ms (median, per context length); the rest is the target's first step and the token's way "
+              "to the client. The worker's part exceeds the KV's transfer by the wait for the step under way when "
+              "the move is asked (the request leaves the batch between two steps) and the commit's round trip. "
+              "Sending the KV while the request still decodes on the source, and only the blocks written since "
+              "once it has left the batch (pre-copy), would take most of the transfer out of the pause."]
     return "\n".join(lines)
