@@ -187,6 +187,21 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if report["serving"] else 1
 
 
+def _workers(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.cluster.pool_client import change
+
+    calls = {"add": ("POST", "", {"role": args.target}), "role": ("POST", f"/{args.target}/role", {"role": args.role}),
+             "drain": ("POST", f"/{args.target}/drain", None), "reopen": ("POST", f"/{args.target}/reopen", None),
+             "remove": ("DELETE", f"/{args.target}", None)}
+    if args.action == "role" and args.role is None:
+        raise ValueError("pdserve workers role NAME ROLE: say the role (prefill or decode)")
+    method, path, body = calls[args.action]
+    print(json.dumps(change(args.address, method, path, args.token, body, args.tls_ca), indent=2))
+    return 0
+
+
 def _train_model(args: argparse.Namespace) -> int:
     from pdserve.engine.models.presets import CHECKPOINTS
     from pdserve.engine.models.training import TrainConfig, train
@@ -332,6 +347,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="PEM of the CA that signed the server's certificate: ask over HTTPS")
     st.add_argument("--json", action="store_true", help="print /health's JSON answer as it is")
     st.set_defaults(func=_status)
+
+    wk = sub.add_parser("workers", help="reshape a running cluster: add a worker, switch one's role, drain, reopen "
+                                        "or remove one",
+                        description="Change a running cluster's pools through its HTTP API's admin routes (they need "
+                                    "the manifest's server.auth_token). Draining moves every request a worker decodes "
+                                    "to the other decode workers with its KV, so nothing is dropped or repeated; "
+                                    "role and remove drain first. Each command waits until its change is done and "
+                                    "prints the cluster's answer.",
+                        **examples("pdserve workers add decode --token $TOKEN",
+                                   "pdserve workers role decode-2 prefill --token $TOKEN",
+                                   "pdserve workers drain decode-1 --token $TOKEN   # out of placement, streams moved",
+                                   "pdserve workers reopen decode-1 --token $TOKEN",
+                                   "pdserve workers remove decode-1 --token $TOKEN"))
+    wk.add_argument("action", choices=["add", "role", "drain", "reopen", "remove"], help="what to do")
+    wk.add_argument("target", help="add: the new worker's role (prefill or decode); else the worker's name")
+    wk.add_argument("role", nargs="?", default=None, help="role: the worker's new role (prefill or decode)")
+    wk.add_argument("--address", default="127.0.0.1:8000",
+                    help="the cluster's HTTP API, its manifest's server.http_address (default: %(default)s)")
+    wk.add_argument("--token", default=None, help="the manifest's server.auth_token")
+    wk.add_argument("--tls-ca", type=Path, default=None,
+                    help="PEM of the CA that signed the server's certificate: ask over HTTPS")
+    wk.set_defaults(func=_workers)
 
     add_bench_commands(sub)
     add_plan_commands(sub)

@@ -24,6 +24,7 @@ from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.models.presets import resolve_model
+from pdserve.kv_transfer.interface import shown
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
@@ -57,6 +58,7 @@ class Cluster:
         self.log = log
         self.address: str | None = None
         self.workers: list[WorkerRef] = []
+        self._next_index = 0  # the number in the next worker's name (names are never reused)
         self._started_ray = False
         self._model: ModelSource | None = None
         self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
@@ -93,8 +95,9 @@ class Cluster:
 
         for role, name, spec in m.workers():  # each kept as made: a failed spawn leaves none behind (`stop`)
             self.workers.append(self._spawn(role, name, spec, source))
+        self._next_index = len(self.workers)
         self.log(f"starting {len(self.workers)} workers ({m.mode}) ...")
-        self._wait_ready(ready_timeout_s)
+        self._wait_ready(self.workers, ready_timeout_s)
         if any(self._stored_cost(spec) is None for _, _, spec in m.workers()):
             self.log("profiling prompt passes, one worker at a time ...")
         for w in self.workers:
@@ -105,7 +108,7 @@ class Cluster:
             self._probe_transfers(placement.prefill_pool[0], placement.decode_pool[0])
         self.audit = IdleAudit(self.workers, lambda: placement.stats.requests_routed,
                                leak_after_s=m.deadlines.leak_after_s)
-        self.address = stack.serve([AuditCollector(self.audit)])
+        self.address = stack.serve([AuditCollector(self.audit)], pool_control=self)
         self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,
                                       after_round=self.audit.observe).start()
         scheme = "https" if m.server.tls_cert is not None else "http"
@@ -255,15 +258,75 @@ class Cluster:
         with the KV event hub's counters (`kv_events`)."""
         return self.router_stack.stats()
 
+    # --- reshaping the pools while serving ---------------------------------------------------------
+    def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
+        """Start one more worker of `role` (prefill or decode, with its pool's resources) and, once it has
+        measured itself, let the router place on it. Returns it."""
+        m = self.manifest
+        if m.mode == "colocated" or role not in ("prefill", "decode"):
+            raise ValueError(f"a worker's role is prefill or decode, in a disaggregated deployment (got {role!r} "
+                             f"in a {m.mode} one)")
+        spec = m.pools.prefill if role == "prefill" else m.pools.decode
+        worker = self._spawn(role, f"{role}-{self._next_index}", spec, self._model)
+        self._next_index += 1
+        try:
+            self._wait_ready([worker], timeout_s)
+            worker.status = ray.get(worker.handle.profile.remote(), timeout=timeout_s)
+        except BaseException:
+            ray.kill(worker.handle)
+            raise
+        if self._supervisor is not None:
+            self._supervisor.add(worker)  # the list it supervises is `self.workers`
+        else:
+            self.workers.append(worker)
+        self.router.add_worker(worker)
+        self.log(f"{worker.name} joined the {role} pool")
+        return worker
+
+    def remove_worker(self, worker_name: str, timeout_s: float = 300.0) -> DrainReport:
+        """Drain a worker (`drain`: what it decodes moves to the other decode workers with its KV, its
+        prompts finish), then stop it and let its resources go. The last decode worker stays."""
+        worker = self._worker(worker_name)
+        if worker.pool == "decode" and sum(w.pool == "decode" for w in self.workers) == 1:
+            raise ValueError(f"{worker_name} is the last decode worker: the cluster could not serve without it")
+        report = self.drain(worker_name, timeout_s)
+        self.router.remove_worker(worker)
+        if self._supervisor is not None:
+            self._supervisor.remove(worker)
+        else:
+            self.workers.remove(worker)
+        self.kv_event_hub.forget(worker.name)
+        ray.wait([worker.handle.shutdown.remote()], timeout=10)
+        ray.kill(worker.handle)
+        self.log(f"{worker_name} drained ({report.moved} requests moved) and stopped")
+        return report
+
+    def switch_role(self, worker_name: str, role: str, timeout_s: float = 300.0) -> WorkerRef:
+        """Turn a worker into one of `role`: drained (nothing dropped, nothing repeated), stopped, and a
+        worker of the new role started in its place with its resources. Returns the new worker."""
+        worker = self._worker(worker_name)
+        if worker.pool == role:
+            return worker
+        self.remove_worker(worker_name, timeout_s)
+        return self.add_worker(role, timeout_s)
+
+    def _worker(self, name: str) -> WorkerRef:
+        for worker in self.workers:
+            if worker.name == name:
+                return worker
+        raise ValueError(f"no worker named {shown(name)}; the cluster has {', '.join(w.name for w in self.workers)}")
+
     def drain(self, worker_name: str, timeout_s: float = 300.0) -> DrainReport:
         """Take a worker out of placement and move the requests it decodes to the other decode workers
         with their KV (`Frontend.drain`); returns once none depends on it. It takes no request until
         `reopen`."""
         stack = self.router_stack
+        self._worker(worker_name)  # a name the cluster knows, or ValueError
         return stack.loop.run(stack.frontend.drain(worker_name, timeout_s), timeout_s + 10)
 
     def reopen(self, worker_name: str) -> None:
         """Let a drained worker take requests again."""
+        self._worker(worker_name)
         self.router_stack.frontend.reopen(worker_name)
 
     def _probe_transfers(self, prefill: WorkerRef, decode: WorkerRef) -> None:
@@ -305,8 +368,8 @@ class Cluster:
                 return idle, status
             time.sleep(0.1)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        pending = {w.handle.ping.remote(): w for w in self.workers}
+    def _wait_ready(self, workers: list[WorkerRef], timeout_s: float) -> None:
+        pending = {w.handle.ping.remote(): w for w in workers}
         deadline = time.time() + timeout_s
         while pending:
             left = deadline - time.time()

@@ -98,18 +98,39 @@ class Supervisor:
         self._stop.set()
         self._thread.join(self.deadlines.ping_timeout_s + 5)
 
+    def add(self, worker: WorkerRef) -> None:
+        """Supervise a worker started after this (it is healthy: it answered, and was profiled)."""
+        with self._lock:
+            self.workers.append(worker)
+            self._watch(worker)
+            self._report()
+
+    def remove(self, worker: WorkerRef) -> None:
+        """Stop supervising a worker about to be shut down: its watch call ending is no loss."""
+        with self._lock:
+            self.workers[:] = [w for w in self.workers if w is not worker]
+            for table in (self._pending, self._missed, self._watches, self._losses, self._pinged_after,
+                          self._profiling):
+                table.pop(worker.name, None)
+            self._restarting.discard(worker.name)
+            self._report()
+
     def check_once(self) -> None:
         """Ping every worker (concurrently), wait up to the timeout, update health, report a change."""
-        for w in self.workers:
-            if w.name not in self._pending:
-                self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
-                self._pinged_after[w.name] = self._losses.get(w.name, 0)
-        ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending),
-                            timeout=self.deadlines.ping_timeout_s)
+        with self._lock:  # those of this round: a worker may be added or removed meanwhile
+            workers = list(self.workers)
+            for w in workers:
+                if w.name not in self._pending:
+                    self._pending[w.name] = w.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()
+                    self._pinged_after[w.name] = self._losses.get(w.name, 0)
+            pending = list(self._pending.values())
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.deadlines.ping_timeout_s)
         answered = set(ready)
         with self._lock:
-            for w in self.workers:
-                ref = self._pending[w.name]
+            for w in workers:
+                ref = self._pending.get(w.name)
+                if ref is None:  # removed meanwhile
+                    continue
                 if ref in answered:
                     del self._pending[w.name]
                     self._missed[w.name] = 0
@@ -154,8 +175,9 @@ class Supervisor:
 
         def ended(future: concurrent.futures.Future) -> None:  # on a Ray thread
             with self._lock:
-                if self._watches.get(worker.name) == ref:
-                    del self._watches[worker.name]
+                if self._watches.get(worker.name) != ref:  # removed from supervision: no loss
+                    return
+                del self._watches[worker.name]
             error = None if future.cancelled() else future.exception()
             if error is not None:  # (a watch that returned: the worker closed, as the cluster stops)
                 self.worker_lost(worker, f"its process died ({type(error).__name__})")

@@ -243,7 +243,7 @@ class Frontend:
         for worker in (*router.prefill_pool, *router.decode_pool):
             if worker.name == name:
                 return worker
-        raise ValueError(f"no worker named {name!r}")
+        raise ValueError(f"no worker named {name[:80]!r}")
 
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
               accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:

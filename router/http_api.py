@@ -43,6 +43,7 @@ from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.engine.sampling_params import BadParameter, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
+from pdserve.router.pool_admin import PoolAdmin
 from pdserve.router.health_report import HealthReport
 from pdserve.router.metrics import CONTENT_TYPE
 
@@ -192,9 +193,10 @@ class ChatBody(_Body):
 
 # --- the app --------------------------------------------------------------------------------------
 def create_app(frontend: Frontend, health: Callable[[], HealthReport], auth_token: str | None = None,
-               max_body_bytes: int = MAX_MESSAGE_BYTES) -> Starlette:
+               max_body_bytes: int = MAX_MESSAGE_BYTES, admin: PoolAdmin | None = None) -> Starlette:
     """The ASGI app. `health` reports the cluster (GET /health: its JSON, 200 while it serves, else
-    503); a request body past `max_body_bytes` is answered 413 with no more of it read."""
+    503); a request body past `max_body_bytes` is answered 413 with no more of it read. `admin`: the
+    routes that reshape the pools (`pool_admin`)."""
     api = _OpenAIApi(frontend, auth_token, health, max_body_bytes)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -203,6 +205,7 @@ def create_app(frontend: Frontend, health: Callable[[], HealthReport], auth_toke
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        *(admin.routes() if admin is not None else ()),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _bug})
 

@@ -286,6 +286,19 @@ class Router:
             handoff_s = events[LifetimeEvent.DECODE_START] - events[LifetimeEvent.PREFILL_END]
             self.transfer.observe(p.request.num_prompt_tokens, max(0.0, handoff_s))
 
+    def add_worker(self, worker: WorkerRef) -> None:
+        """A worker joins its pool (`worker.pool`); it is placed on from the next request."""
+        with self._lock:
+            (self.prefill_pool if worker.pool == "prefill" else self.decode_pool).append(worker)
+
+    def remove_worker(self, worker: WorkerRef) -> None:
+        """A worker leaves its pool (drained first: nothing depends on it)."""
+        with self._lock:
+            pool = self.prefill_pool if worker.pool == "prefill" else self.decode_pool
+            pool[:] = [w for w in pool if w is not worker]
+            if self.approximate is not None:
+                self.approximate.drop(worker.name)
+
     def move_target(self, p: Placement) -> WorkerRef:
         """The decode worker to move a running request to (the decode policy's choice among the
         others open for placement); raises NoHealthyWorker when there is none."""

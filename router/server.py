@@ -22,6 +22,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.health_report import HealthReport, ModelHealth, PoolHealth, worker_health
 from pdserve.router.http_api import create_app
+from pdserve.router.pool_admin import PoolAdmin, PoolControl
 from pdserve.router.service import RouterService, add_to_server
 
 # Clients may ping every 10 s, with no call open too (gRPC core's default allows one ping in 5 minutes
@@ -66,10 +67,13 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 class RouterServer:
     def __init__(self, service: RouterService, loop: EventLoopThread, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
-                 client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES,
+                 pool_control: PoolControl | None = None) -> None:
+        """`pool_control`: the cluster, which the HTTP API's admin routes reshape (`pool_admin`)."""
         if client_ca is not None and tls is None:
             raise ValueError("client_ca (mutual TLS) needs tls: client certificates are checked over TLS")
         self.service = service
+        self.admin = PoolAdmin(pool_control, auth_token) if pool_control is not None else None
         self.requested_address = address
         self.requested_http_address = http_address
         self.tls = tls
@@ -92,6 +96,8 @@ class RouterServer:
         if self._server is not None:
             self._loop.run(self._stop(grace), grace + 10)
         self.service.frontend.close()
+        if self.admin is not None:
+            self.admin.close()
 
     async def _start(self) -> str:
         frontend = self.service.frontend
@@ -126,7 +132,8 @@ class RouterServer:
         # Bound here, not by uvicorn: a port that is taken is then an OSError naming the address
         # (uvicorn would sys.exit, which ends this thread without a word).
         sock = _listen(host.strip("[]"), int(port), self.requested_http_address)
-        app = create_app(self.service.frontend, self.health_report, self.auth_token, self.max_request_bytes)
+        app = create_app(self.service.frontend, self.health_report, self.auth_token, self.max_request_bytes,
+                         self.admin)
         tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
         if self.client_ca is not None:  # mutual TLS: the handshake fails without a certificate the CA signed
             tls.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)

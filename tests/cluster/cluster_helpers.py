@@ -119,6 +119,19 @@ def worker(cluster: Cluster, pool: str):
     return next(w for w in cluster.workers if w.pool == pool)
 
 
+def worker_pid(self) -> int:
+    """Inside a worker: its process id (to kill it for real, by pid)."""
+    return os.getpid()
+
+
+def wait_healthy(cluster: Cluster, timeout_s: float = 90.0) -> None:
+    """Until every worker of the cluster is healthy (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(w.healthy for w in cluster.workers):
+        assert time.monotonic() < deadline, [(w.name, w.healthy) for w in cluster.workers]
+        time.sleep(0.1)
+
+
 def on_worker(ref, fn, *args):
     """Run `fn(worker_instance, *args)` inside the worker actor."""
     return ray.get(ref.handle.__ray_call__.remote(fn, *args), timeout=30)

@@ -14,7 +14,7 @@ from functools import partial
 
 import pytest
 import ray
-from cluster_helpers import install_gate, manifest, on_worker, open_gate, wait_clean_audit
+from cluster_helpers import install_gate, manifest, on_worker, open_gate, wait_clean_audit, wait_healthy, worker_pid
 from helpers import random_prompts, worker_status
 
 from pdserve.client import Client
@@ -32,9 +32,6 @@ WORKERS_1P2D = ["prefill-0", "decode-1", "decode-2"]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run inside the workers travel by value
 
 
-def _pid(self) -> int:
-    return os.getpid()
-
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
@@ -47,12 +44,6 @@ def cluster(model_dirs):
         assert [w.name for w in c.workers] == WORKERS
         yield c
 
-
-def wait_healthy(cluster: Cluster, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(w.healthy for w in cluster.workers):
-        assert time.monotonic() < deadline, [(w.name, w.healthy) for w in cluster.workers]
-        time.sleep(0.1)
 
 
 def first_worker(cluster: Cluster, pool: str, condition, timeout_s: float = 30.0):
@@ -104,7 +95,7 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
             if len(streamed) >= 20:
                 break
         victim = first_worker(cluster, "decode", lambda self: len(self.engine.requests) > 0)  # one stream runs
-        os.kill(on_worker(victim, _pid), signal.SIGKILL)
+        os.kill(on_worker(victim, worker_pid), signal.SIGKILL)
         t0 = time.monotonic()
         for chunk in stream:
             streamed += chunk.token_ids
@@ -196,7 +187,7 @@ def test_a_worker_killed_during_the_kv_handoff_costs_no_token(cluster, hf_refere
             assert stream.first.wait(60), "no first token"
         killed = serving if victim == "prefill" else first_worker(
             cluster, "decode", lambda self: self.receiver.num_in_flight > 0)
-        os.kill(on_worker(killed, _pid), signal.SIGKILL)
+        os.kill(on_worker(killed, worker_pid), signal.SIGKILL)
     finally:
         for w in prefill_workers:  # a killed worker restarts ungated
             if w is not killed:
@@ -224,7 +215,7 @@ def test_a_prefill_worker_lost_after_the_commit_is_no_longer_needed(cluster, hf_
         serving = first_worker(cluster, "prefill", lambda self, before=committed: len(self.sender.transfer_log) > before.get(
             self.worker_id, 0))
         time.sleep(1.0)  # the notice, sent before the log entry, reaches the router
-        os.kill(on_worker(serving, _pid), signal.SIGKILL)
+        os.kill(on_worker(serving, worker_pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while serving.healthy and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -375,7 +366,7 @@ def test_a_stream_on_a_killed_worker_resumes_at_once_not_at_the_next_ping_round(
             if len(streamed) >= 20:
                 break
         victim = first_worker(cluster, "decode", lambda self: len(self.engine.requests) > 0)
-        os.kill(on_worker(victim, _pid), signal.SIGKILL)
+        os.kill(on_worker(victim, worker_pid), signal.SIGKILL)
         killed = time.monotonic()
         resumed = None
         for chunk in stream:

@@ -4,6 +4,7 @@ move falls back to recompute with nothing lost; a target lost leaves the request
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -12,11 +13,12 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import install_gate, manifest, on_worker, open_gate, wait_clean_audit
+from cluster_helpers import install_gate, manifest, on_worker, wait_clean_audit, wait_healthy, worker_pid
 from helpers import random_prompts
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.pool_client import AdminRefused, change
 from pdserve.cluster.status import fetch_health, render
 from pdserve.router.frontend import ActiveRequest
 
@@ -25,9 +27,6 @@ STALL_MS = 15  # every decode step stalls this long, so streams are still runnin
 WORKERS = ["prefill-0", "decode-1", "decode-2"]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run inside the workers travel by value
 
-
-def _pid(self) -> int:
-    return os.getpid()
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +38,6 @@ def cluster(model_dirs):
         assert [w.name for w in c.workers] == WORKERS
         yield c
 
-
-def wait_healthy(cluster: Cluster, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(w.healthy for w in cluster.workers):
-        assert time.monotonic() < deadline, [(w.name, w.healthy) for w in cluster.workers]
-        time.sleep(0.1)
 
 
 class Streams:
@@ -130,6 +123,12 @@ def test_draining_a_decode_worker_moves_its_streams_with_their_kv(cluster, hf_re
     wait_clean_audit(cluster)
 
 
+def test_without_an_auth_token_the_admin_api_changes_nothing(cluster):
+    with pytest.raises(AdminRefused, match="^403: the admin API needs the manifest's server.auth_token"):
+        change(cluster.http_address, "POST", "/decode-1/drain", None)
+    assert not any(w.draining for w in cluster.workers)
+
+
 def move_one(cluster: Cluster, stream: Streams):
     """Start moving the one running stream to the other decode worker, on the router's loop; the
     source, the target, and the move's future."""
@@ -142,8 +141,6 @@ def move_one(cluster: Cluster, stream: Streams):
 
 
 async def _start(active: ActiveRequest, target):
-    import asyncio
-
     return asyncio.ensure_future(active.migrate(target))
 
 
@@ -168,21 +165,16 @@ def test_a_source_lost_at_any_moment_of_a_move_costs_no_token(cluster, hf_refere
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=37)[0]
     retries = cluster.router.stats.retries
     stream = Streams(cluster, [prompt], [dict(max_tokens=80, ignore_eos=True, temperature=0)])
-    source = None
-    try:
-        stream.wait_tokens(10)
-        (active,) = active_requests(cluster)
-        source = active.placement.decode
-        on_worker(source, install_gate, MOMENTS[moment])
-        source, target, future = move_one(cluster, stream)
-        if moment == "after-commit":  # the target holds it: its KV arrived, it was admitted
-            wait_for(lambda: on_worker(target, lambda self: len(self.engine.requests)) == 1)
-        else:
-            wait_for(lambda: on_worker(source, lambda self: bool(self._moves)))
-        os.kill(on_worker(source, _pid), signal.SIGKILL)
-        stream.join()
-    finally:
-        stream.join()
+    stream.wait_tokens(10)
+    (active,) = active_requests(cluster)
+    on_worker(active.placement.decode, install_gate, MOMENTS[moment])
+    source, target, future = move_one(cluster, stream)
+    if moment == "after-commit":  # the target holds it: its KV arrived, it was admitted
+        wait_for(lambda: on_worker(target, lambda self: len(self.engine.requests)) == 1)
+    else:
+        wait_for(lambda: on_worker(source, lambda self: bool(self._moves)))
+    os.kill(on_worker(source, worker_pid), signal.SIGKILL)
+    stream.join()
     assert not stream.failures and stream.tokens[0] == hf_reference[ARCH].greedy(prompt, 80), stream.failures
     assert not cluster.router_stack.loop.run(_result(future), 60).moved
     assert cluster.router.stats.retries == retries + 1
@@ -195,19 +187,15 @@ def test_a_target_lost_mid_move_leaves_the_request_decoding_where_it_was(cluster
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=41)[0]
     retries = cluster.router.stats.retries
     stream = Streams(cluster, [prompt], [dict(max_tokens=80, ignore_eos=True, temperature=0)])
-    target = None
-    try:
-        stream.wait_tokens(10)
-        (active,) = active_requests(cluster)
-        target = next(w for w in cluster.workers if w.pool == "decode" and w is not active.placement.decode)
-        on_worker(target, install_gate, "receiver.commit")  # the move waits at its commit
-        source, target, future = move_one(cluster, stream)
-        wait_for(lambda: on_worker(target, lambda self: self.receiver.num_in_flight) == 1)
-        os.kill(on_worker(target, _pid), signal.SIGKILL)
-        outcome = cluster.router_stack.loop.run(_result(future), 60)
-        stream.join()
-    finally:
-        stream.join()
+    stream.wait_tokens(10)
+    (active,) = active_requests(cluster)
+    target = next(w for w in cluster.workers if w.pool == "decode" and w is not active.placement.decode)
+    on_worker(target, install_gate, "receiver.commit")  # the move waits at its commit
+    source, target, future = move_one(cluster, stream)
+    wait_for(lambda: on_worker(target, lambda self: self.receiver.num_in_flight) == 1)
+    os.kill(on_worker(target, worker_pid), signal.SIGKILL)
+    outcome = cluster.router_stack.loop.run(_result(future), 60)
+    stream.join()
     assert not outcome.moved and outcome.tried
     assert not stream.failures and stream.tokens[0] == hf_reference[ARCH].greedy(prompt, 80), stream.failures
     assert cluster.router.stats.retries == retries  # it never left its worker
@@ -217,3 +205,38 @@ def test_a_target_lost_mid_move_leaves_the_request_decoding_where_it_was(cluster
 
 async def _result(future):
     return await future
+
+
+def test_workers_switch_roles_under_load_and_nothing_is_lost(cluster, hf_reference):
+    """A decode worker becomes a prefill worker while streams run on it (they move to the other decode
+    worker with their KV), then the first prefill worker becomes a decode worker while prompts are in
+    its pass (they finish and hand over first): every stream completes exact, none is retried, and the
+    router places on the new roles at once. Runs last: the module's cluster keeps its new shape."""
+    wait_healthy(cluster)
+    vocab = hf_reference[ARCH].vocab_size
+    prompts = random_prompts(8, vocab, 30, 200, seed=43)
+    greedy = dict(max_tokens=60, ignore_eos=True, temperature=0)
+    retries = cluster.router.stats.retries
+    first = Streams(cluster, prompts[:4], [greedy] * 4)
+    first.wait_tokens(5)
+    decode = decoding_worker(cluster)
+    prefill = cluster.switch_role(decode.name, "prefill")
+    assert prefill.pool == "prefill" and prefill in cluster.router.prefill_pool
+    assert decode not in cluster.router.decode_pool and decode not in cluster.workers
+    second = Streams(cluster, prompts[4:], [greedy] * 4)
+    old_prefill = cluster.workers[0]
+    assert old_prefill.name == "prefill-0"
+    new_decode = cluster.switch_role(old_prefill.name, "decode")
+    assert new_decode in cluster.router.decode_pool and old_prefill not in cluster.router.prefill_pool
+    first.join()
+    second.join()
+    assert not first.failures and not second.failures, first.failures + second.failures
+    assert first.tokens + second.tokens == [hf_reference[ARCH].greedy(p, 60) for p in prompts]
+    assert cluster.router.stats.retries == retries
+    with Client(cluster.address, timeout=60) as client:  # the new workers serve
+        outputs = [client.generate(p, **greedy).token_ids for p in prompts[:4]]
+    assert outputs == [hf_reference[ARCH].greedy(p, 60) for p in prompts[:4]]
+    served = cluster.router_stats()["per_worker"]
+    assert served.get(prefill.name, 0) > 0
+    assert sorted(w.pool for w in cluster.workers) == ["decode", "decode", "prefill"]
+    wait_clean_audit(cluster)
