@@ -351,21 +351,21 @@ def build_parser() -> argparse.ArgumentParser:
     wk = sub.add_parser("workers", help="reshape a running cluster: add a worker, switch one's role, drain, reopen "
                                         "or remove one",
                         description="Change a running cluster's pools through its HTTP API's admin routes (they need "
-                                    "the manifest's server.auth_token). Draining moves every request a worker decodes "
+                                    "the manifest's server.admin_token). Draining moves every request a worker decodes "
                                     "to the other decode workers with its KV, so nothing is dropped or repeated; "
                                     "role and remove drain first. Each command waits until its change is done and "
                                     "prints the cluster's answer.",
-                        **examples("pdserve workers add decode --token $TOKEN",
-                                   "pdserve workers role decode-2 prefill --token $TOKEN",
-                                   "pdserve workers drain decode-1 --token $TOKEN   # out of placement, streams moved",
-                                   "pdserve workers reopen decode-1 --token $TOKEN",
-                                   "pdserve workers remove decode-1 --token $TOKEN"))
+                        **examples("pdserve workers add decode --token $ADMIN_TOKEN",
+                                   "pdserve workers role decode-2 prefill --token $ADMIN_TOKEN",
+                                   "pdserve workers drain decode-1 --token $ADMIN_TOKEN   # out of placement, streams moved",
+                                   "pdserve workers reopen decode-1 --token $ADMIN_TOKEN",
+                                   "pdserve workers remove decode-1 --token $ADMIN_TOKEN"))
     wk.add_argument("action", choices=["add", "role", "drain", "reopen", "remove"], help="what to do")
     wk.add_argument("target", help="add: the new worker's role (prefill or decode); else the worker's name")
     wk.add_argument("role", nargs="?", default=None, help="role: the worker's new role (prefill or decode)")
     wk.add_argument("--address", default="127.0.0.1:8000",
                     help="the cluster's HTTP API, its manifest's server.http_address (default: %(default)s)")
-    wk.add_argument("--token", default=None, help="the manifest's server.auth_token")
+    wk.add_argument("--token", default=None, help="the manifest's server.admin_token")
     wk.add_argument("--tls-ca", type=Path, default=None,
                     help="PEM of the CA that signed the server's certificate: ask over HTTPS")
     wk.set_defaults(func=_workers)

@@ -18,6 +18,8 @@ from transformers import AutoConfig
 from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
+from pdserve.cluster.plan.online import OnlinePlanner
+from pdserve.cluster.replanning import PlannerCollector, ReplanLoop
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
@@ -28,7 +30,8 @@ from pdserve.kv_transfer.interface import shown
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.frontend import DrainReport, ServedModel
+from pdserve.router.frontend import CompletedRequest, DrainReport, ServedModel
+from pdserve.router.health_report import PlannerHealth
 from pdserve.router.stack import RouterStack
 from pdserve.router.workers import WorkerRef
 from pdserve.wire import ClusterSecret, WorkerStatus
@@ -45,6 +48,7 @@ ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside 
 CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1},
                       DecodeWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1, RESERVE_GROUP: RESERVE_THREADS,
                                      MIGRATE_GROUP: MIGRATE_THREADS}}
+MAX_POOL_WORKERS = 64  # a pool's workers at most, as a manifest's `replicas`
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
@@ -59,6 +63,8 @@ class Cluster:
         self.address: str | None = None
         self.workers: list[WorkerRef] = []
         self._next_index = 0  # the number in the next worker's name (names are never reused)
+        self._stored_profile: HardwareProfile | None = None  # the model's `pdserve profile` here, if one was found
+        self._replanning: ReplanLoop | None = None
         self._started_ray = False
         self._model: ModelSource | None = None
         self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
@@ -108,9 +114,21 @@ class Cluster:
             self._probe_transfers(placement.prefill_pool[0], placement.decode_pool[0])
         self.audit = IdleAudit(self.workers, lambda: placement.stats.requests_routed,
                                leak_after_s=m.deadlines.leak_after_s)
-        self.address = stack.serve([AuditCollector(self.audit)], pool_control=self)
+        collectors: list[Any] = [AuditCollector(self.audit)]
+        if m.planner.online:
+            if self._stored_profile is None:
+                raise ValueError("planner.online simulates with the model's stored profile, and none was found: run "
+                                 "`pdserve profile --manifest MANIFEST` on this machine first, or set `profile:` to "
+                                 "the file it wrote")
+            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile), self.log)
+            collectors.append(PlannerCollector(self._replanning))
+        self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
         self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,
                                       after_round=self.audit.observe).start()
+        if self._replanning is not None:
+            self._replanning.start()
+            self.log(f"online planner on: a decision every {m.planner.interval_s:g} s from the last "
+                     f"{m.planner.window_s:g} s of requests")
         scheme = "https" if m.server.tls_cert is not None else "http"
         http = f"; OpenAI API and /metrics on {scheme}://{self.http_address}" if self.http_address else ""
         named = f" as {m.served_name!r}" if m.served_name != m.model else ""
@@ -210,6 +228,7 @@ class Cluster:
                 raise
             self.log(f"passing over the stored profile: {e}; the workers measure their prompt passes")
             return {}
+        self._stored_profile = stored
         costs = {(threads, stored.device): c.prefill for threads, c in stored.workers.items()}
         used = sorted({s.threads for _, _, s in m.workers() if (s.threads, m.engine_config(s)["device"]) in costs})
         measured = f"measured {stored.created or 'at an unknown time'} on {stored.hardware}"
@@ -267,6 +286,8 @@ class Cluster:
             raise ValueError(f"a worker's role is prefill or decode, in a disaggregated deployment (got {role!r} "
                              f"in a {m.mode} one)")
         spec = m.pools.prefill if role == "prefill" else m.pools.decode
+        if sum(w.pool == role for w in self.workers) >= MAX_POOL_WORKERS:
+            raise ValueError(f"the {role} pool has {MAX_POOL_WORKERS} workers, the most it takes")
         worker = self._spawn(role, f"{role}-{self._next_index}", spec, self._model)
         self._next_index += 1
         try:
@@ -287,8 +308,10 @@ class Cluster:
         """Drain a worker (`drain`: what it decodes moves to the other decode workers with its KV, its
         prompts finish), then stop it and let its resources go. The last decode worker stays."""
         worker = self._worker(worker_name)
-        if worker.pool == "decode" and sum(w.pool == "decode" for w in self.workers) == 1:
-            raise ValueError(f"{worker_name} is the last decode worker: the cluster could not serve without it")
+        if worker.pool == "decode" and not any(w.pool == "decode" and w is not worker and w.healthy and not w.draining
+                                               for w in self.workers):
+            raise ValueError(f"{worker_name} is the last decode worker taking requests: the cluster could not serve "
+                             "without it")
         report = self.drain(worker_name, timeout_s)
         self.router.remove_worker(worker)
         if self._supervisor is not None:
@@ -403,7 +426,17 @@ class Cluster:
         return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer))
 
     # --- down -----------------------------------------------------------------------------------
+    def _planner_health(self) -> PlannerHealth | None:
+        return self._replanning.health() if self._replanning is not None else None
+
+    def completed_requests(self) -> list[CompletedRequest]:
+        """The requests the router finished lately (the online planner's window)."""
+        return list(self.router_stack.frontend.completed)
+
     def stop(self) -> None:
+        if self._replanning is not None:  # first: it would change roles on a cluster going down
+            self._replanning.stop()
+            self._replanning = None
         if self._supervisor is not None:
             self._supervisor.stop()
             self._supervisor = None

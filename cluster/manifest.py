@@ -291,6 +291,10 @@ class ServerSpec(_Strict):
     auth_token: SecretStr | None = Field(
         None, description="Clients must send `authorization: Bearer TOKEN` (compared in constant time); null: no "
                           "token. Never printed.")
+    admin_token: SecretStr | None = Field(
+        None, description="Operators' token for the HTTP API's admin routes (`pdserve workers`: drain, remove, add, "
+                          "switch roles), apart from the clients' auth_token; null: the admin routes refuse every "
+                          "call. Never printed.")
     # The SDK's own message limit, so that both APIs take the same requests; far above a real one: a prompt
     # filling a 128K-token context is about 1 MiB as token ids and a few MiB as JSON text.
     max_request_bytes: int = Field(
@@ -303,7 +307,12 @@ class ServerSpec(_Strict):
         """The auth token itself, for what sends or checks it; never to print or store."""
         return self.auth_token.get_secret_value() if self.auth_token is not None else None
 
-    @field_validator("auth_token")
+    @property
+    def admin(self) -> str | None:
+        """The admin token itself, for what checks it; never to print or store."""
+        return self.admin_token.get_secret_value() if self.admin_token is not None else None
+
+    @field_validator("auth_token", "admin_token")
     @classmethod
     def _a_token(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value():  # the servers would take every client
@@ -411,6 +420,27 @@ class SupervisionSpec(_Strict):
         return self
 
 
+class PlannerSpec(_Strict):
+    """The online planner: it re-plans the split of the workers between the prefill and decode pools
+    from the traffic of the last minutes (simulated with the model's stored profile, as `pdserve plan`
+    does) and switches one worker's role at a time when another split would carry clearly more traffic
+    within the objectives. Off by default; it needs a disaggregated deployment and a `pdserve profile`
+    of this model on this hardware (`profile:`)."""
+
+    online: bool = Field(False, description="Re-plan while serving, and switch worker roles by it.")
+    ttft_slo_s: float = Field(2.0, gt=0, description="The TTFT objective it plans for (seconds).")
+    tpot_slo_s: float = Field(0.1, gt=0, description="The TPOT objective it plans for (seconds).")
+    interval_s: float = Field(30.0, gt=0, description="Between two decisions (seconds).")
+    window_s: float = Field(120.0, gt=0, description="The requests a decision plans from: those that arrived this "
+                                                     "long before it (seconds).")
+    min_requests: int = Field(20, ge=2, description="Fewer finished requests in the window: no decision.")
+    margin: float = Field(0.15, ge=0, description="Another split must carry this share more (predicted goodput) "
+                                                  "than the current one...")
+    confirmations: int = Field(2, ge=1, description="... in this many decisions in a row...")
+    cooldown_s: float = Field(60.0, ge=0, description="... and no role change for this long (seconds), before "
+                                                      "one worker changes role.")
+
+
 class RaySpec(_Strict):
     """Which Ray cluster to run on."""
 
@@ -463,6 +493,8 @@ class Manifest(_Strict):
     supervision: SupervisionSpec = Field(SupervisionSpec(), description="How the workers are watched and "
                                                                         "restarted.")
     ray: RaySpec = Field(RaySpec(), description="Which Ray cluster to run on.")
+    planner: PlannerSpec = Field(PlannerSpec(), description="The online planner, which reshapes the pools as traffic "
+                                                            "changes; off by default.")
     log_level: LogLevel = Field(
         "warning", description="Diagnostics (Python logging under `pdserve`) of the launcher, the router and every "
                                "worker at this level and above, on stderr; a worker's land in Ray's `worker-*.err` on "
@@ -519,6 +551,16 @@ class Manifest(_Strict):
             raise ValueError("disaggregated mode needs pools.prefill.replicas >= 1 and pools.decode.replicas >= 1")
         if self.mode == "colocated" and self.pools.prefill.replicas + self.pools.decode.replicas < 1:
             raise ValueError("colocated mode needs at least one replica (in either pool)")
+        return self
+
+    @model_validator(mode="after")
+    def _planner_has_pools_to_reshape(self) -> "Manifest":
+        if self.planner.online and (self.mode != "disaggregated" or len(self.workers()) < 3):
+            raise ValueError("planner.online reshapes the prefill and decode pools: it needs mode disaggregated and "
+                             "at least 3 workers (1 prefill + 1 decode leave no other split)")
+        if self.planner.online and self.profile == "measure":
+            raise ValueError("planner.online simulates with a stored profile: set profile to auto (after `pdserve "
+                             "profile`) or to a profile file, not measure")
         return self
 
     @model_validator(mode="after")

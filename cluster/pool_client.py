@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.cluster.status import StatusUnavailable
 
-TIMEOUT_S = 900.0  # a change waits for workers to start (model load, profile) or to drain
+TIMEOUT_S = 3600.0  # a change waits for workers to drain, start (model load) and measure themselves
 
 
 class AdminRefused(ValueError):

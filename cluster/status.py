@@ -55,6 +55,10 @@ def render(report: dict[str, Any]) -> str:
                          f"{w['kv_used']:.0%} ({used}/{w['kv_blocks_total']} blocks)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    if (planner := report["planner"]) is not None:
+        state = f"stopped: {planner['failure']}" if planner["failure"] else \
+            f"last decision {planner['action']}: {planner['reason']}" if planner["decided_at"] else "no decision yet"
+        lines.append(f"\nonline planner ({planner['role_changes']} role changes): {state}")
     for pool in report["pools"]:
         if pool["needed"] and not pool["healthy"]:
             lines.append(f"\nno healthy worker in the {pool['name']} pool: the cluster cannot serve")

@@ -244,15 +244,22 @@ class DecodeWorker(WorkerBase):
         if aborted:  # cancelled while it was being held: `abort` found no transfer to end
             self.mover.end(kv, "aborted by the router")
             return MoveOutcome(False, "aborted by the router")
-        for layer in range(self.engine.kv_layout.num_layers):  # all written: they go at once
-            self.mover.layer_written(kv, layer, kv.num_kv_tokens, blocks)
-        self.mover.prompt_done(kv, handoff)
+        try:
+            for layer in range(self.engine.kv_layout.num_layers):  # all written: they go at once
+                self.mover.layer_written(kv, layer, kv.num_kv_tokens, blocks)
+            self.mover.prompt_done(kv, handoff)
+        except Exception as e:  # ended here, so nothing reads the blocks once the request goes on here
+            self.mover.end(kv, f"the move failed: {e}")
+            self.loop.post(lambda engine: _resume_if_held(engine, request_id))
+            return MoveOutcome(False, f"the move failed: {type(e).__name__}: {e}")
         # The sender ends every transfer (its own lease bounds one that stops progressing).
         while not move.ended.wait(1.0) and not self._stop.is_set():
             pass
         outcome = move.outcome
         if outcome is None or outcome.error is not None:
-            return MoveOutcome(False, outcome.error if outcome is not None else "the worker is shutting down")
+            in_doubt = TransferState.COMMITTING.value in kv.transfer.events
+            return MoveOutcome(False, outcome.error if outcome is not None else "the worker is shutting down",
+                               in_doubt=in_doubt)
         return MoveOutcome(True, recomputed=kv.recompute, kv_tokens=kv.num_kv_tokens, kv_bytes=kv.transfer.bytes_moved,
                            pause_s=time.perf_counter() - held_at, events=self._events.pop(request_id, {}))
 
@@ -262,7 +269,8 @@ class DecodeWorker(WorkerBase):
         request_id = kv.request_id
         with self._moves_lock:
             move = self._moves.get(request_id)
-        if move is None or move.kv is not kv:
+        # (`move.kv` is still None when the transfer failed before `start` returned)
+        if move is None or move.kv not in (None, kv):
             return
         if kv.transfer.state is TransferState.DONE:
             self.loop.post(lambda engine: engine.abort_request(request_id))

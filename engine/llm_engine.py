@@ -53,6 +53,8 @@ class RequestHandoff:
     params: SamplingParams
     num_computed_tokens: int  # tokens whose KV travels with the handoff
     logprobs: list[float]
+    # False once its KV came through a lossy codec (a moved request's may have): never cached as a prefix
+    exact_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -411,6 +413,7 @@ class LLMEngine:
             params=seq.params,
             num_computed_tokens=seq.num_computed_tokens,
             logprobs=list(seq.logprobs),
+            exact_kv=seq.exact_kv,
         )
 
     def export_kv(self, request_id: str, block_indices: list[int] | None = None, layer: int | None = None) -> KVBlocks:
@@ -501,7 +504,7 @@ class LLMEngine:
             seq.append_token(token, None)
         seq.logprobs = list(handoff.logprobs)
         seq.num_computed_tokens = reserved
-        seq.exact_kv = exact
+        seq.exact_kv = exact and handoff.exact_kv
         if self.draft_model is not None:
             self.draft_model.import_committed(seq.request_id, reserved if draft_arrived else 0)
         self.scheduler.publish_full_blocks(seq)

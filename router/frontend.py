@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -77,6 +77,7 @@ NOT_FOUND, CANCELLED, OK = "NOT_FOUND", "CANCELLED", "OK"
 # `prompt_ids`), so each job is short; a few threads keep a slow one from holding up the others.
 TOKENIZER_THREADS = 4
 T = TypeVar("T")
+COMPLETED_KEPT = 65536  # the requests that ended last, for the online planner's window
 MOVES_AT_ONCE = 8  # a drain's moves in flight (a decode worker runs 16 at once: `MIGRATE_THREADS`)
 MOVE_TRIES = 3  # moves of one request that failed before a drain moves it by recompute instead
 DRAIN_POLL_S = 0.05  # how often a drain looks for requests to move while its moves run
@@ -119,6 +120,15 @@ class DrainReport:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class CompletedRequest:
+    """What the online planner reads of a request that ended: when it came and its lengths."""
+
+    arrived: float  # wall clock
+    prompt_len: int
+    output_len: int  # generated; for one that did not complete, the most it asked for
+
+
 @dataclass
 class ServedModel:
     name: str
@@ -138,6 +148,7 @@ class Frontend:
         self.metrics = RouterMetrics(router)
         self.aborts = AbortBatcher()
         self.active: set[ActiveRequest] = set()  # started and not finished (on the router's event loop)
+        self.completed: deque[CompletedRequest] = deque(maxlen=COMPLETED_KEPT)  # ended (on the loop; read anywhere)
         self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "router-tokenizer")
 
     @contextmanager
@@ -197,10 +208,22 @@ class Frontend:
         until `reopen`. Raises NoHealthyWorker when no other decode worker can take its requests,
         TimeoutError past `timeout_s`."""
         worker = self._worker(name)
+        others = [w for w in self.router.decode_pool if w is not worker and w.healthy and not w.draining]
+        if worker.pool == "decode" and not others:
+            raise NoHealthyWorker(f"{name} is the last decode worker taking requests: draining it would leave none")
         started = time.monotonic()
         worker.draining = True
+        try:
+            return await self._drain(worker, started, timeout_s)
+        except BaseException:  # it could not be drained: it serves on as before
+            worker.draining = False
+            raise
+
+    async def _drain(self, worker: WorkerRef, started: float, timeout_s: float) -> DrainReport:
+        name = worker.name
         report, tries = DrainReport(name), Counter[ActiveRequest]()
         moving: dict[ActiveRequest, asyncio.Task[MoveOutcome]] = {}
+        resumed: set[ActiveRequest] = set()  # sent away by recompute: their streams retry on their own
 
         def count(done: list[ActiveRequest]) -> None:
             for active in done:
@@ -217,10 +240,12 @@ class Frontend:
                 raise TimeoutError(f"worker {name} still holds {len(holding)} requests after {timeout_s:.0f} s")
             count([a for a, task in moving.items() if task.done()])
             for active in holding:
-                if active in moving or not active.decoding_on(worker) or len(moving) >= MOVES_AT_ONCE:
+                if active in moving or active in resumed or not active.decoding_on(worker) or \
+                        len(moving) >= MOVES_AT_ONCE:
                     continue
                 if tries[active] >= MOVE_TRIES:
                     report.recomputed += 1
+                    resumed.add(active)
                     active.resume_elsewhere(f"its moves off draining worker {name} failed {MOVE_TRIES} times")
                     continue
                 moving[active] = asyncio.create_task(active.migrate(self.router.move_target(active.placement)))
@@ -392,15 +417,17 @@ class ActiveRequest:
             outcome = await asyncio.wrap_future(
                 source.handle.migrate.remote(self.work.request_id, target.handle).future())
         except Exception as e:  # the call failed: the source died, or Ray could not deliver it
-            outcome = MoveOutcome(False, f"worker {source.name} failed the move: {type(e).__name__}: {e}")
+            outcome = MoveOutcome(False, f"worker {source.name} failed the move: {type(e).__name__}: {e}", in_doubt=True)
         if self.placement is not placement:  # retried meanwhile: that retry's aborts covered `target` too
             return outcome
         if outcome.moved:
             for name, at in outcome.events.items():  # the source's part of the lifetime (its decode start)
                 self.events.setdefault(name, at)
             self.frontend.router.moved(placement, target)
-        else:
-            placement.moving_to = None
+            return outcome
+        placement.moving_to = None
+        if outcome.in_doubt:  # the target may hold it: the source has it still, or a retry will
+            self.frontend.aborts.add(target, self.work.request_id)
         return outcome
 
     def resume_elsewhere(self, cause: str) -> None:
@@ -475,6 +502,8 @@ class ActiveRequest:
         accepted, first = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FIRST_TOKEN)
         frontend.metrics.ended(self.api, self.code, self.output_tokens,
                                first - accepted if first else None, ev[LifetimeEvent.FINISHED] - accepted)
+        frontend.completed.append(CompletedRequest(accepted, len(self.work.prompt_token_ids), self.output_tokens
+                                                   if self.code == OK else self.work.params.max_tokens))
         if self.draft_tokens:
             frontend.metrics.speculated(placement.decode.name, self.draft_tokens, self.accepted_draft_tokens)
         if first is not None:

@@ -52,6 +52,17 @@ class ModelHealth:
 
 
 @dataclass(frozen=True)
+class PlannerHealth:
+    """The online planner's last decision, as `pdserve status` shows it."""
+
+    decided_at: float | None  # wall clock; None before its first decision
+    action: str  # keep, wait, change, none
+    reason: str
+    role_changes: int
+    failure: str | None = None  # it stopped on this error (the cluster serves on, unplanned)
+
+
+@dataclass(frozen=True)
 class HealthReport:
     serving: bool
     mode: str  # disaggregated or colocated
@@ -59,6 +70,7 @@ class HealthReport:
     grpc_address: str
     http_address: str | None
     pools: list[PoolHealth]
+    planner: PlannerHealth | None = None  # None: the online planner is off
 
     def to_json(self) -> dict[str, Any]:
         """The report as `/health` answers it (each worker with its `kv_used` share)."""

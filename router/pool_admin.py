@@ -6,8 +6,8 @@
     POST   /admin/workers/{name}/reopen                                   it takes requests again
     DELETE /admin/workers/{name}                                          drain it, then stop it
 
-Only with the manifest's `server.auth_token` set (without one every admin call is refused: anyone who
-reaches the port could otherwise stop workers), and only with it. One change at a time: a call made
+Only with the manifest's `server.admin_token` set, and only with it (not the clients' `auth_token`:
+who may generate may not stop workers); without one every admin call is refused. One change at a time: a call made
 while another runs is answered 409. The cluster does the work (`PoolControl`, which the launcher's
 `Cluster` is); its calls block (they wait for workers to start or drain), so they run on a thread of
 their own, off the event loop that serves every stream.
@@ -47,9 +47,9 @@ class PoolControl(Protocol):
 
 
 class PoolAdmin:
-    def __init__(self, control: PoolControl, auth_token: str | None) -> None:
+    def __init__(self, control: PoolControl, admin_token: str | None) -> None:
         self.control = control
-        self.expected_auth = auth_token.encode() if auth_token else None
+        self.expected_auth = admin_token.encode() if admin_token else None
         # One change at a time, each on this thread: a change waits for workers for seconds or minutes.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "pool-admin")
         self._busy = asyncio.Lock()
@@ -90,10 +90,10 @@ class PoolAdmin:
 
     async def _change(self, request: Request, change: Callable[[RoleBody | None], dict[str, Any]]) -> JSONResponse:
         if self.expected_auth is None:
-            return _error(403, "the admin API needs the manifest's server.auth_token set")
+            return _error(403, "the admin API needs the manifest's server.admin_token set")
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.expected_auth):
-            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+            return _error(401, "missing or wrong admin token (Authorization: Bearer ...)")
         body = await _small_body(request)
         if isinstance(body, str):
             return _error(400, body)

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.event_loop import EventLoopThread
-from pdserve.router.health_report import HealthReport, ModelHealth, PoolHealth, worker_health
+from pdserve.router.health_report import HealthReport, ModelHealth, PlannerHealth, PoolHealth, worker_health
 from pdserve.router.http_api import create_app
 from pdserve.router.pool_admin import PoolAdmin, PoolControl
 from pdserve.router.service import RouterService, add_to_server
@@ -68,12 +68,15 @@ class RouterServer:
     def __init__(self, service: RouterService, loop: EventLoopThread, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
                  client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES,
-                 pool_control: PoolControl | None = None) -> None:
-        """`pool_control`: the cluster, which the HTTP API's admin routes reshape (`pool_admin`)."""
+                 pool_control: PoolControl | None = None, admin_token: str | None = None,
+                 planner_status: Callable[[], PlannerHealth | None] = lambda: None) -> None:
+        """`pool_control`: the cluster, which the HTTP API's admin routes reshape (`pool_admin`) for callers
+        holding `admin_token`; `planner_status`: the online planner's last decision, for the health report."""
         if client_ca is not None and tls is None:
             raise ValueError("client_ca (mutual TLS) needs tls: client certificates are checked over TLS")
         self.service = service
-        self.admin = PoolAdmin(pool_control, auth_token) if pool_control is not None else None
+        self.admin = PoolAdmin(pool_control, admin_token) if pool_control is not None else None
+        self.planner_status = planner_status
         self.requested_address = address
         self.requested_http_address = http_address
         self.tls = tls
@@ -153,9 +156,9 @@ class RouterServer:
 
     def serving(self) -> bool:
         """Whether the cluster takes requests: the token stream is up and a decode (or colocated) worker
-        lives; without a prefill worker, decode workers prefill prompts themselves."""
+        lives and is not draining; without a prefill worker, decode workers prefill prompts themselves."""
         frontend = self.service.frontend
-        return frontend.hub.error is None and any(w.healthy for w in frontend.router.decode_pool)
+        return frontend.hub.error is None and any(w.healthy and not w.draining for w in frontend.router.decode_pool)
 
     def health_report(self) -> HealthReport:
         """The cluster as the router sees it now (`GET /health`, `pdserve status`)."""
@@ -165,7 +168,8 @@ class RouterServer:
         if router.prefill_pool:  # not needed: without one, decode workers prefill prompts themselves
             pools.insert(0, PoolHealth("prefill", False, [worker_health(w, router.mode) for w in router.prefill_pool]))
         model = ModelHealth(info.name, info.model_type, info.max_model_len, info.dtype)
-        return HealthReport(self.serving(), router.mode, model, self.address, self.http_address, pools)
+        return HealthReport(self.serving(), router.mode, model, self.address, self.http_address, pools,
+                            self.planner_status())
 
     def health_changed(self) -> None:
         """Workers' health changed (called by the cluster's supervisor, from any thread)."""

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.frontend import Frontend, RetryBudget, ServedModel
+from pdserve.router.health_report import PlannerHealth
 from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.pool_admin import PoolControl
 from pdserve.router.prefix_index import PrefixIndex
@@ -59,9 +60,11 @@ class RouterStack:
         self._served = served
         return self.placement
 
-    def serve(self, collectors: Iterable[Collector] = (), pool_control: PoolControl | None = None) -> str:
+    def serve(self, collectors: Iterable[Collector] = (), pool_control: PoolControl | None = None,
+              planner_status: Callable[[], PlannerHealth | None] = lambda: None) -> str:
         """Start the servers (after `place`); `collectors` join the router's /metrics; `pool_control`
-        (the cluster) backs the HTTP API's admin routes. Returns the gRPC API's HOST:PORT."""
+        (the cluster) backs the HTTP API's admin routes; `planner_status` is the online planner's part
+        of the health report. Returns the gRPC API's HOST:PORT."""
         m = self.manifest
         self.frontend = frontend = Frontend(self._served, self.placement, self.tokens,
                                             RetryBudget(m.router.max_retries, m.router.retry_wait_s))
@@ -71,7 +74,8 @@ class RouterStack:
         tls = (s.tls_cert, s.tls_key) if s.tls_cert is not None else None
         self.server = RouterServer(RouterService(frontend), self.loop, s.address, tls=tls, auth_token=s.token,
                                    http_address=s.http_address, client_ca=s.tls_client_ca,
-                                   max_request_bytes=s.max_request_bytes, pool_control=pool_control)
+                                   max_request_bytes=s.max_request_bytes, pool_control=pool_control, admin_token=s.admin,
+                                   planner_status=planner_status)
         return self.server.start()
 
     @property

@@ -117,6 +117,9 @@ class MoveOutcome:
     moved: bool  # the target holds the request now, and the source nothing of it
     reason: str = ""  # why it did not move (it goes on where it was, unless the source failed)
     tried: bool = True  # False: the request was not decoding there (queued, prefilling, gone): nothing was sent
+    # Not moved, but the target may hold it: the move failed while its commit was asked, whose answer may
+    # have been lost (or the source died). The router tells the target to drop it.
+    in_doubt: bool = False
     recomputed: bool = False  # moved, but the target rebuilt the KV from the tokens (cheaper than sending it)
     kv_tokens: int = 0  # the tokens whose KV moved
     kv_bytes: int = 0

@@ -637,8 +637,9 @@ def test_zz_totals():
     least = {name: 300 if name == "tcp_kv_handshake" else MIN_PER_PARSER for name in parsers}  # a connection each
     assert all(counts[name] >= least[name] for name in parsers), counts
     # Not vacuous: many messages were bad, and many good ones got through (fewer over gRPC, where a
-    # call ends at its first bad message).
+    # call ends at its first bad message and only a call answered counts its frames: 14 to 20 and more
+    # of its 300 calls, from one run to the next, with the same examples).
     assert min(SENT["token_stream_bad"], SENT["token_stream_delivered"], SENT["kv_events_bad"],
                SENT["receive_frame_taken"], SENT["tcp_kv_reached_the_sink"]) >= 50, SENT
-    assert SENT["grpc_kv_frames_taken"] >= 20, SENT
+    assert SENT["grpc_kv_frames_taken"] >= 10, SENT
     assert sum(counts.values()) >= 10_000, counts

@@ -124,7 +124,7 @@ def test_draining_a_decode_worker_moves_its_streams_with_their_kv(cluster, hf_re
 
 
 def test_without_an_auth_token_the_admin_api_changes_nothing(cluster):
-    with pytest.raises(AdminRefused, match="^403: the admin API needs the manifest's server.auth_token"):
+    with pytest.raises(AdminRefused, match="^403: the admin API needs the manifest's server.admin_token"):
         change(cluster.http_address, "POST", "/decode-1/drain", None)
     assert not any(w.draining for w in cluster.workers)
 

@@ -1,5 +1,5 @@
 """Reshaping a running cluster over its HTTP API's admin routes and `pdserve workers`: only with the
-auth token, bad names and roles refused with a clear answer, a role switched, a worker drained and
+admin token (not the clients'), bad names and roles refused with a clear answer, a role switched, a worker drained and
 reopened, the last decode worker kept."""
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from pdserve.cluster.status import fetch_health
 
 ARCH = "tiny-llama"
 TOKEN = "admin-s3cret"
+CLIENT_TOKEN = "client-s3cret"
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     pools = {"prefill": {"replicas": 1, "num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
-    with Cluster(manifest(model_dirs[ARCH], pools=pools, server={"auth_token": TOKEN}), log=lambda _: None) as c:
+    server = {"auth_token": CLIENT_TOKEN, "admin_token": TOKEN}
+    with Cluster(manifest(model_dirs[ARCH], pools=pools, server=server), log=lambda _: None) as c:
         yield c
 
 
@@ -32,6 +34,7 @@ def roles(cluster: Cluster) -> dict[str, str]:
 @pytest.mark.parametrize("token, body, path, status", [
     (None, {"role": "decode"}, "", "401"),
     ("wrong", {"role": "decode"}, "", "401"),
+    (CLIENT_TOKEN, {"role": "decode"}, "", "401"),  # a client's token is not an operator's
     (TOKEN, {"role": "colocated"}, "", "400"),
     (TOKEN, {"role": "decode", "extra": 1}, "", "400"),
     (TOKEN, None, "", "400"),  # add needs a role

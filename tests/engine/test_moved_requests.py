@@ -93,3 +93,18 @@ def test_an_import_that_does_not_continue_its_reserved_tokens_is_refused(model_d
     assert target.abort_request(request_id) and source.abort_request(request_id)
     assert_pool_idle(source)
     assert_pool_idle(target)
+
+
+def test_a_moved_request_whose_kv_is_inexact_is_never_cached_as_a_prefix_on_its_new_engine(model_dirs, hf_reference):
+    """KV that came through a lossy codec stays inexact wherever the request moves: its blocks never
+    enter the new engine's prefix cache, where another request would take them for exact KV."""
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 64, 64, seed=9)[0]
+    source, target = make_engine(model_dirs), make_engine(model_dirs)
+    request_id = source.add_request(prompt, SamplingParams.greedy(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        source.step()
+    source.requests[request_id].exact_kv = False  # as a lossy codec's import leaves it
+    move(source, target, request_id)
+    assert target.requests[request_id].exact_kv is False
+    drain(target, [request_id])
+    assert target.pool.num_free == target.pool.num_blocks and not target.pool.cached_blocks()

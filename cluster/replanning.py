@@ -1,0 +1,127 @@
+"""The online planner at work in a running cluster (`ReplanLoop`): every `planner.interval_s` it hands
+the requests the router finished lately and the current split to `plan.online.OnlinePlanner`, and
+carries out its decision: one worker changes role (drained first, its requests moved with their KV;
+`Cluster.switch_role`). A decode worker to become prefill is the one holding the fewest requests; a
+prefill worker to become decode, the one with the fewest prompts waiting.
+
+Every decision is logged as one JSON line on the `pdserve.planner` logger (INFO), a role change also on
+the launcher's log; counted on /metrics (`pdserve_planner_decisions_total{action}`,
+`pdserve_planner_predicted_goodput{split}` of the last decision); and the last one is in `/health`
+and `pdserve status`. A failure stops the planner (said there, and logged): the cluster serves on as
+it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.cluster.plan.online import Decision, OnlinePlanner, Split
+from pdserve.router.frontend import CompletedRequest
+from pdserve.router.health_report import PlannerHealth
+from pdserve.router.workers import WorkerRef
+from pdserve.threads import start_guarded
+
+log = logging.getLogger("pdserve.planner")
+KEPT = 256  # the last decisions kept
+
+
+class Reshapable(Protocol):
+    """What the loop needs of the cluster (the launcher's `Cluster`)."""
+
+    workers: list[WorkerRef]
+
+    def completed_requests(self) -> list[CompletedRequest]: ...
+
+    def switch_role(self, worker_name: str, role: str) -> WorkerRef: ...
+
+
+class ReplanLoop:
+    def __init__(self, cluster: Reshapable, planner: OnlinePlanner, say: Callable[[str], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cluster = cluster
+        self.planner = planner
+        self.say = say  # the launcher's log, for role changes
+        self.clock = clock
+        self.decisions: deque[Decision] = deque(maxlen=KEPT)
+        self.actions: Counter[str] = Counter()
+        self.role_changes = 0
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ReplanLoop:
+        # A thread of its own: a decision simulates every split for seconds, and a role change waits for a
+        # drain and a worker's start; neither may hold the router's loop or the supervisor's rounds.
+        self._thread = start_guarded("online-planner", self._run, self._crashed)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def decide_once(self) -> Decision:
+        """One decision, carried out."""
+        workers = list(self.cluster.workers)
+        current = Split(sum(w.pool == "prefill" for w in workers), sum(w.pool == "decode" for w in workers))
+        decision = self.planner.decide(self.clock(), self.cluster.completed_requests(), current)
+        self.decisions.append(decision)
+        self.actions[decision.action] += 1
+        log.info(json.dumps(asdict(decision), default=str))
+        if decision.action == "change":
+            to_prefill = decision.step.prefill > current.prefill
+            worker = self._worker_to_switch(workers, "decode" if to_prefill else "prefill")
+            role = "prefill" if to_prefill else "decode"
+            self.say(f"planner: {worker.name} becomes a {role} worker: {decision.reason}")
+            new = self.cluster.switch_role(worker.name, role)
+            self.role_changes += 1
+            self.say(f"planner: {worker.name} is now {new.name}; split {decision.step}")
+        return decision
+
+    def health(self) -> PlannerHealth:
+        last = self.decisions[-1] if self.decisions else None
+        return PlannerHealth(last.at if last else None, last.action if last else "", last.reason if last else "",
+                             self.role_changes, self.failure)
+
+    def _worker_to_switch(self, workers: list[WorkerRef], pool: str) -> WorkerRef:
+        members = [w for w in workers if w.pool == pool and w.healthy] or [w for w in workers if w.pool == pool]
+        if pool == "decode":
+            return min(members, key=lambda w: w.outstanding)
+        return min(members, key=lambda w: len(w.queued))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.planner.settings.interval_s):
+            self.decide_once()
+
+    def _crashed(self, error: BaseException) -> None:
+        self.failure = f"{type(error).__name__}: {error}"
+        self.say(f"planner stopped: {self.failure}; the cluster serves on with its current split")
+
+
+class PlannerCollector:
+    """The planner's figures on the router's /metrics."""
+
+    def __init__(self, loop: ReplanLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily("pdserve_planner_decisions", "The online planner's decisions, by action "
+                                        "(keep, wait, change, none: too few requests)", labels=["action"])
+        for action in ("keep", "wait", "change", "none"):
+            decisions.add_metric([action], self.loop.actions[action])
+        yield decisions
+        predicted = GaugeMetricFamily("pdserve_planner_predicted_goodput", "Goodput each split of the workers "
+                                      "was predicted to carry at the last decision (requests/s)", labels=["split"])
+        last = self.loop.decisions[-1] if self.loop.decisions else None
+        for split, goodput in (last.goodputs.items() if last else ()):
+            predicted.add_metric([split], goodput)
+        yield predicted

@@ -1,0 +1,142 @@
+"""The online planner's decisions, on a profile with known costs: it moves toward the split a shifted
+mix needs, one worker at a time and only when confirmed, and never flaps on a stationary workload."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import yaml
+from cluster_helpers import manifest
+from helpers import random_prompts
+from plan_helpers import synthetic_profile
+
+from pdserve.client import Client
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
+from pdserve.cluster.status import fetch_health
+from pdserve.engine.model_store import model_digest
+from pdserve.cluster.plan.online import OnlinePlanner, Split
+from pdserve.engine.cost_model import StepCost
+from pdserve.router.frontend import CompletedRequest
+
+# A prompt token costs 0.2 ms of prefill (a 1,500-token prompt: 0.3 s); a decode step 10 ms, 8 requests
+# at a time: long prompts with short answers want prefill workers, short prompts with long answers decode.
+PROFILE = synthetic_profile(StepCost(0.002, 0.0002, 0.0), decode_s=0.01)
+CHAT = (32, 200)  # prompt, output
+SUMMARIES = (1500, 4)
+
+
+def base(**planner) -> object:
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data.update(model="llama-20m", max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=8)
+    data["pools"]["prefill"]["replicas"] = data["pools"]["decode"]["replicas"] = 2
+    data["planner"] = {"online": True, "ttft_slo_s": 2.0, "tpot_slo_s": 0.05, "window_s": 60, "min_requests": 20,
+                       "confirmations": 2, "cooldown_s": 0, **planner}
+    return load_manifest(data)
+
+
+def window(mix: tuple[int, int], end: float, rate: float = 1.0, seed: int = 0) -> list[CompletedRequest]:
+    """A minute of requests of one mix (lengths varying by a fifth) ending at `end`."""
+    rng = random.Random(seed)
+    n = int(60 * rate)
+    return [CompletedRequest(end - 60 + i / rate, max(1, round(mix[0] * rng.uniform(0.8, 1.2))),
+                             max(1, round(mix[1] * rng.uniform(0.8, 1.2)))) for i in range(n)]
+
+
+@pytest.mark.parametrize("mix, direction", [(CHAT, "decode"), (SUMMARIES, "prefill")])
+def test_a_shifted_mix_moves_one_worker_toward_its_split_once_confirmed(mix, direction):
+    planner = OnlinePlanner(base(), PROFILE)
+    first = planner.decide(60.0, window(mix, 60.0), Split(2, 2))
+    assert first.action == "wait" and first.step is None, first  # best once: not yet
+    second = planner.decide(90.0, window(mix, 90.0, seed=1), Split(2, 2))
+    assert second.action == "change", second
+    assert second.step == (Split(1, 3) if direction == "decode" else Split(3, 1))
+    better = second.goodputs[str(second.best)]
+    assert better >= 1.15 * second.goodputs["2P+2D"] and "moving one worker" in second.reason
+
+
+def test_a_stationary_workload_never_flaps():
+    """Twelve decisions over the same mix, each change applied: at most the moves toward one split, never
+    back."""
+    planner = OnlinePlanner(base(), PROFILE)
+    split, steps = Split(2, 2), []
+    for i in range(12):
+        now = 60.0 + 30 * i
+        decision = planner.decide(now, window(CHAT, now, seed=i), split)
+        if decision.action == "change":
+            steps.append(decision.step.prefill - split.prefill)
+            split = decision.step
+    assert len(set(steps)) <= 1, steps  # every change the same way
+    assert planner.decide(500.0, window(CHAT, 500.0, seed=99), split).action == "keep"
+
+
+def test_no_decision_without_enough_requests_and_none_during_the_cooldown():
+    planner = OnlinePlanner(base(cooldown_s=120, confirmations=1), PROFILE)
+    few = planner.decide(60.0, window(CHAT, 60.0)[:5], Split(2, 2))
+    assert few.action == "none" and "fewer than 20" in few.reason
+    assert planner.decide(60.0, window(CHAT, 60.0), Split(2, 2)).action == "change"
+    cooling = planner.decide(90.0, window(SUMMARIES, 90.0), Split(1, 3))
+    assert cooling.action == "wait" and "the last change was 30 s ago" in cooling.reason
+
+
+def test_the_manifest_refuses_an_online_planner_with_nothing_to_reshape():
+    data = yaml.safe_load(DEFAULT_MANIFEST.read_text())
+    data["planner"] = {"online": True}
+    with pytest.raises(ValueError, match="at least 3 workers"):
+        load_manifest(data)  # 1 prefill + 1 decode
+    data["pools"]["decode"]["replicas"] = 2
+    data["profile"] = "measure"
+    with pytest.raises(ValueError, match="stored profile"):
+        load_manifest(data)
+
+
+def test_in_a_cluster_the_planner_turns_a_decode_worker_into_a_prefill_worker_when_prompts_dominate(
+        tmp_path, model_dirs, hf_reference):
+    """1 prefill + 2 decode workers and long prompts with short answers: the planner (deciding every
+    second, on a profile where prompt tokens are dear) moves a decode worker to the prefill pool while
+    requests run; every request completes exact, none retried, and /health and /metrics say so."""
+    model = model_dirs["tiny-llama"]
+    profile = replace(synthetic_profile(StepCost(0.002, 0.0004, 0.0), decode_s=0.002),
+                      model_digest=model_digest(model), max_model_len=512)
+    profile.save(tmp_path / "profile.json")
+    planner = {"online": True, "ttft_slo_s": 2.0, "tpot_slo_s": 0.1, "interval_s": 1, "window_s": 30,
+               "min_requests": 8, "confirmations": 1, "cooldown_s": 0}
+    pools = {"prefill": {"replicas": 1, "num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+    m = manifest(model, pools=pools, profile=str(tmp_path / "profile.json"), planner=planner)
+    prompts = random_prompts(120, hf_reference["tiny-llama"].vocab_size, 300, 400, seed=47)
+    said: list[str] = []
+    served: list[tuple[list[int], list[int]]] = []
+    stop = threading.Event()
+    with Cluster(m, log=said.append) as cluster, Client(cluster.address, timeout=120) as client:
+
+        def load(part: list[list[int]]) -> None:  # requests keep coming while the planner decides and acts
+            for prompt in part:
+                if stop.is_set():
+                    return
+                served.append((prompt, client.generate(prompt, max_tokens=4, ignore_eos=True, temperature=0).token_ids))
+
+        with ThreadPoolExecutor(2) as pool:
+            loaders = [pool.submit(load, prompts[i::2]) for i in range(2)]
+            deadline = time.monotonic() + 120
+            while not cluster.router_stack.server.health_report().planner.role_changes:
+                assert time.monotonic() < deadline, said
+                time.sleep(0.1)
+            stop.set()
+            for loader in loaders:
+                loader.result()
+        health = fetch_health(cluster.http_address)
+        pools_now = sorted(w.pool for w in cluster.workers)
+        metrics = urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10).read().decode()
+        retries = cluster.router.stats.retries
+    assert pools_now == ["decode", "prefill", "prefill"], said
+    assert served and all(tokens == hf_reference["tiny-llama"].greedy(p, 4) for p, tokens in served)
+    assert retries == 0
+    assert health["planner"]["role_changes"] == 1 and "2P+1D" in health["planner"]["reason"] + " ".join(said)
+    assert any(line.startswith("planner: decode-") for line in said)
+    assert 'pdserve_planner_decisions_total{action="change"} 1.0' in metrics
