@@ -77,6 +77,17 @@ def _bench_migration(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_replanning(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.replanning import ReplanBenchConfig, run
+
+    cfg = ReplanBenchConfig(profile=Path(args.profile), model=args.model, workers=args.workers,
+                            phase_s=args.phase_s, load=args.load, ttft_slo_s=args.ttft_slo_ms / 1000,
+                            tpot_slo_s=args.tpot_slo_ms / 1000, out=Path(args.out))
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
 def _bench_simulator_spec(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.simulator_spec import SimSpecBenchConfig, run
 
@@ -328,6 +339,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bm.add_argument("--out", default="bench-results/migration.json", help="results file (default: %(default)s)")
     _docs_option(bm)
     bm.set_defaults(func=_bench_migration)
+    br = bench_sub.add_parser("replanning", help="the online planner against every static split of the same "
+                                                 "workers, on a trace whose mix shifts",
+                              description="Three phases back to back (conversation, long-prompt summarisation, code "
+                                          "completion), each at a rate calibrated on the simulator; every static "
+                                          "split of the workers and the online planner serve the same trace on fresh "
+                                          "local clusters; goodput (requests meeting both objectives per second) per "
+                                          "phase and over the whole trace.",
+                              **examples("pdserve profile --profile profile.json   # first: the model's costs here, a few minutes",
+                                         "pdserve bench replanning --profile profile.json --docs docs/benchmarks.md",
+                                         "pdserve bench replanning --profile profile.json --phase-s 30   # a quick look"))
+    br.add_argument("--profile", required=True, help="the model's `pdserve profile` on this machine")
+    br.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
+    br.add_argument("--workers", type=int, default=3, help="workers to split (default: %(default)s)")
+    br.add_argument("--phase-s", type=float, default=120.0, help="seconds per phase (default: %(default)s)")
+    br.add_argument("--load", type=float, default=0.8,
+                    help="each phase's rate, as a share of the best static split's predicted goodput "
+                         "(default: %(default)s)")
+    br.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="TTFT objective (default: %(default)s)")
+    br.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT objective (default: %(default)s)")
+    br.add_argument("--out", default="bench-results/replanning.json", help="results file (default: %(default)s)")
+    _docs_option(br)
+    br.set_defaults(func=_bench_replanning)
     bk = bench_sub.add_parser("kv", help="KV transports (bytes/s against a plain TCP socket) and codecs (bits per "
                                          "element, perplexity change, greedy agreement, speed)",
                               description="Each KV transport's bytes/s against a plain TCP socket, and each codec and "

@@ -41,6 +41,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "overload": ("Overload: a burst far past capacity", "pdserve.cluster.bench.overload"),
     "soak": ("Soak: kills, corruption and a cancel storm", "pdserve.cluster.bench.soak"),
     "migration": ("Live migration: a running request moved with its KV", "pdserve.cluster.bench.migration"),
+    "replanning": ("The online planner against static splits on a shifting mix", "pdserve.cluster.bench.replanning"),
 }
 HEADER = ("# Benchmarks\n\nThe current results of every benchmark, each written by the benchmark itself "
           "(`pdserve bench ... --docs docs/benchmarks.md`, or `pdserve bench report RESULTS.json --docs "
