@@ -19,7 +19,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
 from pdserve.cluster.plan.online import OnlinePlanner
-from pdserve.cluster.replanning import PlannerCollector, ReplanLoop
+from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, answered_by_ray
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
@@ -120,7 +120,8 @@ class Cluster:
                 raise ValueError("planner.online simulates with the model's stored profile, and none was found: run "
                                  "`pdserve profile --manifest MANIFEST` on this machine first, or set `profile:` to "
                                  "the file it wrote")
-            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile), self.log)
+            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile, goodputs=answered_by_ray),
+                                          self.log)
             collectors.append(PlannerCollector(self._replanning))
         self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
         self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,

@@ -1,6 +1,7 @@
 """The online planner at work in a running cluster (`ReplanLoop`): every `planner.interval_s` it hands
 the requests the router finished lately and the current split to `plan.online.OnlinePlanner`, and
-carries out its decision: one worker changes role (drained first, its requests moved with their KV;
+carries out its decision (the splits' simulations run as Ray tasks, in processes of their own, so the
+router's event loop in this process never waits on them): one worker changes role (drained first, its requests moved with their KV;
 `Cluster.switch_role`). A decode worker to become prefill is the one holding the fewest requests; a
 prefill worker to become decode, the one with the fewest prompts waiting.
 
@@ -22,9 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Protocol
 
+import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdserve.cluster.plan.online import Decision, OnlinePlanner, Split
+from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
 from pdserve.router.frontend import CompletedRequest
 from pdserve.router.health_report import PlannerHealth
 from pdserve.router.workers import WorkerRef
@@ -105,6 +107,19 @@ class ReplanLoop:
     def _crashed(self, error: BaseException) -> None:
         self.failure = f"{type(error).__name__}: {error}"
         self.say(f"planner stopped: {self.failure}; the cluster serves on with its current split")
+
+
+@ray.remote(num_cpus=0)
+def _answer(question: GoodputQuestion) -> float:
+    # In a process of its own: a split's simulation holds the GIL for a second or more, which the
+    # router's event loop, in the launcher's process, must not wait out. (num_cpus=0: it runs beside
+    # the workers, which keep their CPUs.)
+    return split_goodput(question)
+
+
+def answered_by_ray(questions: list[GoodputQuestion]) -> list[float]:
+    """The splits' goodputs, simulated in Ray worker processes at once."""
+    return ray.get([_answer.remote(q) for q in questions])
 
 
 class PlannerCollector:

@@ -16,7 +16,7 @@ role per decision (the drain moves its requests with their KV), so a wrong step 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,15 +55,18 @@ class Decision:
 
 
 class OnlinePlanner:
-    def __init__(self, base: Any, profile: HardwareProfile, seed: int = 0) -> None:
+    def __init__(self, base: Any, profile: HardwareProfile, seed: int = 0,
+                 goodputs: Callable[[list[GoodputQuestion]], list[float]] | None = None) -> None:
         """`base`: the cluster's manifest (its settings, pool threads and step budget are kept, and its
         `planner` section is this planner's); `profile`: the model's measured costs on this hardware
-        (`pdserve profile`)."""
+        (`pdserve profile`); `goodputs`: answers the splits' goodput questions (by default here, one
+        after another: the cluster has them answered in processes of their own)."""
         self.settings = settings = base.planner
         # Simulated as it serves: the faults it injects (which name workers a split may lack) left out.
         self.base = type(base).model_validate({**base.model_dump(mode="json"), "faults": {}, "planner": {}})
         self.profile = profile
         self.objective = Objective("planner", settings.ttft_slo_s, settings.tpot_slo_s)
+        self.goodputs = goodputs or (lambda questions: [split_goodput(q) for q in questions])
         self.seed = seed
         self.last_change_at: float | None = None
         self._streak: tuple[Split | None, int] = (None, 0)  # the best split of the last decisions, how many in a row
@@ -78,7 +81,10 @@ class OnlinePlanner:
         span = max(now - min(r.arrived for r in window), 1.0)
         rate = len(window) / span
         shapes = [TraceRequest(0.0, r.prompt_len, max(1, r.output_len)) for r in window]
-        goodputs = {split: self._goodput(split, shapes, rate) for split in self._splits(current)}
+        splits = self._splits(current)
+        questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
+                     for split in splits]
+        goodputs = dict(zip(splits, self.goodputs(questions)))
         best = max(goodputs, key=lambda split: (goodputs[split], split == current))
         previous, streak = self._streak
         self._streak = (best, streak + 1 if best == previous else 1)
@@ -106,10 +112,26 @@ class OnlinePlanner:
         workers = current.prefill + current.decode
         return [Split(p, workers - p) for p in range(1, workers)]
 
-    def _goodput(self, split: Split, shapes: list[TraceRequest], rate: float) -> float:
-        pools = self.base.pools
-        candidate = Candidate("disaggregated", (split.prefill, pools.prefill.threads),
-                              (split.decode, pools.decode.threads), self.base.max_num_batched_tokens)
-        evaluated = evaluate(candidate, self.base, self.profile, shapes, self.objective, self.seed,
-                             max_runs=MAX_SEARCH_RUNS, min_duration_s=MIN_SIM_DURATION_S, target_rate=rate)
-        return evaluated.goodput.rate
+
+
+@dataclass(frozen=True)
+class GoodputQuestion:
+    """What one split is predicted to carry on a window's requests (`split_goodput`)."""
+
+    base: Any  # the cluster's manifest
+    profile: HardwareProfile
+    split: Split
+    shapes: list[TraceRequest]
+    objective: Objective
+    seed: int
+    rate: float  # measured: the goodput search starts here
+
+
+def split_goodput(q: GoodputQuestion) -> float:
+    """The split's goodput (requests/s) on the shapes, simulated as `pdserve plan` does."""
+    pools = q.base.pools
+    candidate = Candidate("disaggregated", (q.split.prefill, pools.prefill.threads),
+                          (q.split.decode, pools.decode.threads), q.base.max_num_batched_tokens)
+    evaluated = evaluate(candidate, q.base, q.profile, q.shapes, q.objective, q.seed, max_runs=MAX_SEARCH_RUNS,
+                         min_duration_s=MIN_SIM_DURATION_S, target_rate=q.rate)
+    return evaluated.goodput.rate
