@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -29,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
 from pdserve.router.frontend import CompletedRequest
 from pdserve.router.health_report import PlannerHealth
-from pdserve.router.workers import WorkerRef
+from pdserve.router.workers import NoHealthyWorker, WorkerRef
 from pdserve.threads import start_guarded
 
 log = logging.getLogger("pdserve.planner")
@@ -84,7 +85,11 @@ class ReplanLoop:
             worker = self._worker_to_switch(workers, "decode" if to_prefill else "prefill")
             role = "prefill" if to_prefill else "decode"
             self.say(f"planner: {worker.name} becomes a {role} worker: {decision.reason}")
-            new = self.cluster.switch_role(worker.name, role)
+            try:
+                new = self.cluster.switch_role(worker.name, role)
+            except (ValueError, NoHealthyWorker, TimeoutError) as e:  # the cluster's state, not a bug: next time
+                self.say(f"planner: {worker.name} could not change role: {e}")
+                return decision
             self.role_changes += 1
             self.say(f"planner: {worker.name} is now {new.name}; split {decision.step}")
         return decision
@@ -112,8 +117,10 @@ class ReplanLoop:
 @ray.remote(num_cpus=0)
 def _answer(question: GoodputQuestion) -> float:
     # In a process of its own: a split's simulation holds the GIL for a second or more, which the
-    # router's event loop, in the launcher's process, must not wait out. (num_cpus=0: it runs beside
-    # the workers, which keep their CPUs.)
+    # router's event loop, in the launcher's process, must not wait out. At the lowest CPU priority
+    # (this process runs these tasks only): the workers serving beside it come first. (num_cpus=0: the
+    # workers keep their CPUs.)
+    os.nice(19 - os.nice(0))
     return split_goodput(question)
 
 

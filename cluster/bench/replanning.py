@@ -199,4 +199,22 @@ def markdown(result: dict) -> str:
         f"{c} {ratio[c]:.2f}×" for c in columns) + " (target: at least 1.3× over the whole trace, and within 10% "
         "of the best static split in each phase)."]
     lines += [f"- {change}" for change in online["role_changes"]]
+    lines += ["", "Median TTFT (s) of the requests sent in each 30 s of the trace, completed ones:", "",
+              "| deployment | " + " | ".join(f"{t}–{t + 30} s" for t in range(0, _span(runs), 30)) + " |",
+              "|---" * (1 + len(range(0, _span(runs), 30))) + "|"]
+    for r in runs:
+        lines.append(f"| {r['name']} | " + " | ".join(_ttft_by_30s(r, _span(runs))) + " |")
     return "\n".join(lines)
+
+
+def _span(runs: list[dict]) -> int:
+    return int(max(rec["send_time"] for r in runs for rec in r["records"])) + 1
+
+
+def _ttft_by_30s(run: dict, span: int) -> list[str]:
+    cells = []
+    for start in range(0, span, 30):
+        ttfts = [rec["first_token_time"] - rec["send_time"] for rec in run["records"]
+                 if start <= rec["send_time"] < start + 30 and rec["outcome"] == "ok" and rec["first_token_time"]]
+        cells.append(f"{statistics.median(ttfts):.2f}" if ttfts else "–")
+    return cells
