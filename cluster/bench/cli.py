@@ -346,10 +346,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                           "split of the workers and the online planner serve the same trace on fresh "
                                           "local clusters; goodput (requests meeting both objectives per second) per "
                                           "phase and over the whole trace.",
-                              **examples("pdserve profile --profile profile.json   # first: the model's costs here, a few minutes",
-                                         "pdserve bench replanning --profile profile.json --docs docs/benchmarks.md",
+                              **examples("pdserve bench replanning --profile profile.json --docs docs/benchmarks.md",
                                          "pdserve bench replanning --profile profile.json --phase-s 30   # a quick look"))
-    br.add_argument("--profile", required=True, help="the model's `pdserve profile` on this machine")
+    br.add_argument("--profile", required=True, help="the model's profile on this machine (`pdserve profile "
+                                                     "--profile FILE` writes one, in a few minutes)")
     br.add_argument("--model", default="pystd-llama", help="preset or model directory (default: %(default)s)")
     br.add_argument("--workers", type=int, default=3, help="workers to split (default: %(default)s)")
     br.add_argument("--phase-s", type=float, default=120.0, help="seconds per phase (default: %(default)s)")
