@@ -148,11 +148,13 @@ class Cluster:
         m = self.manifest
         if m.ray.address == "local":
             specs = [m.pools.prefill, m.pools.decode]
-            cpus = sum(s.num_cpus * s.replicas for s in specs)
+            # Room for the most workers each pool may have: the replicas, or the online planner's budget.
+            most = m.planner_budget()[1] if m.planner.online else 0
+            cpus = sum(s.num_cpus * max(s.replicas, most) for s in specs)
             custom: dict[str, float] = {}
             for s in specs:
                 for name, amount in s.resources.items():
-                    custom[name] = custom.get(name, 0) + amount * s.replicas
+                    custom[name] = custom.get(name, 0) + amount * max(s.replicas, most)
             # address="local": a Ray instance of its own, never one that RAY_ADDRESS or the last
             # `ray start` on this machine (recorded under /tmp/ray) points to.
             with _quiet_token_auth_notice():
@@ -427,6 +429,11 @@ class Cluster:
         return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer))
 
     # --- down -----------------------------------------------------------------------------------
+    @property
+    def replanning(self) -> ReplanLoop | None:
+        """The online planner at work (`planner.online`), or None."""
+        return self._replanning
+
     def _planner_health(self) -> PlannerHealth | None:
         return self._replanning.health() if self._replanning is not None else None
 

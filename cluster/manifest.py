@@ -424,8 +424,11 @@ class PlannerSpec(_Strict):
     """The online planner: it re-plans the split of the workers between the prefill and decode pools
     from the traffic of the last minutes (simulated with the model's stored profile, as `pdserve plan`
     does) and switches one worker's role at a time when another split would carry clearly more traffic
-    within the objectives. Off by default; it needs a disaggregated deployment and a `pdserve profile`
-    of this model on this hardware (`profile:`)."""
+    within the objectives; given a budget (`min_workers` to `max_workers`), it also adds a worker when
+    the workers it has cannot carry the traffic with `headroom`, and drains and removes one when one
+    fewer would (new workers ask for their pool's resources: on a Ray cluster with an autoscaler, a node
+    of a type that has them is started, and an idle one stopped). Off by default; it needs a
+    disaggregated deployment and a `pdserve profile` of this model on this hardware (`profile:`)."""
 
     online: bool = Field(False, description="Re-plan while serving, and switch worker roles by it.")
     ttft_slo_s: float = Field(2.0, gt=0, description="The TTFT objective it plans for (seconds).")
@@ -439,6 +442,13 @@ class PlannerSpec(_Strict):
     confirmations: int = Field(2, ge=1, description="... in this many decisions in a row...")
     cooldown_s: float = Field(60.0, ge=0, description="... and no role change for this long (seconds), before "
                                                       "one worker changes role.")
+    min_workers: int | None = Field(None, ge=2, description="The fewest workers (prefill and decode together) it "
+                                                            "scales down to; null: the manifest's replicas.")
+    max_workers: int | None = Field(None, ge=2, le=128, description="The most workers it scales up to; null: the "
+                                                            "manifest's replicas (it only switches roles).")
+    headroom: float = Field(1.25, ge=1, description="It keeps enough workers to carry this multiple of the measured "
+                                                    "request rate within the objectives (predicted), and removes one "
+                                                    "only when one fewer would carry it by `margin` more.")
 
 
 class RaySpec(_Strict):
@@ -555,10 +565,17 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _planner_has_pools_to_reshape(self) -> "Manifest":
-        if self.planner.online and (self.mode != "disaggregated" or len(self.workers()) < 3):
+        if not self.planner.online:
+            return self
+        workers = len(self.workers())
+        fewest, most = self.planner_budget()
+        if not fewest <= workers <= most:
+            raise ValueError(f"planner: min_workers {fewest} <= the manifest's {workers} workers <= max_workers {most} "
+                             "does not hold")
+        if self.mode != "disaggregated" or most < 3:
             raise ValueError("planner.online reshapes the prefill and decode pools: it needs mode disaggregated and "
-                             "at least 3 workers (1 prefill + 1 decode leave no other split)")
-        if self.planner.online and self.profile == "measure":
+                             "at least 3 workers, or max_workers 3 or more (1 prefill + 1 decode leave no other split)")
+        if self.profile == "measure":
             raise ValueError("planner.online simulates with a stored profile: set profile to auto (after `pdserve "
                              "profile`) or to a profile file, not measure")
         return self
@@ -589,6 +606,13 @@ class Manifest(_Strict):
             return self.served_model_name
         path = Path(self.model).expanduser()
         return path.name if path.is_absolute() or path.is_dir() else self.model
+
+    def planner_budget(self) -> tuple[int, int]:
+        """The fewest and the most workers the online planner may run (the replicas when unset)."""
+        workers = len(self.workers())
+        p = self.planner
+        return (workers if p.min_workers is None else p.min_workers,
+                workers if p.max_workers is None else p.max_workers)
 
     def workers(self) -> list[tuple[str, str, PoolSpec]]:
         """(role, name, pool spec) of every worker, in start order: prefill, decode or colocated, numbered

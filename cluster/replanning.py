@@ -1,12 +1,15 @@
 """The online planner at work in a running cluster (`ReplanLoop`): every `planner.interval_s` it hands
 the requests the router finished lately and the current split to `plan.online.OnlinePlanner`, and
 carries out its decision (the splits' simulations run as Ray tasks, in processes of their own, so the
-router's event loop in this process never waits on them): one worker changes role (drained first, its requests moved with their KV;
-`Cluster.switch_role`). A decode worker to become prefill is the one holding the fewest requests; a
-prefill worker to become decode, the one with the fewest prompts waiting.
+router's event loop in this process never waits on them): one worker changes role (drained first, its
+requests moved with their KV; `Cluster.switch_role`), is added (`Cluster.add_worker`: it asks for its
+pool's resources, which Ray's autoscaler, where there is one, starts a node for) or is removed
+(`Cluster.remove_worker`: drained first, then stopped; the autoscaler stops its node once idle). A
+decode worker to become prefill or to go is the one holding the fewest requests; a prefill worker, the
+one with the fewest prompts waiting.
 
-Every decision is logged as one JSON line on the `pdserve.planner` logger (INFO), a role change also on
-the launcher's log; counted on /metrics (`pdserve_planner_decisions_total{action}`,
+Every decision is logged as one JSON line on the `pdserve.planner` logger (INFO), a change also on the
+launcher's log; counted on /metrics (`pdserve_planner_decisions_total{action}`,
 `pdserve_planner_predicted_goodput{split}` of the last decision); and the last one is in `/health`
 and `pdserve status`. A failure stops the planner (said there, and logged): the cluster serves on as
 it is.
@@ -28,7 +31,7 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
-from pdserve.router.frontend import CompletedRequest
+from pdserve.router.frontend import CompletedRequest, DrainReport
 from pdserve.router.health_report import PlannerHealth
 from pdserve.router.workers import NoHealthyWorker, WorkerRef
 from pdserve.threads import start_guarded
@@ -46,6 +49,10 @@ class Reshapable(Protocol):
 
     def switch_role(self, worker_name: str, role: str) -> WorkerRef: ...
 
+    def add_worker(self, role: str) -> WorkerRef: ...
+
+    def remove_worker(self, worker_name: str) -> DrainReport: ...
+
 
 class ReplanLoop:
     def __init__(self, cluster: Reshapable, planner: OnlinePlanner, say: Callable[[str], None],
@@ -57,6 +64,8 @@ class ReplanLoop:
         self.decisions: deque[Decision] = deque(maxlen=KEPT)
         self.actions: Counter[str] = Counter()
         self.role_changes = 0
+        self.workers_added = 0
+        self.workers_removed = 0
         self.failure: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -81,25 +90,39 @@ class ReplanLoop:
         self.actions[decision.action] += 1
         log.info(json.dumps(asdict(decision), default=str))
         if decision.action == "change":
-            to_prefill = decision.step.prefill > current.prefill
-            worker = self._worker_to_switch(workers, "decode" if to_prefill else "prefill")
-            role = "prefill" if to_prefill else "decode"
-            self.say(f"planner: {worker.name} becomes a {role} worker: {decision.reason}")
-            try:
-                new = self.cluster.switch_role(worker.name, role)
-            except (ValueError, NoHealthyWorker, TimeoutError) as e:  # the cluster's state, not a bug: next time
-                self.say(f"planner: {worker.name} could not change role: {e}")
-                return decision
-            self.role_changes += 1
-            self.say(f"planner: {worker.name} is now {new.name}; split {decision.step}")
+            self._carry_out(decision.step, current, workers, decision.reason)
         return decision
+
+    def _carry_out(self, step: Split, current: Split, workers: list[WorkerRef], reason: str) -> None:
+        """One worker added, removed (drained first) or switched to the other pool."""
+        grows = "prefill" if step.prefill > current.prefill else "decode"
+        shrinks = "prefill" if step.prefill < current.prefill else "decode"
+        try:
+            if step.total > current.total:
+                self.say(f"planner: adding a {grows} worker: {reason}")
+                self.cluster.add_worker(grows)
+                self.workers_added += 1
+            elif step.total < current.total:
+                worker = self._worker_to_take(workers, shrinks)
+                self.say(f"planner: removing {worker.name}: {reason}")
+                self.cluster.remove_worker(worker.name)
+                self.workers_removed += 1
+            else:
+                worker = self._worker_to_take(workers, shrinks)
+                self.say(f"planner: {worker.name} becomes a {grows} worker: {reason}")
+                self.cluster.switch_role(worker.name, grows)
+                self.role_changes += 1
+        except (ValueError, NoHealthyWorker, TimeoutError) as e:  # the cluster's state, not a bug: next time
+            self.say(f"planner: the change to {step} failed: {e}")
+            return
+        self.say(f"planner: split {step}")
 
     def health(self) -> PlannerHealth:
         last = self.decisions[-1] if self.decisions else None
         return PlannerHealth(last.at if last else None, last.action if last else "", last.reason if last else "",
-                             self.role_changes, self.failure)
+                             self.role_changes, self.workers_added, self.workers_removed, self.failure)
 
-    def _worker_to_switch(self, workers: list[WorkerRef], pool: str) -> WorkerRef:
+    def _worker_to_take(self, workers: list[WorkerRef], pool: str) -> WorkerRef:
         members = [w for w in workers if w.pool == pool and w.healthy] or [w for w in workers if w.pool == pool]
         if pool == "decode":
             return min(members, key=lambda w: w.outstanding)

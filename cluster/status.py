@@ -58,7 +58,8 @@ def render(report: dict[str, Any]) -> str:
     if (planner := report["planner"]) is not None:
         state = f"stopped: {planner['failure']}" if planner["failure"] else \
             f"last decision {planner['action']}: {planner['reason']}" if planner["decided_at"] else "no decision yet"
-        lines.append(f"\nonline planner ({planner['role_changes']} role changes): {state}")
+        lines.append(f"\nonline planner ({planner['role_changes']} role changes, {planner['workers_added']} workers "
+                     f"added, {planner['workers_removed']} removed): {state}")
     for pool in report["pools"]:
         if pool["needed"] and not pool["healthy"]:
             lines.append(f"\nno healthy worker in the {pool['name']} pool: the cluster cannot serve")

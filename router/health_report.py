@@ -59,6 +59,8 @@ class PlannerHealth:
     action: str  # keep, wait, change, none
     reason: str
     role_changes: int
+    workers_added: int
+    workers_removed: int
     failure: str | None = None  # it stopped on this error (the cluster serves on, unplanned)
 
 

@@ -1,16 +1,21 @@
-"""The online planner's decisions: from the requests of the last minutes, the split of a fixed number of
-workers between the prefill and the decode pool that carries the most traffic, and whether to move
-toward it now.
+"""The online planner's decisions: from the requests of the last minutes, the split of the workers
+between the prefill and the decode pool that carries the traffic best, how many workers it takes, and
+whether to move toward it now.
 
-Its settings are the manifest's `planner` section. Every `interval_s` the cluster hands `OnlinePlanner.decide` what it measured over the last `window_s`
-(each finished request's arrival, prompt and output length) and its current split. Each split of the
-same workers (P prefill + D decode, P and D at least 1) is simulated on the window's shapes at fresh
-Poisson arrivals, and its goodput found as `pdserve plan` finds it (DistServe's: the highest rate at
-which 90% of requests meet both objectives), the search starting at the measured rate. The best split
-is acted on only when it beats the current one's goodput by `margin`, has been the best in
-`confirmations` decisions in a row, and no change was made in the last `cooldown_s`: hysteresis, so
-that a stationary workload, whose goodputs differ by noise, never makes it flap. One worker changes
-role per decision (the drain moves its requests with their KV), so a wrong step costs one role change.
+Its settings are the manifest's `planner` section. Every `interval_s` the cluster hands
+`OnlinePlanner.decide` what it measured over the last `window_s` (each finished request's arrival,
+prompt and output length) and its current split. Each split of the same workers (P prefill + D decode,
+P and D at least 1), and of one more and one fewer where the budget (`min_workers`, `max_workers`)
+allows, is simulated on the window's shapes at fresh Poisson arrivals, and its goodput found as
+`pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both objectives),
+the search starting at the measured rate. The number of workers grows when the current ones are
+predicted to carry less than `headroom` times the measured rate (and one more helps by `margin`), and
+shrinks when one fewer would carry `margin` more than that; of that number, the best split is the
+target. A change is made only when the target has been the same in `confirmations` decisions in a row,
+no change was made in the last `cooldown_s`, and (a split of the same workers) it beats the current one
+by `margin`: hysteresis, so that a stationary workload, whose goodputs differ by noise, never makes it
+flap. One worker is added, removed (drained first: its requests move with their KV) or switched per
+decision, so a wrong step costs one change.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pdserve.cluster.bench.serve_metrics import Objective
 from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.planner import Candidate, evaluate
+from pdserve.cluster.plan.simulator import handoff_transport
 from pdserve.router.frontend import CompletedRequest
 
 MAX_SEARCH_RUNS = 6  # simulated runs per split and decision (the goodput search's budget)
@@ -34,6 +40,10 @@ MIN_SIM_DURATION_S = 20.0  # of simulated arrivals per run
 class Split:
     prefill: int
     decode: int
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode
 
     def __str__(self) -> str:
         return f"{self.prefill}P+{self.decode}D"
@@ -47,7 +57,7 @@ class Decision:
     action: str  # "keep", "wait", "change", or "none" (too few requests)
     current: Split
     best: Split | None = None
-    step: Split | None = None  # "change": the split to go to now (one role change toward `best`)
+    step: Split | None = None  # "change": the split to go to now (one worker added, removed or switched toward `best`)
     rate: float = 0.0  # measured arrivals per second over the window
     requests: int = 0
     goodputs: dict[str, float] = field(default_factory=dict)  # predicted, requests/s, by split
@@ -68,6 +78,12 @@ class OnlinePlanner:
         self.objective = Objective("planner", settings.ttft_slo_s, settings.tpot_slo_s)
         self.goodputs = goodputs or (lambda questions: [split_goodput(q) for q in questions])
         self.seed = seed
+        self.budget = base.planner_budget()  # the fewest and the most workers
+        transport = handoff_transport(self.base)
+        if transport not in profile.transfers:  # said at start, not at the first decision
+            raise ValueError(f"the online planner simulates KV handoffs over {transport!r}, and the profile measured "
+                             f"{sorted(profile.transfers)} only: run `pdserve profile --transports {transport}` (with "
+                             "the others it should keep)")
         self.last_change_at: float | None = None
         self._streak: tuple[Split | None, int] = (None, 0)  # the best split of the last decisions, how many in a row
 
@@ -85,33 +101,88 @@ class OnlinePlanner:
         questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
                      for split in splits]
         goodputs = dict(zip(splits, self.goodputs(questions)))
-        best = max(goodputs, key=lambda split: (goodputs[split], split == current))
+        best = self._target(goodputs, current, rate)
         previous, streak = self._streak
         self._streak = (best, streak + 1 if best == previous else 1)
         shown = {str(split): round(g, 3) for split, g in goodputs.items()}
         decision = Decision(now, "keep", current, best, rate=rate, requests=len(window), goodputs=shown)
-        ahead = goodputs[best] / goodputs[current] - 1 if goodputs[current] > 0 else float("inf")
         mix = (f"{rate:.2f} req/s, median prompt {statistics.median(r.prompt_len for r in window):.0f} and output "
                f"{statistics.median(r.output_len for r in window):.0f} tokens")
-        if best == current or ahead < s.margin:
-            return replace(decision, reason=f"{current} is best or within {s.margin:.0%} of the best ({mix})")
+        why = self._why(goodputs, current, best, rate)
+        if why is None:
+            return replace(decision, reason=f"{current} is predicted to carry {goodputs[current]:.2f} req/s "
+                                            f"({rate * s.headroom:.2f} wanted) and is best or within {s.margin:.0%} "
+                                            f"of the best ({mix})")
         if self._streak[1] < s.confirmations:
-            return replace(decision, action="wait", reason=f"{best} predicted {ahead:.0%} better ({mix}); best "
-                                                         f"{self._streak[1]} of {s.confirmations} times in a row")
+            return replace(decision, action="wait", reason=f"{why} ({mix}); best {self._streak[1]} of "
+                                                         f"{s.confirmations} times in a row")
         if self.last_change_at is not None and now - self.last_change_at < s.cooldown_s:
-            return replace(decision, action="wait", reason=f"{best} predicted {ahead:.0%} better ({mix}); the last "
-                                                         f"change was {now - self.last_change_at:.0f} s ago")
-        step = Split(current.prefill + 1, current.decode - 1) if best.prefill > current.prefill else \
-            Split(current.prefill - 1, current.decode + 1)
+            return replace(decision, action="wait", reason=f"{why} ({mix}); the last change was "
+                                                         f"{now - self.last_change_at:.0f} s ago")
+        step = _step_toward(current, best)
         self.last_change_at = now
         self._streak = (None, 0)
-        return replace(decision, action="change", step=step,
-                     reason=f"{best} predicted {ahead:.0%} better than {current} ({mix}); moving one worker")
+        return replace(decision, action="change", step=step, reason=f"{why} ({mix}); {_said(current, step)}")
 
     def _splits(self, current: Split) -> list[Split]:
-        workers = current.prefill + current.decode
-        return [Split(p, workers - p) for p in range(1, workers)]
+        """Every split of the current number of workers, and of one more and one fewer where the budget
+        allows (one worker changes per decision)."""
+        fewest, most = self.budget
+        sizes = [n for n in (current.total - 1, current.total, current.total + 1) if max(fewest, 2) <= n <= most]
+        return [Split(p, n - p) for n in sizes for p in range(1, n)]
 
+    def _target(self, goodputs: dict[Split, float], current: Split, rate: float) -> Split:
+        """The split to move toward: of the fewest workers whose best split carries `headroom` times the
+        measured rate (of the most considered when none does), the best; the current number of workers
+        is kept unless one fewer carries it by `margin` more (hysteresis)."""
+        s = self.settings
+        best_of: dict[int, Split] = {}
+        for split, goodput in goodputs.items():
+            held = best_of.get(split.total)
+            if held is None or (goodput, split == current) > (goodputs[held], held == current):
+                best_of[split.total] = split
+        needed = rate * s.headroom
+        size = current.total
+        if goodputs[best_of[size]] < needed and size + 1 in best_of and \
+                goodputs[best_of[size + 1]] >= goodputs[best_of[size]] * (1 + s.margin):  # and one more helps
+            size += 1
+        elif size - 1 in best_of and goodputs[best_of[size - 1]] >= needed * (1 + s.margin):
+            size -= 1
+        return best_of[size]
+
+    def _why(self, goodputs: dict[Split, float], current: Split, best: Split, rate: float) -> str | None:
+        """Why moving toward `best` pays, or None when it does not."""
+        needed = rate * self.settings.headroom
+        if best.total > current.total:
+            return (f"{current} is predicted to carry {goodputs[current]:.2f} req/s, short of {self.settings.headroom:g}x "
+                    f"the measured rate ({needed:.2f}); {best} {goodputs[best]:.2f}")
+        if best.total < current.total:
+            return f"{best} is predicted to carry {goodputs[best]:.2f} req/s, enough for {needed:.2f}"
+        ahead = goodputs[best] / goodputs[current] - 1 if goodputs[current] > 0 else float("inf")
+        if best == current or ahead < self.settings.margin:
+            return None
+        return f"{best} predicted {ahead:.0%} better than {current}"
+
+
+def _step_toward(current: Split, target: Split) -> Split:
+    """One worker's change from `current` toward `target`: added, removed or switched to the pool the
+    target has more of (relative to what is there)."""
+    if target.total > current.total:
+        return Split(current.prefill + 1, current.decode) if target.prefill > current.prefill else \
+            Split(current.prefill, current.decode + 1)
+    if target.total < current.total:
+        return Split(current.prefill - 1, current.decode) if target.prefill < current.prefill else \
+            Split(current.prefill, current.decode - 1)
+    return Split(current.prefill + 1, current.decode - 1) if target.prefill > current.prefill else \
+        Split(current.prefill - 1, current.decode + 1)
+
+
+def _said(current: Split, step: Split) -> str:
+    if step.total > current.total:
+        return f"adding a {'prefill' if step.prefill > current.prefill else 'decode'} worker"
+    if step.total < current.total:
+        return f"removing a {'prefill' if step.prefill < current.prefill else 'decode'} worker"
+    return "moving one worker"
 
 
 @dataclass(frozen=True)

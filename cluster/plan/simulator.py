@@ -229,6 +229,15 @@ class _PrefillSide:
         return sum(self.new_tokens[s.request_id] for s in self.started.values() if s.short)
 
 
+def handoff_transport(manifest: Any) -> str:
+    """The KV transport a manifest's handoffs are simulated with: `auto` is shared memory on a local
+    cluster (one machine) and tcp on one it joins (across nodes)."""
+    transport = manifest.kv_transfer.transport
+    if transport != "auto":
+        return transport
+    return "shm" if manifest.ray.address == "local" else "tcp"
+
+
 class ClusterSimulator:
     """One run of a workload on a manifest's deployment; its handoffs take the manifest's KV transport
     (`auto`: shm on one machine, tcp across machines), as profiled. `shared_cores`: the cores every
@@ -242,8 +251,7 @@ class ClusterSimulator:
                  shared_cores: int | None = None, drafting: Drafting | None = None, seed: int = 0) -> None:
         self.manifest = m = manifest
         self.profile = profile
-        on_one_machine = m.ray.address == "local"
-        if shared_cores is None and on_one_machine:
+        if shared_cores is None and m.ray.address == "local":  # on one machine
             shared_cores = profile.cores or None
         self.shared_cores = shared_cores
         self._stepping_threads = 0
@@ -256,10 +264,7 @@ class ClusterSimulator:
         self.name = name or m.mode
         self.clock = _Clock()
         self.index = PrefixIndex()
-        transport = m.kv_transfer.transport
-        if transport == "auto":  # shared memory within a node, tcp across nodes
-            transport = "shm" if on_one_machine else "tcp"
-        self.handoff = profile.transfer(transport) if m.mode == "disaggregated" else None
+        self.handoff = profile.transfer(handoff_transport(m)) if m.mode == "disaggregated" else None
         self.engines: dict[str, SimEngine] = {}
         self.prefill_sides: dict[str, _PrefillSide] = {}
         self.refs: dict[str, WorkerRef] = {}

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import ray
+import yaml
 
+from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 from pdserve.wire import WorkerStatus
@@ -282,3 +284,64 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Streams:
+    """Streaming requests consumed on threads: each one's tokens, and any failure (seen by the test)."""
+
+    def __init__(self, cluster: Cluster, prompts: list[list[int]], params: list[dict]) -> None:
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.failures: list[Exception] = []
+        # A thread per stream: the test acts on the cluster (drains, kills) while they are consumed.
+        self._threads = [threading.Thread(target=self._consume, args=(cluster.address, i, p, kw))
+                         for i, (p, kw) in enumerate(zip(prompts, params))]
+        for thread in self._threads:
+            thread.start()
+
+    def _consume(self, address: str, i: int, prompt: list[int], params: dict) -> None:
+        try:
+            with Client(address, timeout=120) as client:
+                for chunk in client.generate(prompt, stream=True, **params):
+                    self.tokens[i].extend(chunk.token_ids)
+        except Exception as e:
+            self.failures.append(e)
+
+    def wait_tokens(self, n: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(len(t) for t in self.tokens) < n:
+            assert time.monotonic() < deadline and not self.failures, (self.failures, [len(t) for t in self.tokens])
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(120)
+
+
+def undisturbed(cluster: Cluster, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
+    with Client(cluster.address, timeout=120) as client:
+        return [client.generate(p, **kw).token_ids for p, kw in zip(prompts, params)]
+
+
+# Ray switches token authentication on for `ray start` when ~/.ray/auth_token exists; a test's driver
+# (the test process) joins without a token, as on a machine that never made one.
+FAKE_CLUSTER_ENV = {"RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
+
+
+def start_fake_cluster(config_path: Path, tmp: Path, env: dict[str, str] | None = None,
+                       **config_changes: object) -> tuple[RayNode, str]:
+    """The head of Ray's fake multi-node cluster of `config_path` (its autoscaler starts the worker
+    "nodes", raylets on this machine) on a free port of its own (the provider's `gcs_address` tells its
+    nodes where to join), with `config_changes` to the config's top level. Returns the head (stop it)
+    and its address."""
+    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
+    config = {**yaml.safe_load(config_path.read_text()), **config_changes}
+    config["provider"]["gcs_address"] = address
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    head = RayNode(["--head", f"--port={address.rsplit(':', 1)[1]}", f"--autoscaling-config={tmp / 'config.yaml'}",
+                    "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
+                   tmp / "head.log", {**os.environ, **FAKE_CLUSTER_ENV, **(env or {})}, timeout_s=120)
+    return head, address
+
+
+def alive_nodes() -> int:
+    return sum(1 for n in ray.nodes() if n["Alive"])

@@ -8,12 +8,12 @@ import asyncio
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest
 import ray
-from cluster_helpers import install_gate, manifest, on_worker, wait_clean_audit, wait_healthy, worker_pid
+from cluster_helpers import (Streams, install_gate, manifest, on_worker, undisturbed, wait_clean_audit,
+                             wait_healthy, worker_pid)
 from helpers import random_prompts
 
 from pdserve.client import Client
@@ -40,36 +40,6 @@ def cluster(model_dirs):
 
 
 
-class Streams:
-    """Streaming requests consumed on threads: each one's tokens, and any failure (seen by the test)."""
-
-    def __init__(self, cluster: Cluster, prompts: list[list[int]], params: list[dict]) -> None:
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.failures: list[Exception] = []
-        self._threads = [threading.Thread(target=self._consume, args=(cluster.address, i, p, kw))
-                         for i, (p, kw) in enumerate(zip(prompts, params))]
-        for thread in self._threads:
-            thread.start()
-
-    def _consume(self, address: str, i: int, prompt: list[int], params: dict) -> None:
-        try:
-            with Client(address, timeout=120) as client:
-                for chunk in client.generate(prompt, stream=True, **params):
-                    self.tokens[i].extend(chunk.token_ids)
-        except Exception as e:
-            self.failures.append(e)
-
-    def wait_tokens(self, n: int, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while min(len(t) for t in self.tokens) < n:
-            assert time.monotonic() < deadline and not self.failures, (self.failures, [len(t) for t in self.tokens])
-            time.sleep(0.01)
-
-    def join(self) -> None:
-        for thread in self._threads:
-            thread.join(120)
-
-
 def active_requests(cluster: Cluster) -> list[ActiveRequest]:
     return list(cluster.router_stack.frontend.active)
 
@@ -78,11 +48,6 @@ def decoding_worker(cluster: Cluster):
     """The decode worker holding the most streams, as the router placed them."""
     decode = [w for w in cluster.workers if w.pool == "decode"]
     return max(decode, key=lambda w: sum(a.placement.decode is w for a in active_requests(cluster)))
-
-
-def undisturbed(cluster: Cluster, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
-    with Client(cluster.address, timeout=120) as client:
-        return [client.generate(p, **kw).token_ids for p, kw in zip(prompts, params)]
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

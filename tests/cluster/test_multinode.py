@@ -5,7 +5,6 @@ KV crosses nodes over TCP, and greedy outputs stay exact."""
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-import yaml
-from cluster_helpers import RayNode, assert_idle, free_port, manifest
+from cluster_helpers import alive_nodes, assert_idle, manifest, start_fake_cluster
 
 from pdserve.client import Client
 from pdserve.cluster.launcher import Cluster
@@ -24,29 +22,18 @@ ARCH = "tiny-llama"
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "fake-multinode.yaml"
 NODES = 5  # the head, 2 prefill and 2 decode nodes
 START_TIMEOUT_S = 120
-# Ray switches token authentication on for `ray start` when ~/.ray/auth_token exists; this test's driver
-# (the test process) joins without a token, as on a machine that never made one.
-HEAD_ENV = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
 pytestmark = pytest.mark.own_ray  # the driver joins the fake cluster, not the tests' shared Ray
 
 
 @pytest.fixture(scope="module")
 def ray_nodes(tmp_path_factory):
-    """The fake cluster on a free port of its own (the provider's `gcs_address` tells its nodes where to
-    join), stopped by pid afterwards."""
-    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
-    config = yaml.safe_load(CONFIG.read_text())
-    config["provider"]["gcs_address"] = address
-    tmp = tmp_path_factory.mktemp("fake-multinode")
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-    head = RayNode(["--head", f"--port={address.rsplit(':', 1)[1]}", f"--autoscaling-config={tmp / 'config.yaml'}",
-                    "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
-                   tmp / "head.log", HEAD_ENV, timeout_s=START_TIMEOUT_S)
+    """The fake cluster, stopped by pid afterwards."""
+    head, address = start_fake_cluster(CONFIG, tmp_path_factory.mktemp("fake-multinode"))
     try:
         ray.init(address=address, logging_level="ERROR")  # joined once to watch the nodes come (a join costs ~1 s)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
-            while sum(1 for n in ray.nodes() if n["Alive"]) < NODES:  # the autoscaler launches the worker nodes
+            while alive_nodes() < NODES:  # the autoscaler launches the worker nodes
                 assert time.monotonic() < deadline, f"the fake cluster did not reach {NODES} nodes"
                 time.sleep(0.5)
         finally:

@@ -62,18 +62,43 @@ def test_a_shifted_mix_moves_one_worker_toward_its_split_once_confirmed(mix, dir
 
 
 def test_a_stationary_workload_never_flaps():
-    """Twelve decisions over the same mix, each change applied: at most the moves toward one split, never
-    back."""
-    planner = OnlinePlanner(base(), PROFILE)
-    split, steps = Split(2, 2), []
-    for i in range(12):
+    """Ten decisions over the same mix, each change applied, with room to add and remove workers: the
+    changes all go one way (no worker added then removed, none switched and switched back), and then
+    the split is kept."""
+    planner = OnlinePlanner(base(min_workers=2, max_workers=4), PROFILE)
+    split, steps = Split(2, 2), set()
+    for i in range(10):
         now = 60.0 + 30 * i
         decision = planner.decide(now, window(CHAT, now, seed=i), split)
         if decision.action == "change":
-            steps.append(decision.step.prefill - split.prefill)
+            steps.add((decision.step.prefill - split.prefill, decision.step.decode - split.decode))
             split = decision.step
-    assert len(set(steps)) <= 1, steps  # every change the same way
+    assert steps and not any((-dp, -dd) in steps for dp, dd in steps), steps
     assert planner.decide(500.0, window(CHAT, 500.0, seed=99), split).action == "keep"
+
+
+@pytest.mark.parametrize("mix, rate, grows", [(CHAT, 6.0, "decode"), (SUMMARIES, 3.0, "prefill")])
+def test_more_traffic_than_the_workers_carry_adds_one_to_the_pool_it_needs(mix, rate, grows):
+    planner = OnlinePlanner(base(min_workers=2, max_workers=5, confirmations=1), PROFILE)
+    decision = planner.decide(60.0, window(mix, 60.0, rate=rate), Split(1, 1))
+    assert decision.action == "change", decision
+    assert decision.step == (Split(1, 2) if grows == "decode" else Split(2, 1))
+    assert decision.goodputs["1P+1D"] < 1.25 * rate <= decision.goodputs[str(decision.step)]
+    assert f"adding a {grows} worker" in decision.reason
+    assert set(decision.goodputs) == {"1P+1D", "1P+2D", "2P+1D"}  # one more worker at most, never fewer than 2
+
+
+def test_light_traffic_removes_a_worker_and_moderate_traffic_keeps_them():
+    """One fewer worker must carry the headroom over the measured rate by the margin more: at 0.5 req/s
+    it does; at 4 req/s 1P+1D is predicted to carry 5 req/s, the headroom's 5 but not 15% more."""
+    planner = OnlinePlanner(base(min_workers=2, max_workers=5, confirmations=1), PROFILE)
+    light = planner.decide(60.0, window(CHAT, 60.0, rate=0.5), Split(1, 2))
+    assert light.action == "change" and light.step == Split(1, 1), light
+    assert "removing a decode worker" in light.reason
+    moderate = OnlinePlanner(base(min_workers=2, max_workers=5, confirmations=1), PROFILE)
+    kept = moderate.decide(60.0, window(CHAT, 60.0, rate=4.0), Split(1, 2))
+    assert kept.action == "keep", kept
+    assert 1.25 * 4.0 <= kept.goodputs["1P+1D"] < 1.25 * 4.0 * 1.15
 
 
 def test_no_decision_without_enough_requests_and_none_during_the_cooldown():
@@ -94,6 +119,13 @@ def test_the_manifest_refuses_an_online_planner_with_nothing_to_reshape():
     data["profile"] = "measure"
     with pytest.raises(ValueError, match="stored profile"):
         load_manifest(data)
+
+
+def test_a_profile_without_the_transport_the_cluster_hands_off_over_is_refused_at_once():
+    data = base().model_dump(mode="json")
+    data["kv_transfer"]["transport"] = "tcp"
+    with pytest.raises(ValueError, match="pdserve profile --transports tcp"):
+        OnlinePlanner(load_manifest(data), PROFILE)  # the profile measured shm only
 
 
 def test_in_a_cluster_the_planner_turns_a_decode_worker_into_a_prefill_worker_when_prompts_dominate(
