@@ -136,16 +136,19 @@ def _soak(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.soak import SoakConfig, run_soak
 
     report = run_soak(SoakConfig(minutes=args.minutes, model=args.model, rate=args.rate, max_tokens=args.max_tokens,
-                                 storm=args.storm, kv_corrupt_percent=args.kv_corrupt_percent, seed=args.seed,
-                                 out=Path(args.out)))
+                                 storm=args.storm, kills=args.kills, kv_corrupt_percent=args.kv_corrupt_percent,
+                                 seed=args.seed, out=Path(args.out)))
     t, r = report["tokens"], report["recovery_s"]
     print(f"requests {report['requests']}: {report['codes']}; retries {report['retries']}; faults {report['faults']}")
     for k in report["kills"]:
         detect = f"{k['detect_s']:.2f} s" if k["detect_s"] is not None else "-"
         print(f"killed {k['worker']}: {k['affected']} of {k['in_flight']} requests in flight retried, detected after "
               f"{detect}, next token after {k['recovery_s']:.2f} s (longest wait of any: {k['longest_wait_s']:.2f} s)")
-    print(f"recovery after a kill: p50 {r['p50']:.2f} s, max {r['max']:.2f} s; tokens duplicated {t['duplicated']}, "
-          f"lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
+    for pool, spread in r.items():
+        if spread["n"]:
+            print(f"{pool} kills: kill to the next token after the retry over {spread['n']} retried requests: p50 "
+                  f"{spread['p50']:.2f} s, p99 {spread['p99']:.2f} s, max {spread['max']:.2f} s")
+    print(f"tokens duplicated {t['duplicated']}, lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
     st = report["storm"]
     print(f"storm: {st['placed']} streams ({st['opened']} streaming) cancelled, pools free after {st['freed_s']:.2f} s; throughput "
           f"{st['tokens_per_s_before']:.0f} -> {st['tokens_per_s_after']:.0f} -> {st['tokens_per_s_settled']:.0f} "
@@ -253,16 +256,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
                                      "storm of cancels; checks that no request or token was lost (docs/reliability.md)",
                         description="Replay the Azure conversation trace against a local cluster of 2 prefill and 2 "
-                                    "decode workers while killing one of each, corrupting KV frames and cancelling a "
+                                    "decode workers while killing workers of each pool, corrupting KV frames and cancelling a "
                                     "storm of streams; check that no request or token was lost and every pool is free "
                                     "at the end. Exits 1 on a failed check.",
                         **examples("pdserve soak --minutes 3 --out bench-results/soak.json --docs docs/benchmarks.md",
-                                   "pdserve soak --minutes 1 --storm 200 --kv-corrupt-percent 5"))
+                                   "pdserve soak --minutes 1 --storm 200 --kv-corrupt-percent 5",
+                                   "pdserve soak --minutes 4 --kills 12 --storm 200"))
     sk.add_argument("--minutes", type=float, default=5.0, help="how long the trace is replayed (default: %(default)s)")
     sk.add_argument("--model", default="llama-20m", help="preset or model directory (default: %(default)s)")
     sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
     sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
     sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
+    sk.add_argument("--kills", type=int, default=2, help="workers SIGKILLed under load, a decode and a prefill worker "
+                                                         "in turn (default: %(default)s)")
     sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
     sk.add_argument("--seed", type=int, default=0, help="seed of the faults and the workload (default: %(default)s)")
     sk.add_argument("--out", default="bench-results/soak.json", help="the report (JSON; default: %(default)s)")

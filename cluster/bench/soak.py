@@ -2,10 +2,11 @@
 
 A local cluster (2 prefill + 2 decode workers, `--kv-corrupt-percent` of every KV frame corrupted on
 the wire all along) serves the Azure conversation trace's arrivals, replayed at `--rate` requests/s
-for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Meanwhile the decode
-worker holding the most requests is killed (SIGKILL, by pid) at a fifth of the run (or as soon after
-as one holds a request) and a prefill worker at two fifths; Ray restarts both. When the trace is
-done and both are back, `--storm` streams are opened and cancelled at once; throughput probes run
+for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Meanwhile `--kills`
+workers are killed (SIGKILL, by pid), spread evenly between a fifth and three fifths of the run, a
+decode worker first, then a prefill worker, and so on: each time the worker of that pool holding the
+most requests, once every worker of the pool serves (the last kill's victim is back) and one holds a
+request; Ray restarts each. When the trace is done and every killed worker is back, `--storm` streams are opened and cancelled at once; throughput probes run
 before, right after, and `settle_s` after.
 
 Afterwards: every request ended completed or with an explicit error; completed outputs are compared
@@ -13,8 +14,9 @@ token by token with the same prompts run undisturbed on one in-process engine (t
 lost or wrong must be 0); every pool is fully free (the cluster's idle audit). The report: requests,
 faults, recoveries (per kill, over the requests the router retried because of it, read from their
 lifetime records: from the kill to the retry, and to the request's next token; the longest wait of
-any request in flight at the kill; and until the killed worker served again), the storm's time to
-free every pool, and throughput around it. Written as JSON; `docs/reliability.md` quotes it.
+any request in flight at the kill; and until the killed worker served again; and per pool, the
+median and 99th percentile over every retried request), the storm's time to free every pool, and
+throughput around it. Written as JSON; `docs/reliability.md` quotes it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -46,9 +49,11 @@ from pdserve.router.workers import WorkerRef
 from pdserve.wire import LifetimeEvent, WorkerStatus
 
 LOAD_SHARE = 0.75  # of the run, trace arrivals; the rest drains them and holds the storm
-KILLS = (("decode", 0.2), ("prefill", 0.4))  # pool, when (share of the run)
+KILLS_FROM, KILLS_TO = 0.2, 0.6  # the kills' span (shares of the run), within the trace's arrivals
+POOLS_KILLED = ("decode", "prefill")  # in turn
 PROBE_PROMPTS = (8, 8, 256, 256)  # prompt lengths of the probe's streams
 VICTIM_WAIT_S = 10.0  # how long a kill waits for its pool to hold a request
+REJOIN_WAIT_S = 60.0  # how long a kill waits for the last victim of its pool to serve again
 STORM_PROMPT = 16
 STORM_QUIET_S = 1.0  # the storm's cancel waits this long after the last stream that started
 
@@ -62,6 +67,7 @@ class SoakConfig:
     max_model_len: int = 1024
     input_scale: float = 0.25
     storm: int = 1000
+    kills: int = 2  # workers SIGKILLed, decode and prefill in turn
     kv_corrupt_percent: float = 2.0
     deadline_s: float = 120.0
     probe_s: float = 6.0  # each throughput probe around the storm
@@ -117,7 +123,8 @@ class Soak:
         room = 2 * cfg.storm + 64  # admission: the storm and the trace are let in whole
         manifest = load_manifest({
             "model": cfg.model, "max_model_len": cfg.max_model_len,
-            "pools": {p: {"replicas": 2, "num_cpus": 0.5, "max_restarts": 5} for p in ("prefill", "decode")},
+            # Room for every kill to land on one worker.
+            "pools": {p: {"replicas": 2, "num_cpus": 0.5, "max_restarts": max(5, cfg.kills)} for p in ("prefill", "decode")},
             "router": {"max_active_decodes": room, "max_queued_prefills": room},
             "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
             "faults": {"kv_corrupt_percent": cfg.kv_corrupt_percent, "seed": cfg.seed},
@@ -147,7 +154,8 @@ class Soak:
             arrivals, prompts, self.outputs = self._workload()
             self.streams = [Stream(p) for p in prompts]
             cfg.log(f"soak: {len(prompts)} requests over {self.duration * LOAD_SHARE:.0f} s, kills at "
-                    f"{', '.join(f'{p} {t * self.duration:.0f} s' for p, t in KILLS)}, storm of {cfg.storm}")
+                    f"{', '.join(f'{p} {t * self.duration:.0f} s' for p, t in self._kill_times())}, storm of "
+                    f"{cfg.storm}")
             storm = asyncio.run(self._drive(cluster.address, arrivals, self.outputs))
             idle, status = cluster.wait_idle(60)
             return storm, idle, status, self._wait_audit(cluster), self._fault_counts(cluster), cluster.router.stats.retries
@@ -169,13 +177,18 @@ class Soak:
         async with AsyncClient(address, timeout=self.cfg.deadline_s) as client:
             load = [asyncio.create_task(self._one(client, i, t0 + a, n))
                     for i, (a, n) in enumerate(zip(arrivals, outputs))]
-            for pool, at in KILLS:
+            for pool, at in self._kill_times():
                 await asyncio.sleep(max(0.0, t0 + at * self.duration - time.monotonic()))
                 await self._kill(pool)
             await asyncio.gather(*load)
             await asyncio.sleep(max(0.0, t0 + LOAD_SHARE * self.duration - time.monotonic()))
             await asyncio.gather(*self._watchers)  # the storm measures aborts on the whole cluster
             return await self._storm(client)
+
+    def _kill_times(self) -> list[tuple[str, float]]:
+        """(pool, when as a share of the run) of each kill."""
+        n = self.cfg.kills
+        return [(POOLS_KILLED[i % 2], KILLS_FROM + (KILLS_TO - KILLS_FROM) * i / max(1, n - 1)) for i in range(n)]
 
     async def _one(self, client: AsyncClient, i: int, at: float, max_tokens: int) -> None:
         s = self.streams[i]
@@ -192,9 +205,13 @@ class Soak:
         s.ended = time.monotonic()
 
     async def _kill(self, pool: str) -> None:
-        """SIGKILL the worker of `pool` holding the most requests, once one holds any (waiting up to
+        """SIGKILL the worker of `pool` holding the most requests, once every worker of the pool serves
+        (up to `REJOIN_WAIT_S`: each kill is measured on a whole pool) and one holds a request (up to
         `VICTIM_WAIT_S`: a kill in a lull would measure nothing); note what was in flight."""
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + REJOIN_WAIT_S
+        while not all(w.healthy for w in self.cluster.workers if w.pool == pool) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         workers = [w for w in self.cluster.workers if w.pool == pool and w.healthy]
         # The pids first: a short prompt pass is over sooner than one more call would take.
         pids = await loop.run_in_executor(
@@ -329,18 +346,16 @@ class Soak:
             duplicated += max(0, len(s.tokens) - len(ref))
             lost += max(0, len(ref) - len(s.tokens))
             wrong += sum(a != b for a, b in zip(s.tokens, ref))
-        recoveries = []
         for k in self.kills:
             k.update(self._recovery(k))
-            recoveries.append(k["recovery_s"])
         report = {
             "benchmark": "soak", "provenance": provenance(),
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.cfg).items() if k != "log"},
             "requests": len(self.streams), "codes": dict(codes), "retries": retries,
             "faults": {"workers_killed": len(self.kills), **faults, "storm_streams": storm["placed"]},
             "kills": self.kills,
-            "recovery_s": {"p50": statistics.median(recoveries) if recoveries else None,
-                           "max": max(recoveries, default=None)},
+            "recovery_s": {pool: _spread([t for k in self.kills if k["pool"] == pool for t in k["recoveries_s"]])
+                           for pool in POOLS_KILLED[:min(2, len(self.kills))]},
             "tokens": {"duplicated": duplicated, "lost": lost, "wrong": wrong,
                        "compared": sum(len(r) for r in reference)},
             "storm": storm, "pools_free_at_end": idle, "audit": audit,
@@ -372,7 +387,16 @@ class Soak:
                 recover.append(next((t - at for t in s.token_times if t - at > first), s.ended - at))
         return {"in_flight": len(in_flight), "affected": len(recover),
                 "detect_s": max(detect, default=None), "recovery_s": max(recover, default=0.0),
-                "longest_wait_s": max(waits, default=0.0)}
+                "recoveries_s": recover, "longest_wait_s": max(waits, default=0.0)}
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    """Median, 99th percentile (nearest rank: the largest under 100 values) and largest, of how many."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    return {"n": len(ordered), "p50": statistics.median(ordered),
+            "p99": ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)], "max": ordered[-1]}
 
 
 def _label(i: int) -> str:
@@ -381,6 +405,33 @@ def _label(i: int) -> str:
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     return Soak(cfg).run()
+
+
+def _kills_said(report: dict[str, Any]) -> str:
+    pools = Counter(k["pool"] for k in report["kills"])
+    return " and ".join(f"{n} {pool} worker{'s' if n > 1 else ''}" for pool, n in pools.items()) or "no worker"
+
+
+def _pool_rows(report: dict[str, Any]) -> list[str]:
+    """Per pool, over its kills: what was retried, detection, and recovery's spread over every retried
+    request."""
+    rows = []
+    for pool, spread in report["recovery_s"].items():
+        kills = [k for k in report["kills"] if k["pool"] == pool]
+        detected = [k["detect_s"] for k in kills if k["detect_s"] is not None]
+        rejoined = [k["rejoined_s"] for k in kills if k["rejoined_s"] is not None]
+        rows += [
+            f"| {pool} kills ({', '.join(sorted({k['worker'] for k in kills}))}): requests in flight / retried | "
+            f"{len(kills)} kills: {sum(k['in_flight'] for k in kills)} / {spread['n']} |",
+            f"| {pool} kills: detected, median of the kills | {_seconds(statistics.median(detected) if detected else None)} |",
+            f"| {pool} kills: kill to the next token after the retry, p50 / p99 / max of the retried requests | "
+            f"**{_seconds(spread['p50'])} / {_seconds(spread['p99'])}** / {_seconds(spread['max'])} |",
+            f"| {pool} kills: longest wait of any request in flight, largest | "
+            f"{_seconds(max(k['longest_wait_s'] for k in kills))} |",
+            f"| {pool} worker serving again after its kill, median | "
+            f"{_seconds(statistics.median(rejoined) if rejoined else None)} |",
+        ]
+    return rows
 
 
 def _seconds(value: float | None) -> str:
@@ -395,8 +446,8 @@ def markdown(report: dict[str, Any]) -> str:
     errors = report["requests"] - ok
     lines = [
         f"{c['model']}; the Azure conversation trace's arrivals at {c['rate']:g} req/s for {c['minutes']:g} min; "
-        f"2 prefill + 2 decode workers; {c['kv_corrupt_percent']:g}% of KV frames corrupted; a decode and a "
-        f"prefill worker SIGKILLed; a storm of {c['storm']} streams cancelled at once. "
+        f"2 prefill + 2 decode workers; {c['kv_corrupt_percent']:g}% of KV frames corrupted; {_kills_said(report)} "
+        f"SIGKILLed; a storm of {c['storm']} streams cancelled at once. "
         f"**{'PASS' if report['ok'] else 'FAIL'}**.",
         "",
         "| figure | value |",
@@ -406,11 +457,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"| tokens duplicated / lost / wrong, of {t['compared']:,} compared with an undisturbed run | "
         f"**{t['duplicated']} / {t['lost']} / {t['wrong']}** |",
     ]
-    for k in report["kills"]:
-        lines.append(f"| {k['pool']} kill ({k['worker']}): {k['affected']} of {k['in_flight']} in flight retried; "
-                     f"detected / next token after the retry / longest wait of any | {_seconds(k['detect_s'])} / "
-                     f"**{_seconds(k['recovery_s'])}** / {_seconds(k['longest_wait_s'])} |")
-        lines.append(f"| {k['pool']} worker serving again after its kill | {_seconds(k['rejoined_s'])} |")
+    if len(report["kills"]) <= 2:
+        for k in report["kills"]:
+            lines.append(f"| {k['pool']} kill ({k['worker']}): {k['affected']} of {k['in_flight']} in flight retried; "
+                         f"detected / next token after the retry / longest wait of any | {_seconds(k['detect_s'])} / "
+                         f"**{_seconds(k['recovery_s'])}** / {_seconds(k['longest_wait_s'])} |")
+            lines.append(f"| {k['pool']} worker serving again after its kill | {_seconds(k['rejoined_s'])} |")
+    else:
+        lines += _pool_rows(report)
     lines += [
         f"| storm of {st['placed']} streams ({st['opened']} streaming): cancel to every pool free | "
         f"**{st['freed_s']:.2f} s** |",
