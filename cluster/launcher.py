@@ -347,13 +347,11 @@ class Cluster:
         with their KV (`Frontend.drain`); returns once none depends on it. It takes no request until
         `reopen`."""
         stack = self.router_stack
-        self._worker(worker_name)  # a name the cluster knows, or ValueError
-        return stack.loop.run(stack.frontend.drain(worker_name, timeout_s), timeout_s + 10)
+        return stack.loop.run(stack.frontend.drain(self._worker(worker_name), timeout_s), timeout_s + 10)
 
     def reopen(self, worker_name: str) -> None:
         """Let a drained worker take requests again."""
-        self._worker(worker_name)
-        self.router_stack.frontend.reopen(worker_name)
+        self.router_stack.frontend.reopen(self._worker(worker_name))
 
     def _probe_transfers(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         """Seed the router's transfer cost with a few handoffs of raw KV (reserve to abort)."""

@@ -201,16 +201,15 @@ class Frontend:
         for active in list(self.active):
             active.check_workers()
 
-    async def drain(self, name: str, timeout_s: float = 300.0) -> DrainReport:
-        """Take worker `name` out of placement and move every request it decodes to the other decode
+    async def drain(self, worker: WorkerRef, timeout_s: float = 300.0) -> DrainReport:
+        """Take `worker` out of placement and move every request it decodes to the other decode
         workers with its KV (a request whose moves keep failing is resumed elsewhere from its tokens);
         returns once no request depends on it (its prompts finished too). It stays out of placement
         until `reopen`. Raises NoHealthyWorker when no other decode worker can take its requests,
         TimeoutError past `timeout_s`."""
-        worker = self._worker(name)
         others = [w for w in self.router.decode_pool if w is not worker and w.healthy and not w.draining]
         if worker.pool == "decode" and not others:
-            raise NoHealthyWorker(f"{name} is the last decode worker taking requests: draining it would leave none")
+            raise NoHealthyWorker(f"{worker.name} is the last decode worker taking requests: draining it would leave none")
         started = time.monotonic()
         worker.draining = True
         try:
@@ -259,16 +258,9 @@ class Frontend:
         report.seconds = time.monotonic() - started
         return report
 
-    def reopen(self, name: str) -> None:
+    def reopen(self, worker: WorkerRef) -> None:
         """Let a drained worker take requests again."""
-        self._worker(name).draining = False
-
-    def _worker(self, name: str) -> WorkerRef:
-        router = self.router
-        for worker in (*router.prefill_pool, *router.decode_pool):
-            if worker.name == name:
-                return worker
-        raise ValueError(f"no worker named {name[:80]!r}")
+        worker.draining = False
 
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
               accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:

@@ -300,11 +300,13 @@ class Router:
                 self.approximate.drop(worker.name)
 
     def move_target(self, p: Placement) -> WorkerRef:
-        """The decode worker to move a running request to (the decode policy's choice among the
-        others open for placement); raises NoHealthyWorker when there is none."""
+        """The decode worker to move a running request to: the decode policy's choice among the others
+        open for placement, those with room under the admission limit first (the request was admitted
+        once: a full pool still takes it, as a retry's); raises NoHealthyWorker when there is none."""
         with self._lock:
-            others = [w for w in self.decode_pool if w is not p.decode]
-            return self.decode_policy.choose(p.request, placeable_workers(others)).worker
+            others = placeable_workers([w for w in self.decode_pool if w is not p.decode])
+            room = [w for w in others if w.outstanding < self.decode_admission.limit]
+            return self.decode_policy.choose(p.request, room or others).worker
 
     def moved(self, p: Placement, target: WorkerRef) -> None:
         """The request's decode worker handed it to `target` with its KV: its load there from now on."""

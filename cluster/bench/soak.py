@@ -6,8 +6,9 @@ for the first `LOAD_SHARE` of the run, greedy, each request with a deadline. Mea
 workers are killed (SIGKILL, by pid), spread evenly between a fifth and three fifths of the run, a
 decode worker first, then a prefill worker, and so on: each time the worker of that pool holding the
 most requests, once every worker of the pool serves (the last kill's victim is back) and one holds a
-request; Ray restarts each. When the trace is done and every killed worker is back, `--storm` streams are opened and cancelled at once; throughput probes run
-before, right after, and `settle_s` after.
+request; Ray restarts each. When the trace is done and every killed worker is back, `--storm`
+streams are opened and cancelled at once; throughput probes run before, right after, and `settle_s`
+after.
 
 Afterwards: every request ended completed or with an explicit error; completed outputs are compared
 token by token with the same prompts run undisturbed on one in-process engine (tokens duplicated,
@@ -124,7 +125,8 @@ class Soak:
         manifest = load_manifest({
             "model": cfg.model, "max_model_len": cfg.max_model_len,
             # Room for every kill to land on one worker.
-            "pools": {p: {"replicas": 2, "num_cpus": 0.5, "max_restarts": max(5, cfg.kills)} for p in ("prefill", "decode")},
+            "pools": {p: {"replicas": 2, "num_cpus": 0.5, "max_restarts": max(5, cfg.kills)}
+                      for p in ("prefill", "decode")},
             "router": {"max_active_decodes": room, "max_queued_prefills": room},
             "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
             "faults": {"kv_corrupt_percent": cfg.kv_corrupt_percent, "seed": cfg.seed},
@@ -423,7 +425,8 @@ def _pool_rows(report: dict[str, Any]) -> list[str]:
         rows += [
             f"| {pool} kills ({', '.join(sorted({k['worker'] for k in kills}))}): requests in flight / retried | "
             f"{len(kills)} kills: {sum(k['in_flight'] for k in kills)} / {spread['n']} |",
-            f"| {pool} kills: detected, median of the kills | {_seconds(statistics.median(detected) if detected else None)} |",
+            f"| {pool} kills: detected, median of the kills | "
+            f"{_seconds(statistics.median(detected) if detected else None)} |",
             f"| {pool} kills: kill to the next token after the retry, p50 / p99 / max of the retried requests | "
             f"**{_seconds(spread['p50'])} / {_seconds(spread['p99'])}** / {_seconds(spread['max'])} |",
             f"| {pool} kills: longest wait of any request in flight, largest | "

@@ -154,8 +154,8 @@ class OnlinePlanner:
         """Why moving toward `best` pays, or None when it does not."""
         needed = rate * self.settings.headroom
         if best.total > current.total:
-            return (f"{current} is predicted to carry {goodputs[current]:.2f} req/s, short of {self.settings.headroom:g}x "
-                    f"the measured rate ({needed:.2f}); {best} {goodputs[best]:.2f}")
+            return (f"{current} is predicted to carry {goodputs[current]:.2f} req/s, short of "
+                    f"{self.settings.headroom:g}x the measured rate ({needed:.2f}); {best} {goodputs[best]:.2f}")
         if best.total < current.total:
             return f"{best} is predicted to carry {goodputs[best]:.2f} req/s, enough for {needed:.2f}"
         ahead = goodputs[best] / goodputs[current] - 1 if goodputs[current] > 0 else float("inf")

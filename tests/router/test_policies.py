@@ -300,3 +300,17 @@ def test_approximate_index_learns_from_the_routers_own_decisions():
     again = router.place(work(prompt + [1, 2, 3]))
     assert again.prefill is first and again.request.cached_tokens(first) == 192
     assert router.stats.oracle_cached_tokens == 0  # the exact index (no events here) knows nothing
+
+
+def test_a_move_goes_to_a_worker_with_room_first_and_to_a_full_one_rather_than_nowhere():
+    p, d0 = worker("p"), worker("d0", "decode")
+    full, roomy = worker("d1", "decode", outstanding=2), worker("d2", "decode", outstanding=1, free=2)
+    router = make_router([p], [d0, full, roomy], local_prefill_tokens=0, max_active_decodes=2)
+    placement = router.place(work(list(range(40))))
+    placement.decode = d0
+    assert router.move_target(placement) is roomy  # d1 has the free KV the policy prefers, but no admission slot
+    roomy.draining = True
+    assert router.move_target(placement) is full  # admitted once: a full worker takes it over none
+    full.healthy = False
+    with pytest.raises(NoHealthyWorker):
+        router.move_target(placement)
