@@ -411,7 +411,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
 
 def _kills_said(report: dict[str, Any]) -> str:
     pools = Counter(k["pool"] for k in report["kills"])
-    return " and ".join(f"{n} {pool} worker{'s' if n > 1 else ''}" for pool, n in pools.items()) or "no worker"
+    said = ", ".join(f"{pool} workers {n} time{'s' if n > 1 else ''}" for pool, n in pools.items())
+    return f"SIGKILLs: {said}" if said else "no worker killed"
 
 
 def _pool_rows(report: dict[str, Any]) -> list[str]:
@@ -449,8 +450,8 @@ def markdown(report: dict[str, Any]) -> str:
     errors = report["requests"] - ok
     lines = [
         f"{c['model']}; the Azure conversation trace's arrivals at {c['rate']:g} req/s for {c['minutes']:g} min; "
-        f"2 prefill + 2 decode workers; {c['kv_corrupt_percent']:g}% of KV frames corrupted; {_kills_said(report)} "
-        f"SIGKILLed; a storm of {c['storm']} streams cancelled at once. "
+        f"2 prefill + 2 decode workers; {c['kv_corrupt_percent']:g}% of KV frames corrupted; {_kills_said(report)}; "
+        f"a storm of {c['storm']} streams cancelled at once. "
         f"**{'PASS' if report['ok'] else 'FAIL'}**.",
         "",
         "| figure | value |",

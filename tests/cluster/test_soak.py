@@ -36,6 +36,6 @@ def test_a_short_soak_loses_no_request_and_no_token(tmp_path):
     text = page.read_text()
     assert "## Soak" in text and "**PASS**" in text and report["provenance"]["commit"] in text
     assert "**0 / 0 / 0** |" in text and f"of {report['tokens']['compared']:,} compared" in text
-    assert "2 decode workers and 1 prefill worker SIGKILLed" in text
+    assert "SIGKILLs: decode workers 2 times, prefill workers 1 time;" in text
     assert "decode kills: kill to the next token after the retry, p50 / p99 / max" in text
     assert all(k["worker"] in text for k in report["kills"])
