@@ -4,13 +4,15 @@ manifest by `RouterStack`) and take it down again with nothing left running."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 from transformers import AutoConfig
@@ -48,12 +50,24 @@ ACTOR_CONCURRENCY = 64  # threaded actors: transfer calls and aborts run beside 
 CONCURRENCY_GROUPS = {PrefillWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1},
                       DecodeWorker: {HEALTH_GROUP: 2, WATCH_GROUP: 1, RESERVE_GROUP: RESERVE_THREADS,
                                      MIGRATE_GROUP: MIGRATE_THREADS}}
+T = TypeVar("T")
 MAX_POOL_WORKERS = 64  # a pool's workers at most, as a manifest's `replicas`
 PROBE_TOKENS = (16, 256)  # prompt lengths of the start-up KV transfer probe (seeds the transfer cost)
 PROBE_TIMEOUT_S = 120.0  # one start-up transfer probe, the worker's own timeouts inside it
 READY_PROGRESS_S = 15.0  # while workers start, who is still pending is logged this often
 SNAPSHOT_TIMEOUT_S = 10.0
 RAY_DEATH_INFO_WAIT = "RAY_timeout_ms_task_wait_for_death_info"  # Ray's setting (ms), see `_init_ray`
+
+
+def _one_change_at_a_time(method: Callable[..., T]) -> Callable[..., T]:
+    """A `Cluster` method that changes the pools, run under its reshaping lock."""
+
+    @functools.wraps(method)
+    def locked(self: Cluster, *args: Any, **kwargs: Any) -> T:
+        with self._reshaping:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class Cluster:
@@ -63,6 +77,8 @@ class Cluster:
         self.address: str | None = None
         self.workers: list[WorkerRef] = []
         self._next_index = 0  # the number in the next worker's name (names are never reused)
+        # One change to the pools at a time (the admin API's and the online planner's threads both make them).
+        self._reshaping = threading.RLock()
         self._stored_profile: HardwareProfile | None = None  # the model's `pdserve profile` here, if one was found
         self._replanning: ReplanLoop | None = None
         self._started_ray = False
@@ -148,8 +164,9 @@ class Cluster:
         m = self.manifest
         if m.ray.address == "local":
             specs = [m.pools.prefill, m.pools.decode]
-            # Room for the most workers each pool may have: the replicas, or the online planner's budget.
-            most = m.planner_budget()[1] if m.planner.online else 0
+            # Room for the most workers each pool may have: the replicas, or the online planner's budget
+            # less the one worker the other pool keeps.
+            most = m.planner_budget()[1] - 1 if m.planner.online else 0
             cpus = sum(s.num_cpus * max(s.replicas, most) for s in specs)
             custom: dict[str, float] = {}
             for s in specs:
@@ -281,6 +298,7 @@ class Cluster:
         return self.router_stack.stats()
 
     # --- reshaping the pools while serving ---------------------------------------------------------
+    @_one_change_at_a_time
     def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
         """Start one more worker of `role` (prefill or decode, with its pool's resources) and, once it has
         measured itself, let the router place on it. Returns it."""
@@ -307,6 +325,7 @@ class Cluster:
         self.log(f"{worker.name} joined the {role} pool")
         return worker
 
+    @_one_change_at_a_time
     def remove_worker(self, worker_name: str, timeout_s: float = 300.0) -> DrainReport:
         """Drain a worker (`drain`: what it decodes moves to the other decode workers with its KV, its
         prompts finish), then stop it and let its resources go. The last decode worker stays."""
@@ -327,6 +346,7 @@ class Cluster:
         self.log(f"{worker_name} drained ({report.moved} requests moved) and stopped")
         return report
 
+    @_one_change_at_a_time
     def switch_role(self, worker_name: str, role: str, timeout_s: float = 300.0) -> WorkerRef:
         """Turn a worker into one of `role`: drained (nothing dropped, nothing repeated), stopped, and a
         worker of the new role started in its place with its resources. Returns the new worker."""

@@ -448,7 +448,10 @@ class PlannerSpec(_Strict):
                                                             "manifest's replicas (it only switches roles).")
     headroom: float = Field(1.25, ge=1, description="It keeps enough workers to carry this multiple of the measured "
                                                     "request rate within the objectives (predicted), and removes one "
-                                                    "only when one fewer would carry it by `margin` more.")
+                                                    "only when one fewer would carry it by twice `margin` more.")
+    start_timeout_s: float = Field(600.0, gt=0, description="How long a worker it adds or switches may take to start "
+                                                            "(a new node's start included) before it is given up "
+                                                            "(seconds).")
 
 
 class RaySpec(_Strict):
@@ -567,14 +570,18 @@ class Manifest(_Strict):
     def _planner_has_pools_to_reshape(self) -> "Manifest":
         if not self.planner.online:
             return self
+        if self.mode != "disaggregated":
+            raise ValueError("planner.online reshapes the prefill and decode pools: it needs mode disaggregated")
         workers = len(self.workers())
         fewest, most = self.planner_budget()
+        if fewest > most:
+            raise ValueError(f"planner.min_workers ({fewest}) is above planner.max_workers ({most})")
         if not fewest <= workers <= most:
-            raise ValueError(f"planner: min_workers {fewest} <= the manifest's {workers} workers <= max_workers {most} "
-                             "does not hold")
-        if self.mode != "disaggregated" or most < 3:
-            raise ValueError("planner.online reshapes the prefill and decode pools: it needs mode disaggregated and "
-                             "at least 3 workers, or max_workers 3 or more (1 prefill + 1 decode leave no other split)")
+            raise ValueError(f"the pools' {workers} workers are outside the planner's budget: min_workers {fewest}, "
+                             f"max_workers {most}")
+        if most < 3:
+            raise ValueError("planner.online reshapes the prefill and decode pools: it needs at least 3 workers, or "
+                             "max_workers 3 or more (1 prefill + 1 decode leave no other split)")
         if self.profile == "measure":
             raise ValueError("planner.online simulates with a stored profile: set profile to auto (after `pdserve "
                              "profile`) or to a profile file, not measure")

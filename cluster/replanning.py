@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Protocol
 
 import ray
+from ray.exceptions import RayError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
@@ -47,11 +48,11 @@ class Reshapable(Protocol):
 
     def completed_requests(self) -> list[CompletedRequest]: ...
 
-    def switch_role(self, worker_name: str, role: str) -> WorkerRef: ...
+    def switch_role(self, worker_name: str, role: str, timeout_s: float) -> WorkerRef: ...
 
-    def add_worker(self, role: str) -> WorkerRef: ...
+    def add_worker(self, role: str, timeout_s: float) -> WorkerRef: ...
 
-    def remove_worker(self, worker_name: str) -> DrainReport: ...
+    def remove_worker(self, worker_name: str, timeout_s: float) -> DrainReport: ...
 
 
 class ReplanLoop:
@@ -83,37 +84,48 @@ class ReplanLoop:
 
     def decide_once(self) -> Decision:
         """One decision, carried out."""
+        decision = self.decide()
+        self.carry_out(decision)
+        return decision
+
+    def decide(self) -> Decision:
+        """One decision on the cluster as it is now (logged and counted), not yet carried out."""
         workers = list(self.cluster.workers)
         current = Split(sum(w.pool == "prefill" for w in workers), sum(w.pool == "decode" for w in workers))
         decision = self.planner.decide(self.clock(), self.cluster.completed_requests(), current)
         self.decisions.append(decision)
         self.actions[decision.action] += 1
         log.info(json.dumps(asdict(decision), default=str))
-        if decision.action == "change":
-            self._carry_out(decision.step, current, workers, decision.reason)
         return decision
 
-    def _carry_out(self, step: Split, current: Split, workers: list[WorkerRef], reason: str) -> None:
-        """One worker added, removed (drained first) or switched to the other pool."""
+    def carry_out(self, decision: Decision) -> None:
+        """A "change" decision's step: one worker added, removed (drained first) or switched to the other
+        pool. A change that fails is said and left: the next decision sees the cluster as it is."""
+        if decision.action != "change":
+            return
+        step, current, reason = decision.step, decision.current, decision.reason
         grows = "prefill" if step.prefill > current.prefill else "decode"
         shrinks = "prefill" if step.prefill < current.prefill else "decode"
+        timeout_s = self.planner.settings.start_timeout_s
         try:
             if step.total > current.total:
                 self.say(f"planner: adding a {grows} worker: {reason}")
-                self.cluster.add_worker(grows)
+                self.cluster.add_worker(grows, timeout_s)
                 self.workers_added += 1
             elif step.total < current.total:
-                worker = self._worker_to_take(workers, shrinks)
+                worker = self._worker_to_take(shrinks)
                 self.say(f"planner: removing {worker.name}: {reason}")
-                self.cluster.remove_worker(worker.name)
+                self.cluster.remove_worker(worker.name, timeout_s)
                 self.workers_removed += 1
             else:
-                worker = self._worker_to_take(workers, shrinks)
+                worker = self._worker_to_take(shrinks)
                 self.say(f"planner: {worker.name} becomes a {grows} worker: {reason}")
-                self.cluster.switch_role(worker.name, grows)
+                self.cluster.switch_role(worker.name, grows, timeout_s)
                 self.role_changes += 1
-        except (ValueError, NoHealthyWorker, TimeoutError) as e:  # the cluster's state, not a bug: next time
-            self.say(f"planner: the change to {step} failed: {e}")
+        # The cluster's state, not a bug (no room, no node in time, a worker that failed to start, one
+        # that is needed): the next decision sees the cluster as it is then.
+        except (ValueError, NoHealthyWorker, TimeoutError, RayError) as e:
+            self.say(f"planner: the change to {step} failed: {type(e).__name__}: {e}")
             return
         self.say(f"planner: split {step}")
 
@@ -122,11 +134,12 @@ class ReplanLoop:
         return PlannerHealth(last.at if last else None, last.action if last else "", last.reason if last else "",
                              self.role_changes, self.workers_added, self.workers_removed, self.failure)
 
-    def _worker_to_take(self, workers: list[WorkerRef], pool: str) -> WorkerRef:
-        members = [w for w in workers if w.pool == pool and w.healthy] or [w for w in workers if w.pool == pool]
-        if pool == "decode":
-            return min(members, key=lambda w: w.outstanding)
-        return min(members, key=lambda w: len(w.queued))
+    def _worker_to_take(self, pool: str) -> WorkerRef:
+        """The worker of `pool` to remove or switch: one that stopped serving first (its restarts spent,
+        say), else the one holding the least."""
+        members = [w for w in self.cluster.workers if w.pool == pool]
+        load = (lambda w: w.outstanding) if pool == "decode" else (lambda w: len(w.queued))
+        return min(members, key=lambda w: (w.healthy, load(w)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.planner.settings.interval_s):

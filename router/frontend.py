@@ -221,12 +221,15 @@ class Frontend:
     async def _drain(self, worker: WorkerRef, started: float, timeout_s: float) -> DrainReport:
         name = worker.name
         report, tries = DrainReport(name), Counter[ActiveRequest]()
-        moving: dict[ActiveRequest, asyncio.Task[MoveOutcome]] = {}
+        moving: dict[ActiveRequest, tuple[WorkerRef, asyncio.Task[MoveOutcome]]] = {}  # by request: target, move
+        incoming = Counter[WorkerRef]()  # moves under way by target: they hold no admission slot there yet
         resumed: set[ActiveRequest] = set()  # sent away by recompute: their streams retry on their own
 
         def count(done: list[ActiveRequest]) -> None:
             for active in done:
-                outcome = moving.pop(active).result()
+                target, task = moving.pop(active)
+                incoming[target] -= 1
+                outcome = task.result()
                 if outcome.moved:
                     report.moved += 1
                     report.pauses_s.append(outcome.pause_s)
@@ -237,7 +240,7 @@ class Frontend:
         while holding := [a for a in self.active if worker in (*a.placement.depends_on, a.placement.moving_to)]:
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"worker {name} still holds {len(holding)} requests after {timeout_s:.0f} s")
-            count([a for a, task in moving.items() if task.done()])
+            count([a for a, (_, task) in moving.items() if task.done()])
             for active in holding:
                 if active in moving or active in resumed or not active.decoding_on(worker) or \
                         len(moving) >= MOVES_AT_ONCE:
@@ -247,13 +250,15 @@ class Frontend:
                     resumed.add(active)
                     active.resume_elsewhere(f"its moves off draining worker {name} failed {MOVE_TRIES} times")
                     continue
-                moving[active] = asyncio.create_task(active.migrate(self.router.move_target(active.placement)))
+                target = self.router.move_target(active.placement, incoming)
+                incoming[target] += 1
+                moving[active] = (target, asyncio.create_task(active.migrate(target)))
             if moving:
-                await asyncio.wait(list(moving.values()), timeout=DRAIN_POLL_S)
+                await asyncio.wait([task for _, task in moving.values()], timeout=DRAIN_POLL_S)
             else:
                 await asyncio.sleep(DRAIN_POLL_S)
         if moving:  # their requests are off the worker: their outcomes are due at once
-            await asyncio.wait(list(moving.values()))
+            await asyncio.wait([task for _, task in moving.values()])
             count(list(moving))
         report.seconds = time.monotonic() - started
         return report

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,13 +300,15 @@ class Router:
             if self.approximate is not None:
                 self.approximate.drop(worker.name)
 
-    def move_target(self, p: Placement) -> WorkerRef:
+    def move_target(self, p: Placement, incoming: Mapping[WorkerRef, int] | None = None) -> WorkerRef:
         """The decode worker to move a running request to: the decode policy's choice among the others
-        open for placement, those with room under the admission limit first (the request was admitted
-        once: a full pool still takes it, as a retry's); raises NoHealthyWorker when there is none."""
+        open for placement, those with room under the admission limit (counting `incoming`, the moves
+        under way to each) first: the request was admitted once, so a full pool still takes it, as a
+        retry's. Raises NoHealthyWorker when there is none."""
         with self._lock:
             others = placeable_workers([w for w in self.decode_pool if w is not p.decode])
-            room = [w for w in others if w.outstanding < self.decode_admission.limit]
+            incoming = incoming or {}
+            room = [w for w in others if w.outstanding + incoming.get(w, 0) < self.decode_admission.limit]
             return self.decode_policy.choose(p.request, room or others).worker
 
     def moved(self, p: Placement, target: WorkerRef) -> None:

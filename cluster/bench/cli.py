@@ -145,9 +145,11 @@ def _soak(args: argparse.Namespace) -> int:
         print(f"killed {k['worker']}: {k['affected']} of {k['in_flight']} requests in flight retried, detected after "
               f"{detect}, next token after {k['recovery_s']:.2f} s (longest wait of any: {k['longest_wait_s']:.2f} s)")
     for pool, spread in r.items():
-        if spread["n"]:
-            print(f"{pool} kills: kill to the next token after the retry over {spread['n']} retried requests: p50 "
-                  f"{spread['p50']:.2f} s, p99 {spread['p99']:.2f} s, max {spread['max']:.2f} s")
+        if not spread["n"]:
+            print(f"{pool} kills: no request retried")
+            continue
+        print(f"{pool} kills: kill to the next token after the retry over {spread['n']} retried requests: p50 "
+              f"{spread['p50']:.2f} s, p99 {spread['p99']:.2f} s, max {spread['max']:.2f} s")
     print(f"tokens duplicated {t['duplicated']}, lost {t['lost']}, wrong {t['wrong']} of {t['compared']} compared")
     st = report["storm"]
     print(f"storm: {st['placed']} streams ({st['opened']} streaming) cancelled, pools free after {st['freed_s']:.2f} s; throughput "
@@ -251,6 +253,14 @@ def _spec_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add `soak` and `bench` (with its own subcommands) to the command line's subparsers `sub`."""
     sk = sub.add_parser("soak", help="minutes of trace-driven load with workers killed, KV frames corrupted and a "
@@ -267,7 +277,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
     sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
     sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
-    sk.add_argument("--kills", type=int, default=2, help="workers SIGKILLed under load, a decode and a prefill worker "
+    sk.add_argument("--kills", type=_count, default=2, help="workers SIGKILLed under load, a decode and a prefill worker "
                                                          "in turn (default: %(default)s)")
     sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
     sk.add_argument("--seed", type=int, default=0, help="seed of the faults and the workload (default: %(default)s)")

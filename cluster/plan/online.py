@@ -10,7 +10,7 @@ allows, is simulated on the window's shapes at fresh Poisson arrivals, and its g
 `pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both objectives),
 the search starting at the measured rate. The number of workers grows when the current ones are
 predicted to carry less than `headroom` times the measured rate (and one more helps by `margin`), and
-shrinks when one fewer would carry `margin` more than that; of that number, the best split is the
+shrinks when one fewer would carry twice `margin` more than that; of that number, the best split is the
 target. A change is made only when the target has been the same in `confirmations` decisions in a row,
 no change was made in the last `cooldown_s`, and (a split of the same workers) it beats the current one
 by `margin`: hysteresis, so that a stationary workload, whose goodputs differ by noise, never makes it
@@ -94,6 +94,9 @@ class OnlinePlanner:
             self._streak = (None, 0)
             return Decision(now, "none", current, requests=len(window),
                             reason=f"{len(window)} requests in the last {s.window_s:.0f} s, fewer than {s.min_requests}")
+        if current.prefill < 1 or current.decode < 1:  # made by hand: the planner simulates no empty pool
+            self._streak = (None, 0)
+            return Decision(now, "none", current, requests=len(window), reason=f"{current} has an empty pool")
         span = max(now - min(r.arrived for r in window), 1.0)
         rate = len(window) / span
         shapes = [TraceRequest(0.0, r.prompt_len, max(1, r.output_len)) for r in window]
@@ -110,6 +113,7 @@ class OnlinePlanner:
                f"{statistics.median(r.output_len for r in window):.0f} tokens")
         why = self._why(goodputs, current, best, rate)
         if why is None:
+            self._streak = (None, 0)  # a change must be wanted in consecutive decisions
             return replace(decision, reason=f"{current} is predicted to carry {goodputs[current]:.2f} req/s "
                                             f"({rate * s.headroom:.2f} wanted) and is best or within {s.margin:.0%} "
                                             f"of the best ({mix})")
@@ -126,15 +130,22 @@ class OnlinePlanner:
 
     def _splits(self, current: Split) -> list[Split]:
         """Every split of the current number of workers, and of one more and one fewer where the budget
-        allows (one worker changes per decision)."""
+        allows (one worker changes per decision); one more or one fewer when the current number is below
+        or above the budget (after workers were added or removed by hand, or a start failed)."""
+        lo, hi = self._bounds()
+        n = current.total
+        sizes = [n, *(m for m in (n - 1, n + 1) if lo <= m <= hi or (m == n + 1 and n < lo) or (m == n - 1 and n > hi))]
+        return [Split(p, m - p) for m in sizes for p in range(1, m)]
+
+    def _bounds(self) -> tuple[int, int]:
         fewest, most = self.budget
-        sizes = [n for n in (current.total - 1, current.total, current.total + 1) if max(fewest, 2) <= n <= most]
-        return [Split(p, n - p) for n in sizes for p in range(1, n)]
+        return max(fewest, 2), most
 
     def _target(self, goodputs: dict[Split, float], current: Split, rate: float) -> Split:
-        """The split to move toward: of the fewest workers whose best split carries `headroom` times the
-        measured rate (of the most considered when none does), the best; the current number of workers
-        is kept unless one fewer carries it by `margin` more (hysteresis)."""
+        """The split to move toward, the best of its number of workers: one more when the current
+        workers' best split carries less than `headroom` times the measured rate and one more helps by
+        `margin`; one fewer when that would carry it by twice `margin` more (a band between the two, so
+        that noise does not add and remove a worker in turn); toward the budget when outside it."""
         s = self.settings
         best_of: dict[int, Split] = {}
         for split, goodput in goodputs.items():
@@ -143,16 +154,22 @@ class OnlinePlanner:
                 best_of[split.total] = split
         needed = rate * s.headroom
         size = current.total
-        if goodputs[best_of[size]] < needed and size + 1 in best_of and \
+        lo, hi = self._bounds()
+        if size < lo or size > hi:
+            size += 1 if size < lo else -1
+        elif goodputs[best_of[size]] < needed and size + 1 in best_of and \
                 goodputs[best_of[size + 1]] >= goodputs[best_of[size]] * (1 + s.margin):  # and one more helps
             size += 1
-        elif size - 1 in best_of and goodputs[best_of[size - 1]] >= needed * (1 + s.margin):
+        elif size - 1 in best_of and goodputs[best_of[size - 1]] >= needed * (1 + 2 * s.margin):
             size -= 1
         return best_of[size]
 
     def _why(self, goodputs: dict[Split, float], current: Split, best: Split, rate: float) -> str | None:
         """Why moving toward `best` pays, or None when it does not."""
         needed = rate * self.settings.headroom
+        lo, hi = self._bounds()
+        if not lo <= current.total <= hi:
+            return f"{current.total} workers, outside the budget of {lo} to {hi}"
         if best.total > current.total:
             return (f"{current} is predicted to carry {goodputs[current]:.2f} req/s, short of "
                     f"{self.settings.headroom:g}x the measured rate ({needed:.2f}); {best} {goodputs[best]:.2f}")

@@ -309,6 +309,7 @@ def test_a_move_goes_to_a_worker_with_room_first_and_to_a_full_one_rather_than_n
     placement = router.place(work(list(range(40))))
     placement.decode = d0
     assert router.move_target(placement) is roomy  # d1 has the free KV the policy prefers, but no admission slot
+    assert router.move_target(placement, {roomy: 1}) is full  # roomy's last slot is taken by a move under way
     roomy.draining = True
     assert router.move_target(placement) is full  # admitted once: a full worker takes it over none
     full.healthy = False
