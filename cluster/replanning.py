@@ -110,24 +110,25 @@ class ReplanLoop:
         try:
             if step.total > current.total:
                 self.say(f"planner: adding a {grows} worker: {reason}")
-                self.cluster.add_worker(grows, timeout_s)
+                done = f"{self.cluster.add_worker(grows, timeout_s).name} joined"
                 self.workers_added += 1
             elif step.total < current.total:
                 worker = self._worker_to_take(shrinks)
                 self.say(f"planner: removing {worker.name}: {reason}")
                 self.cluster.remove_worker(worker.name, timeout_s)
+                done = f"{worker.name} removed"
                 self.workers_removed += 1
             else:
                 worker = self._worker_to_take(shrinks)
                 self.say(f"planner: {worker.name} becomes a {grows} worker: {reason}")
-                self.cluster.switch_role(worker.name, grows, timeout_s)
+                done = f"{worker.name} is now {self.cluster.switch_role(worker.name, grows, timeout_s).name}"
                 self.role_changes += 1
         # The cluster's state, not a bug (no room, no node in time, a worker that failed to start, one
         # that is needed): the next decision sees the cluster as it is then.
         except (ValueError, NoHealthyWorker, TimeoutError, RayError) as e:
             self.say(f"planner: the change to {step} failed: {type(e).__name__}: {e}")
             return
-        self.say(f"planner: split {step}")
+        self.say(f"planner: {done}; split {step}")
 
     def health(self) -> PlannerHealth:
         last = self.decisions[-1] if self.decisions else None

@@ -29,6 +29,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -122,11 +123,19 @@ class DrainReport:
 
 @dataclass(frozen=True)
 class CompletedRequest:
-    """What the online planner reads of a request that ended: when it came and its lengths."""
+    """What the online planner reads of a request that ended: when it came, its lengths, and which
+    prompt blocks it shared with others."""
 
     arrived: float  # wall clock
     prompt_len: int
     output_len: int  # generated; for one that did not complete, the most it asked for
+    # The prompt's cacheable full blocks, 8 bytes each (the start of each chained block hash): two
+    # requests share a prefix of k blocks when their first k ids are equal. Compact: it is kept a while.
+    block_ids: bytes = b""
+    block_size: int = 0
+
+    def block_id_list(self) -> tuple[int, ...]:
+        return tuple(i for (i,) in struct.iter_unpack("<Q", self.block_ids))
 
 
 @dataclass
@@ -427,6 +436,13 @@ class ActiveRequest:
             self.frontend.aborts.add(target, self.work.request_id)
         return outcome
 
+    def _completed(self, accepted: float) -> CompletedRequest:
+        prompt_len, route = len(self.work.prompt_token_ids), self.placement.request
+        # A resumed request's hashes run on past its prompt (prompt + tokens so far): its prompt's blocks.
+        hashes = route.block_hashes[:(prompt_len - 1) // route.block_size]
+        output_len = self.output_tokens if self.code == OK else self.work.params.max_tokens
+        return CompletedRequest(accepted, prompt_len, output_len, b"".join(h[:8] for h in hashes), route.block_size)
+
     def resume_elsewhere(self, cause: str) -> None:
         """End the current attempt and resume the request on another worker from its tokens, as a lost
         worker would have it (counted against its retry budget)."""
@@ -499,8 +515,7 @@ class ActiveRequest:
         accepted, first = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FIRST_TOKEN)
         frontend.metrics.ended(self.api, self.code, self.output_tokens,
                                first - accepted if first else None, ev[LifetimeEvent.FINISHED] - accepted)
-        frontend.completed.append(CompletedRequest(accepted, len(self.work.prompt_token_ids), self.output_tokens
-                                                   if self.code == OK else self.work.params.max_tokens))
+        frontend.completed.append(self._completed(accepted))
         if self.draft_tokens:
             frontend.metrics.speculated(placement.decode.name, self.draft_tokens, self.accepted_draft_tokens)
         if first is not None:

@@ -124,7 +124,7 @@ def serve(cfg: ReplanBenchConfig, name: str, split: Split, online: bool,
                 for i, (_, _, r) in enumerate(requests)]
         records = run_load(GrpcClient(cluster.address), sent, [t for _, t, _ in requests], config=name,
                            rate=len(requests) / (len(PHASES) * cfg.phase_s))
-        changes = [line for line in said if line.startswith("planner: ") and " is now " in line]
+        changes = [line for line in said if line.startswith("planner: ") and "; split " in line]
         final = f"{sum(w.pool == 'prefill' for w in cluster.workers)}P+{sum(w.pool == 'decode' for w in cluster.workers)}D"
     log(f"  {name}: {sum(r.outcome == 'ok' for r in records)}/{len(records)} completed, {len(changes)} role changes, "
         f"ending {final}")

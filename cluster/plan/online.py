@@ -4,7 +4,8 @@ whether to move toward it now.
 
 Its settings are the manifest's `planner` section. Every `interval_s` the cluster hands
 `OnlinePlanner.decide` what it measured over the last `window_s` (each finished request's arrival,
-prompt and output length) and its current split. Each split of the same workers (P prefill + D decode,
+prompt and output length, and its prompt's block ids, so that prefix reuse is simulated as it was
+served) and its current split. Each split of the same workers (P prefill + D decode,
 P and D at least 1), and of one more and one fewer where the budget (`min_workers`, `max_workers`)
 allows, is simulated on the window's shapes at fresh Poisson arrivals, and its goodput found as
 `pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both objectives),
@@ -99,7 +100,7 @@ class OnlinePlanner:
             return Decision(now, "none", current, requests=len(window), reason=f"{current} has an empty pool")
         span = max(now - min(r.arrived for r in window), 1.0)
         rate = len(window) / span
-        shapes = [TraceRequest(0.0, r.prompt_len, max(1, r.output_len)) for r in window]
+        shapes = [_shape(r) for r in window]
         splits = self._splits(current)
         questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
                      for split in splits]
@@ -110,7 +111,8 @@ class OnlinePlanner:
         shown = {str(split): round(g, 3) for split, g in goodputs.items()}
         decision = Decision(now, "keep", current, best, rate=rate, requests=len(window), goodputs=shown)
         mix = (f"{rate:.2f} req/s, median prompt {statistics.median(r.prompt_len for r in window):.0f} and output "
-               f"{statistics.median(r.output_len for r in window):.0f} tokens")
+               f"{statistics.median(r.output_len for r in window):.0f} tokens, {_reuse(shapes):.0%} of prompt blocks "
+               "seen before")
         why = self._why(goodputs, current, best, rate)
         if why is None:
             self._streak = (None, 0)  # a change must be wanted in consecutive decisions
@@ -179,6 +181,25 @@ class OnlinePlanner:
         if best == current or ahead < self.settings.margin:
             return None
         return f"{best} predicted {ahead:.0%} better than {current}"
+
+
+def _shape(r: CompletedRequest) -> TraceRequest:
+    """A finished request as the simulator replays it: its lengths, and its prompt's blocks (so that the
+    window's prefix reuse is simulated as it was served)."""
+    if not r.block_ids:
+        return TraceRequest(0.0, r.prompt_len, max(1, r.output_len))
+    return TraceRequest(0.0, r.prompt_len, max(1, r.output_len), r.block_id_list(), r.block_size)
+
+
+def _reuse(shapes: Sequence[TraceRequest]) -> float:
+    """The share of the window's prompt blocks that an earlier request of the window had too."""
+    seen: set[int] = set()
+    repeated = total = 0
+    for shape in shapes:
+        repeated += sum(h in seen for h in shape.hash_ids)
+        total += len(shape.hash_ids)
+        seen.update(shape.hash_ids)
+    return repeated / total if total else 0.0
 
 
 def _step_toward(current: Split, target: Split) -> Split:

@@ -67,10 +67,24 @@ def unique_prompt(index: int, length: int) -> list[int]:
     return [index] + [0] * (length - 1)
 
 
+SHARED_BLOCK_TOKEN = 2**31  # shared blocks' first tokens count up from here, past any prompt's index
+
+
 def trace_requests(shapes: Sequence[TraceRequest], arrivals: Sequence[float]) -> list[SimRequest]:
     """A request at each of `arrivals`, with the lengths of `shapes` in turn (over again when there are
-    more arrivals), every prompt its own."""
-    return [SimRequest(t, unique_prompt(i + 1, shapes[i % len(shapes)].prompt_len), shapes[i % len(shapes)].output_len)
+    more arrivals). Prompts share the blocks their shapes' `hash_ids` name (a block of `block_tokens`
+    tokens each); each pass over the shapes has blocks of its own, so that no pass is served from the
+    cache of the one before. Every other token is the request's own."""
+    shared: dict[tuple[int, int], int] = {}  # (pass, hash id): the block's first token
+
+    def prompt(index: int, shape: TraceRequest, lap: int) -> list[int]:
+        ids: list[int] = []
+        for h in shape.hash_ids:
+            ids += [shared.setdefault((lap, h), SHARED_BLOCK_TOKEN + len(shared))] + [0] * (shape.block_tokens - 1)
+        ids = ids[:shape.prompt_len]
+        return ids + (unique_prompt(index, shape.prompt_len - len(ids)) if len(ids) < shape.prompt_len else [])
+
+    return [SimRequest(t, prompt(i + 1, shapes[i % len(shapes)], i // len(shapes)), shapes[i % len(shapes)].output_len)
             for i, t in enumerate(arrivals)]
 
 

@@ -29,6 +29,9 @@ def test_the_replanning_benchmark_serves_every_split_and_the_planner_and_writes_
         assert len(r["records"]) == requests and all(rec["outcome"] == "ok" for rec in r["records"])
         assert set(r["goodput"]) == {*PHASES, "whole trace"} and r["goodput"]["whole trace"] > 0
     assert all(p["rate"] > 0 and set(p["predicted"]) == {"1P+2D", "2P+1D"} for p in result["phases"].values())
+    online = result["runs"][-1]  # every role change it made is listed, each naming the split it left
+    assert len(online["role_changes"]) >= abs(int(online["final"][0]) - int(online["start"][0]))
+    assert all("; split " in change for change in online["role_changes"])
     page = tmp_path / "benchmarks.md"
     publish(page, key_of(json.loads(out.read_text())), json.loads(out.read_text()))
     text = page.read_text()

@@ -4,6 +4,8 @@ mix needs, one worker at a time and only when confirmed, and never flaps on a st
 from __future__ import annotations
 
 import random
+import re
+import struct
 import threading
 import time
 import urllib.request
@@ -22,6 +24,7 @@ from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
 from pdserve.cluster.status import fetch_health
 from pdserve.engine.model_store import model_digest
 from pdserve.cluster.plan.online import OnlinePlanner, Split
+from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost
 from pdserve.router.frontend import CompletedRequest
 
@@ -131,6 +134,24 @@ def test_the_manifest_refuses_an_online_planner_with_nothing_to_reshape():
         load_manifest(data)
 
 
+def test_the_windows_prefix_reuse_is_simulated_as_it_was_served():
+    """Long prompts that share all but their last blocks (a system prompt, say) are predicted to go
+    further than the same lengths unshared: the router's block ids travel with each finished request."""
+    shared = struct.pack("<88Q", *range(1, 89))  # 88 blocks of 16 tokens: 1,408 of each prompt's ~1,500
+
+    def reused(r: CompletedRequest, i: int) -> CompletedRequest:
+        own = struct.pack("<Q", 10_000 + i) * ((r.prompt_len - 1) // 16 - 88)
+        return replace(r, block_ids=shared + own, block_size=16)
+
+    plain = window(SUMMARIES, 60.0, rate=2.0)
+    with_reuse = [reused(r, i) for i, r in enumerate(plain)]
+    unshared = OnlinePlanner(base(), PROFILE).decide(60.0, plain, Split(2, 2))
+    sharing = OnlinePlanner(base(), PROFILE).decide(60.0, with_reuse, Split(2, 2))
+    reuse = [int(re.search(r"(\d+)% of prompt blocks seen before", d.reason).group(1)) for d in (unshared, sharing)]
+    assert reuse[0] == 0 and reuse[1] >= 90, reuse  # 88 of about 93 blocks, after the first request
+    assert all(sharing.goodputs[k] > unshared.goodputs[k] for k in ("1P+3D", "2P+2D")), (sharing, unshared)
+
+
 def test_a_profile_without_the_transport_the_cluster_hands_off_over_is_refused_at_once():
     data = base().model_dump(mode="json")
     data["kv_transfer"]["transport"] = "tcp"
@@ -176,9 +197,14 @@ def test_in_a_cluster_the_planner_turns_a_decode_worker_into_a_prefill_worker_wh
         pools_now = sorted(w.pool for w in cluster.workers)
         metrics = urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10).read().decode()
         retries = cluster.router.stats.retries
+        completed = cluster.completed_requests()
+        bs = cluster.manifest.block_size
     assert pools_now == ["decode", "prefill", "prefill"], said
     assert served and all(tokens == hf_reference["tiny-llama"].greedy(p, 4) for p, tokens in served)
     assert retries == 0
+    # Each finished request carries its prompt's block ids, as the router hashed them (the planner's reuse).
+    sent = {b"".join(h[:8] for h in hash_prompt_blocks(p[:(len(p) - 1) // bs * bs], bs)) for p, _ in served}
+    assert completed and all(r.block_ids in sent and r.block_size == bs for r in completed)
     assert health["planner"]["role_changes"] == 1 and "2P+1D" in health["planner"]["reason"] + " ".join(said)
     assert any(line.startswith("planner: decode-") for line in said)
     assert 'pdserve_planner_decisions_total{action="change"} 1.0' in metrics

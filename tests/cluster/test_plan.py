@@ -23,7 +23,7 @@ from pdserve.cluster.plan.costs import (DecodeTable, HardwareProfile, TransferCo
                                         find_stored_profile, machine)
 from pdserve.cluster.plan.planner import Candidate, Evaluated, Infeasible, candidates, choose, plan, tunings
 from pdserve.cluster.plan.profiler import profile_engine
-from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, unique_prompt
+from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, trace_requests, unique_prompt
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_store import model_digest
 from pdserve.engine.llm_engine import StepStats
@@ -109,6 +109,21 @@ def test_shared_prefixes_are_found_through_the_routers_index():
     records = ClusterSimulator(m, profile).run(requests).records
     assert records[0].cached_tokens == 0
     assert all(r.cached_tokens == 512 for r in records[1:])
+
+
+def test_trace_blocks_are_shared_within_a_pass_over_the_shapes_and_never_across_passes():
+    """Shapes naming the same block ids share those prompt blocks (16 tokens each here); the second
+    pass over the shapes (more arrivals than shapes) shares nothing with the first."""
+    profile = synthetic_profile(StepCost(0.002, 0.0001, 0.0))
+    m = manifest(mode="colocated", pools={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    shapes = [TraceRequest(0.0, 72, 4, (7, 8, 9), 16), TraceRequest(0.0, 72, 4, (7, 8, 5), 16),
+              TraceRequest(0.0, 40, 4)]
+    requests = trace_requests(shapes, [i * 0.2 for i in range(6)])
+    assert requests[0].prompt[:32] == requests[1].prompt[:32] and requests[0].prompt[32:48] != requests[1].prompt[32:48]
+    assert requests[0].prompt[48:] != requests[1].prompt[48:]  # past the named blocks: each its own
+    assert not set(requests[3].prompt[:48]) & set(requests[0].prompt[:48]) - {0}
+    records = ClusterSimulator(m, profile).run(requests).records
+    assert [r.cached_tokens for r in records] == [0, 32, 0, 0, 32, 0]
 
 
 def test_a_full_kv_pool_preempts_and_every_request_still_ends_whole():
