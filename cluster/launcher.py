@@ -32,7 +32,7 @@ from pdserve.kv_transfer.interface import shown
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
-from pdserve.router.frontend import CompletedRequest, DrainReport, ServedModel
+from pdserve.router.frontend import ObservedRequest, DrainReport, ServedModel
 from pdserve.router.health_report import PlannerHealth
 from pdserve.router.stack import RouterStack
 from pdserve.router.workers import WorkerRef
@@ -455,9 +455,10 @@ class Cluster:
     def _planner_health(self) -> PlannerHealth | None:
         return self._replanning.health() if self._replanning is not None else None
 
-    def completed_requests(self) -> list[CompletedRequest]:
-        """The requests the router finished lately (the online planner's window)."""
-        return list(self.router_stack.frontend.completed)
+    def observed_requests(self) -> list[ObservedRequest]:
+        """The requests the router finished lately and those it serves now (the online planner's window)."""
+        stack = self.router_stack
+        return stack.loop.run(stack.frontend.observed(), SNAPSHOT_TIMEOUT_S)
 
     def stop(self) -> None:
         if self._replanning is not None:  # first: it would change roles on a cluster going down

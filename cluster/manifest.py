@@ -436,7 +436,7 @@ class PlannerSpec(_Strict):
     interval_s: float = Field(30.0, gt=0, description="Between two decisions (seconds).")
     window_s: float = Field(120.0, gt=0, description="The requests a decision plans from: those that arrived this "
                                                      "long before it (seconds).")
-    min_requests: int = Field(20, ge=2, description="Fewer finished requests in the window: no decision.")
+    min_requests: int = Field(20, ge=2, description="Fewer requests in the window (finished or running): no decision.")
     margin: float = Field(0.15, ge=0, description="Another split must carry this share more (predicted goodput) "
                                                   "than the current one...")
     confirmations: int = Field(2, ge=1, description="... in this many decisions in a row...")

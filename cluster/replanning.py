@@ -1,6 +1,6 @@
 """The online planner at work in a running cluster (`ReplanLoop`): every `planner.interval_s` it hands
-the requests the router finished lately and the current split to `plan.online.OnlinePlanner`, and
-carries out its decision (the splits' simulations run as Ray tasks, in processes of their own, so the
+the requests the router finished lately or serves now, and the current split, to
+`plan.online.OnlinePlanner`, and carries out its decision (the splits' simulations run as Ray tasks, in processes of their own, so the
 router's event loop in this process never waits on them): one worker changes role (drained first, its
 requests moved with their KV; `Cluster.switch_role`), is added (`Cluster.add_worker`: it asks for its
 pool's resources, which Ray's autoscaler, where there is one, starts a node for) or is removed
@@ -32,7 +32,7 @@ from ray.exceptions import RayError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
-from pdserve.router.frontend import CompletedRequest, DrainReport
+from pdserve.router.frontend import ObservedRequest, DrainReport
 from pdserve.router.health_report import PlannerHealth
 from pdserve.router.workers import NoHealthyWorker, WorkerRef
 from pdserve.threads import start_guarded
@@ -46,7 +46,7 @@ class Reshapable(Protocol):
 
     workers: list[WorkerRef]
 
-    def completed_requests(self) -> list[CompletedRequest]: ...
+    def observed_requests(self) -> list[ObservedRequest]: ...
 
     def switch_role(self, worker_name: str, role: str, timeout_s: float) -> WorkerRef: ...
 
@@ -92,7 +92,7 @@ class ReplanLoop:
         """One decision on the cluster as it is now (logged and counted), not yet carried out."""
         workers = list(self.cluster.workers)
         current = Split(sum(w.pool == "prefill" for w in workers), sum(w.pool == "decode" for w in workers))
-        decision = self.planner.decide(self.clock(), self.cluster.completed_requests(), current)
+        decision = self.planner.decide(self.clock(), self.cluster.observed_requests(), current)
         self.decisions.append(decision)
         self.actions[decision.action] += 1
         log.info(json.dumps(asdict(decision), default=str))

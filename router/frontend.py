@@ -122,13 +122,15 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
-class CompletedRequest:
-    """What the online planner reads of a request that ended: when it came, its lengths, and which
-    prompt blocks it shared with others."""
+class ObservedRequest:
+    """What the online planner reads of a request: when it came, its lengths, and which prompt blocks
+    it shared with others."""
 
     arrived: float  # wall clock
     prompt_len: int
-    output_len: int  # generated; for one that did not complete, the most it asked for
+    # Generated: by one that completed; so far, by one still running (a lower bound); for one that
+    # failed, the most it asked for.
+    output_len: int
     # The prompt's cacheable full blocks, 8 bytes each (the start of each chained block hash): two
     # requests share a prefix of k blocks when their first k ids are equal. Compact: it is kept a while.
     block_ids: bytes = b""
@@ -157,7 +159,7 @@ class Frontend:
         self.metrics = RouterMetrics(router)
         self.aborts = AbortBatcher()
         self.active: set[ActiveRequest] = set()  # started and not finished (on the router's event loop)
-        self.completed: deque[CompletedRequest] = deque(maxlen=COMPLETED_KEPT)  # ended (on the loop; read anywhere)
+        self.completed: deque[ObservedRequest] = deque(maxlen=COMPLETED_KEPT)  # ended (on the loop; read anywhere)
         self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "router-tokenizer")
 
     @contextmanager
@@ -203,6 +205,11 @@ class Frontend:
 
     def close(self) -> None:
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+
+    async def observed(self) -> list[ObservedRequest]:
+        """The requests that ended lately and those running (the online planner's window: without the
+        running ones, long outputs would be missing from it until they end)."""
+        return [*self.completed, *(active.observed() for active in self.active)]
 
     def workers_lost(self) -> None:
         """Workers became unhealthy (on the router's event loop): each stream waiting on one of them is
@@ -436,12 +443,15 @@ class ActiveRequest:
             self.frontend.aborts.add(target, self.work.request_id)
         return outcome
 
-    def _completed(self, accepted: float) -> CompletedRequest:
+    def observed(self) -> ObservedRequest:
+        """The request as the online planner sees it, running or ended (on the router's loop)."""
         prompt_len, route = len(self.work.prompt_token_ids), self.placement.request
         # A resumed request's hashes run on past its prompt (prompt + tokens so far): its prompt's blocks.
         hashes = route.block_hashes[:(prompt_len - 1) // route.block_size]
-        output_len = self.output_tokens if self.code == OK else self.work.params.max_tokens
-        return CompletedRequest(accepted, prompt_len, output_len, b"".join(h[:8] for h in hashes), route.block_size)
+        failed = self._finished and self.code != OK
+        output_len = self.work.params.max_tokens if failed else max(1, self.output_tokens)
+        return ObservedRequest(self.events[LifetimeEvent.ACCEPTED], prompt_len, output_len,
+                               b"".join(h[:8] for h in hashes), route.block_size)
 
     def resume_elsewhere(self, cause: str) -> None:
         """End the current attempt and resume the request on another worker from its tokens, as a lost
@@ -515,7 +525,7 @@ class ActiveRequest:
         accepted, first = ev[LifetimeEvent.ACCEPTED], ev.get(LifetimeEvent.FIRST_TOKEN)
         frontend.metrics.ended(self.api, self.code, self.output_tokens,
                                first - accepted if first else None, ev[LifetimeEvent.FINISHED] - accepted)
-        frontend.completed.append(self._completed(accepted))
+        frontend.completed.append(self.observed())
         if self.draft_tokens:
             frontend.metrics.speculated(placement.decode.name, self.draft_tokens, self.accepted_draft_tokens)
         if first is not None:

@@ -3,9 +3,10 @@ between the prefill and the decode pool that carries the traffic best, how many 
 whether to move toward it now.
 
 Its settings are the manifest's `planner` section. Every `interval_s` the cluster hands
-`OnlinePlanner.decide` what it measured over the last `window_s` (each finished request's arrival,
-prompt and output length, and its prompt's block ids, so that prefix reuse is simulated as it was
-served) and its current split. Each split of the same workers (P prefill + D decode,
+`OnlinePlanner.decide` what it measured over the last `window_s` (each request's arrival, prompt and
+output length, and its prompt's block ids, so that prefix reuse is simulated as it was served; the
+requests still running count with the tokens they have so far: left out, a phase of long outputs
+would look short until its requests end) and its current split. Each split of the same workers (P prefill + D decode,
 P and D at least 1), and of one more and one fewer where the budget (`min_workers`, `max_workers`)
 allows, is simulated on the window's shapes at fresh Poisson arrivals, and its goodput found as
 `pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both objectives),
@@ -31,7 +32,7 @@ from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.planner import Candidate, evaluate
 from pdserve.cluster.plan.simulator import handoff_transport
-from pdserve.router.frontend import CompletedRequest
+from pdserve.router.frontend import ObservedRequest
 
 MAX_SEARCH_RUNS = 6  # simulated runs per split and decision (the goodput search's budget)
 MIN_SIM_DURATION_S = 20.0  # of simulated arrivals per run
@@ -88,9 +89,9 @@ class OnlinePlanner:
         self.last_change_at: float | None = None
         self._streak: tuple[Split | None, int] = (None, 0)  # the best split of the last decisions, how many in a row
 
-    def decide(self, now: float, finished: Sequence[CompletedRequest], current: Split) -> Decision:
+    def decide(self, now: float, observed: Sequence[ObservedRequest], current: Split) -> Decision:
         s = self.settings
-        window = [r for r in finished if now - s.window_s <= r.arrived <= now]
+        window = [r for r in observed if now - s.window_s <= r.arrived <= now]
         if len(window) < s.min_requests:
             self._streak = (None, 0)
             return Decision(now, "none", current, requests=len(window),
@@ -183,8 +184,8 @@ class OnlinePlanner:
         return f"{best} predicted {ahead:.0%} better than {current}"
 
 
-def _shape(r: CompletedRequest) -> TraceRequest:
-    """A finished request as the simulator replays it: its lengths, and its prompt's blocks (so that the
+def _shape(r: ObservedRequest) -> TraceRequest:
+    """A request as the simulator replays it: its lengths, and its prompt's blocks (so that the
     window's prefix reuse is simulated as it was served)."""
     if not r.block_ids:
         return TraceRequest(0.0, r.prompt_len, max(1, r.output_len))

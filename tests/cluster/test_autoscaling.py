@@ -88,6 +88,9 @@ def test_the_planner_removes_a_worker_by_migration_and_the_autoscaler_stops_its_
         holding = {w.name: sum(a.placement.decode is w for a in cluster.router_stack.frontend.active)
                    for w in cluster.workers if w.pool == "decode"}
         assert min(holding.values()) >= 1, holding  # whichever goes holds a stream
+        # The planner's window holds the running requests too, with the tokens they have so far.
+        observed = cluster.observed_requests()
+        assert len(observed) == 8 and any(10 <= r.output_len < 100 for r in observed), observed
         cluster.replanning.carry_out(decision)
     finally:
         streams.join()

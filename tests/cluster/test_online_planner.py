@@ -26,7 +26,7 @@ from pdserve.engine.model_store import model_digest
 from pdserve.cluster.plan.online import OnlinePlanner, Split
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost
-from pdserve.router.frontend import CompletedRequest
+from pdserve.router.frontend import ObservedRequest
 
 # A prompt token costs 0.2 ms of prefill (a 1,500-token prompt: 0.3 s); a decode step 10 ms, 8 requests
 # at a time: long prompts with short answers want prefill workers, short prompts with long answers decode.
@@ -44,11 +44,11 @@ def base(**planner) -> object:
     return load_manifest(data)
 
 
-def window(mix: tuple[int, int], end: float, rate: float = 1.0, seed: int = 0) -> list[CompletedRequest]:
+def window(mix: tuple[int, int], end: float, rate: float = 1.0, seed: int = 0) -> list[ObservedRequest]:
     """A minute of requests of one mix (lengths varying by a fifth) ending at `end`."""
     rng = random.Random(seed)
     n = int(60 * rate)
-    return [CompletedRequest(end - 60 + i / rate, max(1, round(mix[0] * rng.uniform(0.8, 1.2))),
+    return [ObservedRequest(end - 60 + i / rate, max(1, round(mix[0] * rng.uniform(0.8, 1.2))),
                              max(1, round(mix[1] * rng.uniform(0.8, 1.2)))) for i in range(n)]
 
 
@@ -139,7 +139,7 @@ def test_the_windows_prefix_reuse_is_simulated_as_it_was_served():
     further than the same lengths unshared: the router's block ids travel with each finished request."""
     shared = struct.pack("<88Q", *range(1, 89))  # 88 blocks of 16 tokens: 1,408 of each prompt's ~1,500
 
-    def reused(r: CompletedRequest, i: int) -> CompletedRequest:
+    def reused(r: ObservedRequest, i: int) -> ObservedRequest:
         own = struct.pack("<Q", 10_000 + i) * ((r.prompt_len - 1) // 16 - 88)
         return replace(r, block_ids=shared + own, block_size=16)
 
@@ -197,7 +197,7 @@ def test_in_a_cluster_the_planner_turns_a_decode_worker_into_a_prefill_worker_wh
         pools_now = sorted(w.pool for w in cluster.workers)
         metrics = urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10).read().decode()
         retries = cluster.router.stats.retries
-        completed = cluster.completed_requests()
+        completed = cluster.observed_requests()
         bs = cluster.manifest.block_size
     assert pools_now == ["decode", "prefill", "prefill"], said
     assert served and all(tokens == hf_reference["tiny-llama"].greedy(p, 4) for p, tokens in served)
