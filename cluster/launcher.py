@@ -26,6 +26,7 @@ from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
+from pdserve.engine.multimodal.vision import FAMILIES
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.interface import shown
@@ -434,17 +435,25 @@ class Cluster:
 
     def _served_model(self, model_dir: str) -> ServedModel:
         m = self.manifest
-        config = AutoConfig.from_pretrained(model_dir)
+        full_config = AutoConfig.from_pretrained(model_dir)
+        config = full_config.get_text_config()  # a vision-language model's language model
         tokenizer = load_tokenizer(model_dir)
-        eos = sorted(eos_ids(config, tokenizer))
+        eos = sorted(eos_ids(config, tokenizer) | eos_ids(full_config, tokenizer))
         declared = config.eos_token_id if isinstance(config.eos_token_id, int) else (config.eos_token_id or [None])[0]
         first = declared if declared is not None else tokenizer.eos_token_id
         info = pdserve_pb2.ModelInfo(
-            name=m.served_name, model_type=config.model_type, vocab_size=config.vocab_size,
+            name=m.served_name, model_type=full_config.model_type, vocab_size=config.vocab_size,
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
             block_size=m.block_size, eos_token_id=first if first is not None else 0, eos_token_ids=eos,
         )
-        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer))
+        limits = None
+        if getattr(full_config, "vision_config", None) is not None and full_config.model_type in FAMILIES:
+            limits = m.server.images.limits()
+            info.image_token_id = full_config.image_token_id
+            info.image_token = tokenizer.convert_ids_to_tokens(full_config.image_token_id)
+            info.max_images, info.max_image_bytes, info.max_image_pixels = (
+                limits.max_images, limits.max_bytes, limits.max_pixels)
+        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer), limits)
 
     # --- down -----------------------------------------------------------------------------------
     @property

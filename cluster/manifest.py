@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
+from pdserve.engine.multimodal.images import ImageLimits
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.diagnostics import LogLevel
 from pdserve.cluster.overrides import ManifestOverrides
@@ -273,6 +274,18 @@ class SpeculativeSpec(_Strict):
         return SpeculativeConfig(**self.model_dump())
 
 
+class ImagesSpec(_Strict):
+    """Bounds on a request's images (a vision-language model's): the router checks count, bytes and the
+    size each image's header declares before placing the request; workers check again as they decode."""
+
+    max_images: int = Field(8, ge=0, le=256, description="Images one request may carry (0: none taken).")
+    max_image_bytes: int = Field(8 * 2**20, ge=1, le=2**30, description="Bytes of one encoded image.")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, le=2**28, description="Width x height of one image.")
+
+    def limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels)
+
+
 class ServerSpec(_Strict):
     """The router's client-facing servers: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
 
@@ -301,6 +314,8 @@ class ServerSpec(_Strict):
         MAX_MESSAGE_BYTES, ge=2**10, lt=2**31,
         description="The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) "
                     "and a gRPC message (RESOURCE_EXHAUSTED).")
+    images: ImagesSpec = Field(ImagesSpec(), description="Bounds on the images of a vision-language model's "
+                                                         "requests.")
 
     @property
     def token(self) -> str | None:
@@ -637,6 +652,7 @@ class Manifest(_Strict):
             "max_num_batched_tokens": self.max_num_batched_tokens, "num_threads": pool.threads,
             "device": "cuda" if pool.num_gpus > 0 else "cpu",
             "speculative": self.speculative.engine_config() if self.speculative else None,
+            "image_limits": self.server.images.limits(),
         }
 
 

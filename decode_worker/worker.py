@@ -37,6 +37,7 @@ import ray
 
 from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.model_store import ModelSource
 from pdserve.engine.profiler import profile_decode, profile_prefill
 from pdserve.engine.sampling_params import SamplingParams
@@ -126,22 +127,24 @@ class DecodeWorker(WorkerBase):
     @ray.method(concurrency_group=RESERVE_GROUP)
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | None = None, draft_kv: str | None = None,
-                output_token_ids: list[int] | None = None) -> Lease:
+                output_token_ids: list[int] | None = None, images: PromptImages | None = None) -> Lease:
         """Reserve blocks for an incoming request; the lease says which leading blocks are cached here,
         the codec agreed (the first of `codecs` this worker can decode, else raw), whether the draft
         model's KV is to come too (`draft_kv`: the sender's draft), where the transports listen, and
         what recomputing the KV here would cost instead. `output_token_ids`: a request moved here
-        from another decode worker, the tokens it sampled there (but the last)."""
+        from another decode worker, the tokens it sampled there (but the last). `images`: where a
+        multimodal prompt's images are."""
         if self.fault is not None:
             raise TransferError(self.fault)
         if not request_id.startswith(PROBE_PREFIX):  # the launcher's transfer probes are no requests
             self.faults.took_request()
         lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                      codecs or ["raw"], draft_kv, output_token_ids)
+                                      codecs or ["raw"], draft_kv, output_token_ids, images)
         missing = num_kv_tokens - lease.cached_blocks * self.engine.config.block_size
         recompute_s = self.engine.step_costs.coefficients.prefill_s(missing, num_kv_tokens - missing)
+        # A prompt with images is never recomputed here: the embeddings stay where the images were encoded.
         return dataclasses.replace(lease, addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id,
-                                   recompute_s=recompute_s if self._profiled else None)
+                                   recompute_s=recompute_s if self._profiled and images is None else None)
 
     def renew_lease(self, transfer_id: str) -> Lease:
         return self.receiver.renew(transfer_id)
@@ -172,7 +175,8 @@ class DecodeWorker(WorkerBase):
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
         """Prefill and decode here (colocated mode); a refusal reaches the router as an error message."""
-        self._run_here(work, lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id))
+        self._run_here(work, lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
+                                                     images=work.images))
 
     def resume(self, work: WorkRequest, generated: list[int], logprobs: list[float]) -> None:
         """Continue a request that lost its worker, from its prompt and the tokens the client already has
@@ -180,7 +184,8 @@ class DecodeWorker(WorkerBase):
         and sampling goes on at the same output position (a seeded request draws what it would have)."""
         handoff = RequestHandoff(work.request_id, work.prompt_token_ids, list(generated), work.params,
                                  num_computed_tokens=0, logprobs=list(logprobs))
-        self._run_here(work, lambda e: e.resume_request(handoff))
+        self._run_here(work, lambda e: e.resume_request(
+            handoff, e.prepare_images(work.prompt_token_ids, work.images) if work.images else None))
 
     def _run_here(self, work: WorkRequest, add: Callable[[LLMEngine], object]) -> None:
         if work.request_id in self.receiver.aborted:  # cancelled before this call ran
@@ -235,7 +240,7 @@ class DecodeWorker(WorkerBase):
         held_at = time.perf_counter()
         try:
             kv = self.mover.start(request_id, handoff.prompt_token_ids, handoff.params, 0, RayDecodePeer(target),
-                                  None, output_token_ids=handoff.output_token_ids)
+                                  None, output_token_ids=handoff.output_token_ids, images=handoff.images)
         except Exception as e:  # the Ray call could not even be sent
             self.loop.post(lambda engine: _resume_if_held(engine, request_id))
             return MoveOutcome(False, f"the move could not start: {type(e).__name__}: {e}")
@@ -332,7 +337,7 @@ class DecodeWorker(WorkerBase):
                 out.request_id, out.new_token_ids, logprobs=out.logprobs[out.first_new_index:] if out.logprobs else None,
                 finish_reason=out.finish_reason if out.finished else None, text=out.text if out.finished else None,
                 events=events, cached_tokens=out.num_cached_tokens, first_index=out.first_new_index,
-                draft_tokens=out.num_draft_tokens if out.finished else 0,
+                prompt_tokens=len(out.prompt_token_ids), draft_tokens=out.num_draft_tokens if out.finished else 0,
                 accepted_draft_tokens=out.num_accepted_tokens if out.finished else 0))
         self.sink.send_step(messages)
 

@@ -17,25 +17,33 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+# What a block's hash adds to its token ids, from the positions [start, end) it covers (the images
+# a multimodal prompt has there: `PromptImages.block_extra`).
+BlockExtra = Callable[[int, int], bytes]
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Chained hash of a full block: stable across processes, so workers can report it to a router."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"\x00" * 16)
     h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    if extra:  # after the fixed-size token bytes, so no extra can pass for other tokens
+        h.update(extra)
     return h.digest()
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, extra: BlockExtra | None = None) -> list[bytes]:
     """Hashes of every full block of `token_ids`, each chained on the one before."""
     hashes: list[bytes] = []
     parent: bytes | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+        end = start + block_size
+        parent = hash_block(parent, token_ids[start:end], b"" if extra is None else extra(start, end))
         hashes.append(parent)
     return hashes
 

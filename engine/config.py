@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.cost_model import StepCost
+from pdserve.engine.multimodal.images import ImageLimits
 from pdserve.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +34,7 @@ class EngineConfig:
     # A prefill worker that sends the draft model's prompt KV (`SpeculativeConfig.draft_kv`): each prompt
     # chunk is also run through the speculative settings' draft model, into its own KV pool.
     draft_prompt_kv: bool = False
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # a vision-language model's requests
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -33,7 +33,10 @@ from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import RequestOutput, SamplingParams, check_prompt
+from pdserve.engine.multimodal.images import decode_image
+from pdserve.engine.multimodal.placement import PromptImages
+from pdserve.engine.multimodal.vision import PreparedImage
+from pdserve.engine.sampling_params import BadParameter, RequestOutput, SamplingParams, check_prompt
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculative.proposer import Proposer, make_proposer
@@ -55,6 +58,17 @@ class RequestHandoff:
     logprobs: list[float]
     # False once its KV came through a lossy codec (a moved request's may have): never cached as a prefix
     exact_kv: bool = True
+    images: PromptImages | None = None  # where a multimodal prompt's images are (their KV travels, not them)
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with its images decoded and processed (`LLMEngine.prepare_images`), not yet encoded:
+    its token ids have each image's placeholder repeated once per embedding row."""
+
+    token_ids: list[int]
+    images: PromptImages
+    prepared: list[PreparedImage]
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,10 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(loaded.kv_layout, num_blocks, config.device)
         self.scheduler = Scheduler(config, self.pool)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.vision = loaded.vision
+        self.image_limits = config.image_limits
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device,
+                                  mrope=self.vision is not None and self.vision.uses_mrope)
         self.preempt_hook: Callable[[str], None] | None = None  # `set_preempt_hook`
         self.sampler = Sampler(config.device)
         self.proposer, self.draft_model = (None, None) if config.speculative is None else make_proposer(
@@ -135,8 +152,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        images: list[bytes] | tuple[bytes, ...] = (),
     ) -> str:
-        """Queue a request; raises ValueError (naming the problem) for bad input."""
+        """Queue a request; raises ValueError (naming the problem) for bad input. `images`: encoded
+        images (PNG, JPEG, ...) for a vision-language model, one placeholder token in the prompt each
+        (`image_token`), in order; or pass the prompt as an `ImagePrompt`. The images' vision-tower pass
+        runs here, before the request is queued."""
+        if images:
+            prompt = self.prepare_images(prompt, images)
         seq = self._new_sequence(prompt, params or SamplingParams(), request_id, prefill_only=prefill_only)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -144,23 +167,49 @@ class LLMEngine:
 
     def _new_sequence(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | ImagePrompt,
         params: SamplingParams,
         request_id: str | None,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
+        images: PromptImages | None = None,
     ) -> Sequence:
+        """`images`: where the images of a prompt given as token ids are (an import's: no embeddings)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, ImagePrompt):
+            token_ids, images = prompt.token_ids, prompt.images
+        else:
+            token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(token_ids, self.vocab_size, self.max_model_len, len(output_token_ids or []))
-        return Sequence(
-            request_id, token_ids, params, prefill_only=prefill_only,
-            output_token_ids=list(output_token_ids or []),
-        )
+        if images is not None and images.placed[-1].end > len(token_ids):
+            raise ValueError(f"images placed up to token {images.placed[-1].end} of a {len(token_ids)}-token prompt")
+        seq = Sequence(request_id, token_ids, params, prefill_only=prefill_only,
+                       output_token_ids=list(output_token_ids or []), images=images)
+        if isinstance(prompt, ImagePrompt):  # the vision tower's pass, once the request is known to fit
+            seq.image_embeddings = self.vision.encode(prompt.prepared)
+            if self.vision.uses_mrope:
+                seq.mrope_positions, _ = self.vision.prompt_positions(token_ids, images)
+        return seq
+
+    @property
+    def image_token(self) -> str | None:
+        """The placeholder a prompt's text holds for each image (None: the model takes no images)."""
+        return None if self.vision is None else self.tokenizer.convert_ids_to_tokens(self.vision.placeholder_id)
+
+    def prepare_images(self, prompt: str | list[int], images: list[bytes] | tuple[bytes, ...]) -> ImagePrompt:
+        """Decode and process a prompt's images and expand their placeholders (no vision-tower pass:
+        `add_request` runs it); BadParameter for bad images. Reads no engine state: any thread may call it."""
+        if self.vision is None:
+            raise BadParameter("images", "this model takes no images (it is not a vision-language model)")
+        self.image_limits.check_count(len(images))
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        prepared = [self.vision.prepare(decode_image(data, self.image_limits, i)) for i, data in enumerate(images)]
+        token_ids, placed = self.vision.place(token_ids, prepared)
+        return ImagePrompt(token_ids, placed, prepared)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks, whatever state it is in. False if it is unknown."""
@@ -414,6 +463,7 @@ class LLMEngine:
             num_computed_tokens=seq.num_computed_tokens,
             logprobs=list(seq.logprobs),
             exact_kv=seq.exact_kv,
+            images=seq.images,
         )
 
     def export_kv(self, request_id: str, block_indices: list[int] | None = None, layer: int | None = None) -> KVBlocks:
@@ -435,20 +485,25 @@ class LLMEngine:
     # --- KV handoff: receiving side -------------------------------------------------------------
     def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      num_kv_tokens: int, draft_kv: bool = False,
-                     output_token_ids: list[int] | tuple[int, ...] = ()) -> ImportReservation:
+                     output_token_ids: list[int] | tuple[int, ...] = (),
+                     images: PromptImages | None = None) -> ImportReservation:
         """Reserve blocks for `num_kv_tokens` tokens of an incoming request, reusing the full leading
         blocks this engine's prefix cache holds (the sender skips those); `draft_kv`: and blocks of
         the draft model's pool for their draft KV, where it has room (`ImportReservation`).
         `output_token_ids`: the tokens a moved request has sampled already, whose KV (all but the
-        last's) comes too.
+        last's) comes too. `images`: a multimodal prompt's (its KV is cached under their content).
 
         Raises OutOfBlocks when the pool cannot hold them, ValueError for a bad request.
         """
-        seq = self._new_sequence(prompt_token_ids, params, request_id, output_token_ids=list(output_token_ids))
+        seq = self._new_sequence(prompt_token_ids, params, request_id, output_token_ids=list(output_token_ids),
+                                 images=images)
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"an import must carry 1..{seq.num_tokens} tokens of KV, got {num_kv_tokens}")
+        if images is not None and num_kv_tokens < images.placed[-1].end:
+            raise ValueError(f"an import of a prompt with images must carry the KV of every image token "
+                             f"({images.placed[-1].end}), got {num_kv_tokens}")
         bs = self.config.block_size
-        hashes = hash_prompt_blocks(seq.token_ids[: num_kv_tokens // bs * bs], bs)
+        hashes = hash_prompt_blocks(seq.token_ids[: num_kv_tokens // bs * bs], bs, seq.block_extra)
         hits = self.pool.lookup_prefix(hashes)
         need = -(-num_kv_tokens // bs) - len(hits)
         if not self.pool.can_allocate(need):
@@ -510,13 +565,18 @@ class LLMEngine:
         self.scheduler.publish_full_blocks(seq)
         self.scheduler.add_ready(seq)
 
-    def resume_request(self, handoff: RequestHandoff) -> None:
+    def resume_request(self, handoff: RequestHandoff, prompt: ImagePrompt | None = None) -> None:
         """Continue a request from its tokens alone (prompt + those sampled so far), recomputing the KV
-        here: the fallback when its KV cannot arrive. An import in progress for it is dropped first."""
+        here: the fallback when its KV cannot arrive. An import in progress for it is dropped first.
+        A prompt with images is recomputed from them: `prompt`, prepared again from the request's images
+        (the handoff's prompt is then the one before its placeholders were expanded)."""
         _check_logprobs(handoff)
+        if handoff.images is not None:  # its prompt pass needs the embeddings, which stay where it was encoded
+            raise ValueError(f"request {handoff.request_id!r} has images: it is recomputed from them, not from "
+                             "its handoff")
         if handoff.request_id in self.requests:
             self.abort_request(handoff.request_id)
-        seq = self._new_sequence(handoff.prompt_token_ids, handoff.params, handoff.request_id,
+        seq = self._new_sequence(prompt or handoff.prompt_token_ids, handoff.params, handoff.request_id,
                                  output_token_ids=handoff.output_token_ids)
         seq.logprobs = list(handoff.logprobs)
         self.requests[seq.request_id] = seq

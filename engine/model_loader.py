@@ -12,6 +12,7 @@ from tokenizers import pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -24,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from pdserve.engine.attention import ATTENTION_NAME, AttentionProbe, attending, register_paged_attention
 from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.multimodal.vision import FAMILIES, VisionModel
 
 # Per-layer kinds whose layers attend with plain (optionally windowed) softmax attention.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -37,6 +39,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    vision: VisionModel | None = None  # a vision-language model's image side
 
 
 def load_model(
@@ -48,20 +51,27 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM the engine can serve exactly, or raise ValueError saying what it lacks.
 
-    Support is decided by what the model does, not by its name: its config must describe a text-only
-    decoder, and one probing forward pass must show every layer attending through transformers'
-    attention interface with one K/V shape and no argument the paged attention cannot honour.
+    Support is decided by what the model does, not by its name: its config must describe a decoder
+    (with a vision tower of a family `multimodal.vision` knows, for a vision-language model), and one
+    probing forward pass must show every layer attending through transformers' attention interface
+    with one K/V shape and no argument the paged attention cannot honour.
     """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json (make one with `pdserve make-model`)")
-    config = AutoConfig.from_pretrained(path)
-    _check_config(config)
+    full_config = AutoConfig.from_pretrained(path)
+    vision_family = _check_config(full_config)
+    config = full_config.get_text_config()
     max_len = context_limit(config, max_model_len)
 
     hf_logging.disable_progress_bar()  # a per-shard bar per worker start is noise in server logs
+    paged = register_paged_attention()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_paged_attention())
+        if vision_family is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=paged)
+        else:  # the vision tower attends bidirectionally within each image, with transformers' own kernel
+            model = AutoModelForImageTextToText.from_pretrained(
+                path, dtype=dtype, attn_implementation={"text_config": paged, "vision_config": "sdpa"})
     except ValueError as e:  # no causal-LM class, or a class that refuses custom attention functions
         raise ValueError(f"model type {config.model_type!r} cannot be served: {e}") from None
     except KeyError as e:  # a class that looks its attention up in a table of its own (Falcon, GPT-Neo)
@@ -75,23 +85,29 @@ def load_model(
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        kv_layout=_probe_kv_layout(model, config, block_size, dtype),
+        kv_layout=_probe_kv_layout(model, config, block_size, dtype, mrope=vision_family is not None
+                                   and FAMILIES[vision_family].uses_mrope),
         max_model_len=max_len,
-        eos_token_ids=eos_ids(config, tokenizer),
+        eos_token_ids=eos_ids(config, tokenizer) | eos_ids(full_config, tokenizer),
         vocab_size=config.vocab_size,
+        vision=None if vision_family is None else FAMILIES[vision_family](model, path, full_config),
     )
 
 
-def _check_config(config: PretrainedConfig) -> None:
-    """Refuse, before any weight is read, what the config already says the engine cannot serve."""
+def _check_config(config: PretrainedConfig) -> str | None:
+    """Refuse, before any weight is read, what the config already says the engine cannot serve; the
+    vision family of a vision-language model (None for a text-only one)."""
     name = repr(config.model_type)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"model type {name} is an encoder-decoder model (config.is_encoder_decoder); "
                          "the engine serves decoder-only causal LMs")
     towers = [key for key in ("vision_config", "audio_config", "speech_config") if getattr(config, key, None)]
-    if towers:
-        raise ValueError(f"model type {name} is multimodal ({', '.join(towers)}); the engine serves text-only "
-                         "decoder models (load the text model alone, e.g. a *_text model type)")
+    family = config.model_type if towers == ["vision_config"] and config.model_type in FAMILIES else None
+    if towers and family is None:
+        raise ValueError(f"model type {name} is multimodal ({', '.join(towers)}) of a family the engine does not "
+                         f"place images for (it knows {', '.join(sorted(FAMILIES))}); load the text model alone, "
+                         "e.g. a *_text model type")
+    config = config.get_text_config()
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(f"model type {name} uses multi-head latent attention (kv_lora_rank), which the paged "
                          "pool does not store")
@@ -99,6 +115,7 @@ def _check_config(config: PretrainedConfig) -> None:
     if other:
         raise ValueError(f"model type {name} has layers of type {', '.join(other)}; the engine serves models "
                          f"whose layers are all {' or '.join(sorted(ATTENTION_LAYER_TYPES))}")
+    return family
 
 
 def _rope_settings(config: PretrainedConfig) -> list[dict]:
@@ -112,15 +129,16 @@ def _rope_settings(config: PretrainedConfig) -> list[dict]:
 
 
 def _probe_kv_layout(model: PreTrainedModel, config: PretrainedConfig, block_size: int,
-                     dtype: torch.dtype) -> KVLayout:
+                     dtype: torch.dtype, mrope: bool = False) -> KVLayout:
     """One forward over a few tokens with an AttentionProbe: the layout of the KV every layer writes."""
     probe = AttentionProbe()
     device = next(model.parameters()).device
     ids = torch.arange(1, 4, device=device)[None, :] % config.vocab_size
+    positions = torch.arange(3, device=device)[None, :]
     name = repr(config.model_type)
     try:
         with torch.inference_mode(), attending(probe):
-            model(input_ids=ids, position_ids=torch.arange(3, device=device)[None, :], use_cache=False,
+            model(input_ids=ids, position_ids=positions.expand(3, 1, 3) if mrope else positions, use_cache=False,
                   logits_to_keep=1)
     except torch.OutOfMemoryError:
         raise

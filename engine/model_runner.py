@@ -12,15 +12,19 @@ from transformers import PreTrainedModel
 
 from pdserve.engine.attention import DecodeBatch, PagedBatch, PrefillSpan, attending
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.multimodal.placement import text_positions
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.sequence import Sequence
 
 # Called with (layer index, the step's chunks) right after that layer's new KV is in the pool.
 LayerHook = Callable[[int, list[ScheduledChunk]], None]
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, device: torch.device | str) -> None:
+    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, device: torch.device | str,
+                 mrope: bool = False) -> None:
         self.model = model
+        self.mrope = mrope  # M-RoPE positions ([3, tokens]: Qwen2-VL), for every run
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self.device = torch.device(device)
@@ -33,7 +37,10 @@ class ModelRunner:
         runs = [TokenRun(c.input_ids, c.seq.num_computed_tokens, c.seq.block_table,
                          # the newest token (and drafts after it) attend as decode queries over the context
                          as_decode=c.num_tokens == 1 or bool(c.draft),
-                         num_logits=1 + len(c.draft) if c.samples else 0) for c in chunks]
+                         num_logits=1 + len(c.draft) if c.samples else 0,
+                         image_rows=_image_rows(c.seq, c.seq.num_computed_tokens, len(c.input_ids)),
+                         mrope_positions=_mrope_positions(c.seq, c.seq.num_computed_tokens, len(c.input_ids))
+                         if self.mrope else None) for c in chunks]
         hook = self.layer_hook
         return self.forward(runs, None if hook is None else lambda layer: hook(layer, chunks))
 
@@ -76,15 +83,32 @@ class ModelRunner:
             on_layer_written=on_layer_written,
         )
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
-        pos = torch.tensor([positions], dtype=torch.long, device=dev)
+        if self.mrope:  # [3, 1, tokens]
+            pos = torch.from_numpy(np.concatenate([run.mrope_positions for run in runs], axis=1)).to(dev)[:, None, :]
+        else:
+            pos = torch.tensor([positions], dtype=torch.long, device=dev)
         keep_index = torch.tensor(keep, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
+        tokens = self._token_inputs(ids, runs)
         with attending(batch):
-            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_index).logits[0]
+            logits = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep_index).logits[0]
         if dev.type == "cuda":  # this stream only: KV read-outs and NCCL sends on other streams go on
             torch.cuda.current_stream(dev).synchronize()
         self.last_forward_s = time.perf_counter() - t0
         return logits
+
+    def _token_inputs(self, ids: torch.Tensor, runs: list[TokenRun]) -> dict[str, torch.Tensor]:
+        """The model's token input: the ids, or where image embeddings replace some of their rows, the
+        embeddings (the models' own splicing, `masked_scatter` at placeholder ids, is this by position)."""
+        if not any(run.image_rows for run in runs):
+            return {"input_ids": ids}
+        embeds = self.model.get_input_embeddings()(ids)
+        start = 0
+        for run in runs:
+            for offset, rows in run.image_rows:
+                embeds[0, start + offset : start + offset + len(rows)] = rows.to(embeds.device, embeds.dtype)
+            start += len(run.input_ids)
+        return {"inputs_embeds": embeds}
 
     def _prefill_span(self, start: int, n: int, first: int, table: list[int]) -> PrefillSpan:
         context_len = first + n
@@ -127,6 +151,37 @@ class TokenRun:
     block_table: list[int]  # covering every position the run writes
     as_decode: bool  # attended as decode queries (a padded batch) rather than a prefill span
     num_logits: int  # logits kept: the last num_logits tokens'
+    image_rows: tuple[tuple[int, torch.Tensor], ...] = ()  # (first token in the run, embeddings) replacing ids
+    mrope_positions: np.ndarray | None = None  # [3, tokens], on a model with M-RoPE
+
+
+def _image_rows(seq: Sequence, first: int, n: int) -> tuple[tuple[int, torch.Tensor], ...]:
+    """The embedding rows of the images placed in the tokens [first, first + n) of `seq`, each with the
+    token (counted from `first`) its first row replaces."""
+    if seq.images is None or first >= seq.images.placed[-1].end:
+        return ()
+    if not seq.image_embeddings:
+        raise RuntimeError(f"request {seq.request_id!r} computes image tokens without their embeddings")
+    rows = []
+    for index, image in seq.images.overlapping(first, first + n):
+        lo, hi = max(first, image.offset), min(first + n, image.end)
+        rows.append((lo - first, seq.image_embeddings[index][lo - image.offset : hi - image.offset]))
+    return tuple(rows)
+
+
+def _mrope_positions(seq: Sequence, first: int, n: int) -> np.ndarray:
+    """[3, n] M-RoPE positions of the tokens [first, first + n): the prompt's own where it has images,
+    then each token's index plus the request's delta."""
+    delta = 0 if seq.images is None else seq.images.rope_delta
+    known = 0 if seq.mrope_positions is None else seq.mrope_positions.shape[1]
+    if first >= known:
+        if seq.images is not None and first < seq.images.placed[-1].end:
+            raise RuntimeError(f"request {seq.request_id!r} computes image tokens without their positions")
+        return text_positions(first, n, delta)
+    head = seq.mrope_positions[:, first : first + n]
+    if head.shape[1] == n:
+        return head
+    return np.concatenate([head, text_positions(known, n - head.shape[1], delta)], axis=1)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ class Scheduler:
         # Reuse cached full blocks, but always leave at least one token to compute: the step that
         # computes it produces the logits to sample from, and it must not write into a shared block.
         cacheable = (seq.num_tokens - 1) // self.block_size * self.block_size
-        hashes = hash_prompt_blocks(seq.token_ids[:cacheable], self.block_size)
+        hashes = hash_prompt_blocks(seq.token_ids[:cacheable], self.block_size, seq.block_extra)
         hits = self.pool.lookup_prefix(hashes)
         seq.block_table = list(hits)
         seq.block_hashes = hashes[: len(hits)]
@@ -207,7 +207,8 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            h = hash_block(parent, seq.token_ids[start:end], seq.block_extra(start, end))
             seq.block_hashes.append(h)
             self.pool.cache_block(seq.block_table[i], h, parent)
 

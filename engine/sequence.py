@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative.draft import AcceptanceRecord
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 REQUEST_RECORD_DECAY = 0.97  # per engine step: a request's record is mostly of its last 30 steps
 
@@ -49,10 +55,18 @@ class Sequence:
     num_model_verifications: int = 0  # of those, the ones whose draft a draft model proposed
     # How its drafts fared lately: how far the next ones are believed (`engine.speculative.sizing`).
     acceptance: AcceptanceRecord = field(default_factory=lambda: AcceptanceRecord(REQUEST_RECORD_DECAY))
+    images: PromptImages | None = None  # where the prompt's images are (a multimodal request's)
+    # Their embeddings, kept while the prompt may be (re)computed here: a preempted request recomputes it.
+    image_embeddings: list[torch.Tensor] = field(default_factory=list)
+    mrope_positions: np.ndarray | None = None  # [3, prompt length], an M-RoPE model's prompt with images
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    def block_extra(self, start: int, end: int) -> bytes:
+        """What the prefix-cache hash of the block of tokens [start, end) adds to their ids."""
+        return b"" if self.images is None else self.images.block_extra(start, end)
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,7 @@ import torch
 from pdserve.engine.block_pool import OutOfBlocks
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import ImportReservation, LLMEngine, RequestHandoff
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.kv_cache import KVLayout, PagedKVCache
 from pdserve.kv_transfer.codecs import Codec, frame_checksum, make_codec, parse_offer, usable_codec
@@ -121,18 +122,20 @@ class KVReceiver:
     # --- control plane --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str] | tuple[str, ...] = ("raw",),
-                draft_kv: str | None = None, output_token_ids: list[int] | None = None) -> Lease:
+                draft_kv: str | None = None, output_token_ids: list[int] | None = None,
+                images: PromptImages | None = None) -> Lease:
         """`draft_kv`: the sender can send the draft model's prompt KV too, of the draft it names
         (`DraftModelProposer.kv_identity`); taken when it is this worker's draft. `output_token_ids`:
         set (perhaps empty) for a running request moved here from another decode worker: the tokens
-        it sampled before its last, whose KV comes with the prompt's."""
+        it sampled before its last, whose KV comes with the prompt's. `images`: where a multimodal
+        prompt's images are."""
         if self.closed is not None:
             raise TransferError(self.closed)
         transfer = Transfer(transfer_id, request_id)
         codec = self.negotiate(codecs)  # before any block is taken: nothing to give back if it fails
         try:
             reservation = self._reserve_blocks(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                               self._takes_draft(draft_kv), output_token_ids or [])
+                                               self._takes_draft(draft_kv), output_token_ids or [], images)
         except Exception as e:
             transfer.fail(f"reserve failed: {e}")
             raise
@@ -196,7 +199,7 @@ class KVReceiver:
 
     def _reserve_blocks(self, transfer_id: str, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams, num_kv_tokens: int, draft_kv: bool,
-                        output_token_ids: list[int]) -> ImportReservation:
+                        output_token_ids: list[int], images: PromptImages | None) -> ImportReservation:
         deadline = time.monotonic() + self.reserve_wait_s
 
         def ended() -> bool:
@@ -209,7 +212,7 @@ class KVReceiver:
                 raise TransferError(self.closed or f"request {request_id!r} was aborted")
             try:
                 return self.loop.call(lambda e: e.begin_import(request_id, prompt_token_ids, params, num_kv_tokens,
-                                                               draft_kv, output_token_ids),
+                                                               draft_kv, output_token_ids, images),
                                       timeout=max(1.0, deadline - time.monotonic()), kind="kv")
             except OutOfBlocks as e:
                 remaining = deadline - time.monotonic()

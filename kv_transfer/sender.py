@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, offers
 from pdserve.kv_transfer.frames import FrameCutter, LevelController, LevelSizes, make_frame
@@ -76,10 +77,11 @@ class DecodePeer(Protocol):
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
-                output_token_ids: list[int] | None = None) -> Future[Lease]:
+                output_token_ids: list[int] | None = None, images: PromptImages | None = None) -> Future[Lease]:
         """`draft_kv`: this side can send the draft model's prompt KV too, of the draft it names.
         `output_token_ids`: set (perhaps empty) for a running request moved from another decode worker:
-        the tokens it sampled before its last, whose KV comes with the prompt's."""
+        the tokens it sampled before its last, whose KV comes with the prompt's. `images`: where the
+        prompt's images are (their KV is cached under their content there)."""
 
     def renew(self, transfer_id: str) -> Future[Lease]: ...
 
@@ -267,17 +269,19 @@ class KVSender:
 
     # --- the worker's calls ------------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, new_tokens: int,
-              peer: DecodePeer, arrived: float | None, output_token_ids: list[int] | None = None) -> OutgoingKV:
+              peer: DecodePeer, arrived: float | None, output_token_ids: list[int] | None = None,
+              images: PromptImages | None = None) -> OutgoingKV:
         """Ask `peer` to reserve for the request (beside its prompt pass, which the caller starts).
         `arrived`: when the request came (wall clock), which its TTFT objective counts from (None: no
         objective applies, as for a move). `output_token_ids`: a decoding request moved with its KV:
         the tokens it has sampled (the KV of all but the last goes; the caller records every layer
-        written, with no pass to wait for)."""
+        written, with no pass to wait for). `images`: a multimodal prompt's (its placeholders expanded)."""
         transfer = Transfer(uuid.uuid4().hex, request_id)
         num_kv_tokens = len(prompt_token_ids) + max(0, len(output_token_ids or ()) - 1)
         reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
                                    offers(self.codecs), self.draft.identity if self.draft is not None else None,
-                                   output_token_ids=output_token_ids[:-1] if output_token_ids is not None else None)
+                                   output_token_ids=output_token_ids[:-1] if output_token_ids is not None else None,
+                                   images=images)
         slo = self.settings.ttft_slo_s
         kv = OutgoingKV(transfer, num_kv_tokens, params, new_tokens, peer, self._link(peer), reservation,
                         time.monotonic() + self.settings.deadlines.reservation_bound_s,
@@ -503,6 +507,9 @@ class KVSender:
             if kv.transfer.advance_unless_finished(TransferState.DONE):  # else a cancel came during the commit
                 self._record(kv)
                 self._finish(kv, TransferOutcome())
+            return
+        if kv.resent and kv.handoff.images is not None:  # its embeddings are here: it starts over instead
+            self._fail(kv, f"KV transfer failed: layers {incomplete} still incomplete after a resend")
             return
         if kv.resent:
             log.warning("request %s: layers %s still incomplete, the decode worker recomputes it", kv.request_id,

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import ImagePrompt
 from pdserve.engine.profiler import profile_prefill
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv_transfer.codecs import usable_codec
@@ -64,6 +65,7 @@ class _Job:
     kv: OutgoingKV | None = None  # its transfer, once started
     arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
+    prompt: ImagePrompt | None = None  # its images decoded and placed (a vision-language model's request)
 
     @property
     def request_id(self) -> str:
@@ -225,9 +227,15 @@ class PrefillWorker(WorkerBase):
         started = []
         for job in jobs:
             work = job.work
+            try:  # images first: their placeholders are expanded in the prompt the decode worker reserves for
+                job.prompt = self.engine.prepare_images(work.prompt_token_ids, work.images) if work.images else None
+            except ValueError as e:
+                self._finish(job, error=f"prefill could not start: {e}", code=INVALID_ARGUMENT)
+                continue
+            token_ids = work.prompt_token_ids if job.prompt is None else job.prompt.token_ids
             try:
-                kv = self.sender.start(work.request_id, work.prompt_token_ids, work.params, job.new_tokens, job.peer,
-                                       job.arrived)
+                kv = self.sender.start(work.request_id, token_ids, work.params, job.new_tokens, job.peer, job.arrived,
+                                       images=None if job.prompt is None else job.prompt.images)
             except Exception as e:
                 self._finish(job, error=f"prefill could not start: {e}", code=UNAVAILABLE)
                 continue
@@ -243,7 +251,7 @@ class PrefillWorker(WorkerBase):
         if not started:
             return
         try:
-            errors = self.loop.call(lambda engine: [_add_prompt(engine, job.work) for job in started])
+            errors = self.loop.call(lambda engine: [_add_prompt(engine, job) for job in started])
         except Exception as e:  # the loop stopped, or a long command held it past the call's bound
             errors = [e] * len(started)
         for job, error in zip(started, errors):
@@ -331,13 +339,15 @@ class PrefillWorker(WorkerBase):
             if out.finish_reason == "prefilled":
                 first_tokens.append(token_message(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                                   events=events, cached_tokens=out.num_cached_tokens,
-                                                  first_index=out.first_new_index))
+                                                  first_index=out.first_new_index,
+                                                  prompt_tokens=len(out.prompt_token_ids)))
                 prefilled.append((job, self.engine.export_handoff(out.request_id)))
             else:  # finished on its first token (stop, length): nothing to hand over
                 self._finish(job, reason="request finished at prefill", last_message=lambda out=out, events=events:
                              self.sink.send(out.request_id, out.new_token_ids, logprobs=out.logprobs,
                                             finish_reason=out.finish_reason, text=out.text, events=events,
-                                            cached_tokens=out.num_cached_tokens, first_index=out.first_new_index))
+                                            cached_tokens=out.num_cached_tokens, first_index=out.first_new_index,
+                                            prompt_tokens=len(out.prompt_token_ids)))
         self.sink.send_step(first_tokens)  # the step's first tokens in one message, before their handoffs go on
         for job, handoff in prefilled:
             self.sender.prompt_done(job.kv, handoff)
@@ -398,10 +408,12 @@ class PrefillWorker(WorkerBase):
             self._finish(job, error=self.fault, code=INTERNAL)
 
 
-def _add_prompt(engine: LLMEngine, work: WorkRequest) -> Exception | None:
-    """Add a prompt to compute (on the engine loop); the error that refused it, if one did."""
+def _add_prompt(engine: LLMEngine, job: _Job) -> Exception | None:
+    """Add a prompt to compute (on the engine loop: its images' vision-tower pass too); the error that
+    refused it, if one did."""
+    work = job.work
     try:
-        engine.add_request(work.prompt_token_ids, work.params, work.request_id, prefill_only=True)
+        engine.add_request(job.prompt or work.prompt_token_ids, work.params, work.request_id, prefill_only=True)
     except Exception as e:  # the request's own fault (a prompt the engine cannot take): the others go on
         return e
     return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import logging
@@ -38,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pdserve.engine.multimodal.images import ImageLimits, check_image_header
 from pdserve.engine.sampling_params import (
     BadParameter,
     SamplingParams,
@@ -147,6 +149,21 @@ class ServedModel:
     info: pdserve_pb2.ModelInfo
     # The most characters one token stands for (model_loader.max_token_chars); None: no such bound.
     max_token_chars: int | None = None
+    image_limits: ImageLimits | None = None  # a vision-language model's; None: it takes no images
+
+    def check_images(self, ids: list[int], images: tuple[bytes, ...]) -> None:
+        """Refuse (BadParameter) images this model cannot take: too many, too large, not an image by
+        their header, or not one placeholder each in the prompt. Reads headers only (no decoding)."""
+        limits = self.image_limits
+        if limits is None or limits.max_images == 0:
+            raise BadParameter("images", f"model {self.name!r} takes no images")
+        limits.check_count(len(images))
+        placeholders = ids.count(self.info.image_token_id)
+        if placeholders != len(images):
+            raise BadParameter("images", f"the prompt has {placeholders} image placeholders ({self.info.image_token!r}) "
+                                         f"for {len(images)} images: one per image, in order")
+        for index, data in enumerate(images):
+            check_image_header(data, limits, index)
 
 
 class Frontend:
@@ -284,16 +301,20 @@ class Frontend:
         worker.draining = False
 
     def start(self, api: str, ids: list[int], params: SamplingParams, client_request_id: str = "",
-              accepted: float | None = None, max_tokens_param: str = "max_tokens") -> ActiveRequest:
-        """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (a bad prompt, or more
-        output than the context leaves: `max_tokens_param` names the field that asked) or RequestFailed.
-        `accepted`: when the API layer received the request (its parsing and tokenizing count in the
-        TTFT), else now."""
+              accepted: float | None = None, max_tokens_param: str = "max_tokens",
+              images: tuple[bytes, ...] = ()) -> ActiveRequest:
+        """Validate, place and dispatch a prompt (`prompt_ids`); raises ValueError (a bad prompt or image,
+        or more output than the context leaves: `max_tokens_param` names the field that asked) or
+        RequestFailed. `accepted`: when the API layer received the request (its parsing and tokenizing
+        count in the TTFT), else now. `images`: one per placeholder in `ids`; the worker that runs the
+        prompt pass expands the placeholders (and refuses a prompt they make too long)."""
         accepted = accepted or time.time()
         info = self.model.info
         check_prompt(ids, info.vocab_size, info.max_model_len)
         check_output_room(len(ids), params.max_tokens, info.max_model_len, max_tokens_param)
-        work = WorkRequest(uuid.uuid4().hex, ids, params)  # unique, whatever the client calls it
+        if images:
+            self.model.check_images(ids, images)
+        work = WorkRequest(uuid.uuid4().hex, ids, params, images)  # unique, whatever the client calls it
         if self.hub.error is not None:
             raise RequestFailed(UNAVAILABLE, f"the router's token stream failed: {self.hub.error}")
         try:
@@ -337,6 +358,7 @@ class ActiveRequest:
         self.code = CANCELLED  # until it completes or fails
         self.output_tokens = 0
         self.cached_tokens = 0
+        self.prompt_tokens = len(work.prompt_token_ids)  # the worker's count once it answers (images expanded)
         self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding's, from the last message
         self.generated: list[int] = []  # every token the client has been sent
         self.logprobs: list[float] = []
@@ -400,7 +422,8 @@ class ActiveRequest:
             if LifetimeEvent.FIRST_TOKEN not in self.events:
                 self.events[LifetimeEvent.FIRST_TOKEN] = time.time()
                 self.cached_tokens = msg.cached_tokens
-                response.prompt_tokens = len(self.work.prompt_token_ids)
+                self.prompt_tokens = msg.prompt_tokens or self.prompt_tokens
+                response.prompt_tokens = self.prompt_tokens
                 response.cached_tokens = msg.cached_tokens
             if msg.finish_reason:
                 self.events[LifetimeEvent.FINISHED] = time.time()
@@ -482,7 +505,7 @@ class ActiveRequest:
         log.warning("request %s: %s; attempt %d of %d", self.request_id, cause, attempt + 1, budget.max_retries + 1)
         failed = self.placement.touched
         self._end_attempt(aborted=True)
-        self.work = WorkRequest(f"{self.request_id}.{attempt}", self.work.prompt_token_ids, self.work.params)
+        self.work = dataclasses.replace(self.work, request_id=f"{self.request_id}.{attempt}")
         self.events[LifetimeEvent.retry(attempt)] = time.time()
         frontend.metrics.retried("decode" if self.generated else "prefill")
         deadline = time.monotonic() + budget.wait_s
@@ -529,7 +552,7 @@ class ActiveRequest:
         if self.draft_tokens:
             frontend.metrics.speculated(placement.decode.name, self.draft_tokens, self.accepted_draft_tokens)
         if first is not None:
-            frontend.metrics.prompt_served(placement.prefiller.name, len(self.work.prompt_token_ids),
+            frontend.metrics.prompt_served(placement.prefiller.name, self.prompt_tokens,
                                            self.cached_tokens)
         lifetime_log.info(json.dumps(self.lifetime()))
 
@@ -539,7 +562,7 @@ class ActiveRequest:
         p, start = self.placement, self.events[LifetimeEvent.ACCEPTED]
         ordered = sorted(self.events.items(), key=lambda kv: kv[1])
         return {"request_id": self.request_id, "client_request_id": self.client_id, "api": self.api,
-                "code": self.code, "prompt_tokens": len(self.work.prompt_token_ids),
+                "code": self.code, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
                 "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
                 "prefill_worker": p.prefiller.name, "decode_worker": p.decode.name,

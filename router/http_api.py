@@ -22,11 +22,13 @@ on the last response.
 from __future__ import annotations
 
 import asyncio
+import binascii
 import hmac
 import json
 import logging
 import math
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
@@ -155,6 +157,21 @@ class CompletionBody(_Body):
         return p
 
 
+def image_bytes(url: str) -> bytes:
+    """The image a chat's `image_url` part carries inline (a `data:` URL, base64 or percent-encoded).
+    Remote URLs are refused: fetching them would make the router a client of any host a request names."""
+    scheme = url.partition(":")[0].lower()
+    if scheme != "data":
+        shown = f"{scheme[:16]!r}" if scheme.isascii() and scheme.isalnum() else "other"
+        raise BadParameter("messages", f"image_url must be a data: URL carrying the image (data:image/png;base64,...); "
+                                       f"URLs of scheme {shown} are not fetched")
+    try:
+        with urllib.request.urlopen(url) as response:  # the standard library's data: URL decoder
+            return response.read()
+    except (ValueError, binascii.Error, OSError) as e:
+        raise BadParameter("messages", f"image_url is not a valid data: URL ({type(e).__name__})") from None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -163,13 +180,28 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        # A part of another kind (an image, audio) would be dropped by the chat template unseen.
+    def _text_and_image_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        # A part of another kind (audio, a file) would be dropped by the chat template unseen.
         for part in v if isinstance(v, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": ...}}: this model reads "
-                                 f"text only, got a part of type {part.get('type')!r}")
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            image = part.get("image_url")
+            if kind == "image_url" and isinstance(image, dict) and isinstance(image.get("url"), str):
+                continue
+            raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": "
+                             f"\"image_url\", \"image_url\": {{\"url\": ...}}}}, got a part of type {kind!r}")
         return v
+
+    def images_as_parts(self) -> tuple[dict[str, Any], list[bytes]]:
+        """The message for the chat template, each image part an `{"type": "image"}` part (which a
+        vision-language model's template renders as its placeholder), and the images' bytes in order."""
+        message = self.model_dump(exclude_none=True)
+        if not isinstance(self.content, list):
+            return message, []
+        images = [image_bytes(part["image_url"]["url"]) for part in self.content if part["type"] == "image_url"]
+        message["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in self.content]
+        return message, images
 
 
 class ChatBody(_Body):
@@ -267,7 +299,7 @@ class _OpenAIApi:
                 fmt = fmt_type(frontend, body)
                 await fmt.read_prompt()
                 active = frontend.start(API, fmt.prompt_ids, fmt.params, request.headers.get("x-request-id", ""),
-                                        accepted, fmt.max_tokens_param)
+                                        accepted, fmt.max_tokens_param, tuple(fmt.images))
         except RequestFailed as e:
             if e.param == "prompt":  # the rules' name for what this endpoint's body calls otherwise
                 e.param = fmt_type.prompt_param
@@ -354,6 +386,7 @@ class _Format:
         self.created = int(time.time())
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"  # replaced by the server's request id once started
         self.prompt_ids: list[int] = []
+        self.images: list[bytes] = []  # a chat's image parts, in order
         self.params: SamplingParams
         self.max_tokens_param = "max_tokens"  # the field that set the output length, for errors about it
 
@@ -362,7 +395,7 @@ class _Format:
                 "choices": choices, **extra}
 
     def usage(self, active: ActiveRequest) -> dict[str, Any]:
-        prompt = len(active.work.prompt_token_ids)
+        prompt = active.prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": active.output_tokens,
                 "total_tokens": prompt + active.output_tokens,
                 "prompt_tokens_details": {"cached_tokens": active.cached_tokens},
@@ -429,7 +462,10 @@ class _ChatFormat(_Format):
         frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise BadParameter("messages", f"model {self.model!r} has no chat template: use /v1/completions")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        # Off the event loop: the base64 of images is megabytes to decode.
+        rendered = await frontend.off_loop(lambda: [message.images_as_parts() for message in body.messages])
+        messages = [message for message, _ in rendered]
+        self.images = [image for _, images in rendered for image in images]
         try:
             text = await frontend.off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
                                            tokenize=False)

@@ -52,9 +52,10 @@ class RoutingSettings:
     max_queued_prefills: int = 64
     max_active_decodes: int = 128
     max_model_len: int = 2048
+    image_token_id: int | None = None  # a vision-language model's image placeholder
 
     @classmethod
-    def from_spec(cls, spec: Any, max_model_len: int) -> "RoutingSettings":
+    def from_spec(cls, spec: Any, max_model_len: int, image_token_id: int | None = None) -> "RoutingSettings":
         """From a manifest's `router` section (`cluster.manifest.RouterSpec`, read by attribute: the
         router imports nothing of the cluster): the cluster's router and the simulator's alike."""
         prefill_policy, decode_policy = spec.pool_policies
@@ -62,7 +63,8 @@ class RoutingSettings:
                    policy_options={**spec.cache_aware.model_dump(), "overlap_weight": spec.kv_overlap_weight},
                    prefix_index=spec.prefix_index, ttft_slo_s=spec.ttft_slo_s, reject_factor=spec.reject_factor,
                    local_prefill_tokens=spec.local_prefill_tokens, max_queued_prefills=spec.max_queued_prefills,
-                   max_active_decodes=spec.max_active_decodes, max_model_len=max_model_len)
+                   max_active_decodes=spec.max_active_decodes, max_model_len=max_model_len,
+                   image_token_id=image_token_id)
 
 
 @dataclass
@@ -225,7 +227,10 @@ class Router:
         tokens = work.prompt_token_ids + list(generated)
         n = len(tokens)
         # As the engine does: full blocks only, and never the last prompt token (its pass makes the logits).
-        cacheable = (n - 1) // self.block_size * self.block_size
+        # With images, the text before the first: the engine hashes image blocks with the images' content,
+        # which only the worker that decodes them knows.
+        cached_end = work.prompt_token_ids.index(self.settings.image_token_id) if work.images else n - 1
+        cacheable = cached_end // self.block_size * self.block_size
         hashes = hash_prompt_blocks(tokens[:cacheable], self.block_size)
         exact = self.index.match(hashes) if hashes else {}
         seen = self.approximate.match(hashes) if self.approximate is not None and hashes else exact

@@ -63,7 +63,8 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                 ids = await frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids))
                 if not request.params.max_tokens:  # unset: the default, within what the context leaves
                     params = dataclasses.replace(params, max_tokens=frontend.default_max_tokens(ids, params.max_tokens))
-                active = frontend.start("grpc", ids, params, request.request_id, accepted)
+                active = frontend.start("grpc", ids, params, request.request_id, accepted,
+                                        images=tuple(image.data for image in request.images))
         except RequestFailed as e:
             await abort(context, e)
         try:

@@ -140,9 +140,11 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
              top_k: int = 0, top_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
              stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
              logprobs: bool = False, speculative: bool | None = None,
-             proposer: str | None = None) -> pdserve_pb2.GenerateRequest:
+             proposer: str | None = None, images: Sequence[bytes] = ()) -> pdserve_pb2.GenerateRequest:
     """Build a GenerateRequest; unset temperature/top_p/seed/max_tokens keep the server's defaults (1.0, 1.0,
     none, 16 or what the context leaves when less)."""
+    if isinstance(images, (bytes, bytearray)) or not all(isinstance(i, (bytes, bytearray)) for i in images):
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "images must be a list of encoded images (bytes)")
     params = pdserve_pb2.SamplingParams(top_k=top_k, max_tokens=max_tokens or 0, stop_token_ids=list(stop_token_ids),
                                         ignore_eos=ignore_eos, logprobs=logprobs)
     with _text("stop"):
@@ -158,7 +160,7 @@ def _request(prompt: str | Sequence[int], *, model: str = "", request_id: str = 
     if proposer is not None:
         with _text("proposer"):
             params.proposer = proposer
-    req = pdserve_pb2.GenerateRequest(params=params)
+    req = pdserve_pb2.GenerateRequest(params=params, images=[pdserve_pb2.Image(data=bytes(i)) for i in images])
     with _text("model"):
         req.model = model
     with _text("request_id"):
@@ -240,7 +242,8 @@ class Client:
 
         `params`: model, request_id, temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids,
         ignore_eos, logprobs, speculative (False: no speculative decoding for this request), proposer
-        ("suffix" or "draft_model": that one alone, where the deployment runs both).
+        ("suffix" or "draft_model": that one alone, where the deployment runs both), images (encoded
+        images for a vision-language model: the prompt holds `model_info().image_token` once per image).
         """
         req = _request(prompt, **params)
         call = self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata)

@@ -60,6 +60,9 @@ class WorkRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Encoded images, one placeholder token in the prompt each (a vision-language model's request): the
+    # worker that runs the prompt pass decodes and encodes them, expanding the placeholders.
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -69,6 +72,8 @@ class WorkRequest:
             raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        if not isinstance(self.images, tuple) or not all(isinstance(i, bytes) for i in self.images):
+            raise ValueError("images must be a tuple of bytes")
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,8 @@ def parse_token_batch(data: bytes) -> list[TokenMessage]:
 def token_message(request_id: str, token_ids: list[int] | None = None, *, logprobs: list[float] | None = None,
                   finish_reason: str | None = None, text: str | None = None, error: str | None = None,
                   error_code: str = "", events: dict[str, float] | None = None, cached_tokens: int = 0,
-                  first_index: int = 0, draft_tokens: int = 0, accepted_draft_tokens: int = 0) -> TokenMessage:
+                  first_index: int = 0, draft_tokens: int = 0, accepted_draft_tokens: int = 0,
+                  prompt_tokens: int = 0) -> TokenMessage:
     """One request's message; `error` (with `error_code`, a gRPC status name) fails the request.
     `first_index`: the output position of `token_ids[0]` (the router puts a request's messages in that
     order)."""
@@ -221,7 +227,7 @@ def token_message(request_id: str, token_ids: list[int] | None = None, *, logpro
                         finish_reason=finish_reason or "", text=text or "", error=error or "",
                         error_code=error_code, events=events or {}, cached_tokens=cached_tokens,
                         first_index=first_index, draft_tokens=draft_tokens,
-                        accepted_draft_tokens=accepted_draft_tokens)
+                        accepted_draft_tokens=accepted_draft_tokens, prompt_tokens=prompt_tokens)
 
 
 class TokenSink:

@@ -19,6 +19,7 @@ from pdserve.diagnostics import LogLevel, configure_diagnostics
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.faults import FaultInjector, FaultSettings
@@ -120,9 +121,9 @@ class RayDecodePeer:
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
-                output_token_ids: list[int] | None = None) -> Future[Lease]:
+                output_token_ids: list[int] | None = None, images: PromptImages | None = None) -> Future[Lease]:
         return self.handle.reserve.remote(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                          codecs, draft_kv, output_token_ids).future()
+                                          codecs, draft_kv, output_token_ids, images).future()
 
     def renew(self, transfer_id: str) -> Future[Lease]:
         return self.handle.renew_lease.remote(transfer_id).future()

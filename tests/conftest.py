@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TEST_PRESETS, HFReference
+from helpers import TEST_PRESETS, VISION_PRESETS, HFReference, HFVisionReference
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from pdserve.engine.models.draft_training import draft_from_target
@@ -39,6 +39,18 @@ def tiny_llama_draft(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempP
 @pytest.fixture(scope="session")
 def hf_reference(model_dirs: dict[str, Path]) -> dict[str, HFReference]:
     return {name: HFReference(path) for name, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def vision_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The vision-language presets, built once."""
+    root = tmp_path_factory.mktemp("vision-models")
+    return {name: make_model(name, root / name, seed=0) for name in VISION_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def vision_references(vision_models: dict[str, Path]) -> dict[str, HFVisionReference]:
+    return {name: HFVisionReference(path) for name, path in vision_models.items()}
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import random
 import shutil
 import socket
@@ -10,8 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.block_pool import KVPoolStatus
@@ -23,7 +26,8 @@ from pdserve.wire import WorkerStatus
 
 # Every family the engine is tested on: Llama, Qwen2 (with and without a window), Qwen3, Mistral
 # (window shorter than the prompts), Gemma 2 and 3 (local/global layers; soft-capping), Phi-3, OLMo 2.
-TEST_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
+TEST_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-") and PRESETS[name].vision is None)
+VISION_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-") and PRESETS[name].vision is not None)
 
 
 class HFReference:
@@ -46,6 +50,39 @@ class HFReference:
             )
             self._memo[key] = out[0, len(prompt):].tolist()
         return self._memo[key]
+
+
+class HFVisionReference:
+    """Greedy continuations of prompts with images from transformers' own `generate`."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        self.image_token_id = self.model.config.image_token_id
+
+    @torch.inference_mode()
+    def greedy(self, expanded_prompt: list[int], images: Sequence[bytes], max_new_tokens: int) -> list[int]:
+        """`expanded_prompt`: every image's placeholder already repeated once per image token."""
+        ids = torch.tensor([expanded_prompt])
+        inputs: dict[str, torch.Tensor] = {}
+        if images:
+            pixels = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+            inputs = dict(self.image_processor(images=pixels, return_tensors="pt"))
+            if "image_grid_thw" in inputs:  # M-RoPE: which tokens are image tokens
+                inputs["mm_token_type_ids"] = (ids == self.image_token_id).int()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs,
+                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+        return out[0, len(expanded_prompt):].tolist()
+
+
+def noise_png(seed: int, width: int, height: int) -> bytes:
+    """A PNG of seeded random pixels."""
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
 
 
 def random_prompts(n: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:

@@ -21,14 +21,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.utils import logging as hf_logging
 
 from pdserve.engine.models.hub import hub_snapshot, is_hub_id
-from pdserve.engine.models.tokenizer import build_tokenizer
+from pdserve.engine.models.tokenizer import build_tokenizer, chat_template
 
 BUILD_VERSION = 3  # bump when the build recipe changes, so cached models are rebuilt
 MARKER = "pdserve_preset.json"
+
+
+@dataclass(frozen=True)
+class VisionPreset:
+    """The image side of a vision-language preset: its family's composite config around the text model."""
+
+    family: str  # the composite model type: "llava" or "qwen2_vl" (`engine.multimodal.vision.FAMILIES`)
+    tower: dict[str, Any]  # vision_config
+    image_processor: str  # a transformers image processor class (the Pillow ones: no torchvision needed)
+    processor_settings: dict[str, Any]
+    image_token: str  # the placeholder: `<image>`, `<|image_pad|>`
+    # Special tokens the family's config names by id (config key -> token), the placeholder's included.
+    token_ids: dict[str, str]
+    extra: dict[str, Any] = field(default_factory=dict)  # the composite config's own settings
+
+    def hf_config(self, text_config: Any, tokenizer: Any) -> Any:
+        ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in self.token_ids.items()}
+        return AutoConfig.for_model(self.family, text_config=text_config.to_dict(), vision_config=self.tower,
+                                    **ids, **self.extra)
+
+    def save_image_processor(self, out: Path) -> None:
+        getattr(transformers, self.image_processor)(**self.processor_settings).save_pretrained(out)
 
 
 @dataclass(frozen=True)
@@ -44,6 +67,7 @@ class Preset:
     tie_word_embeddings: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    vision: VisionPreset | None = None  # a vision-language model's image side
 
     def hf_config(self, vocab_size: int) -> Any:
         return AutoConfig.for_model(
@@ -106,6 +130,32 @@ PRESETS: dict[str, Preset] = {
         extra={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "qk_layernorm": True, "use_qkv_bias": True},
         description="~0.3M, StableLM, partial rotary, parallel residual, per-head QK-norm, for tests",
     ),
+    # Vision-language models, one per way of placing image tokens (`engine/multimodal/vision.py`).
+    "tiny-llava": Preset(
+        "llama", 1024, 64, 2, 4, 2, 192, 1024,
+        vision=VisionPreset(
+            "llava", tower={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                            "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 7,
+                            "projection_dim": 32},
+            image_processor="CLIPImageProcessorPil",
+            processor_settings={"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}},
+            image_token="<image>", token_ids={"image_token_id": "<image>"},
+            extra={"vision_feature_layer": -1, "vision_feature_select_strategy": "default"}),
+        description="~0.3M, LLaVA: CLIP tower (16 tokens an image) and Llama, for tests",
+    ),
+    "tiny-qwen2-vl": Preset(
+        "qwen2_vl_text", 1024, 64, 2, 4, 2, 192, 1024,
+        extra={"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision=VisionPreset(
+            "qwen2_vl", tower={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+            image_processor="Qwen2VLImageProcessorPil",
+            processor_settings={"min_pixels": 4 * 28 * 28, "max_pixels": 64 * 28 * 28},
+            image_token="<|image_pad|>",
+            token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                       "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}),
+        description="~0.3M, Qwen2-VL: native-resolution tower (4 to 64 tokens an image), M-RoPE, for tests",
+    ),
     "llama-20m": Preset("llama", 8192, 384, 8, 6, 2, 1024, 2048, description="~19M, Llama, GQA 6:2"),
     "qwen2-20m": Preset(
         "qwen2", 8192, 384, 8, 6, 2, 1024, 2048, tie_word_embeddings=True,
@@ -135,15 +185,24 @@ def make_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
     preset = PRESETS[preset_name]
     out = Path(out_dir)
     tokenizer = build_tokenizer(preset.vocab_size, seed)
+    vision = preset.vision
+    if vision is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": sorted(set(vision.token_ids.values()))})
+        tokenizer.chat_template = chat_template(vision.image_token)
     config = preset.hf_config(vocab_size=len(tokenizer))
     hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if vision is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForImageTextToText.from_config(vision.hf_config(config, tokenizer), dtype=torch.float32)
     # Write into a temporary sibling, then rename: a crash never leaves a half-written model behind.
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if vision is not None:
+        vision.save_image_processor(staging)
     info = {"preset": preset_name, "seed": seed, "build_version": BUILD_VERSION,
             "parameters": sum(p.numel() for p in model.parameters())}
     (staging / MARKER).write_text(json.dumps(info, indent=2))

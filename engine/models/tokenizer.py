@@ -23,12 +23,13 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
 
 # transformers renders with trim_blocks, which eats a newline right after a tag: hence {{ '\n' }}.
+_TEXT_PARTS = "{{ message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join }}"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ message['role'] }}: "
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% elif message['content'] %}"
-    "{{ message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join }}"
+    + _TEXT_PARTS +
     "{% endif %}{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -59,6 +60,16 @@ def _corpus(seed: int, num_sentences: int = 6000) -> list[str]:
             sentence += f" {rng.randint(0, 99999)} = {rng.choice(lexicon)}({rng.choice(lexicon)}, {rng.randint(0, 9)})"
         lines.append(sentence)
     return lines
+
+
+def chat_template(image_token: str | None = None) -> str:
+    """The presets' chat template; with `image_token` (a vision-language model's), `{"type": "image"}`
+    parts render as that placeholder where they stand among the text parts."""
+    if image_token is None:
+        return CHAT_TEMPLATE
+    parts = ("{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+             f"{{% elif part['type'] == 'image' %}}{image_token}{{% endif %}}{{% endfor %}}")
+    return CHAT_TEMPLATE.replace(_TEXT_PARTS, parts)
 
 
 def build_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:

@@ -24,6 +24,7 @@ from pdserve.deadlines import KVDeadlines
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.kv_transfer.codecs import make_codec
 from pdserve.kv_transfer.interface import KVMemoryFull, Lease, TransferError
@@ -79,10 +80,10 @@ class LocalPeer:
 
     def reserve(self, transfer_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 num_kv_tokens: int, codecs: list[str], draft_kv: str | None = None,
-                output_token_ids: list[int] | None = None) -> Future[Lease]:
+                output_token_ids: list[int] | None = None, images: PromptImages | None = None) -> Future[Lease]:
         def reserve() -> Lease:
             lease = self.receiver.reserve(transfer_id, request_id, prompt_token_ids, params, num_kv_tokens, codecs,
-                                          draft_kv, output_token_ids)
+                                          draft_kv, output_token_ids, images)
             return dataclasses.replace(lease, addresses=self.addresses, node_id="node", worker_id=self.name,
                                        recompute_s=self.recompute_s)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pdserve/proto/pdserve/v1/internal.proto\x12\npdserve.v1\"\xd5\x02\n\x0cTokenMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x34\n\x06\x65vents\x18\x07 \x03(\x0b\x32$.pdserve.v1.TokenMessage.EventsEntry\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\n \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0c \x01(\r\x1a-\n\x0b\x45ventsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\nTokenBatch\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenMessage\"C\n\x07KVEvent\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07removed\x18\x03 \x01(\x08\"h\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.pdserve.v1.KVEventB4B\rInternalProtoP\x01Z\x14pdserve/v1;pdservev1\xaa\x02\nPdserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pdserve/proto/pdserve/v1/internal.proto\x12\npdserve.v1\"\xec\x02\n\x0cTokenMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x34\n\x06\x65vents\x18\x07 \x03(\x0b\x32$.pdserve.v1.TokenMessage.EventsEntry\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\n \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0c \x01(\r\x12\x15\n\rprompt_tokens\x18\r \x01(\r\x1a-\n\x0b\x45ventsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\nTokenBatch\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenMessage\"C\n\x07KVEvent\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07removed\x18\x03 \x01(\x08\"h\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.pdserve.v1.KVEventB4B\rInternalProtoP\x01Z\x14pdserve/v1;pdservev1\xaa\x02\nPdserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENMESSAGE_EVENTSENTRY']._loaded_options = None
   _globals['_TOKENMESSAGE_EVENTSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENMESSAGE']._serialized_start=56
-  _globals['_TOKENMESSAGE']._serialized_end=397
-  _globals['_TOKENMESSAGE_EVENTSENTRY']._serialized_start=352
-  _globals['_TOKENMESSAGE_EVENTSENTRY']._serialized_end=397
-  _globals['_TOKENBATCH']._serialized_start=399
-  _globals['_TOKENBATCH']._serialized_end=455
-  _globals['_KVEVENT']._serialized_start=457
-  _globals['_KVEVENT']._serialized_end=524
-  _globals['_KVEVENTBATCH']._serialized_start=526
-  _globals['_KVEVENTBATCH']._serialized_end=630
+  _globals['_TOKENMESSAGE']._serialized_end=420
+  _globals['_TOKENMESSAGE_EVENTSENTRY']._serialized_start=375
+  _globals['_TOKENMESSAGE_EVENTSENTRY']._serialized_end=420
+  _globals['_TOKENBATCH']._serialized_start=422
+  _globals['_TOKENBATCH']._serialized_end=478
+  _globals['_KVEVENT']._serialized_start=480
+  _globals['_KVEVENT']._serialized_end=547
+  _globals['_KVEVENTBATCH']._serialized_start=549
+  _globals['_KVEVENTBATCH']._serialized_end=653
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenMessage(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "error", "error_code", "events", "cached_tokens", "first_index", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "error", "error_code", "events", "cached_tokens", "first_index", "draft_tokens", "accepted_draft_tokens", "prompt_tokens")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class TokenMessage(_message.Message):
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -39,7 +40,8 @@ class TokenMessage(_message.Message):
     first_index: int
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., events: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., first_index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., events: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., first_index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("messages",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&pdserve/proto/pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x9f\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x10\n\x08proposer\x18\x0b \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculative\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xd6\x01\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12/\n\x06\x65vents\x18\x07 \x03(\x0b\x32\x1f.pdserve.v1.Timings.EventsEntry\x1a-\n\x0b\x45ventsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11server_request_id\x18\t \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xb6\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r2\xe1\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfoB3B\x0cPdserveProtoP\x01Z\x14pdserve/v1;pdservev1\xaa\x02\nPdserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&pdserve/proto/pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x9f\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x18\n\x0bspeculative\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x10\n\x08proposer\x18\x0b \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculative\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12!\n\x06images\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.ImageB\x08\n\x06prompt\"\x15\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xd6\x01\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12/\n\x06\x65vents\x18\x07 \x03(\x0b\x32\x1f.pdserve.v1.Timings.EventsEntry\x1a-\n\x0b\x45ventsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11server_request_id\x18\t \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xaa\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x13\n\x0bimage_token\x18\n \x01(\t\x12\x16\n\x0eimage_token_id\x18\x0b \x01(\r\x12\x12\n\nmax_images\x18\x0c \x01(\r\x12\x17\n\x0fmax_image_bytes\x18\r \x01(\x04\x12\x18\n\x10max_image_pixels\x18\x0e \x01(\x04\x32\xe1\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfoB3B\x0cPdserveProtoP\x01Z\x14pdserve/v1;pdservev1\xaa\x02\nPdserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=344
   _globals['_TOKENIDS']._serialized_end=367
   _globals['_GENERATEREQUEST']._serialized_start=370
-  _globals['_GENERATEREQUEST']._serialized_end=535
-  _globals['_TIMINGS']._serialized_start=538
-  _globals['_TIMINGS']._serialized_end=752
-  _globals['_TIMINGS_EVENTSENTRY']._serialized_start=707
-  _globals['_TIMINGS_EVENTSENTRY']._serialized_end=752
-  _globals['_GENERATERESPONSE']._serialized_start=755
-  _globals['_GENERATERESPONSE']._serialized_end=1037
-  _globals['_TOKENIZEREQUEST']._serialized_start=1039
-  _globals['_TOKENIZEREQUEST']._serialized_end=1085
-  _globals['_TOKENIZERESPONSE']._serialized_start=1087
-  _globals['_TOKENIZERESPONSE']._serialized_end=1124
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1126
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1147
-  _globals['_MODELINFO']._serialized_start=1150
-  _globals['_MODELINFO']._serialized_end=1332
-  _globals['_PDSERVE']._serialized_start=1335
-  _globals['_PDSERVE']._serialized_end=1560
+  _globals['_GENERATEREQUEST']._serialized_end=570
+  _globals['_IMAGE']._serialized_start=572
+  _globals['_IMAGE']._serialized_end=593
+  _globals['_TIMINGS']._serialized_start=596
+  _globals['_TIMINGS']._serialized_end=810
+  _globals['_TIMINGS_EVENTSENTRY']._serialized_start=765
+  _globals['_TIMINGS_EVENTSENTRY']._serialized_end=810
+  _globals['_GENERATERESPONSE']._serialized_start=813
+  _globals['_GENERATERESPONSE']._serialized_end=1095
+  _globals['_TOKENIZEREQUEST']._serialized_start=1097
+  _globals['_TOKENIZEREQUEST']._serialized_end=1143
+  _globals['_TOKENIZERESPONSE']._serialized_start=1145
+  _globals['_TOKENIZERESPONSE']._serialized_end=1182
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1184
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1205
+  _globals['_MODELINFO']._serialized_start=1208
+  _globals['_MODELINFO']._serialized_end=1506
+  _globals['_PDSERVE']._serialized_start=1509
+  _globals['_PDSERVE']._serialized_end=1734
 # @@protoc_insertion_point(module_scope)

@@ -39,18 +39,26 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "params", "request_id")
+    __slots__ = ("model", "text", "token_ids", "params", "request_id", "images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
     params: SamplingParams
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queued_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "e2e_s", "events")
@@ -122,7 +130,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "vocab_size", "max_model_len", "mode", "dtype", "block_size", "eos_token_id", "eos_token_ids")
+    __slots__ = ("name", "model_type", "vocab_size", "max_model_len", "mode", "dtype", "block_size", "eos_token_id", "eos_token_ids", "image_token", "image_token_id", "max_images", "max_image_bytes", "max_image_pixels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +140,11 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     vocab_size: int
@@ -141,4 +154,9 @@ class ModelInfo(_message.Message):
     block_size: int
     eos_token_id: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mode: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    image_token: str
+    image_token_id: int
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mode: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., image_token: _Optional[str] = ..., image_token_id: _Optional[int] = ..., max_images: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
