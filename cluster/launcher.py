@@ -23,6 +23,7 @@ from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stor
 from pdserve.cluster.plan.online import OnlinePlanner
 from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, answered_by_ray
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
+from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, EncodeWorker
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
@@ -35,6 +36,7 @@ from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.frontend import ObservedRequest, DrainReport, ServedModel
 from pdserve.router.health_report import PlannerHealth
+from pdserve.router.encoders import EncodePool, EncoderRef
 from pdserve.router.stack import RouterStack
 from pdserve.router.workers import WorkerRef
 from pdserve.wire import ClusterSecret, WorkerStatus
@@ -77,6 +79,7 @@ class Cluster:
         self.log = log
         self.address: str | None = None
         self.workers: list[WorkerRef] = []
+        self.encoders: list[EncoderRef] = []  # the encode pool (`pools.encode`)
         self._next_index = 0  # the number in the next worker's name (names are never reused)
         # One change to the pools at a time (the admin API's and the online planner's threads both make them).
         self._reshaping = threading.RLock()
@@ -127,6 +130,7 @@ class Cluster:
             w.status = ray.get(w.handle.profile.remote(), timeout=ready_timeout_s)
 
         placement = stack.place(self.workers, self._served_model(model_dir))
+        encoders = self._start_encoders(source, ready_timeout_s) if m.pools.encode.replicas else []
         if m.mode == "disaggregated":
             self._probe_transfers(placement.prefill_pool[0], placement.decode_pool[0])
         self.audit = IdleAudit(self.workers, lambda: placement.stats.requests_routed,
@@ -141,6 +145,8 @@ class Cluster:
                                           self.log)
             collectors.append(PlannerCollector(self._replanning))
         self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
+        if encoders:
+            stack.frontend.encoders = EncodePool(encoders)
         self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,
                                       after_round=self.audit.observe).start()
         if self._replanning is not None:
@@ -164,7 +170,7 @@ class Cluster:
         os.environ.setdefault(RAY_DEATH_INFO_WAIT, "0")
         m = self.manifest
         if m.ray.address == "local":
-            specs = [m.pools.prefill, m.pools.decode]
+            specs = [m.pools.prefill, m.pools.decode, m.pools.encode]
             # Room for the most workers each pool may have: the replicas, or the online planner's budget
             # less the one worker the other pool keeps.
             most = m.planner_budget()[1] - 1 if m.planner.online else 0
@@ -225,6 +231,21 @@ class Cluster:
                           long_chunk_tokens=r.long_prompt_chunk_tokens)
         return WorkerRef(name=name, pool="prefill" if role == "prefill" else "decode",
                          handle=actor.remote(*args, **kwargs))
+
+    def _start_encoders(self, model: ModelSource, timeout_s: float) -> list[EncoderRef]:
+        """The encode pool's workers, once each answers. Ray restarts one that dies (`max_restarts`);
+        the router skips it meanwhile (`router.encoders`)."""
+        m, spec = self.manifest, self.manifest.pools.encode
+        actor = ray.remote(EncodeWorker).options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                                                 resources=spec.resources or None, max_restarts=spec.max_restarts,
+                                                 max_concurrency=ENCODER_CONCURRENCY)
+        images = m.server.images
+        self.encoders = [EncoderRef(f"encode-{i}", actor.remote(
+            f"encode-{i}", model, m.dtype, "cuda" if spec.num_gpus > 0 else "cpu", images.limits(),
+            images.embedding_cache_mb * 2**20, spec.threads, m.log_level)) for i in range(spec.replicas)]
+        self.log(f"starting {spec.replicas} encode workers ...")
+        ray.get([e.handle.ping.remote() for e in self.encoders], timeout=timeout_s)  # raises a start-up error
+        return self.encoders
 
     def _stored_step_costs(self, model_dir: Path) -> dict[tuple[int, str], StepCost]:
         """The prompt-pass costs a stored profile holds, by (threads, device), as the manifest's `profile`
@@ -453,7 +474,7 @@ class Cluster:
             info.image_token = tokenizer.convert_ids_to_tokens(full_config.image_token_id)
             info.max_images, info.max_image_bytes, info.max_image_pixels = (
                 limits.max_images, limits.max_bytes, limits.max_pixels)
-        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer), limits)
+        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer), limits, m.server.images.fetch())
 
     # --- down -----------------------------------------------------------------------------------
     @property
@@ -483,7 +504,9 @@ class Cluster:
             ray.wait(shutdowns, num_returns=len(shutdowns), timeout=10)
             for w in self.workers:
                 ray.kill(w.handle)
-        self.workers = []
+        for e in self.encoders if ray.is_initialized() else ():
+            ray.kill(e.handle)
+        self.workers, self.encoders = [], []
         self._model = None
         if self.router_stack is not None:
             self.router_stack.close()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
 from pdserve.engine.multimodal.images import ImageLimits
+from pdserve.router.image_urls import ImageFetch
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.diagnostics import LogLevel
 from pdserve.cluster.overrides import ManifestOverrides
@@ -56,10 +57,14 @@ class PoolSpec(_Strict):
 
 
 class Pools(_Strict):
-    """The two pools of workers."""
+    """The pools of workers: prefill and decode, and for a vision-language model, encode."""
 
     prefill: PoolSpec = Field(PoolSpec(), description="The workers that run prompt passes and send their KV.")
     decode: PoolSpec = Field(PoolSpec(), description="The workers that receive the KV and generate the output.")
+    encode: PoolSpec = Field(
+        PoolSpec(replicas=0), description="A vision-language model's encode workers (EPD): they run only its vision "
+                                          "tower and projector, and hand the embeddings to the prompt pass; 0 "
+                                          "replicas: the worker that runs the prompt pass encodes its images.")
 
 
 PolicyName = Literal["round_robin", "least_loaded", "cache_aware", "kv_cost", "estimated_ttft"]
@@ -281,6 +286,15 @@ class ImagesSpec(_Strict):
     max_images: int = Field(8, ge=0, le=256, description="Images one request may carry (0: none taken).")
     max_image_bytes: int = Field(8 * 2**20, ge=1, le=2**30, description="Bytes of one encoded image.")
     max_image_pixels: int = Field(4096 * 4096, ge=1, le=2**28, description="Width x height of one image.")
+    embedding_cache_mb: int = Field(256, ge=0, description="Each encode worker's cache of recent images' "
+                                                           "embeddings, by their pixels (0: none).")
+    url_hosts: list[str] = Field(
+        default_factory=list, description="Hosts whose http(s) image URLs the chat API fetches (exact host names; "
+                                          "no redirects followed); empty: only inline data: URLs.")
+    url_timeout_s: float = Field(10.0, gt=0, le=120, description="The whole fetch of one image URL.")
+
+    def fetch(self) -> ImageFetch:
+        return ImageFetch(frozenset(host.lower() for host in self.url_hosts), self.max_image_bytes, self.url_timeout_s)
 
     def limits(self) -> ImageLimits:
         return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels)
@@ -315,7 +329,7 @@ class ServerSpec(_Strict):
         description="The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) "
                     "and a gRPC message (RESOURCE_EXHAUSTED).")
     images: ImagesSpec = Field(ImagesSpec(), description="Bounds on the images of a vision-language model's "
-                                                         "requests.")
+                                                         "requests, and the encode workers' embedding cache.")
 
     @property
     def token(self) -> str | None:

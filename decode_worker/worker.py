@@ -175,8 +175,8 @@ class DecodeWorker(WorkerBase):
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
         """Prefill and decode here (colocated mode); a refusal reaches the router as an error message."""
-        self._run_here(work, lambda e: e.add_request(work.prompt_token_ids, work.params, work.request_id,
-                                                     images=work.images))
+        self._run_here(work, lambda e: e.add_request(self.image_prompt(work) if work.images else work.prompt_token_ids,
+                                                     work.params, work.request_id))
 
     def resume(self, work: WorkRequest, generated: list[int], logprobs: list[float]) -> None:
         """Continue a request that lost its worker, from its prompt and the tokens the client already has
@@ -184,8 +184,7 @@ class DecodeWorker(WorkerBase):
         and sampling goes on at the same output position (a seeded request draws what it would have)."""
         handoff = RequestHandoff(work.request_id, work.prompt_token_ids, list(generated), work.params,
                                  num_computed_tokens=0, logprobs=list(logprobs))
-        self._run_here(work, lambda e: e.resume_request(
-            handoff, e.prepare_images(work.prompt_token_ids, work.images) if work.images else None))
+        self._run_here(work, lambda e: e.resume_request(handoff, self.image_prompt(work) if work.images else None))
 
     def _run_here(self, work: WorkRequest, add: Callable[[LLMEngine], object]) -> None:
         if work.request_id in self.receiver.aborted:  # cancelled before this call ran

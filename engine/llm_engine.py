@@ -35,7 +35,7 @@ from pdserve.engine.model_runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.multimodal.images import decode_image
 from pdserve.engine.multimodal.placement import PromptImages
-from pdserve.engine.multimodal.vision import PreparedImage
+from pdserve.engine.multimodal.vision import EncodedImage, PreparedImage
 from pdserve.engine.sampling_params import BadParameter, RequestOutput, SamplingParams, check_prompt
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -68,7 +68,8 @@ class ImagePrompt:
 
     token_ids: list[int]
     images: PromptImages
-    prepared: list[PreparedImage]
+    prepared: list[PreparedImage]  # to encode as the request is added
+    embeddings: list[torch.Tensor] | None = None  # or encoded already (by an encode worker)
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, prefill_only=prefill_only,
                        output_token_ids=list(output_token_ids or []), images=images)
         if isinstance(prompt, ImagePrompt):  # the vision tower's pass, once the request is known to fit
-            seq.image_embeddings = self.vision.encode(prompt.prepared)
+            seq.image_embeddings = prompt.embeddings or self.vision.encode(prompt.prepared)
             if self.vision.uses_mrope:
                 seq.mrope_positions, _ = self.vision.prompt_positions(token_ids, images)
         return seq
@@ -199,6 +200,17 @@ class LLMEngine:
     def image_token(self) -> str | None:
         """The placeholder a prompt's text holds for each image (None: the model takes no images)."""
         return None if self.vision is None else self.tokenizer.convert_ids_to_tokens(self.vision.placeholder_id)
+
+    def place_encoded(self, prompt: str | list[int], images: list[EncodedImage]) -> ImagePrompt:
+        """A prompt with images another worker encoded: their placeholders expanded, their embeddings
+        checked to fit this model. Reads no engine state: any thread may call it."""
+        if self.vision is None:
+            raise BadParameter("images", "this model takes no images (it is not a vision-language model)")
+        hidden = self.model.get_input_embeddings().embedding_dim
+        for image in images:
+            image.check_for(hidden)
+        token_ids, placed = self.vision.place(self.tokenize(prompt) if isinstance(prompt, str) else list(prompt), images)
+        return ImagePrompt(token_ids, placed, [], [image.embeddings for image in images])
 
     def prepare_images(self, prompt: str | list[int], images: list[bytes] | tuple[bytes, ...]) -> ImagePrompt:
         """Decode and process a prompt's images and expand their placeholders (no vision-tower pass:

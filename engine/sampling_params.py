@@ -31,6 +31,11 @@ class BadParameter(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[BadParameter], tuple[str, str]]:
+        # Exceptions unpickle as cls(*args), args being (message,) alone: without this, one raised in a
+        # Ray actor (an encode worker's bad image) would reach its caller as an error of unpickling.
+        return type(self), (self.param, str(self))
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -228,7 +228,7 @@ class PrefillWorker(WorkerBase):
         for job in jobs:
             work = job.work
             try:  # images first: their placeholders are expanded in the prompt the decode worker reserves for
-                job.prompt = self.engine.prepare_images(work.prompt_token_ids, work.images) if work.images else None
+                job.prompt = self.image_prompt(work) if work.images else None
             except ValueError as e:
                 self._finish(job, error=f"prefill could not start: {e}", code=INVALID_ARGUMENT)
                 continue

@@ -49,6 +49,8 @@ from pdserve.engine.sampling_params import (
 )
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.aborts import AbortBatcher
+from pdserve.router.encoders import EncodeCollector, EncodePool
+from pdserve.router.image_urls import ImageFetch
 from pdserve.router.admission import Overloaded
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing import Placement, Router
@@ -150,6 +152,7 @@ class ServedModel:
     # The most characters one token stands for (model_loader.max_token_chars); None: no such bound.
     max_token_chars: int | None = None
     image_limits: ImageLimits | None = None  # a vision-language model's; None: it takes no images
+    image_fetch: ImageFetch = ImageFetch()  # which image URLs the chat API takes (data: only by default)
 
     def check_images(self, ids: list[int], images: tuple[bytes, ...]) -> None:
         """Refuse (BadParameter) images this model cannot take: too many, too large, not an image by
@@ -178,6 +181,8 @@ class Frontend:
         self.active: set[ActiveRequest] = set()  # started and not finished (on the router's event loop)
         self.completed: deque[ObservedRequest] = deque(maxlen=COMPLETED_KEPT)  # ended (on the loop; read anywhere)
         self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "router-tokenizer")
+        self.encoders: EncodePool | None = None  # the encode pool, where the cluster has one
+        self.metrics.registry.register(EncodeCollector(lambda: self.encoders))
 
     @contextmanager
     def refusals(self, api: str) -> Iterator[None]:
@@ -296,6 +301,25 @@ class Frontend:
         report.seconds = time.monotonic() - started
         return report
 
+    async def _encode_then_dispatch(self, active: ActiveRequest) -> None:
+        """Dispatch a request with images once an encode worker has made their embeddings (or none could:
+        its prefill worker encodes them then). Its stream hears of a failure as it hears of a worker's."""
+        work = active.work
+        try:
+            encoded = await self.encoders.encode(work.request_id, work.images)
+        except ValueError as e:  # an image the encoder could not decode
+            self.hub.deliver(TokenMessage(request_id=work.request_id, error_code=INVALID_ARGUMENT, error=str(e)))
+            return
+        if active.work is not work or active.finished:  # retried (without embeddings) or ended meanwhile
+            return
+        active.events[LifetimeEvent.ENCODED] = time.time()
+        active.work = dataclasses.replace(work, encoded=encoded)
+        try:
+            _dispatch(self.hub, active.work, active.placement)
+        except Exception as e:  # a Ray call that could not even be sent: retried as a worker's fault
+            self.hub.deliver(TokenMessage(request_id=work.request_id, error_code=UNAVAILABLE,
+                                          error=f"could not dispatch the request: {type(e).__name__}: {e}"))
+
     def reopen(self, worker: WorkerRef) -> None:
         """Let a drained worker take requests again."""
         worker.draining = False
@@ -326,6 +350,10 @@ class Frontend:
         self.metrics.routed(placement)
         active = ActiveRequest(self, api, work, placement, client_request_id or work.request_id,
                                {LifetimeEvent.ACCEPTED: accepted, LifetimeEvent.ROUTED: time.time()})
+        if images and self.encoders is not None:  # its prompt pass waits for the embeddings, not its worker
+            self.active.add(active)
+            active.encoding = asyncio.get_running_loop().create_task(self._encode_then_dispatch(active))
+            return active
         try:
             _dispatch(self.hub, work, placement)
         except Exception as e:  # a Ray call that could not even be sent: give the placement back
@@ -366,6 +394,7 @@ class ActiveRequest:
         self._queue: asyncio.Queue[TokenMessage] = frontend.hub.subscribe(work.request_id)
         self._attempt_started = False  # the current attempt has sent its first token
         self._finished = False
+        self.encoding: asyncio.Task[None] | None = None  # its images at an encode worker, before dispatch
 
     async def responses(self) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """The request's responses; the last has finish_reason and timings. Raises RequestFailed."""
@@ -540,6 +569,8 @@ class ActiveRequest:
         if self._finished:
             return
         self._finished = True
+        if self.encoding is not None:
+            self.encoding.cancel()
         self.frontend.active.discard(self)
         self._end_attempt(aborted=self.code != OK)
         frontend, placement = self.frontend, self.placement
@@ -555,6 +586,10 @@ class ActiveRequest:
             frontend.metrics.prompt_served(placement.prefiller.name, self.prompt_tokens,
                                            self.cached_tokens)
         lifetime_log.info(json.dumps(self.lifetime()))
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
 
     def lifetime(self) -> dict[str, Any]:
         """The request's lifetime record: who served it, how it ended, what it was retried for, and its

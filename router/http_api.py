@@ -22,13 +22,11 @@ on the last response.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import hmac
 import json
 import logging
 import math
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
@@ -44,6 +42,7 @@ from starlette.routing import Route
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.engine.sampling_params import BadParameter, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
+from pdserve.router.image_urls import ImageFetch
 from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
 from pdserve.router.pool_admin import PoolAdmin
 from pdserve.router.health_report import HealthReport
@@ -157,21 +156,6 @@ class CompletionBody(_Body):
         return p
 
 
-def image_bytes(url: str) -> bytes:
-    """The image a chat's `image_url` part carries inline (a `data:` URL, base64 or percent-encoded).
-    Remote URLs are refused: fetching them would make the router a client of any host a request names."""
-    scheme = url.partition(":")[0].lower()
-    if scheme != "data":
-        shown = f"{scheme[:16]!r}" if scheme.isascii() and scheme.isalnum() else "other"
-        raise BadParameter("messages", f"image_url must be a data: URL carrying the image (data:image/png;base64,...); "
-                                       f"URLs of scheme {shown} are not fetched")
-    try:
-        with urllib.request.urlopen(url) as response:  # the standard library's data: URL decoder
-            return response.read()
-    except (ValueError, binascii.Error, OSError) as e:
-        raise BadParameter("messages", f"image_url is not a valid data: URL ({type(e).__name__})") from None
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -193,13 +177,13 @@ class ChatMessage(BaseModel):
                              f"\"image_url\", \"image_url\": {{\"url\": ...}}}}, got a part of type {kind!r}")
         return v
 
-    def images_as_parts(self) -> tuple[dict[str, Any], list[bytes]]:
+    def images_as_parts(self, fetch: ImageFetch) -> tuple[dict[str, Any], list[bytes]]:
         """The message for the chat template, each image part an `{"type": "image"}` part (which a
         vision-language model's template renders as its placeholder), and the images' bytes in order."""
         message = self.model_dump(exclude_none=True)
         if not isinstance(self.content, list):
             return message, []
-        images = [image_bytes(part["image_url"]["url"]) for part in self.content if part["type"] == "image_url"]
+        images = [fetch.image_bytes(part["image_url"]["url"]) for part in self.content if part["type"] == "image_url"]
         message["content"] = [{"type": "image"} if part["type"] == "image_url" else part for part in self.content]
         return message, images
 
@@ -462,8 +446,9 @@ class _ChatFormat(_Format):
         frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise BadParameter("messages", f"model {self.model!r} has no chat template: use /v1/completions")
-        # Off the event loop: the base64 of images is megabytes to decode.
-        rendered = await frontend.off_loop(lambda: [message.images_as_parts() for message in body.messages])
+        # Off the event loop: the base64 of images is megabytes to decode, a fetch seconds.
+        fetch = frontend.model.image_fetch
+        rendered = await frontend.off_loop(lambda: [message.images_as_parts(fetch) for message in body.messages])
         messages = [message for message, _ in rendered]
         self.images = [image for _, images in rendered for image in images]
         try:

@@ -61,8 +61,11 @@ class WorkRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     # Encoded images, one placeholder token in the prompt each (a vision-language model's request): the
-    # worker that runs the prompt pass decodes and encodes them, expanding the placeholders.
+    # worker that runs the prompt pass decodes and encodes them, expanding the placeholders...
     images: tuple[bytes, ...] = ()
+    # ... unless an encode worker made their embeddings: a Ray object reference to its `EncodedImage`s
+    # (the images stay, for a worker that cannot fetch them to encode instead).
+    encoded: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -163,6 +166,7 @@ class LifetimeEvent(StrEnum):
 
     ACCEPTED = "accepted"  # router: the API layer received it
     ROUTED = "routed"  # router: placed on its workers
+    ENCODED = "encoded"  # router: an encode worker made its images' embeddings (requests with images)
     PREFILL_QUEUED = "prefill_queued"  # the worker that runs its prompt pass queued it
     PREFILL_START = "prefill_start"
     KV_RESERVED = "kv_reserved"  # decode worker: it reserved the KV's blocks (asked for at the pass's start)

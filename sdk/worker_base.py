@@ -5,6 +5,7 @@ common part. Each role adds its own requests, KV side and report on top.
 
 from __future__ import annotations
 
+import logging
 import resource
 import threading
 import warnings
@@ -18,7 +19,7 @@ from ray.util.annotations import RayDeprecationWarning
 from pdserve.diagnostics import LogLevel, configure_diagnostics
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.llm_engine import ImagePrompt, RequestHandoff
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.model_store import ModelSource, materialize
@@ -26,7 +27,11 @@ from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
 from pdserve.kv_transfer.interface import Lease
 from pdserve.kv_transfer.settings import TransferSettings
-from pdserve.wire import TokenSink, WorkerStatus
+from pdserve.wire import TokenSink, WorkerStatus, WorkRequest
+
+log = logging.getLogger(__name__)
+
+ENCODED_FETCH_S = 30.0  # an encode worker's embeddings, resolved before the request came: a fetch
 
 
 def _was_restarted() -> bool:
@@ -76,6 +81,20 @@ class WorkerBase:
                             step_budget=engine.config.max_num_batched_tokens,
                             draft_blocks=draft.pool.num_blocks - draft.pool.num_free if draft is not None else 0,
                             **role)
+
+    def image_prompt(self, work: WorkRequest) -> ImagePrompt:
+        """A request's prompt with its images placed: from an encode worker's embeddings when it has
+        them, else decoded here (the engine runs the vision tower as the request is added). Embeddings
+        that cannot be fetched (lost with their encoder's node) are made here instead."""
+        if work.encoded is not None:
+            try:
+                encoded = ray.get(work.encoded, timeout=ENCODED_FETCH_S)
+            except Exception as e:
+                log.warning("request %s: its images' embeddings could not be fetched (%s): encoding them here",
+                            work.request_id, type(e).__name__)
+            else:
+                return self.engine.place_encoded(work.prompt_token_ids, encoded)
+        return self.engine.prepare_images(work.prompt_token_ids, work.images)
 
     def common_stats(self) -> dict[str, Any]:
         return {"loop": vars(self.loop.busy), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -77,6 +77,16 @@ def _bench_migration(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_epd(args: argparse.Namespace) -> int:
+    from pdserve.cluster.bench.epd import EPDBenchConfig, run
+
+    cfg = EPDBenchConfig(model=args.model, num_requests=args.requests, rate=args.rate,
+                         deployments=tuple(args.deployments), out=Path(args.out))
+    run(cfg)
+    _publish(args, cfg.out)
+    return 0
+
+
 def _bench_replanning(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.replanning import ReplanBenchConfig, run
 
@@ -355,6 +365,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bm.add_argument("--out", default="bench-results/migration.json", help="results file (default: %(default)s)")
     _docs_option(bm)
     bm.set_defaults(func=_bench_migration)
+    be = bench_sub.add_parser("epd", help="an encode pool for images against encoding in the prefill worker and "
+                                          "against colocated workers, under an image-heavy load",
+                              description="The same image-heavy requests (0 to 3 images each, some repeated) against "
+                                          "three deployments of three workers each, every one a fresh cluster: TTFT "
+                                          "p50/p90 (text-only requests apart), the share meeting the objectives, "
+                                          "and the encode pool's embedding cache hit rate.",
+                              **examples("pdserve bench epd --docs docs/benchmarks.md",
+                                         "pdserve bench epd --requests 30 --deployments epd encode-in-prefill"))
+    be.add_argument("--model", default="qwen2-vl-20m", help="vision-language preset or model directory "
+                                                            "(default: %(default)s)")
+    be.add_argument("--requests", type=int, default=120, help="requests per deployment (default: %(default)s)")
+    be.add_argument("--rate", type=float, default=1.5, help="arrivals per second, Poisson (default: %(default)s)")
+    be.add_argument("--deployments", nargs="+", default=["epd", "encode-in-prefill", "colocated"],
+                    choices=["epd", "encode-in-prefill", "colocated"], help="which to run (default: all three)")
+    be.add_argument("--out", default="bench-results/epd.json", help="results file (default: %(default)s)")
+    _docs_option(be)
+    be.set_defaults(func=_bench_epd)
     br = bench_sub.add_parser("replanning", help="the online planner against every static split of the same "
                                                  "workers, on a trace whose mix shifts",
                               description="Three phases back to back (conversation, long-prompt summarisation, code "

@@ -42,6 +42,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "soak": ("Soak: kills, corruption and a cancel storm", "pdserve.cluster.bench.soak"),
     "migration": ("Live migration: a running request moved with its KV", "pdserve.cluster.bench.migration"),
     "replanning": ("The online planner against static splits on a shifting mix", "pdserve.cluster.bench.replanning"),
+    "epd": ("An encode pool for images (EPD) against encoding in prefill", "pdserve.cluster.bench.epd"),
 }
 HEADER = ("# Benchmarks\n\nThe current results of every benchmark, each written by the benchmark itself "
           "(`pdserve bench ... --docs docs/benchmarks.md`, or `pdserve bench report RESULTS.json --docs "

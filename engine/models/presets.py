@@ -87,6 +87,10 @@ class Preset:
         )
 
 
+# The special tokens Qwen2-VL's config names by id.
+QWEN2_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", 1024, 64, 2, 4, 2, 192, 1024, description="~0.3M, Llama, GQA, for tests"),
     "tiny-qwen2": Preset(
@@ -151,10 +155,20 @@ PRESETS: dict[str, Preset] = {
                                "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
             image_processor="Qwen2VLImageProcessorPil",
             processor_settings={"min_pixels": 4 * 28 * 28, "max_pixels": 64 * 28 * 28},
-            image_token="<|image_pad|>",
-            token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-                       "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}),
+            image_token="<|image_pad|>", token_ids=QWEN2_VL_TOKENS),
         description="~0.3M, Qwen2-VL: native-resolution tower (4 to 64 tokens an image), M-RoPE, for tests",
+    ),
+    # Its vision tower costs several times its images' prompt pass (as in real VLMs): the encode pool's benchmark model.
+    "qwen2-vl-20m": Preset(
+        "qwen2_vl_text", 8192, 384, 8, 6, 2, 1024, 2048,
+        extra={"rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+        vision=VisionPreset(
+            "qwen2_vl", tower={"depth": 8, "embed_dim": 384, "hidden_size": 384, "num_heads": 6, "mlp_ratio": 4,
+                               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+            image_processor="Qwen2VLImageProcessorPil",
+            processor_settings={"min_pixels": 16 * 28 * 28, "max_pixels": 256 * 28 * 28},
+            image_token="<|image_pad|>", token_ids=QWEN2_VL_TOKENS),
+        description="~30M, Qwen2-VL: an 8-layer tower (16 to 256 tokens an image), M-RoPE",
     ),
     "llama-20m": Preset("llama", 8192, 384, 8, 6, 2, 1024, 2048, description="~19M, Llama, GQA 6:2"),
     "qwen2-20m": Preset(

@@ -20,11 +20,28 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from pdserve.engine.multimodal.images import DecodedImage
 from pdserve.engine.multimodal.placement import PlacedImage, PromptImages
 from pdserve.engine.sampling_params import BadParameter
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image's embeddings, made by a vision tower here or on an encode worker."""
+
+    content_hash: bytes
+    num_tokens: int
+    grid: tuple[int, int, int] | None
+    embeddings: torch.Tensor  # [num_tokens, hidden], on the CPU
+
+    def check_for(self, hidden_size: int) -> None:
+        """ValueError unless these embeddings fit a language model of `hidden_size` (an encoder's answer
+        is checked before it is spliced into a prompt)."""
+        if tuple(self.embeddings.shape) != (self.num_tokens, hidden_size) or not self.embeddings.is_floating_point():
+            raise ValueError(f"image embeddings of shape {tuple(self.embeddings.shape)} do not fit "
+                             f"{self.num_tokens} tokens of a {hidden_size}-wide model")
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,7 @@ class VisionModel:
     def __init__(self, model: PreTrainedModel, model_dir: str | Path, config: PretrainedConfig) -> None:
         self.model = model
         self.config = config
+        self.dtype = next(model.parameters()).dtype
         self.placeholder_id = int(config.image_token_id)
         # The Pillow processors: the others need torchvision, which the engine does without.
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
@@ -64,15 +82,20 @@ class VisionModel:
         batched = {key: torch.cat([image.pixel_inputs[key] for image in images]).to(device)
                    for key in images[0].pixel_inputs}
         features = self.model.model.get_image_features(**batched, return_dict=True).pooler_output
-        dtype = self.model.get_input_embeddings().weight.dtype
-        out = [f.reshape(-1, f.shape[-1]).to(dtype) for f in features]
+        out = [f.reshape(-1, f.shape[-1]).to(self.dtype) for f in features]
         for image, rows in zip(images, out):
             if rows.shape[0] != image.num_tokens:  # the token count the prompt was expanded with
                 raise RuntimeError(f"the vision tower made {rows.shape[0]} embeddings of an image expected to "
                                    f"take {image.num_tokens} tokens")
         return out
 
-    def place(self, token_ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], PromptImages]:
+    def encode_images(self, images: Sequence[PreparedImage]) -> list[EncodedImage]:
+        """`encode`, each image's embeddings with what placing them needs (an encode worker's answer)."""
+        return [EncodedImage(image.content_hash, image.num_tokens, image.grid, rows.cpu())
+                for image, rows in zip(images, self.encode(images))]
+
+    def place(self, token_ids: Sequence[int],
+              images: Sequence[PreparedImage | EncodedImage]) -> tuple[list[int], PromptImages]:
         """Expand each image's single placeholder token in `token_ids` to its number of tokens."""
         found = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
         if len(found) != len(images):
@@ -88,6 +111,11 @@ class VisionModel:
             start = at + 1
         expanded.extend(token_ids[start:])
         prompt_images = PromptImages(tuple(placed))
+        if self.uses_mrope and any(a.end == b.offset for a, b in zip(placed, placed[1:])):
+            # M-RoPE numbers each run of image tokens as one image (transformers' `get_rope_index`).
+            raise BadParameter("images", "two image placeholders are adjacent: with this model each image must be "
+                                         "set apart by text (its chat template wraps each in "
+                                         "<|vision_start|>...<|vision_end|>)")
         if self.uses_mrope:
             _, delta = self.prompt_positions(expanded, prompt_images)
             prompt_images = PromptImages(tuple(placed), delta)
@@ -132,3 +160,19 @@ class Qwen2VLVision(VisionModel):
 
 
 FAMILIES: dict[str, type[VisionModel]] = {"llava": LlavaVision, "qwen2_vl": Qwen2VLVision}
+
+
+def load_encoder(model_dir: str | Path, dtype: torch.dtype, device: str) -> VisionModel:
+    """A vision-language model's image side alone (an encode worker's): the model is loaded whole by
+    transformers (which knows its checkpoint's layout), then its language model and head are dropped,
+    so only the vision tower and projector stay in memory."""
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"model type {config.model_type!r} is not a vision-language model of a family the "
+                         f"encoder knows ({', '.join(sorted(FAMILIES))})")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype,
+                                                        attn_implementation={"vision_config": "sdpa"})
+    model.model.language_model = None
+    model.lm_head = None
+    model.to(device).eval()
+    return FAMILIES[config.model_type](model, model_dir, config)

@@ -31,7 +31,9 @@ TOKEN = "s3cret-token"
 PROMPT = [17, 291, 45, 8, 733, 102, 56, 9, 400, 12, 88, 300]
 # A disaggregated request's whole lifetime: every event but a retry's, a move's and the handoff notice
 # (which is not logged).
-LIFETIME = set(LifetimeEvent) - {LifetimeEvent.RETRY, LifetimeEvent.MIGRATED, LifetimeEvent.HANDOFF_COMMITTED}
+# The events of a text-only request that is neither retried nor moved.
+LIFETIME = set(LifetimeEvent) - {LifetimeEvent.RETRY, LifetimeEvent.MIGRATED, LifetimeEvent.HANDOFF_COMMITTED,
+                                 LifetimeEvent.ENCODED}
 
 
 @pytest.fixture(scope="module")

@@ -132,3 +132,10 @@ def test_bad_images_are_refused_by_name_and_the_engine_keeps_serving(vision_mode
         text_only.add_request("see this", GREEDY, images=[A])
     expanded, (served,) = run(engine, [("see <img>", [A])])
     assert served.token_ids == references[family].greedy(expanded[0], [A], NEW_TOKENS)
+
+
+def test_adjacent_images_of_an_mrope_model_are_refused_by_name(vision_models):
+    engine = engine_for(vision_models, "tiny-qwen2-vl")
+    with pytest.raises(BadParameter, match="adjacent"):
+        engine.add_request(prompt(engine, "see <img><img> now"), GREEDY, images=[A, B])
+    assert not engine.requests

@@ -1,0 +1,214 @@
+"""`pdserve bench epd`: an encode pool (EPD) against encoding in the prefill worker and against colocated
+workers, on the same number of workers, under an image-heavy load.
+
+Each request has 0 to 3 images (sizes drawn from a few camera-like shapes, some of them repeated from a
+small pool of popular images) and a text prompt of the Azure conversation trace's lengths (scaled to
+the model); arrivals are Poisson. Every deployment starts as a fresh cluster (empty caches) and gets
+the same requests. Reported per deployment: TTFT p50/p90 of every request, of the text-only ones and
+of those with images, the share meeting the objectives (TTFT and TPOT) and that goodput at the offered
+rate, and the encode pool's embedding cache hit rate. The target: text-only TTFT p90 at least 2x
+better with the encode pool than with encoding in the prefill worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+from PIL import Image
+
+from pdserve.client import AsyncClient, PDServeError
+from pdserve.cluster.bench.report import provenance
+from pdserve.cluster.bench.workload import azure_trace_shapes
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.manifest import load_manifest
+
+IMAGE_SHAPES = ((224, 224), (448, 336), (640, 480), (336, 600))  # width, height
+DEPLOYMENTS = ("epd", "encode-in-prefill", "colocated")
+
+
+@dataclass
+class EPDBenchConfig:
+    model: str = "qwen2-vl-20m"
+    num_requests: int = 120
+    rate: float = 1.5  # requests/s, Poisson
+    image_share: float = 0.6  # requests with images
+    popular_share: float = 0.3  # images drawn from the popular pool (the cache's hits)
+    popular_images: int = 4
+    max_tokens: int = 24
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    deployments: tuple[str, ...] = DEPLOYMENTS
+    seed: int = 0
+    out: Path = Path("bench-results/epd.json")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]  # each image's placeholder and a text token, then the text
+    images: tuple[bytes, ...]
+    max_tokens: int
+    at: float  # arrival offset (s)
+
+
+@dataclass
+class Outcome:
+    images: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    error: str | None = None
+
+
+def _png(rng: random.Random, width: int, height: int) -> bytes:
+    pixels = np.random.default_rng(rng.randrange(2**32)).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def workload(cfg: EPDBenchConfig, image_token_id: int, text_vocab: int) -> tuple[list[BenchRequest], str]:
+    rng = random.Random(cfg.seed)
+    shapes, source = azure_trace_shapes(cfg.num_requests, 0.25, 1.0, 512, cfg.max_tokens)
+    popular = [_png(rng, *rng.choice(IMAGE_SHAPES)) for _ in range(cfg.popular_images)]
+    requests, at = [], 0.0
+    for shape in shapes:
+        count = rng.choice((1, 1, 2, 3)) if rng.random() < cfg.image_share else 0
+        images = tuple(rng.choice(popular) if rng.random() < cfg.popular_share else _png(rng, *rng.choice(IMAGE_SHAPES))
+                       for _ in range(count))
+        text = [rng.randrange(3, text_vocab) for _ in range(shape.prompt_len + count)]
+        # Each image's placeholder before a text token: M-RoPE models take adjacent images as one.
+        prompt = [t for i in range(count) for t in (image_token_id, text[i])] + text[count:]
+        requests.append(BenchRequest(prompt, images, shape.output_len, at))
+        at += rng.expovariate(cfg.rate)
+    return requests, source
+
+
+def _manifest(cfg: EPDBenchConfig, deployment: str):
+    encode = 1 if deployment == "epd" else 0
+    data = {"model": cfg.model, "mode": "colocated" if deployment == "colocated" else "disaggregated",
+            "max_model_len": 2048, "kv_memory_mb": 256,
+            "server": {"address": "127.0.0.1:0", "http_address": None},
+            "pools": {"prefill": {"replicas": 2 - encode, "num_cpus": 0.5},
+                      "decode": {"replicas": 1, "num_cpus": 0.5},
+                      "encode": {"replicas": encode, "num_cpus": 0.5}}}
+    return load_manifest(data)
+
+
+async def _one(client: AsyncClient, request: BenchRequest, start: float) -> Outcome:
+    await asyncio.sleep(max(0.0, start + request.at - time.perf_counter()))
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    try:
+        async for chunk in client.generate_stream(request.prompt, images=list(request.images), temperature=0,
+                                                  max_tokens=request.max_tokens, ignore_eos=True):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                first = first or now
+                last, tokens = now, tokens + len(chunk.token_ids)
+    except PDServeError as e:
+        return Outcome(len(request.images), error=e.code.name)
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return Outcome(len(request.images), first - sent, tpot)
+
+
+async def _load(address: str, requests: list[BenchRequest]) -> list[Outcome]:
+    async with AsyncClient(address, timeout=600) as client:
+        start = time.perf_counter()
+        return await asyncio.gather(*(_one(client, r, start) for r in requests))
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(cfg: EPDBenchConfig, outcomes: list[Outcome], elapsed_s: float) -> dict:
+    done = [o for o in outcomes if o.error is None]
+    met = [o for o in done if o.ttft_s <= cfg.ttft_slo_s and o.tpot_s <= cfg.tpot_slo_s]
+    row: dict = {"completed": len(done), "errors": len(outcomes) - len(done), "elapsed_s": elapsed_s,
+                 "slo_attainment": len(met) / len(outcomes), "goodput_rps": len(met) / elapsed_s}
+    for name, group in (("all", done), ("text_only", [o for o in done if not o.images]),
+                        ("with_images", [o for o in done if o.images])):
+        ttfts = [o.ttft_s for o in group]
+        row[f"ttft_p50_s_{name}"], row[f"ttft_p90_s_{name}"] = _percentile(ttfts, 0.5), _percentile(ttfts, 0.9)
+    row["tpot_p50_s"] = statistics.median(o.tpot_s for o in done) if done else None
+    return row
+
+
+def run(cfg: EPDBenchConfig, log=print) -> dict:
+    rows = {}
+    requests = source = None
+    for deployment in cfg.deployments:
+        manifest = _manifest(cfg, deployment)
+        log(f"{deployment}: starting a fresh cluster ...")
+        with Cluster(manifest, log=lambda _: None) as cluster:
+            info = cluster.router_stack.frontend.model.info
+            if requests is None:
+                requests, source = workload(cfg, info.image_token_id, min(info.image_token_id, info.vocab_size))
+                log(f"  {len(requests)} requests, {sum(len(r.images) for r in requests)} images, "
+                    f"{sum(not r.images for r in requests)} text-only, {cfg.rate:g} req/s")
+            t0 = time.perf_counter()
+            outcomes = asyncio.run(_load(cluster.address, requests))
+            row = _summary(cfg, outcomes, time.perf_counter() - t0)
+            if cluster.encoders:
+                statuses = ray.get([e.handle.ping.remote() for e in cluster.encoders])
+                hits, made = sum(s.cache_hits for s in statuses), sum(s.images_encoded for s in statuses)
+                row.update(images_encoded=made, cache_hits=hits, cache_hit_rate=hits / max(1, hits + made))
+        rows[deployment] = row
+        log(f"  TTFT p90 text-only {_ms(row['ttft_p90_s_text_only'])}, with images {_ms(row['ttft_p90_s_with_images'])}, "
+            f"SLO attainment {row['slo_attainment']:.0%}, {row['errors']} errors")
+    popular = {"image_share": cfg.image_share, "popular_share": cfg.popular_share}
+    result = {"benchmark": "epd", "provenance": provenance(), "workload": source, "mix": popular,
+              "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.write_text(json.dumps(result, indent=2))
+    log(markdown(result))
+    log(f"wrote {cfg.out}")
+    return result
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def markdown(result: dict) -> str:
+    cfg, rows = result["config"], result["rows"]
+    lines = [
+        f"{cfg['model']}, three workers per deployment (one torch thread each): *epd* 1 encode + 1 prefill + 1 "
+        "decode; *encode-in-prefill* 2 prefill + 1 decode, each prefill worker encoding its requests' images; "
+        f"*colocated* 3 workers that encode, prefill and decode. {cfg['num_requests']} requests at {cfg['rate']} "
+        f"req/s (Poisson), {float(cfg['image_share']):.0%} of them with 1 to 3 images of 224x224 to 640x480 pixels "
+        f"({float(cfg['popular_share']):.0%} of the images from a pool of {cfg['popular_images']} popular ones), text "
+        f"lengths from {result['workload']}, up to {cfg['max_tokens']} output tokens. Objectives: TTFT ≤ "
+        f"{float(cfg['ttft_slo_s']):g} s and TPOT ≤ {float(cfg['tpot_slo_s']) * 1e3:g} ms; goodput is the rate of "
+        "requests meeting both at the offered rate. Each deployment a fresh cluster, the same requests.",
+        "",
+        "| deployment | TTFT p50 | TTFT p90 | text-only TTFT p90 | with images TTFT p90 | TPOT p50 | met both | "
+        "goodput (req/s) | errors | embedding cache hits |",
+        "|---" * 10 + "|",
+    ]
+    for name, r in rows.items():
+        cache = f"{r['cache_hit_rate']:.0%} ({r['cache_hits']} of {r['cache_hits'] + r['images_encoded']})" \
+            if "cache_hit_rate" in r else "–"
+        lines.append(f"| {name} | {_ms(r['ttft_p50_s_all'])} | {_ms(r['ttft_p90_s_all'])} | "
+                     f"{_ms(r['ttft_p90_s_text_only'])} | {_ms(r['ttft_p90_s_with_images'])} | {_ms(r['tpot_p50_s'])} | "
+                     f"{r['slo_attainment']:.0%} | {r['goodput_rps']:.2f} | {r['errors']} | {cache} |")
+    if "epd" in rows and "encode-in-prefill" in rows:
+        epd, inline = rows["epd"]["ttft_p90_s_text_only"], rows["encode-in-prefill"]["ttft_p90_s_text_only"]
+        if epd and inline:
+            ratio = inline / epd
+            verdict = "met" if ratio >= 2 else f"missed (by {2 / ratio:.2f}x)"
+            lines += ["", f"Text-only TTFT p90, encoding in the prefill worker against the encode pool: **{ratio:.2f}x** "
+                          f"(target 2x: {verdict})."]
+    return "\n".join(lines)

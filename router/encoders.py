@@ -1,0 +1,136 @@
+"""The encode pool as the router sees it: which encode worker takes a request's images, and what to do
+when it fails.
+
+A request's images go to the encoder that encoded most of them lately (by a hash of their bytes, which
+the router has without decoding them), else to the one with the fewest requests in hand, so a
+repeated image is found in that encoder's cache instead of being encoded again elsewhere. An encoder
+that fails a call (its process died, its node went away) is skipped until Ray has restarted it and
+answers again; when none answers, the request goes on without embeddings and its prefill worker
+encodes the images itself: an encoder's fault never fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+KEYS_KEPT = 65_536  # image keys remembered (each maps to the encoder that made its embeddings)
+RETRY_AFTER_FAULT_S = 5.0  # an encoder that failed is tried again after this (Ray restarts it meanwhile)
+TRIES = 2  # encoders tried per request before its prefill worker encodes instead
+
+
+@dataclass(eq=False)
+class EncoderRef:
+    name: str
+    handle: Any  # Ray actor handle
+    outstanding: int = 0  # requests sent and not answered
+    failed_at: float | None = None  # monotonic time of its last failed call
+
+    def available(self, now: float) -> bool:
+        return self.failed_at is None or now - self.failed_at > RETRY_AFTER_FAULT_S
+
+
+@dataclass
+class EncodeStats:
+    requests: int = 0  # requests with images sent to the pool
+    images: int = 0
+    routed_to_holder: int = 0  # images sent to the encoder that made them before
+    faults: int = 0  # failed encoder calls
+    fallbacks: int = 0  # requests left to their prefill worker to encode (no encoder answered)
+    per_encoder: dict[str, int] = field(default_factory=dict)
+
+
+class EncodePool:
+    def __init__(self, encoders: list[EncoderRef]) -> None:
+        self.encoders = encoders
+        self._holder: OrderedDict[bytes, EncoderRef] = OrderedDict()  # image key -> encoder that made it
+        self.stats = EncodeStats()
+
+    async def encode(self, request_id: str, images: tuple[bytes, ...]) -> Any | None:
+        """A Ray object reference to the images' `EncodedImage`s once an encoder has made them; None
+        when no encoder could (the prefill worker then encodes them). ValueError: a bad image (an
+        encoder decodes them first), which no other encoder would take either."""
+        keys = [hashlib.blake2b(data, digest_size=16).digest() for data in images]
+        self.stats.requests += 1
+        self.stats.images += len(images)
+        tried: set[EncoderRef] = set()
+        for _ in range(min(TRIES, len(self.encoders))):
+            encoder = self._choose(keys, tried)
+            if encoder is None:
+                break
+            tried.add(encoder)
+            encoder.outstanding += 1
+            ref = encoder.handle.encode.remote(images)
+            try:
+                await asyncio.wrap_future(ref.future())  # resolved: the embeddings are in the object store
+            except Exception as e:
+                cause = getattr(e, "cause", None) or e  # what the encoder's method raised, unwrapped
+                if isinstance(cause, ValueError):
+                    raise ValueError(str(cause)) from None
+                encoder.failed_at = time.monotonic()
+                self.stats.faults += 1
+                log.warning("request %s: encoder %s failed (%s); trying another", request_id, encoder.name,
+                            type(cause).__name__)
+                continue
+            finally:
+                encoder.outstanding -= 1
+            encoder.failed_at = None
+            self.stats.per_encoder[encoder.name] = self.stats.per_encoder.get(encoder.name, 0) + 1
+            self._remember(keys, encoder)
+            return ref
+        self.stats.fallbacks += 1
+        return None
+
+    def _choose(self, keys: list[bytes], tried: set[EncoderRef]) -> EncoderRef | None:
+        now = time.monotonic()
+        candidates = [e for e in self.encoders if e not in tried and e.available(now)]
+        if not candidates:
+            return None
+        held = {e: sum(self._holder.get(k) is e for k in keys) for e in candidates}
+        best = max(candidates, key=lambda e: (held[e], -e.outstanding))
+        self.stats.routed_to_holder += held[best]
+        return best
+
+    def _remember(self, keys: list[bytes], encoder: EncoderRef) -> None:
+        for key in keys:
+            self._holder[key] = encoder
+            self._holder.move_to_end(key)
+        while len(self._holder) > KEYS_KEPT:
+            self._holder.popitem(last=False)
+
+
+class EncodeCollector:
+    """The encode pool's counts on /metrics, read at scrape time (none while the cluster has no pool)."""
+
+    def __init__(self, pool: Callable[[], EncodePool | None]) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self.pool()
+        if pool is None:
+            return
+        s = pool.stats
+        for name, value, what in (
+                ("pdserve_encode_requests", s.requests, "Requests whose images went to the encode pool"),
+                ("pdserve_encode_images", s.images, "Images sent to the encode pool"),
+                ("pdserve_encode_images_to_holder", s.routed_to_holder,
+                 "Images sent to the encoder that made their embeddings before (its cache has them)"),
+                ("pdserve_encode_faults", s.faults, "Encoder calls that failed (the request tried another encoder)"),
+                ("pdserve_encode_fallbacks", s.fallbacks,
+                 "Requests no encoder answered, their images encoded by their prefill worker")):
+            yield CounterMetricFamily(name, what, value=value)
+        per = CounterMetricFamily("pdserve_encode_worker_requests", "Requests each encoder answered",
+                                  labels=["worker"])
+        for worker, count in sorted(s.per_encoder.items()):
+            per.add_metric([worker], count)
+        yield per
