@@ -27,7 +27,7 @@ from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, EncodeWorker
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
-from pdserve.engine.multimodal.vision import FAMILIES
+from pdserve.engine.multimodal.vision import FAMILIES, tokens_per_image
 from pdserve.engine.model_store import ModelSource, files_digest, model_digest, read_model_files
 from pdserve.engine.models.presets import resolve_model
 from pdserve.kv_transfer.interface import shown
@@ -146,7 +146,7 @@ class Cluster:
             collectors.append(PlannerCollector(self._replanning))
         self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
         if encoders:
-            stack.frontend.encoders = EncodePool(encoders)
+            stack.frontend.encoders = EncodePool(encoders, m.server.images.encode_timeout_s)
         self._supervisor = Supervisor(self.workers, on_change=stack.health_changed, deadlines=m.deadlines.health,
                                       after_round=self.audit.observe).start()
         if self._replanning is not None:
@@ -467,14 +467,16 @@ class Cluster:
             max_model_len=context_limit(config, m.max_model_len), mode=m.mode, dtype=m.dtype,
             block_size=m.block_size, eos_token_id=first if first is not None else 0, eos_token_ids=eos,
         )
-        limits = None
+        limits, image_tokens = None, 1
         if getattr(full_config, "vision_config", None) is not None and full_config.model_type in FAMILIES:
+            image_tokens = tokens_per_image(model_dir, full_config)
             limits = m.server.images.limits()
             info.image_token_id = full_config.image_token_id
             info.image_token = tokenizer.convert_ids_to_tokens(full_config.image_token_id)
             info.max_images, info.max_image_bytes, info.max_image_pixels = (
                 limits.max_images, limits.max_bytes, limits.max_pixels)
-        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer), limits, m.server.images.fetch())
+        return ServedModel(m.served_name, tokenizer, info, max_token_chars(tokenizer), limits, m.server.images.fetch(),
+                           image_tokens)
 
     # --- down -----------------------------------------------------------------------------------
     @property

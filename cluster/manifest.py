@@ -289,9 +289,13 @@ class ImagesSpec(_Strict):
     embedding_cache_mb: int = Field(256, ge=0, description="Each encode worker's cache of recent images' "
                                                            "embeddings, by their pixels (0: none).")
     url_hosts: list[str] = Field(
-        default_factory=list, description="Hosts whose http(s) image URLs the chat API fetches (exact host names; "
-                                          "no redirects followed); empty: only inline data: URLs.")
+        default_factory=list, description="Hosts whose http(s) image URLs the chat API fetches: exact host names, "
+                                          "`host:port` for a port not the scheme's own; no redirects followed. "
+                                          "Empty: only inline data: URLs.")
     url_timeout_s: float = Field(10.0, gt=0, le=120, description="The whole fetch of one image URL.")
+    encode_timeout_s: float = Field(
+        60.0, gt=0, description="How long the router waits for an encode worker's answer before trying another "
+                                "(or leaving the images to the prefill worker).")
 
     def fetch(self) -> ImageFetch:
         return ImageFetch(frozenset(host.lower() for host in self.url_hosts), self.max_image_bytes, self.url_timeout_s)

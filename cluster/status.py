@@ -52,7 +52,7 @@ def render(report: dict[str, Any]) -> str:
             used = w["kv_blocks_total"] - w["kv_blocks_free"]
             rows.append((pool["name"], w["name"], w["role"], w["node"], _health(w),
                          str(w["requests"]), str(w["queued_prompts"]),
-                         f"{w['kv_used']:.0%} ({used}/{w['kv_blocks_total']} blocks)"))
+                         f"{w['kv_used']:.0%} ({used}/{w['kv_blocks_total']} blocks)" if w["kv_blocks_total"] else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     if (planner := report["planner"]) is not None:

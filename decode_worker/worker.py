@@ -36,7 +36,7 @@ from typing import Any
 import ray
 
 from pdserve.engine import LLMEngine, RequestOutput
-from pdserve.engine.llm_engine import RequestHandoff
+from pdserve.engine.llm_engine import ImagePrompt, RequestHandoff
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.model_store import ModelSource
 from pdserve.engine.profiler import profile_decode, profile_prefill
@@ -89,6 +89,7 @@ class DecodeWorker(WorkerBase):
         self._events: dict[str, dict[LifetimeEvent, float]] = {}
         self._stop = threading.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)  # (batch size, step seconds)
+        self.engine.set_preempt_hook(self._on_preempted)
         self.start_loop()
         self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.deadlines.lease_s,
                                    reserve_wait_s=self.kv.deadlines.reserve_wait_s)
@@ -175,8 +176,7 @@ class DecodeWorker(WorkerBase):
     # --- whole requests -------------------------------------------------------------------------
     def generate(self, work: WorkRequest) -> None:
         """Prefill and decode here (colocated mode); a refusal reaches the router as an error message."""
-        self._run_here(work, lambda e: e.add_request(self.image_prompt(work) if work.images else work.prompt_token_ids,
-                                                     work.params, work.request_id))
+        self._run_here(work, lambda e, prompt: e.add_request(prompt, work.params, work.request_id))
 
     def resume(self, work: WorkRequest, generated: list[int], logprobs: list[float]) -> None:
         """Continue a request that lost its worker, from its prompt and the tokens the client already has
@@ -184,9 +184,11 @@ class DecodeWorker(WorkerBase):
         and sampling goes on at the same output position (a seeded request draws what it would have)."""
         handoff = RequestHandoff(work.request_id, work.prompt_token_ids, list(generated), work.params,
                                  num_computed_tokens=0, logprobs=list(logprobs))
-        self._run_here(work, lambda e: e.resume_request(handoff, self.image_prompt(work) if work.images else None))
+        self._run_here(work, lambda e, prompt: e.resume_request(handoff, prompt if work.images else None))
 
-    def _run_here(self, work: WorkRequest, add: Callable[[LLMEngine], object]) -> None:
+    def _run_here(self, work: WorkRequest, add: Callable[[LLMEngine, list[int] | ImagePrompt], object]) -> None:
+        """`add(engine, prompt)` on the engine loop: the prompt's images decoded (or their embeddings
+        fetched) before, on this thread, so that the batch never waits on them."""
         if work.request_id in self.receiver.aborted:  # cancelled before this call ran
             return
         if self.fault is not None:
@@ -197,7 +199,8 @@ class DecodeWorker(WorkerBase):
         now = time.time()
         self._events[work.request_id] = {LifetimeEvent.PREFILL_QUEUED: now, LifetimeEvent.PREFILL_START: now}
         try:
-            self.loop.call(add)
+            prompt = self.image_prompt(work) if work.images else work.prompt_token_ids
+            self.loop.call(lambda engine: add(engine, prompt))
         except Exception as e:
             self._events.pop(work.request_id, None)
             code = INVALID_ARGUMENT if isinstance(e, ValueError) else UNAVAILABLE
@@ -317,6 +320,18 @@ class DecodeWorker(WorkerBase):
         self.close_common()
 
     # --- on the engine loop thread --------------------------------------------------------------
+    def _on_preempted(self, request_id: str) -> None:
+        """On the engine loop, as a step gives a request's blocks up: it is recomputed here later from
+        its tokens, unless its images were encoded elsewhere (an import has no embeddings): that one
+        goes back to the router, which resumes it where its images are encoded again."""
+        seq = self.engine.requests.get(request_id)
+        if seq is None or seq.recomputable:
+            return
+        self.engine.abort_request(request_id)
+        self._events.pop(request_id, None)
+        self.sink.send(request_id, error=f"preempted: decode worker {self.worker_id}'s KV memory is full and the "
+                                         "request's images were encoded elsewhere", error_code=UNAVAILABLE)
+
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self.faults.after_step()
         now = time.time()

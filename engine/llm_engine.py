@@ -251,9 +251,11 @@ class LLMEngine:
             self._propose(self.proposer)
         propose_s = time.perf_counter() - t0
         plan = self.scheduler.schedule()
-        if self.preempt_hook is not None:
-            for seq in plan.preempted:
+        for seq in plan.preempted:
+            if self.preempt_hook is not None:
                 self.preempt_hook(seq.request_id)
+            if not seq.recomputable and seq.request_id in self.requests:  # the hook did not take it elsewhere
+                self.abort_request(seq.request_id)  # it cannot be computed again here: never run it without embeddings
         if not plan.chunks:
             self.last_step = StepStats(num_preempted=len(plan.preempted))
             return []

@@ -64,6 +64,12 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
+    @property
+    def recomputable(self) -> bool:
+        """Whether its KV can be computed again here from what it holds (a preemption's recompute): not
+        for a prompt with images whose embeddings stayed where they were made (an import)."""
+        return self.images is None or bool(self.image_embeddings)
+
     def block_extra(self, start: int, end: int) -> bytes:
         """What the prefix-cache hash of the block of tokens [start, end) adds to their ids."""
         return b"" if self.images is None else self.images.block_extra(start, end)

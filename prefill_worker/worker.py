@@ -229,8 +229,8 @@ class PrefillWorker(WorkerBase):
             work = job.work
             try:  # images first: their placeholders are expanded in the prompt the decode worker reserves for
                 job.prompt = self.image_prompt(work) if work.images else None
-            except ValueError as e:
-                self._finish(job, error=f"prefill could not start: {e}", code=INVALID_ARGUMENT)
+            except Exception as e:  # this request's images (even one that failed their processor): the rest go on
+                self._finish(job, error=f"prefill could not start: {e}", code=_code(e))
                 continue
             token_ids = work.prompt_token_ids if job.prompt is None else job.prompt.token_ids
             try:

@@ -4,9 +4,10 @@ when it fails.
 A request's images go to the encoder that encoded most of them lately (by a hash of their bytes, which
 the router has without decoding them), else to the one with the fewest requests in hand, so a
 repeated image is found in that encoder's cache instead of being encoded again elsewhere. An encoder
-that fails a call (its process died, its node went away) is skipped until Ray has restarted it and
-answers again; when none answers, the request goes on without embeddings and its prefill worker
-encodes the images itself: an encoder's fault never fails a request.
+that fails a call (its process died, its node went away, or it did not answer within the encode
+timeout) is skipped until Ray has restarted it and answers again; when none answers, the request goes
+on without embeddings and its prefill worker encodes the images itself: an encoder's fault never
+fails a request, nor holds it past the timeout.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class EncodeStats:
 
 
 class EncodePool:
-    def __init__(self, encoders: list[EncoderRef]) -> None:
+    def __init__(self, encoders: list[EncoderRef], timeout_s: float = 60.0) -> None:
         self.encoders = encoders
+        self.timeout_s = timeout_s  # one encoder's answer; past it the encoder counts as failed
         self._holder: OrderedDict[bytes, EncoderRef] = OrderedDict()  # image key -> encoder that made it
         self.stats = EncodeStats()
 
@@ -70,9 +72,10 @@ class EncodePool:
                 break
             tried.add(encoder)
             encoder.outstanding += 1
-            ref = encoder.handle.encode.remote(images)
             try:
-                await asyncio.wrap_future(ref.future())  # resolved: the embeddings are in the object store
+                ref = encoder.handle.encode.remote(images)
+                # Resolved: the embeddings are in the object store. A late answer is dropped.
+                await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except Exception as e:
                 cause = getattr(e, "cause", None) or e  # what the encoder's method raised, unwrapped
                 if isinstance(cause, ValueError):

@@ -153,14 +153,20 @@ class ServedModel:
     max_token_chars: int | None = None
     image_limits: ImageLimits | None = None  # a vision-language model's; None: it takes no images
     image_fetch: ImageFetch = ImageFetch()  # which image URLs the chat API takes (data: only by default)
+    image_tokens: int = 1  # the tokens an image is expected to take (a 1024x1024 one's), for placement
+
+    def check_image_count(self, count: int) -> ImageLimits:
+        """Refuse (BadParameter) `count` images for one request of this model; its image limits."""
+        limits = self.image_limits
+        if limits is None or limits.max_images == 0:
+            raise BadParameter("images", f"model {self.name!r} takes no images")
+        limits.check_count(count)
+        return limits
 
     def check_images(self, ids: list[int], images: tuple[bytes, ...]) -> None:
         """Refuse (BadParameter) images this model cannot take: too many, too large, not an image by
         their header, or not one placeholder each in the prompt. Reads headers only (no decoding)."""
-        limits = self.image_limits
-        if limits is None or limits.max_images == 0:
-            raise BadParameter("images", f"model {self.name!r} takes no images")
-        limits.check_count(len(images))
+        limits = self.check_image_count(len(images))
         placeholders = ids.count(self.info.image_token_id)
         if placeholders != len(images):
             raise BadParameter("images", f"the prompt has {placeholders} image placeholders ({self.info.image_token!r}) "
@@ -310,9 +316,13 @@ class Frontend:
         except ValueError as e:  # an image the encoder could not decode
             self.hub.deliver(TokenMessage(request_id=work.request_id, error_code=INVALID_ARGUMENT, error=str(e)))
             return
+        except Exception:  # a bug of ours: the prefill worker encodes instead, and the log says why
+            log.exception("request %s: the encode pool failed; its prefill worker encodes its images", work.request_id)
+            encoded = None
         if active.work is not work or active.finished:  # retried (without embeddings) or ended meanwhile
             return
-        active.events[LifetimeEvent.ENCODED] = time.time()
+        if encoded is not None:
+            active.events[LifetimeEvent.ENCODED] = time.time()
         active.work = dataclasses.replace(work, encoded=encoded)
         try:
             _dispatch(self.hub, active.work, active.placement)

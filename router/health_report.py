@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdserve.router.encoders import EncoderRef
 from pdserve.router.workers import WorkerRef
 
 
 @dataclass(frozen=True)
 class WorkerHealth:
     name: str
-    role: str  # prefill, decode or colocated
+    role: str  # prefill, decode, colocated or encode
     node: str  # the node's IP address
     healthy: bool
     requests: int  # requests the worker holds now (its last report)
@@ -34,7 +35,7 @@ class WorkerHealth:
 
 @dataclass(frozen=True)
 class PoolHealth:
-    name: str  # prefill or decode
+    name: str  # prefill, decode or encode
     needed: bool  # the cluster cannot serve without a healthy worker here
     workers: list[WorkerHealth]
 
@@ -93,3 +94,10 @@ def worker_health(worker: WorkerRef, mode: str) -> WorkerHealth:
         node=status.node_ip if status else "", healthy=worker.healthy, requests=status.requests if status else 0,
         queued_prompts=len(worker.queued), kv_blocks_total=worker.total_blocks if status else 0,
         kv_blocks_free=worker.free_blocks if status else 0, draining=worker.draining)
+
+
+def encoder_health(encoder: EncoderRef) -> WorkerHealth:
+    """An encode worker as the report shows it: healthy unless its last call failed (the router's view;
+    Ray restarts it), the requests it has in hand, and no KV."""
+    return WorkerHealth(name=encoder.name, role="encode", node="", healthy=encoder.failed_at is None,
+                        requests=encoder.outstanding, queued_prompts=0, kv_blocks_total=0, kv_blocks_free=0)

@@ -446,6 +446,9 @@ class _ChatFormat(_Format):
         frontend, body, tokenizer = self.frontend, self.body, self.frontend.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise BadParameter("messages", f"model {self.model!r} has no chat template: use /v1/completions")
+        parts = [p for m in body.messages if isinstance(m.content, list) for p in m.content if p["type"] == "image_url"]
+        if parts:  # before any is decoded or fetched
+            frontend.model.check_image_count(len(parts))
         # Off the event loop: the base64 of images is megabytes to decode, a fetch seconds.
         fetch = frontend.model.image_fetch
         rendered = await frontend.off_loop(lambda: [message.images_as_parts(fetch) for message in body.messages])

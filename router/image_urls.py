@@ -2,7 +2,8 @@
 manifest allows (`server.images.url_hosts`), fetched with bounds.
 
 An open fetcher would let any client make the router request any address it can reach (cloud metadata
-services, internal hosts): so a host must be named exactly, redirects are refused (one could lead off
+services, internal hosts): so a host must be named exactly (with its port, when not the scheme's own),
+URLs with user info are refused, and so are redirects (one could lead off
 the allowed host), and the body is read against a byte limit and an overall deadline (a server that
 drips bytes cannot hold the thread longer). Runs on the router's tokenizer threads, never its event loop.
 """
@@ -10,6 +11,7 @@ drips bytes cannot hold the thread longer). Runs on the router's tokenizer threa
 from __future__ import annotations
 
 import binascii
+import http.client
 import time
 import urllib.error
 import urllib.parse
@@ -36,8 +38,8 @@ class ImageFetch:
                     return response.read()
             except (ValueError, binascii.Error, OSError) as e:
                 raise BadParameter("messages", f"image_url is not a valid data: URL ({type(e).__name__})") from None
-        host = urllib.parse.urlsplit(url).hostname if scheme in ("http", "https") else None
-        if host is None or host.lower() not in self.hosts:
+        host = _host(url) if scheme in ("http", "https") else None
+        if host is None or host not in self.hosts:
             raise BadParameter("messages", "image_url must be a data: URL carrying the image (data:image/png;base64,"
                                            "...), or an http(s) URL on a host the server allows (server.images."
                                            f"url_hosts{': none' if not self.hosts else ''})")
@@ -64,9 +66,24 @@ class ImageFetch:
         except BadParameter:
             raise
         except urllib.error.HTTPError as e:
+            e.close()
             raise BadParameter("messages", f"the image at {host} could not be fetched (HTTP {e.code})") from None
-        except (OSError, ValueError) as e:  # refused, unreachable, timed out, a redirect, a malformed answer
+        except (OSError, ValueError, http.client.HTTPException) as e:  # refused, unreachable, timed out, malformed
             raise BadParameter("messages", f"the image at {host} could not be fetched ({type(e).__name__})") from None
+
+
+def _host(url: str) -> str | None:
+    """The URL's host as `url_hosts` names it: `host`, or `host:port` for a port not its scheme's own
+    (so that an allowed host's other services cannot be reached through it)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port out of range or not a number
+        return None
+    if parts.hostname is None or parts.username is not None or parts.password is not None:
+        return None
+    default = {"http": 80, "https": 443}[parts.scheme.lower()]
+    return parts.hostname if port in (None, default) else f"{parts.hostname}:{port}"
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

@@ -53,9 +53,13 @@ class RoutingSettings:
     max_active_decodes: int = 128
     max_model_len: int = 2048
     image_token_id: int | None = None  # a vision-language model's image placeholder
+    # The tokens an image is expected to take once its placeholder is expanded (a 1024x1024 one's): only
+    # the worker that decodes an image knows its own count, and placement needs the prompt's size before.
+    image_tokens: int = 1
 
     @classmethod
-    def from_spec(cls, spec: Any, max_model_len: int, image_token_id: int | None = None) -> "RoutingSettings":
+    def from_spec(cls, spec: Any, max_model_len: int, image_token_id: int | None = None,
+                  image_tokens: int = 1) -> "RoutingSettings":
         """From a manifest's `router` section (`cluster.manifest.RouterSpec`, read by attribute: the
         router imports nothing of the cluster): the cluster's router and the simulator's alike."""
         prefill_policy, decode_policy = spec.pool_policies
@@ -64,7 +68,7 @@ class RoutingSettings:
                    prefix_index=spec.prefix_index, ttft_slo_s=spec.ttft_slo_s, reject_factor=spec.reject_factor,
                    local_prefill_tokens=spec.local_prefill_tokens, max_queued_prefills=spec.max_queued_prefills,
                    max_active_decodes=spec.max_active_decodes, max_model_len=max_model_len,
-                   image_token_id=image_token_id)
+                   image_token_id=image_token_id, image_tokens=image_tokens)
 
 
 @dataclass
@@ -225,11 +229,11 @@ class Router:
     def _route_request(self, work: WorkRequest, generated: list[int] = ()) -> RouteRequest:
         """What the policies see of `work`; a resumed request's "prompt" is its prompt + `generated`."""
         tokens = work.prompt_token_ids + list(generated)
-        n = len(tokens)
+        n = len(tokens) + len(work.images) * (self.settings.image_tokens - 1)  # each placeholder expanded
         # As the engine does: full blocks only, and never the last prompt token (its pass makes the logits).
         # With images, the text before the first: the engine hashes image blocks with the images' content,
         # which only the worker that decodes them knows.
-        cached_end = work.prompt_token_ids.index(self.settings.image_token_id) if work.images else n - 1
+        cached_end = work.prompt_token_ids.index(self.settings.image_token_id) if work.images else len(tokens) - 1
         cacheable = cached_end // self.block_size * self.block_size
         hashes = hash_prompt_blocks(tokens[:cacheable], self.block_size)
         exact = self.index.match(hashes) if hashes else {}

@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.event_loop import EventLoopThread
-from pdserve.router.health_report import HealthReport, ModelHealth, PlannerHealth, PoolHealth, worker_health
+from pdserve.router.health_report import (HealthReport, ModelHealth, PlannerHealth, PoolHealth, encoder_health,
+                                           worker_health)
 from pdserve.router.http_api import create_app
 from pdserve.router.pool_admin import PoolAdmin, PoolControl
 from pdserve.router.service import RouterService, add_to_server
@@ -167,6 +168,8 @@ class RouterServer:
         pools = [PoolHealth("decode", True, [worker_health(w, router.mode) for w in router.decode_pool])]
         if router.prefill_pool:  # not needed: without one, decode workers prefill prompts themselves
             pools.insert(0, PoolHealth("prefill", False, [worker_health(w, router.mode) for w in router.prefill_pool]))
+        if frontend.encoders is not None:  # not needed: without one, the prompt pass encodes
+            pools.insert(0, PoolHealth("encode", False, [encoder_health(e) for e in frontend.encoders.encoders]))
         model = ModelHealth(info.name, info.model_type, info.max_model_len, info.dtype)
         return HealthReport(self.serving(), router.mode, model, self.address, self.http_address, pools,
                             self.planner_status())

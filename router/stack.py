@@ -53,7 +53,8 @@ class RouterStack:
     def place(self, workers: list[WorkerRef], served: ServedModel) -> Router:
         """Build the placement core over the workers (each with its first health report)."""
         m = self.manifest
-        settings = RoutingSettings.from_spec(m.router, served.info.max_model_len, served.info.image_token_id or None)
+        settings = RoutingSettings.from_spec(m.router, served.info.max_model_len, served.info.image_token_id or None,
+                                             served.image_tokens)
         prefill = [w for w in workers if w.pool == "prefill"]
         decode = [w for w in workers if w.pool != "prefill"]
         self.placement = Router(m.mode, prefill, decode, m.block_size, settings, self.kv_events.index)

@@ -18,6 +18,9 @@ from pdserve.engine.sampling_params import BadParameter
 
 # Formats decoded; others (PSD, EPS through Ghostscript, ...) are refused: less decoder surface.
 ALLOWED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+# Longest side over shortest: past it an image processor that scales the short side up to its size
+# (CLIP's) would make gigapixels of a strip of a few kilobytes.
+MAX_ASPECT_RATIO = 50
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ def _open(data: bytes, limits: ImageLimits, index: int) -> Image.Image:
         raise BadParameter("images", f"{what} is {width}x{height} pixels, more than the {limits.max_pixels} allowed")
     if width == 0 or height == 0:
         raise BadParameter("images", f"{what} is empty ({width}x{height} pixels)")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise BadParameter("images", f"{what} is {width}x{height} pixels: its sides differ more than "
+                                     f"{MAX_ASPECT_RATIO} times")
     return image
 
 

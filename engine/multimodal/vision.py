@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from pdserve.engine.multimodal.images import DecodedImage
@@ -69,8 +70,7 @@ class VisionModel:
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
         inputs = dict(self.image_processor(images=[image.pixels], return_tensors="pt"))
-        grid = self._grid(inputs)
-        return PreparedImage(image.content_hash, inputs, self._num_tokens(inputs, grid), grid)
+        return PreparedImage(image.content_hash, inputs, self.count_tokens(self.config, inputs), self._grid(inputs))
 
     @torch.inference_mode()
     def encode(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
@@ -125,31 +125,37 @@ class VisionModel:
         """[3, len(token_ids)] M-RoPE positions of a prompt, and the delta of the text after it."""
         raise NotImplementedError(f"{type(self).__name__} has 1-D positions")
 
-    def _grid(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
+    @classmethod
+    def _grid(cls, inputs: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
         return None
 
-    def _num_tokens(self, inputs: dict[str, torch.Tensor], grid: tuple[int, int, int] | None) -> int:
+    @classmethod
+    def count_tokens(cls, config: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> int:
+        """The embedding rows the tower makes of an image its processor turned into `inputs`."""
         raise NotImplementedError
 
 
 class LlavaVision(VisionModel):
-    def _num_tokens(self, inputs: dict[str, torch.Tensor], grid: tuple[int, int, int] | None) -> int:
+    @classmethod
+    def count_tokens(cls, config: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> int:
         height, width = inputs["pixel_values"].shape[-2:]
-        patch = self.config.vision_config.patch_size
-        class_token = 1 if self.config.vision_feature_select_strategy == "full" else 0
+        patch = config.vision_config.patch_size
+        class_token = 1 if config.vision_feature_select_strategy == "full" else 0
         return (height // patch) * (width // patch) + class_token
 
 
 class Qwen2VLVision(VisionModel):
     uses_mrope = True
 
-    def _grid(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    @classmethod
+    def _grid(cls, inputs: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         t, h, w = (int(v) for v in inputs["image_grid_thw"][0])
         return t, h, w
 
-    def _num_tokens(self, inputs: dict[str, torch.Tensor], grid: tuple[int, int, int] | None) -> int:
-        t, h, w = grid
-        return t * h * w // self.config.vision_config.spatial_merge_size ** 2
+    @classmethod
+    def count_tokens(cls, config: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> int:
+        t, h, w = cls._grid(inputs)
+        return t * h * w // config.vision_config.spatial_merge_size ** 2
 
     def prompt_positions(self, token_ids: Sequence[int], images: PromptImages) -> tuple[np.ndarray, int]:
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
@@ -160,6 +166,15 @@ class Qwen2VLVision(VisionModel):
 
 
 FAMILIES: dict[str, type[VisionModel]] = {"llava": LlavaVision, "qwen2_vl": Qwen2VLVision}
+
+
+def tokens_per_image(model_dir: str | Path, config: PretrainedConfig, side: int = 1024) -> int:
+    """The tokens a side x side image takes in this model's prompts (its image processor's resize, the
+    family's count): the router's estimate of an image's share of a prompt, which it places before any
+    worker has decoded the image."""
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    inputs = dict(processor(images=[Image.new("RGB", (side, side))], return_tensors="pt"))
+    return FAMILIES[config.model_type].count_tokens(config, inputs)
 
 
 def load_encoder(model_dir: str | Path, dtype: torch.dtype, device: str) -> VisionModel:

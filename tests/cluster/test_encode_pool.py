@@ -4,6 +4,7 @@ text-only requests go on while images encode; an encode worker killed mid-reques
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -70,6 +71,9 @@ def test_images_are_encoded_on_the_encode_pool_and_outputs_match_generate(cluste
     with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=30) as response:
         metrics = response.read().decode()
     assert "pdserve_encode_images_total 4.0" in metrics and "pdserve_encode_fallbacks_total 0.0" in metrics
+    with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=30) as response:
+        pools = {pool["name"]: pool for pool in json.loads(response.read())["pools"]}
+    assert [w["name"] for w in pools["encode"]["workers"]] == ["encode-0", "encode-1"] and pools["encode"]["healthy"] == 2
     assert_idle(cluster)
 
 
@@ -93,6 +97,29 @@ def test_text_only_requests_go_on_while_images_encode(cluster):
     finally:
         for encoder in cluster.encoders:
             on_worker(encoder, open_gate)
+    assert_idle(cluster)
+
+
+def test_encoders_that_hang_hold_no_request_past_the_timeout(cluster):
+    """Every encoder stuck: each is given up at the timeout, and the prefill worker encodes instead."""
+    pool = cluster.router_stack.frontend.encoders
+    fallbacks, before = pool.stats.fallbacks, pool.timeout_s
+    for encoder in cluster.encoders:
+        on_worker(encoder, install_gate, "vision.encode_images")
+    pool.timeout_s = 1.0
+    try:
+        with Client(cluster.address, timeout=120) as client:
+            image = client.model_info().image_token
+            done = client.generate(f"stuck {image} encoders", images=[noise_png(25, 90, 90)], temperature=0,
+                                   max_tokens=NEW_TOKENS, ignore_eos=True)
+            assert len(done.token_ids) == NEW_TOKENS and "encoded" not in done.events
+            assert pool.stats.fallbacks == fallbacks + 1
+    finally:
+        pool.timeout_s = before
+        for encoder in cluster.encoders:
+            on_worker(encoder, open_gate)
+        for encoder in pool.encoders:  # given up on: taken again as they answer (the next test's)
+            encoder.failed_at = None
     assert_idle(cluster)
 
 

@@ -56,6 +56,7 @@ def test_prompts_with_images_match_generate_through_the_pools(cluster, vision_re
             assert done.prompt_tokens == len(ids)
         again = client.generate(cases[1][0], images=cases[1][1], temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         assert again.cached_tokens > 0  # the same images: their KV came from the prefix cache
+    assert cluster.router.settings.image_tokens > 1  # placement counts an image as its tokens
     assert_idle(cluster)
 
 

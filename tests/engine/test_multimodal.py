@@ -117,6 +117,7 @@ def test_bad_images_are_refused_by_name_and_the_engine_keeps_serving(vision_mode
         "truncated": (one, [A[: len(A) // 2]]),
         "not an image": (one, [b"%PDF-1.4 definitely not a picture"]),
         "too many pixels": (one, [huge_png()]),
+        "too thin": (one, [noise_png(4, 1, 200)]),
         "too many bytes": (one, [b"\x89PNG" + bytes(2 << 20)]),
         "too many images": (prompt(engine, "<img><img><img>"), [A, A, A]),
         "placeholders differ from images": (prompt(engine, "see <img> and <img>"), [A]),
@@ -139,3 +140,55 @@ def test_adjacent_images_of_an_mrope_model_are_refused_by_name(vision_models):
     with pytest.raises(BadParameter, match="adjacent"):
         engine.add_request(prompt(engine, "see <img><img> now"), GREEDY, images=[A, B])
     assert not engine.requests
+
+
+def target_block_bytes(vision_models) -> int:
+    """Bytes of one 4-token KV block of the Qwen2-VL preset."""
+    engine = engine_for(vision_models, "tiny-qwen2-vl", block_size=4)
+    return engine.kv_layout.bytes_per_block
+
+
+def test_an_imported_request_with_images_is_never_recomputed_without_its_embeddings(vision_models):
+    """Out of KV memory, an engine recomputes a preempted request from its tokens later; an imported one
+    with images has no embeddings here to do it with, so it is ended (a worker's hook hands it back to
+    the router first), and the engine goes on serving the others."""
+    source = engine_for(vision_models, "tiny-qwen2-vl", block_size=4)
+    text, images = REQUESTS[2]
+    request_id = source.add_request(prompt(source, text), SamplingParams.greedy(max_tokens=40, ignore_eos=True),
+                                    request_id="moved", images=images)
+    for _ in range(100):
+        source.step()
+        if source.requests[request_id].output_token_ids:
+            break
+    handoff = source.hold_decoding(request_id)
+    # 40 blocks of 4 tokens: the four requests outgrow them as they decode
+    target = engine_for(vision_models, "tiny-qwen2-vl", block_size=4, max_model_len=128,
+                        kv_memory_bytes=40 * target_block_bytes(vision_models))
+    others = [target.add_request(f"some text only prompt number {i}", SamplingParams.greedy(max_tokens=40,
+                                                                                           ignore_eos=True))
+              for i in range(3)]
+    for _ in range(3):  # the text prompts run first: the import joins behind them, the first to give way
+        target.step()
+    target.begin_import(request_id, handoff.prompt_token_ids, handoff.params, handoff.num_computed_tokens,
+                        images=handoff.images)
+    target.import_kv(source.export_kv(request_id))
+    target.commit_import(handoff)
+    source.release(request_id)
+    preempted: list[str] = []
+    target.set_preempt_hook(preempted.append)
+    outputs = drain(target, others)
+    assert request_id in preempted and request_id not in target.requests
+    assert all(len(o.token_ids) == 40 for o in outputs)
+    assert_pool_idle(target)
+
+
+@pytest.mark.parametrize("family", VISION_PRESETS)
+def test_the_routers_estimate_of_an_images_tokens_is_what_the_engine_expands_it_to(vision_models, family):
+    from transformers import AutoConfig
+
+    from pdserve.engine.multimodal.vision import tokens_per_image
+
+    engine = engine_for(vision_models, family)
+    square = noise_png(9, 300, 300)
+    expanded = engine.prepare_images(prompt(engine, "<img>"), [square]).token_ids
+    assert tokens_per_image(vision_models[family], AutoConfig.from_pretrained(vision_models[family]), 300) == len(expanded)

@@ -35,6 +35,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.end_headers()  # no content-length: read until the connection closes
             self.wfile.write(bytes(4096))
+        elif self.path == "/garbage":
+            self.wfile.write(b"SECRET-BANNER of another service\r\n\r\n")  # not HTTP
         elif self.path == "/drip":
             self.send_response(200)
             self.end_headers()
@@ -77,12 +79,13 @@ def test_data_urls_are_decoded_and_bad_ones_refused():
 
 
 def test_only_allowed_hosts_are_fetched_and_nothing_is_asked_of_others(server):
-    allowed = ImageFetch(frozenset({"127.0.0.1"}), max_bytes=2048, timeout_s=2.0)
+    port = int(server.rsplit(":", 1)[1])
+    allowed = ImageFetch(frozenset({f"127.0.0.1:{port}"}), max_bytes=2048, timeout_s=2.0)
     assert allowed.image_bytes(f"{server}/image.png") == PNG
-    port = server.rsplit(":", 1)[1]
     for url in (f"http://localhost:{port}/image.png", "http://169.254.169.254/latest/meta-data",
-                f"http://127.0.0.1@localhost:{port}/image.png", "ftp://127.0.0.1/image.png",
-                "file:///etc/passwd"):
+                f"http://127.0.0.1@localhost:{port}/image.png", f"http://user@127.0.0.1:{port}/image.png",
+                f"http://127.0.0.1:{port + 1}/image.png", "http://127.0.0.1/image.png",
+                "http://127.0.0.1:99999/image.png", "ftp://127.0.0.1/image.png", "file:///etc/passwd"):
         with pytest.raises(BadParameter, match="url_hosts"):
             allowed.image_bytes(url)
     with pytest.raises(BadParameter, match="url_hosts: none"):
@@ -92,11 +95,11 @@ def test_only_allowed_hosts_are_fetched_and_nothing_is_asked_of_others(server):
 
 @pytest.mark.parametrize(("path", "why"), [
     ("/redirect", r"HTTP 302"), ("/big", "more than the 1024"), ("/big-undeclared", "more than the 1024"),
-    ("/missing", "HTTP 404"), ("/drip", "TimeoutError")])
+    ("/missing", "HTTP 404"), ("/drip", "TimeoutError"), ("/garbage", r"\(BadStatusLine\)$")])
 def test_redirects_sizes_and_slow_servers_are_bounded(server, path, why):
-    fetch = ImageFetch(frozenset({"127.0.0.1"}), max_bytes=1024, timeout_s=1.0)
+    fetch = ImageFetch(frozenset({server.removeprefix("http://")}), max_bytes=1024, timeout_s=1.0)
     started = time.monotonic()
-    with pytest.raises(BadParameter, match=why):
+    with pytest.raises(BadParameter, match=why):  # never the peer's own text
         fetch.image_bytes(server + path)
     assert time.monotonic() - started < 2.5  # the drip (4 s of bytes) is cut at the deadline
     assert "/image.png" not in _Handler.requests  # a redirect is never followed
