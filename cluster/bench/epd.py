@@ -18,7 +18,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from PIL import Image
 
 from pdserve.client import AsyncClient, PDServeError
 from pdserve.cluster.bench.report import provenance
+from pdserve.cluster.bench.serve_metrics import percentile
 from pdserve.cluster.bench.workload import azure_trace_shapes
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
@@ -126,13 +127,6 @@ async def _load(address: str, requests: list[BenchRequest]) -> list[Outcome]:
         return await asyncio.gather(*(_one(client, r, start) for r in requests))
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(cfg: EPDBenchConfig, outcomes: list[Outcome], elapsed_s: float) -> dict:
     done = [o for o in outcomes if o.error is None]
     met = [o for o in done if o.ttft_s <= cfg.ttft_slo_s and o.tpot_s <= cfg.tpot_slo_s]
@@ -141,7 +135,7 @@ def _summary(cfg: EPDBenchConfig, outcomes: list[Outcome], elapsed_s: float) -> 
     for name, group in (("all", done), ("text_only", [o for o in done if not o.images]),
                         ("with_images", [o for o in done if o.images])):
         ttfts = [o.ttft_s for o in group]
-        row[f"ttft_p50_s_{name}"], row[f"ttft_p90_s_{name}"] = _percentile(ttfts, 0.5), _percentile(ttfts, 0.9)
+        row[f"ttft_p50_s_{name}"], row[f"ttft_p90_s_{name}"] = percentile(ttfts, 50), percentile(ttfts, 90)
     row["tpot_p50_s"] = statistics.median(o.tpot_s for o in done) if done else None
     return row
 
