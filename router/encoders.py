@@ -7,7 +7,9 @@ repeated image is found in that encoder's cache instead of being encoded again e
 that fails a call (its process died, its node went away, or it did not answer within the encode
 timeout) is skipped until Ray has restarted it and answers again; when none answers, the request goes
 on without embeddings and its prefill worker encodes the images itself: an encoder's fault never
-fails a request, nor holds it past the timeout.
+fails a request, nor holds it past the timeout. An encoder whose tower raised on a request's images
+is not skipped (the images are at fault, and would break another's tower too): that request alone
+goes to its prefill worker.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class EncodeStats:
     requests: int = 0  # requests with images sent to the pool
     images: int = 0
     routed_to_holder: int = 0  # images sent to the encoder that made them before
-    faults: int = 0  # failed encoder calls
+    faults: int = 0  # encoder calls that failed: the encoder died, went away or did not answer in time
+    errors: int = 0  # encoder calls whose images made its tower raise (another encoder would too)
     fallbacks: int = 0  # requests left to their prefill worker to encode (no encoder answered)
     per_encoder: dict[str, int] = field(default_factory=dict)
 
@@ -77,13 +80,18 @@ class EncodePool:
                 # Resolved: the embeddings are in the object store. A late answer is dropped.
                 await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except Exception as e:
-                cause = getattr(e, "cause", None) or e  # what the encoder's method raised, unwrapped
-                if isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None
+                cause = getattr(e, "cause", None)  # what the encoder's method raised (Ray's task error), if it ran
+                if isinstance(cause or e, ValueError):
+                    raise ValueError(str(cause or e)) from None
+                if cause is not None:  # the encoder lives: these images broke its tower, and would break another's
+                    self.stats.errors += 1
+                    log.warning("request %s: encoder %s failed on its images (%s); its prefill worker encodes them",
+                                request_id, encoder.name, type(cause).__name__)
+                    break
                 encoder.failed_at = time.monotonic()
                 self.stats.faults += 1
                 log.warning("request %s: encoder %s failed (%s); trying another", request_id, encoder.name,
-                            type(cause).__name__)
+                            type(e).__name__)
                 continue
             finally:
                 encoder.outstanding -= 1
@@ -130,7 +138,9 @@ class EncodeCollector:
                  "Images sent to the encoder that made their embeddings before (its cache has them)"),
                 ("pdserve_encode_faults", s.faults, "Encoder calls that failed (the request tried another encoder)"),
                 ("pdserve_encode_fallbacks", s.fallbacks,
-                 "Requests no encoder answered, their images encoded by their prefill worker")):
+                 "Requests no encoder answered, their images encoded by their prefill worker"),
+                ("pdserve_encode_errors", s.errors,
+                 "Encoder calls whose images made the tower raise (left to the prefill worker)")):
             yield CounterMetricFamily(name, what, value=value)
         per = CounterMetricFamily("pdserve_encode_worker_requests", "Requests each encoder answered",
                                   labels=["worker"])

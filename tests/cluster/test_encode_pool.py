@@ -123,6 +123,38 @@ def test_encoders_that_hang_hold_no_request_past_the_timeout(cluster):
     assert_idle(cluster)
 
 
+def break_tower(self) -> None:
+    """Inside an encode worker: its tower raises on every image from now on (as on images it cannot take)."""
+    def broken(images):
+        raise MemoryError("the tower cannot take these images")
+
+    self.test_tower, self.vision.encode_images = self.vision.encode_images, broken
+
+
+def mend_tower(self) -> None:
+    self.vision.encode_images = self.test_tower
+
+
+def test_images_that_break_an_encoders_tower_go_to_the_prefill_worker_and_the_encoder_stays(cluster):
+    pool = cluster.router_stack.frontend.encoders
+    errors, faults, fallbacks = pool.stats.errors, pool.stats.faults, pool.stats.fallbacks
+    for encoder in cluster.encoders:
+        on_worker(encoder, break_tower)
+    try:
+        with Client(cluster.address, timeout=120) as client:
+            image = client.model_info().image_token
+            done = client.generate(f"a {image} too much", images=[noise_png(26, 70, 70)], temperature=0,
+                                   max_tokens=NEW_TOKENS, ignore_eos=True)
+            assert len(done.token_ids) == NEW_TOKENS and "encoded" not in done.events
+    finally:
+        for encoder in cluster.encoders:
+            on_worker(encoder, mend_tower)
+    # One encoder tried, not every one; none taken for failed.
+    assert (pool.stats.errors, pool.stats.faults, pool.stats.fallbacks) == (errors + 1, faults, fallbacks + 1)
+    assert all(e.failed_at is None for e in pool.encoders)
+    assert_idle(cluster)
+
+
 def test_an_encode_worker_killed_mid_request_loses_no_request(cluster, expand, vision_references):
     """The encoders hold the request's images at a gate; the one encoding them is killed (SIGKILL, by
     pid): the router tries the other, and the request completes with transformers' output. Ray
