@@ -23,7 +23,7 @@ from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stor
 from pdserve.cluster.plan.online import OnlinePlanner
 from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, answered_by_ray
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
-from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, EncodeWorker
+from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, SEND_GROUP, SEND_THREADS, EncodeWorker
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_loader import context_limit, eos_ids, load_tokenizer, max_token_chars
@@ -236,13 +236,14 @@ class Cluster:
         """The encode pool's workers, once each answers. Ray restarts one that dies (`max_restarts`);
         the router skips it meanwhile (`router.encoders`)."""
         m, spec = self.manifest, self.manifest.pools.encode
-        actor = ray.remote(EncodeWorker).options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
-                                                 resources=spec.resources or None, max_restarts=spec.max_restarts,
-                                                 max_concurrency=ENCODER_CONCURRENCY)
+        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(EncodeWorker).options(
+            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+            max_restarts=spec.max_restarts, max_concurrency=ENCODER_CONCURRENCY)
         images = m.server.images
         self.encoders = [EncoderRef(f"encode-{i}", actor.remote(
             f"encode-{i}", model, m.dtype, "cuda" if spec.num_gpus > 0 else "cpu", images.limits(),
-            images.embedding_cache_mb * 2**20, spec.threads, m.log_level)) for i in range(spec.replicas)]
+            images.embedding_cache_mb * 2**20, self._transfer_settings(), spec.threads, m.log_level))
+            for i in range(spec.replicas)]
         self.log(f"starting {spec.replicas} encode workers ...")
         ray.get([e.handle.ping.remote() for e in self.encoders], timeout=timeout_s)  # raises a start-up error
         return self.encoders
@@ -501,13 +502,12 @@ class Cluster:
             self._supervisor = None
         if self.router_stack is not None:
             self.router_stack.stop_serving()  # first: no request reaches a worker being stopped
-        if self.workers and ray.is_initialized():
-            shutdowns = [w.handle.shutdown.remote() for w in self.workers]
+        actors = [w.handle for w in [*self.workers, *self.encoders]]
+        if actors and ray.is_initialized():
+            shutdowns = [actor.shutdown.remote() for actor in actors]
             ray.wait(shutdowns, num_returns=len(shutdowns), timeout=10)
-            for w in self.workers:
-                ray.kill(w.handle)
-        for e in self.encoders if ray.is_initialized() else ():
-            ray.kill(e.handle)
+            for actor in actors:
+                ray.kill(actor)
         self.workers, self.encoders = [], []
         self._model = None
         if self.router_stack is not None:

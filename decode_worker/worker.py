@@ -49,7 +49,6 @@ from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import KVSender, OutgoingKV, TransferOutcome
 from pdserve.kv_transfer.state import TransferState
 from pdserve.kv_transfer.settings import TransferSettings
-from pdserve.kv_transfer.transports import start_receiver
 from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, MoveOutcome, WorkerStatus,
                           WorkRequest, token_message)
@@ -93,15 +92,12 @@ class DecodeWorker(WorkerBase):
         self.start_loop()
         self.receiver = KVReceiver(self.loop, self.model_dir, lease_s=self.kv.deadlines.lease_s,
                                    reserve_wait_s=self.kv.deadlines.reserve_wait_s)
-        self._receivers = [start_receiver(name, self.receiver, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
-                                          on_crash=self._receiver_crashed(name))
-                           for name in self.kv.receivers]
+        self.start_receivers(self.receiver)
         self.mover = KVSender(self.kv, self.engine.kv_cache, {"raw": make_codec("raw", None, self.engine.kv_layout)},
                               self._move_ended, lambda e: self._on_fault(f"KV mover failed: {type(e).__name__}: {e}"),
                               node_id=self.node_id, wrap_channel=self.faults.channel)
         self._moves: dict[str, _Move] = {}
         self._moves_lock = threading.Lock()
-        self.kv_addresses = {r.name: r.address for r in self._receivers}
         # Ends the leases of transfers that stopped making progress: the one periodic chore here.
         start_guarded("lease-expiry", self._expire_leases,
                       lambda e: self._on_fault(f"lease thread failed: {type(e).__name__}: {e}"))
@@ -315,8 +311,7 @@ class DecodeWorker(WorkerBase):
     def shutdown(self) -> None:
         self._stop.set()
         self.mover.close()
-        for receiver in self._receivers:
-            receiver.stop()
+        self.stop_receivers()
         self.close_common()
 
     # --- on the engine loop thread --------------------------------------------------------------
@@ -354,10 +349,6 @@ class DecodeWorker(WorkerBase):
                 prompt_tokens=len(out.prompt_token_ids), draft_tokens=out.num_draft_tokens if out.finished else 0,
                 accepted_draft_tokens=out.num_accepted_tokens if out.finished else 0))
         self.sink.send_step(messages)
-
-    def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:
-        # Its senders would wait out every reservation: dead, so the supervisor starts it afresh.
-        return lambda error: self._on_fault(f"KV {transport} receiver failed: {type(error).__name__}: {error}")
 
     # --- faults ---------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:

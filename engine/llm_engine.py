@@ -206,11 +206,15 @@ class LLMEngine:
         checked to fit this model. Reads no engine state: any thread may call it."""
         if self.vision is None:
             raise BadParameter("images", "this model takes no images (it is not a vision-language model)")
-        hidden = self.model.get_input_embeddings().embedding_dim
         for image in images:
-            image.check_for(hidden)
+            image.check_for(self.embedding_width)
         token_ids, placed = self.vision.place(self.tokenize(prompt) if isinstance(prompt, str) else list(prompt), images)
         return ImagePrompt(token_ids, placed, [], [image.embeddings for image in images])
+
+    @property
+    def embedding_width(self) -> int:
+        """Values per row of the language model's input embeddings (an image's embeddings rows too)."""
+        return self.model.get_input_embeddings().embedding_dim
 
     def prepare_images(self, prompt: str | list[int], images: list[bytes] | tuple[bytes, ...]) -> ImagePrompt:
         """Decode and process a prompt's images and expand their placeholders (no vision-tower pass:

@@ -97,6 +97,7 @@ class PrefillWorker(WorkerBase):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.start_loop()
+        self.start_receivers(None)  # image embeddings from the encode pool, for a vision-language model
         # Takes jobs from the queues when they are due and starts them: waits on the queues and the
         # engine's room, apart from the engine loop and the KV sender.
         start_guarded("prefill-feeder", self._feed, lambda e: self._on_fault(f"feeder failed: {type(e).__name__}: {e}"))
@@ -189,6 +190,7 @@ class PrefillWorker(WorkerBase):
         with self._lock:
             self._stop.set()
         self.sender.close()
+        self.stop_receivers()
         self.close_common()
 
     def _peer(self, decode: Any) -> RayDecodePeer:

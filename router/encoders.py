@@ -25,6 +25,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from pdserve.wire import EncodedImages
+
 log = logging.getLogger(__name__)
 
 KEYS_KEPT = 65_536  # image keys remembered (each maps to the encoder that made its embeddings)
@@ -61,10 +63,10 @@ class EncodePool:
         self._holder: OrderedDict[bytes, EncoderRef] = OrderedDict()  # image key -> encoder that made it
         self.stats = EncodeStats()
 
-    async def encode(self, request_id: str, images: tuple[bytes, ...]) -> Any | None:
-        """A Ray object reference to the images' `EncodedImage`s once an encoder has made them; None
-        when no encoder could (the prefill worker then encodes them). ValueError: a bad image (an
-        encoder decodes them first), which no other encoder would take either."""
+    async def encode(self, request_id: str, images: tuple[bytes, ...]) -> EncodedImages | None:
+        """Where the images' embeddings wait once an encoder has made them (it sends them to the
+        prompt-pass worker that asks); None when no encoder could (that worker then encodes them).
+        ValueError: a bad image (an encoder decodes them first), which no other encoder would take either."""
         keys = [hashlib.blake2b(data, digest_size=16).digest() for data in images]
         self.stats.requests += 1
         self.stats.images += len(images)
@@ -76,9 +78,8 @@ class EncodePool:
             tried.add(encoder)
             encoder.outstanding += 1
             try:
-                ref = encoder.handle.encode.remote(images)
-                # Resolved: the embeddings are in the object store. A late answer is dropped.
-                await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+                ref = encoder.handle.encode.remote(request_id, images)
+                specs = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)  # a late one: dropped
             except Exception as e:
                 cause = getattr(e, "cause", None)  # what the encoder's method raised (Ray's task error), if it ran
                 if isinstance(cause or e, ValueError):
@@ -98,7 +99,7 @@ class EncodePool:
             encoder.failed_at = None
             self.stats.per_encoder[encoder.name] = self.stats.per_encoder.get(encoder.name, 0) + 1
             self._remember(keys, encoder)
-            return ref
+            return EncodedImages(encoder.handle, encoder.name, request_id, tuple(specs))
         self.stats.fallbacks += 1
         return None
 

@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from enum import StrEnum
 from dataclasses import dataclass, field
 
@@ -39,6 +39,9 @@ from pdserve.engine.block_pool import KVPoolStatus
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch, TokenMessage
+
+if TYPE_CHECKING:
+    from pdserve.engine.multimodal.placement import EmbeddingSpec
 
 __all__ = ["WorkRequest", "WorkerStatus", "MoveOutcome", "KVPoolStatus", "TokenMessage", "LifetimeEvent", "is_handoff_notice",
            "TokenSink", "MalformedMessage", "parse_token_batch", "token_message", "Tombstones", "ClusterSecret",
@@ -54,6 +57,17 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the worker's engine refused the request
 
 
 @dataclass(frozen=True)
+class EncodedImages:
+    """A request's images as an encode worker made them: it holds their embeddings under `key` for a
+    while, and sends them to the worker that asks (`EncodeWorker.send_embeddings`)."""
+
+    encoder: Any  # the encode worker's Ray actor handle
+    encoder_name: str
+    key: str  # what the encoder holds them under
+    images: tuple[EmbeddingSpec, ...]  # each image's rows, width and dtype: what the receiver allocates
+
+
+@dataclass(frozen=True)
 class WorkRequest:
     """One request, tokenized and validated by the router, as a worker receives it."""
 
@@ -63,9 +77,9 @@ class WorkRequest:
     # Encoded images, one placeholder token in the prompt each (a vision-language model's request): the
     # worker that runs the prompt pass decodes and encodes them, expanding the placeholders...
     images: tuple[bytes, ...] = ()
-    # ... unless an encode worker made their embeddings: a Ray object reference to its `EncodedImage`s
-    # (the images stay, for a worker that cannot fetch them to encode instead).
-    encoded: Any = None
+    # ... unless an encode worker made their embeddings, which it sends over the KV-transfer layer when
+    # asked (the images stay, for a worker that cannot get them to encode instead).
+    encoded: EncodedImages | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -97,6 +111,8 @@ class WorkerStatus:
     step_cost: StepCost  # fitted from its measured steps
     step_budget: int  # tokens one engine step computes at most
     draft_blocks: int = 0  # blocks its draft model's KV pool holds (speculative decoding with a draft model)
+    # A vision-language model's: image embeddings received from the encode pool (frames, bytes, corrupt, refused)
+    embedding_counts: dict[str, int] = field(default_factory=dict)
     # Prefill only:
     jobs: int = 0  # requests queued or handing their KV off
     chunk_tokens: int = 0  # the longest prompt chunk one step computes (LAPS's chunk, else the step budget)

@@ -5,11 +5,13 @@ common part. Each role adds its own requests, KV side and report on top.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import threading
+import uuid
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,13 +27,16 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.model_store import ModelSource, materialize
 from pdserve.faults import FaultInjector, FaultSettings
 from pdserve.kv_events import KVEventPublisher, KVSnapshot
-from pdserve.kv_transfer.interface import Lease
+from pdserve.engine.multimodal.vision import EncodedImage
+from pdserve.kv_transfer.embeddings import EMBEDDINGS_PREFIX, EmbeddingReceiver, SinkByKind
+from pdserve.kv_transfer.interface import FrameSink, Lease, ReceivingTransport, TransferError
+from pdserve.kv_transfer.transports import start_receiver
 from pdserve.kv_transfer.settings import TransferSettings
-from pdserve.wire import TokenSink, WorkerStatus, WorkRequest
+from pdserve.wire import EncodedImages, TokenSink, WorkerStatus, WorkRequest
 
 log = logging.getLogger(__name__)
 
-ENCODED_FETCH_S = 30.0  # an encode worker's embeddings, resolved before the request came: a fetch
+EMBEDDINGS_POLL_S = 0.5  # how often a worker waiting for embeddings checks their transfer's lease
 
 
 def _was_restarted() -> bool:
@@ -61,6 +66,12 @@ class WorkerBase:
                                           secret=self.kv.secret) if kv_events else None
         self.engine.pool.listener = self.kv_events
         self.sink = TokenSink(token_sink, self.kv.secret)
+        # A vision-language model's: where image embeddings from the encode pool arrive
+        engine = self.engine
+        self.embeddings = EmbeddingReceiver(engine.embedding_width, engine.max_model_len, self.kv.deadlines.lease_s) \
+            if engine.vision is not None else None
+        self._receivers: list[ReceivingTransport] = []
+        self.kv_addresses: dict[str, str] = {}  # transport -> where this worker's receiving half listens
         self.fault: str | None = None  # why the worker is dead (it has failed its requests); None: alive
         self._profiled = False
         self._closed = threading.Event()
@@ -80,21 +91,57 @@ class WorkerBase:
                             step_cost=engine.step_costs.coefficients,
                             step_budget=engine.config.max_num_batched_tokens,
                             draft_blocks=draft.pool.num_blocks - draft.pool.num_free if draft is not None else 0,
+                            embedding_counts=self.embeddings.counts() if self.embeddings is not None else {},
                             **role)
 
     def image_prompt(self, work: WorkRequest) -> ImagePrompt:
-        """A request's prompt with its images placed: from an encode worker's embeddings when it has
-        them, else decoded here (the engine runs the vision tower as the request is added). Embeddings
-        that cannot be fetched (lost with their encoder's node) are made here instead."""
-        if work.encoded is not None:
+        """A request's prompt with its images placed: with the embeddings an encode worker made, sent
+        here over the KV-transfer layer, else decoded here (the engine runs the vision tower as the
+        request is added). Embeddings that cannot be had (their encoder died, or let them go) are made
+        here instead."""
+        if work.encoded is not None and self.embeddings is not None:
             try:
-                encoded = ray.get(work.encoded, timeout=ENCODED_FETCH_S)
+                encoded = self._receive_embeddings(work.request_id, work.encoded)
             except Exception as e:
-                log.warning("request %s: its images' embeddings could not be fetched (%s): encoding them here",
-                            work.request_id, type(e).__name__)
+                log.warning("request %s: its images' embeddings did not arrive from %s (%s): encoding them here",
+                            work.request_id, work.encoded.encoder_name, type(e).__name__)
             else:
                 return self.engine.place_encoded(work.prompt_token_ids, encoded)
         return self.engine.prepare_images(work.prompt_token_ids, work.images)
+
+    def _receive_embeddings(self, request_id: str, encoded: EncodedImages) -> list[EncodedImage]:
+        """Reserve room for the images' embeddings and have their encoder send them; the transfer is
+        given up once no frame came for a lease's time."""
+        transfer_id = f"{EMBEDDINGS_PREFIX}{request_id}-{uuid.uuid4().hex[:8]}"
+        lease = dataclasses.replace(self.embeddings.reserve(transfer_id, request_id, encoded.images),
+                                    addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id)
+        try:
+            sent = encoded.encoder.send_embeddings.remote(encoded.key, lease)
+            while not ray.wait([sent], timeout=EMBEDDINGS_POLL_S)[0]:
+                if self.embeddings.idle_s(transfer_id) > lease.lease_s:
+                    raise TransferError(f"no embeddings frame for {lease.lease_s:g} s")
+            ray.get(sent)
+            return self.embeddings.take(transfer_id)
+        finally:
+            self.embeddings.abort(transfer_id, "not taken")  # nothing, once taken
+
+    def start_receivers(self, kv_sink: FrameSink | None) -> None:
+        """The receiving halves of the transports the manifest allows: KV frames go to `kv_sink` (a
+        decode worker's), embedding frames to this worker's `EmbeddingReceiver` (a vision-language
+        model's). None when neither."""
+        sink = kv_sink if self.embeddings is None else SinkByKind(kv_sink, self.embeddings)
+        self._receivers = [] if sink is None else [
+            start_receiver(name, sink, self.kv.host, tls=self.kv.tls, secret=self.kv.secret,
+                           on_crash=self._receiver_crashed(name)) for name in self.kv.receivers]
+        self.kv_addresses = {r.name: r.address for r in self._receivers}
+
+    def stop_receivers(self) -> None:
+        for receiver in self._receivers:
+            receiver.stop()
+
+    def _receiver_crashed(self, transport: str) -> Callable[[BaseException], None]:
+        # Its senders would wait out every reservation: dead, so the supervisor starts it afresh.
+        return lambda error: self._on_fault(f"KV {transport} receiver failed: {type(error).__name__}: {error}")
 
     def common_stats(self) -> dict[str, Any]:
         return {"loop": vars(self.loop.busy), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -1,8 +1,9 @@
 """Property-based fuzzing (hypothesis) of every internal channel's message parser, through the real
 receiving objects: the router's token stream (`TokenStreamHub`, a real PULL socket), its KV event
 hub (`KVEventHub`), the KV frame header (`FrameHeader.unpack`), the gRPC KV stream (`GrpcReceiver`),
-the tcp KV transport's handshake and stream (`TcpReceiver`), the pyzmq KV control channels (`ShmReceiver` and `P2PReceiver` on `ControlServer`) and the decode
-side's `receive_frame` (checksum, ranges, codec) on a real engine. Generated messages mix valid
+the tcp KV transport's handshake and stream (`TcpReceiver`), the pyzmq KV control channels (`ShmReceiver` and `P2PReceiver` on `ControlServer`), the decode
+side's `receive_frame` (checksum, ranges, codec) on a real engine, and a prompt-pass worker's
+`EmbeddingReceiver`. Generated messages mix valid
 ones, random bytes, mutated valid ones, hand-made protobuf wire (wrong wire types, bad UTF-8, huge
 varints, lengths past the end), huge values and odd unicode. Properties: nothing raises but the
 parser's declared error, every bad message is dropped and counted by exactly one, every good one
@@ -318,6 +319,56 @@ def test_receive_frame_takes_valid_frames_and_counts_every_other(receiving, data
     SENT["receive_frame_taken"] += taken
 
 
+# --- a prompt-pass worker's receive_frame of image embeddings -------------------------------------
+EMBEDDING_WIDTH = 24
+
+
+@pytest.fixture(scope="module")
+def receiving_embeddings():
+    from pdserve.engine.multimodal.placement import EmbeddingSpec
+    from pdserve.kv_transfer.embeddings import EMBEDDINGS_PREFIX, EmbeddingReceiver
+
+    receiver = EmbeddingReceiver(EMBEDDING_WIDTH, max_rows=200, lease_s=600)
+    specs = (EmbeddingSpec(b"a" * 16, 40, EMBEDDING_WIDTH, "float32"), EmbeddingSpec(b"b" * 16, 40, EMBEDDING_WIDTH, "float32"))
+    opened: list[str] = []
+
+    def open_transfer() -> str:
+        """The open transfer of two images of 40 rows, reserved anew once the last one was taken."""
+        if receiver.num_in_flight == 0:
+            opened.append(f"{EMBEDDINGS_PREFIX}fz-{len(opened)}")
+            receiver.reserve(opened[-1], "fz-request", specs)
+        return opened[-1]
+
+    yield receiver, open_transfer
+    assert receiver.num_in_flight == 1  # one open; every taken one ended
+
+
+@fuzz_settings(MIN_PER_PARSER)
+@given(data=st.data())
+def test_receive_embedding_frame_takes_valid_frames_and_counts_every_other(receiving_embeddings, data):
+    receiver, open_transfer = receiving_embeddings
+    current = open_transfer()
+    header, payload = data.draw(frames(current, 2, EMBEDDING_WIDTH * 4))
+    before = receiver.counts()
+    try:
+        receiver.admit_frame(header)
+        receiver.receive_frame(header, memoryview(payload))
+        taken = True
+    except TransferError:  # CorruptFrame among them
+        taken = False
+    after = receiver.counts()
+    counted = {k: after[f"embedding_{k}"] - before[f"embedding_{k}"] for k in ("frames", "corrupt_frames", "refused_frames")}
+    assert taken == _valid(header, payload, current, 2, EMBEDDING_WIDTH * 4), (header, len(payload))
+    assert counted["frames"] == int(taken) and sum(counted.values()) <= 1, counted
+    if data.draw(st.integers(0, 19)) == 0:  # now and then, the transfer ends: taken whole, or refused as incomplete
+        try:
+            receiver.take(current)
+        except TransferError:
+            pass
+    SENT["receive_embedding_frame"] += 1
+    SENT["receive_embedding_frame_taken"] += taken
+
+
 # --- the gRPC KV stream -----------------------------------------------------------------------------
 def _kvframe(header: FrameHeader, payload: bytes, offset: int = 0, size: int | None = None) -> bytes:
     piece = payload[offset:] if size is None else payload[offset : offset + size]
@@ -630,7 +681,8 @@ def test_kv_control_channel_answers_or_drops_and_counts_every_message(kv_control
 # --- the totals ---------------------------------------------------------------------------------------
 def test_zz_totals():
     """Runs last in this file: every parser got its share of generated messages."""
-    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "grpc_kv_stream", "tcp_kv_stream",
+    parsers = ["token_stream", "kv_events", "frame_header", "receive_frame", "receive_embedding_frame",
+               "grpc_kv_stream", "tcp_kv_stream",
                "tcp_kv_handshake", "kv_control_shm", "kv_control_gloo"]
     counts = {name: SENT[name] for name in parsers}
     print(f"fuzzed internal messages: {counts}, total {sum(counts.values())}; {dict(SENT)}")
@@ -640,6 +692,7 @@ def test_zz_totals():
     # call ends at its first bad message and only a call answered counts its frames: 14 to 20 and more
     # of its 300 calls, from one run to the next, with the same examples).
     assert min(SENT["token_stream_bad"], SENT["token_stream_delivered"], SENT["kv_events_bad"],
-               SENT["receive_frame_taken"], SENT["tcp_kv_reached_the_sink"]) >= 50, SENT
+               SENT["receive_frame_taken"], SENT["receive_embedding_frame_taken"],
+               SENT["tcp_kv_reached_the_sink"]) >= 50, SENT
     assert SENT["grpc_kv_frames_taken"] >= 10, SENT
     assert sum(counts.values()) >= 10_000, counts

@@ -27,6 +27,18 @@ class PlacedImage:
 
 
 @dataclass(frozen=True)
+class EmbeddingSpec:
+    """An image's embeddings as everything but their values: what a receiver allocates for them
+    before they travel (an encode worker's answer to the router, passed on to the prompt-pass worker)."""
+
+    content_hash: bytes
+    num_tokens: int  # embedding rows
+    hidden_size: int  # values per row
+    dtype: str  # a torch dtype's name: float32, bfloat16 or float16
+    grid: tuple[int, int, int] | None = None  # (temporal, height, width) patches, M-RoPE families only
+
+
+@dataclass(frozen=True)
 class PromptImages:
     placed: tuple[PlacedImage, ...]
     # M-RoPE: a token at index i >= the prompt's last image takes position i + rope_delta on every axis.

@@ -24,7 +24,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from pdserve.engine.multimodal.images import DecodedImage
-from pdserve.engine.multimodal.placement import PlacedImage, PromptImages
+from pdserve.engine.multimodal.placement import EmbeddingSpec, PlacedImage, PromptImages
 from pdserve.engine.sampling_params import BadParameter
 
 
@@ -43,6 +43,16 @@ class EncodedImage:
         if tuple(self.embeddings.shape) != (self.num_tokens, hidden_size) or not self.embeddings.is_floating_point():
             raise ValueError(f"image embeddings of shape {tuple(self.embeddings.shape)} do not fit "
                              f"{self.num_tokens} tokens of a {hidden_size}-wide model")
+
+    @property
+    def spec(self) -> EmbeddingSpec:
+        return EmbeddingSpec(self.content_hash, self.num_tokens, self.embeddings.shape[-1],
+                             str(self.embeddings.dtype).removeprefix("torch."), self.grid)
+
+    @classmethod
+    def of(cls, spec: EmbeddingSpec, embeddings: torch.Tensor) -> EncodedImage:
+        """The image `spec` describes, with the embeddings that arrived for it."""
+        return cls(spec.content_hash, spec.num_tokens, spec.grid, embeddings)
 
 
 @dataclass(frozen=True)

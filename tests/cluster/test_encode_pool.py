@@ -192,3 +192,33 @@ def _answers(encoder) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_an_encode_worker_killed_before_sending_embeddings_loses_no_request(cluster, expand, vision_references):
+    """The encoder answered (the embeddings are made) and is killed while its send is held at a gate:
+    the prompt-pass worker's transfer fails, it encodes the images itself, and the request completes
+    with transformers' output."""
+    fresh = noise_png(26, 70, 120)
+    pool = cluster.router_stack.frontend.encoders
+    answered = sum(pool.stats.per_encoder.values())
+    for encoder in cluster.encoders:
+        on_worker(encoder, install_gate, "sender.send")
+    pids = {e.name: on_worker(e, lambda self: os.getpid()) for e in cluster.encoders}
+    counts_before = dict(pool.stats.per_encoder)
+    with Client(cluster.address, timeout=120) as client:
+        text = f"what about {client.model_info().image_token} now"
+        done: list = []
+        thread = threading.Thread(target=lambda: done.append(client.generate(
+            text, images=[fresh], temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)))
+        thread.start()  # why a thread: the request waits on the gated send while its encoder is killed
+        assert wait_until(lambda: sum(pool.stats.per_encoder.values()) > answered, 30)
+        busy = next(name for name, n in pool.stats.per_encoder.items() if n > counts_before.get(name, 0))
+        os.kill(pids[busy], signal.SIGKILL)
+        for encoder in cluster.encoders:
+            if encoder.name != busy:
+                on_worker(encoder, open_gate)
+        thread.join(timeout=90)
+        assert done and "encoded" in done[0].events and done[0].token_ids == vision_references[FAMILY].greedy(
+            expand(client.tokenize(text), [fresh]), [fresh], NEW_TOKENS)
+    assert wait_until(lambda: _answers(next(e for e in cluster.encoders if e.name == busy)), 90)  # restarted by Ray
+    wait_clean_audit(cluster)

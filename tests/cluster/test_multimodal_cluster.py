@@ -1,6 +1,7 @@
 """Vision-language models through a running cluster: images over gRPC (the SDK) and the OpenAI chat
-API, encoded where the prompt pass runs, their KV handed to decode over each transport, outputs equal
-to transformers' own; bad images refused by name while the cluster keeps serving; a decode worker
+API, encoded where the prompt pass runs or on an encode pool (their embeddings sent to the prompt
+pass over the cluster's transport), their KV handed to decode over each transport, outputs equal to
+transformers' own; bad images refused by name while the cluster keeps serving; a decode worker
 killed mid-stream loses no token (the request is encoded again where it resumes)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import ray
 from cluster_helpers import assert_idle, manifest, on_worker, wait_clean_audit
 from helpers import noise_png, wait_until
 
@@ -23,14 +25,18 @@ NEW_TOKENS = 8
 A, B = noise_png(11, 120, 90), noise_png(12, 64, 200)
 
 
+# (family, mode, transport, where images are encoded); tests/cluster/test_encode_pool.py has an encode pool on tcp
 @pytest.fixture(scope="module", params=[
-    ("tiny-qwen2-vl", "disaggregated", "shm"), ("tiny-qwen2-vl", "disaggregated", "tcp"),
-    ("tiny-qwen2-vl", "disaggregated", "gloo"), ("tiny-qwen2-vl", "disaggregated", "grpc"),
-    ("tiny-llava", "disaggregated", "tcp"), ("tiny-llava", "colocated", "shm")], ids=lambda p: "-".join(p))
+    ("tiny-qwen2-vl", "disaggregated", "shm", "encode-pool"), ("tiny-qwen2-vl", "disaggregated", "tcp", "in-prefill"),
+    ("tiny-qwen2-vl", "disaggregated", "gloo", "encode-pool"), ("tiny-qwen2-vl", "disaggregated", "grpc", "encode-pool"),
+    ("tiny-llava", "disaggregated", "tcp", "in-prefill"), ("tiny-llava", "colocated", "shm", "encode-pool")],
+    ids=lambda p: "-".join(p))
 def cluster(request, vision_models):
-    family, mode, transport = request.param
-    with Cluster(manifest(vision_models[family], mode, transport, server={"images": {"max_images": 3}}),
-                 log=lambda _: None) as c:
+    family, mode, transport, encoding = request.param
+    spec = manifest(vision_models[family], mode, transport, server={"images": {"max_images": 3}})
+    if encoding == "encode-pool":
+        spec.pools.encode.replicas, spec.pools.encode.num_cpus = 1, 0.25
+    with Cluster(spec, log=lambda _: None) as c:
         c.family = family
         yield c
 
@@ -56,6 +62,11 @@ def test_prompts_with_images_match_generate_through_the_pools(cluster, vision_re
             assert done.prompt_tokens == len(ids)
         again = client.generate(cases[1][0], images=cases[1][1], temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         assert again.cached_tokens > 0  # the same images: their KV came from the prefix cache
+    if cluster.encoders:  # every request with images was encoded there, its embeddings sent over the transport
+        assert cluster.router_stack.frontend.encoders.stats.fallbacks == 0
+        received = [s.embedding_counts for s in ray.get([w.handle.ping.remote() for w in cluster.workers])]
+        assert sum(c["embedding_frames"] for c in received) >= 3  # A, then A and B (the repeat may hit the cache)
+        assert sum(c["embedding_corrupt_frames"] + c["embedding_refused_frames"] for c in received) == 0
     assert cluster.router.settings.image_tokens > 1  # placement counts an image as its tokens
     assert_idle(cluster)
 
