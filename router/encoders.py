@@ -19,7 +19,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,7 @@ class EncodePool:
         self.stats.images += len(images)
         tried: set[EncoderRef] = set()
         for _ in range(min(TRIES, len(self.encoders))):
-            encoder = self._choose(keys, tried)
+            encoder = self.choose(keys, tried)
             if encoder is None:
                 break
             tried.add(encoder)
@@ -98,12 +98,14 @@ class EncodePool:
                 encoder.outstanding -= 1
             encoder.failed_at = None
             self.stats.per_encoder[encoder.name] = self.stats.per_encoder.get(encoder.name, 0) + 1
-            self._remember(keys, encoder)
+            self.remember(keys, encoder)
             return EncodedImages(encoder.handle, encoder.name, request_id, tuple(specs))
         self.stats.fallbacks += 1
         return None
 
-    def _choose(self, keys: list[bytes], tried: set[EncoderRef]) -> EncoderRef | None:
+    def choose(self, keys: list[bytes], tried: Collection[EncoderRef] = ()) -> EncoderRef | None:
+        """The encoder for images of these keys: of those not `tried` and not failed lately, the one that
+        made most of them, else the one with the fewest requests in hand; None when none is left."""
         now = time.monotonic()
         candidates = [e for e in self.encoders if e not in tried and e.available(now)]
         if not candidates:
@@ -113,7 +115,8 @@ class EncodePool:
         self.stats.routed_to_holder += held[best]
         return best
 
-    def _remember(self, keys: list[bytes], encoder: EncoderRef) -> None:
+    def remember(self, keys: list[bytes], encoder: EncoderRef) -> None:
+        """`encoder` made the embeddings of images of these keys (its cache holds them now)."""
         for key in keys:
             self._holder[key] = encoder
             self._holder.move_to_end(key)

@@ -1,8 +1,8 @@
 """`pdserve bench epd`: an encode pool (EPD) against encoding in the prefill worker and against colocated
 workers, on the same number of workers, under an image-heavy load.
 
-Each request has 0 to 3 images (sizes drawn from a few camera-like shapes, some of them repeated from a
-small pool of popular images) and a text prompt of the Azure conversation trace's lengths (scaled to
+Each request has 0 to 3 images (`workload.ImageMix`: sizes drawn from a few camera-like shapes, some of
+them repeated from a small pool of popular images) and a text prompt of the Azure conversation trace's lengths (scaled to
 the model); arrivals are Poisson. Every deployment starts as a fresh cluster (empty caches) and gets
 the same requests. Reported per deployment: TTFT p50/p90 of every request, of the text-only ones and
 of those with images, the share meeting the objectives (TTFT and TPOT) and that goodput at the offered
@@ -28,11 +28,10 @@ from PIL import Image
 from pdserve.client import AsyncClient, PDServeError
 from pdserve.cluster.bench.report import provenance
 from pdserve.cluster.bench.serve_metrics import percentile
-from pdserve.cluster.bench.workload import azure_trace_shapes
+from pdserve.cluster.bench.workload import ImageMix, azure_trace_shapes
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
 
-IMAGE_SHAPES = ((224, 224), (448, 336), (640, 480), (336, 600))  # width, height
 DEPLOYMENTS = ("epd", "encode-in-prefill", "colocated")
 
 
@@ -78,12 +77,20 @@ def _png(rng: random.Random, width: int, height: int) -> bytes:
 def workload(cfg: EPDBenchConfig, image_token_id: int, text_vocab: int) -> tuple[list[BenchRequest], str]:
     rng = random.Random(cfg.seed)
     shapes, source = azure_trace_shapes(cfg.num_requests, 0.25, 1.0, 512, cfg.max_tokens)
-    popular = [_png(rng, *rng.choice(IMAGE_SHAPES)) for _ in range(cfg.popular_images)]
+    mix = ImageMix(cfg.image_share, cfg.popular_share, cfg.popular_images)
+    popular: dict[int, bytes] = {}  # the popular pool's images, made once each
+
+    def image(key: int, size: tuple[int, int]) -> bytes:
+        if key >= cfg.popular_images:
+            return _png(rng, *size)
+        if key not in popular:
+            popular[key] = _png(rng, *size)
+        return popular[key]
+
     requests, at = [], 0.0
-    for shape in shapes:
-        count = rng.choice((1, 1, 2, 3)) if rng.random() < cfg.image_share else 0
-        images = tuple(rng.choice(popular) if rng.random() < cfg.popular_share else _png(rng, *rng.choice(IMAGE_SHAPES))
-                       for _ in range(count))
+    for shape, drawn in zip(shapes, mix.draw(rng, len(shapes))):
+        images = tuple(image(key, size) for key, size in drawn)
+        count = len(images)
         text = [rng.randrange(3, text_vocab) for _ in range(shape.prompt_len + count)]
         # Each image's placeholder before a text token: M-RoPE models take adjacent images as one.
         prompt = [t for i in range(count) for t in (image_token_id, text[i])] + text[count:]

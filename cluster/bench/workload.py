@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,12 +83,80 @@ MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake trace
 
 
 @dataclass(frozen=True)
+class TraceImage:
+    """An image of a request, as the simulator sees it: which image (equal keys: the same picture, an
+    encoder's cache hit) and its tokens in the prompt."""
+
+    key: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class TraceRequest:
     arrival_s: float  # since the trace's first request
-    prompt_len: int
+    prompt_len: int  # text and image tokens
     output_len: int
     hash_ids: tuple[int, ...] = ()  # Mooncake: one id per prompt block
     block_tokens: int = MOONCAKE_BLOCK  # the block length hash_ids stand for (scaled with the prompt)
+    images: tuple[TraceImage, ...] = ()
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(image.tokens for image in self.images)
+
+
+IMAGE_SIZES = ((224, 224), (448, 336), (640, 480), (336, 600))  # width, height: camera-like shapes
+
+
+@dataclass(frozen=True)
+class ImageMix:
+    """Which requests of a workload carry images, how many and which: a share of requests with 1 to 3
+    (one most often), each of a size from `IMAGE_SIZES`, some drawn from a small pool of popular images
+    (the repeats an embedding cache serves), the rest never seen before."""
+
+    share: float = 0.6  # of requests with images
+    popular_share: float = 0.3  # of images drawn from the popular pool
+    popular_images: int = 4
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.share <= 1 and 0 <= self.popular_share <= 1) or self.popular_images < 1:
+            raise ValueError("an image mix's shares are in [0, 1], with at least one popular image")
+
+    def draw(self, rng: random.Random, count: int) -> list[tuple[tuple[int, tuple[int, int]], ...]]:
+        """Each of `count` requests' images as (key, (width, height)): keys below `popular_images` are
+        the popular pool's, each with one size; the others are unique."""
+        popular = [rng.choice(IMAGE_SIZES) for _ in range(self.popular_images)]
+        fresh = itertools.count(self.popular_images)
+        out = []
+        for _ in range(count):
+            n = rng.choice((1, 1, 2, 3)) if rng.random() < self.share else 0
+            images = []
+            for _ in range(n):
+                if rng.random() < self.popular_share:
+                    key = rng.randrange(self.popular_images)
+                    images.append((key, popular[key]))
+                else:
+                    images.append((next(fresh), rng.choice(IMAGE_SIZES)))
+            out.append(tuple(images))
+        return out
+
+
+def with_images(requests: list[TraceRequest], mix: ImageMix, tokens_of: Callable[[int, int], int], max_model_len: int,
+                seed: int = 0) -> list[TraceRequest]:
+    """`requests` with the images `mix` draws (seeded), their tokens (`tokens_of(width, height)`: the
+    model's count) added to the prompt; an image that would leave no room for the output is left out."""
+    out = []
+    for request, drawn in zip(requests, mix.draw(random.Random(seed), len(requests))):
+        images: list[TraceImage] = []
+        room = max_model_len - request.prompt_len - request.output_len
+        for key, (width, height) in drawn:
+            tokens = tokens_of(width, height)
+            if tokens <= room:
+                images.append(TraceImage(key, tokens))
+                room -= tokens
+        added = sum(image.tokens for image in images)
+        out.append(replace(request, prompt_len=request.prompt_len + added, images=tuple(images)))
+    return out
 
 
 def find_trace(name: str, trace_dir: Path | None = None) -> Path:

@@ -56,6 +56,21 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_tokens(manifest: Any) -> Any:
+    """tokens(width, height) of the manifest's model, a vision-language model (ValueError otherwise)."""
+    from transformers import AutoConfig
+
+    from pdserve.engine.models.presets import resolve_model
+    from pdserve.engine.multimodal.vision import FAMILIES, image_token_counter
+
+    model_dir = resolve_model(manifest.model)
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"--image-share: {manifest.model} takes no images (a {config.model_type} model, not a "
+                         f"vision-language model of a family pdserve serves: {', '.join(sorted(FAMILIES))})")
+    return image_token_counter(model_dir, config)
+
+
 def _drafting(args: argparse.Namespace, manifest: Any) -> Any:
     """The workload's drafting (`sim_speculation.Drafting`) where the manifest speculates, else None."""
     from pdserve.cluster.plan.sim_speculation import Drafting
@@ -80,7 +95,8 @@ def _drafting(args: argparse.Namespace, manifest: Any) -> Any:
 
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.serve_metrics import Objective
-    from pdserve.cluster.bench.workload import check_azure_trace, find_trace, load_azure_trace, scale_requests
+    from pdserve.cluster.bench.workload import (ImageMix, check_azure_trace, find_trace, load_azure_trace,
+                                                scale_requests, with_images)
     from pdserve.cluster.plan.costs import HardwareProfile, check_profile
     from pdserve.cluster.plan.planner import plan, plot_frontier, write_manifest
 
@@ -103,6 +119,12 @@ def _plan(args: argparse.Namespace) -> int:
     check_azure_trace(args.trace)
     shapes = scale_requests(load_azure_trace(find_trace(args.trace), args.requests), args.input_scale,
                             args.output_scale, manifest.max_model_len)
+    if args.image_share:
+        mix = ImageMix(args.image_share, args.popular_share, args.popular_images)
+        shapes = with_images(shapes, mix, _image_tokens(manifest), manifest.max_model_len, args.seed)
+        print(f"images: {sum(bool(s.images) for s in shapes)} of {len(shapes)} requests carry "
+              f"{sum(len(s.images) for s in shapes)} ({args.popular_share:.0%} of them from {args.popular_images} "
+              "popular ones)")
     objective = Objective("plan", args.slo_ttft / 1e3, args.slo_tpot / 1e3)
     print(f"planning for {manifest.model} on {profile.hardware}, {len(shapes)} requests of {args.trace} per rate")
     threads = [int(t) for t in args.threads.split(",")] if args.threads else None
@@ -149,9 +171,12 @@ def add_plan_commands(sub: Any) -> None:
                         description="Simulate colocated and disaggregated deployments within a CPU budget on a "
                                     "trace's request lengths (the router's own placement, the profiled costs) and "
                                     "write the manifest with the best goodput; with --rate, the fewest CPUs that "
-                                    "carry it.",
+                                    "carry it. With --image-share (a vision-language model), requests carry images "
+                                    "and deployments with an encode pool are tried too.",
                         **examples("pdserve plan --slo-ttft 250 --slo-tpot 30 --cpus 2 --model llama-20m",
-                                   "pdserve plan --slo-ttft 500 --slo-tpot 50 --cpus 4 --rate 6 --out plan.yaml"))
+                                   "pdserve plan --slo-ttft 500 --slo-tpot 50 --cpus 4 --rate 6 --out plan.yaml",
+                                   "pdserve plan --slo-ttft 2000 --slo-tpot 100 --cpus 3 --model qwen2-vl-20m "
+                                   "--image-share 0.6"))
     model_options(pl)
     pl.add_argument("--slo-ttft", type=float, required=True, help="the TTFT objective (ms)")
     pl.add_argument("--slo-tpot", type=float, required=True, help="the TPOT objective (ms)")
@@ -183,5 +208,13 @@ def add_plan_commands(sub: Any) -> None:
     pl.add_argument("--draft-model-share", type=float, default=1.0,
                     help="with --acceptance and method both: the share of the drafts that the draft model "
                          "proposed, the others the suffix proposer's (default: %(default)s)")
+    pl.add_argument("--image-share", type=float, default=0.0,
+                    help="for a vision-language model: the share of requests with images (1 to 3 each, of "
+                         "camera-like sizes); the plan then also tries encode pools (default: %(default)s)")
+    pl.add_argument("--popular-share", type=float, default=0.3,
+                    help="with --image-share: the share of images drawn from a small pool of popular ones, "
+                         "which an encoder's cache serves (default: %(default)s)")
+    pl.add_argument("--popular-images", type=int, default=4,
+                    help="with --image-share: the popular pool's size (default: %(default)s)")
     pl.add_argument("--plot", type=Path, default=None, help="also plot the goodput of every deployment tried (PNG)")
     pl.set_defaults(func=_plan)

@@ -114,6 +114,20 @@ class SpeculationCosts:
 
 
 @dataclass(frozen=True)
+class EncodeCost:
+    """Seconds of one vision-tower pass (and projector) over a request's images: a + per_image·images +
+    per_token·their embedding rows. The same pass runs on an encode worker and, without an encode pool,
+    on the engine loop of the worker that runs the prompt pass."""
+
+    a: float
+    per_image: float
+    per_token: float
+
+    def pass_s(self, images: int, tokens: int) -> float:
+        return self.a + self.per_image * images + self.per_token * tokens if images else 0.0
+
+
+@dataclass(frozen=True)
 class WorkerCosts:
     """One worker's step costs at a number of torch threads."""
 
@@ -122,6 +136,7 @@ class WorkerCosts:
     decode: DecodeTable
     mixed_scale: float = 1.0  # measured mixed steps over the sum of their parts
     speculation: SpeculationCosts | None = None  # measured where the manifest decodes speculatively
+    encode: EncodeCost | None = None  # a vision-language model's image pass (None: a text model)
 
     def step_s(self, decode_seqs: int, decode_context: int, prompt_tokens: int, prompt_quad: int,
                decode_scale: float = 1.0) -> float:
@@ -168,6 +183,7 @@ class HardwareProfile:
     step_overhead_per_seq_s: float = 0.0  # ... and this per sequence decoding in it
     router_cpu_s_per_token: float = 0.0  # CPU the router and its clients spend per output token
     cores: int = 0  # the machine's (0: not known)
+    embedding_bytes_per_token: int = 0  # an image token's embedding row (0: a text model)
     device: str = ""  # where its engines ran, "cpu" or "cuda" ("": a profile made before this was recorded)
     checks: dict[str, Any] = field(default_factory=dict)  # how well the fitted parts predict what was measured
     created: str = ""
@@ -183,6 +199,19 @@ class HardwareProfile:
             raise ValueError(f"the profile has no KV transfer cost for {transport!r}: measured "
                              f"{sorted(self.transfers)} (`pdserve profile --transports`)")
         return self.transfers[transport]
+
+    def encode_cost(self, threads: int) -> EncodeCost:
+        encode = self.costs(threads).encode
+        if encode is None:
+            raise ValueError(f"the profile of {self.model} has no image-encoding cost at {threads} thread(s): "
+                             "profile a vision-language model (`pdserve profile`) to plan for images")
+        return encode
+
+    def embeddings_handoff_s(self, transport: str, tokens: int) -> float:
+        """An image's embeddings from an encode worker to a prompt-pass worker: the KV handoff's line
+        at the tokens whose KV weighs as much (the same transports and frames carry both)."""
+        cost = self.transfer(transport)
+        return cost.x0_s + cost.x1_s_per_token * tokens * self.embedding_bytes_per_token / self.kv_bytes_per_token
 
     def step_overhead(self, decode_seqs: int) -> float:
         return self.step_overhead_s + self.step_overhead_per_seq_s * decode_seqs
@@ -211,7 +240,8 @@ class HardwareProfile:
         workers = {int(t): WorkerCosts(w["threads"], StepCost(**w["prefill"]),
                                        DecodeTable(tuple(w["decode"]["batches"]), tuple(w["decode"]["contexts"]),
                                                    tuple(tuple(row) for row in w["decode"]["seconds"])),
-                                       w["mixed_scale"], _speculation(w.get("speculation")))
+                                       w["mixed_scale"], _speculation(w.get("speculation")),
+                                       EncodeCost(**w["encode"]) if w.get("encode") else None)
                    for t, w in data.pop("workers").items()}
         transfers = {name: TransferCost(**t) for name, t in data.pop("transfers").items()}
         return cls(workers=workers, transfers=transfers, **data)

@@ -2,7 +2,9 @@
 
 Candidates, within a budget of CPUs (each worker takes its torch threads' worth): colocated with k
 workers of t threads, at the manifest's step budget and at a chunked one; disaggregated with P
-prefill and D decode workers of the thread counts the profile measured. The deployments within a
+prefill and D decode workers of the thread counts the profile measured; for a workload with images
+(a vision-language model's), each of them also with an encode pool of 1 or 2 workers, beside encoding
+where the prompt pass runs. The deployments within a
 quarter of the best goodput (of the target rate, with one) are then tuned, one setting at a time: a
 colocated one's step budget, a disaggregated one's local-prefill threshold (off, or the trace's
 median prompt) and LAPS's chunk for long prompts (a quarter of the step budget, or all of it). Each
@@ -35,6 +37,7 @@ TUNED_BUDGETS = (512, 1024)  # a colocated deployment's step budgets tried when 
 TUNE_WITHIN = 0.25  # the deployments this close to the best goodput are tuned
 MIN_DURATION_S = 30.0  # of arrivals in a simulated run
 REL_TOL = 0.05  # the goodput search's resolution: goodputs closer than this are a tie
+MAX_ENCODERS = 2  # encode pools tried, for a workload with images: 1 to this many workers
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,11 @@ class Candidate:
     decode: tuple[int, int]  # (replicas, threads): colocated workers in colocated mode
     step_budget: int
     router: tuple[tuple[str, int], ...] = ()  # router settings changed from the manifest's (name, value)
+    encode: tuple[int, int] = (0, 0)  # (replicas, threads) of the encode pool; (0, 0): images encoded in prefill
 
     @property
     def cpus(self) -> int:
-        return self.prefill[0] * self.prefill[1] + self.decode[0] * self.decode[1]
+        return sum(replicas * threads for replicas, threads in (self.prefill, self.decode, self.encode))
 
     @property
     def name(self) -> str:
@@ -55,22 +59,25 @@ class Candidate:
             return f"{p[0]}x{p[1]}t"
 
         settings = "".join(f", {key} {value}" for key, value in self.router)
+        encoders = f"+{pool(self.encode)}E" if self.encode[0] else ""
         if self.mode == "colocated":
-            return f"colocated {pool(self.decode)} budget {self.step_budget}{settings}"
-        return f"disaggregated {pool(self.prefill)}P+{pool(self.decode)}D{settings}"
+            return f"colocated {pool(self.decode)}{encoders} budget {self.step_budget}{settings}"
+        return f"disaggregated {pool(self.prefill)}P+{pool(self.decode)}D{encoders}{settings}"
 
     def manifest(self, base: Any) -> Any:
         data = base.model_dump(mode="json")
         data.update(mode=self.mode, max_num_batched_tokens=self.step_budget)
         data["router"].update(self.router)
-        for pool, (replicas, threads) in (("prefill", self.prefill), ("decode", self.decode)):
+        for pool, (replicas, threads) in (("prefill", self.prefill), ("decode", self.decode), ("encode", self.encode)):
             data["pools"][pool].update(replicas=replicas, threads=max(threads, 1), num_cpus=max(threads, 1))
         return type(base).model_validate(data)
 
 
 def candidates(base: Any, profile: HardwareProfile, cpus: int,
-               threads: Sequence[int] | None = None) -> list[Candidate]:
-    """The deployments within `cpus`, their workers at the thread counts given (None: all profiled)."""
+               threads: Sequence[int] | None = None, images: bool = False) -> list[Candidate]:
+    """The deployments within `cpus`, their workers at the thread counts given (None: all profiled);
+    `images` (a workload with images): each also with an encode pool of 1 to `MAX_ENCODERS` workers
+    of the fewest threads, where the CPUs allow."""
     threads = sorted(threads or profile.workers)
     if missing := [t for t in threads if t not in profile.workers]:
         raise ValueError(f"the profile has no worker with {missing} thread(s): measured {sorted(profile.workers)}")
@@ -84,6 +91,10 @@ def candidates(base: Any, profile: HardwareProfile, cpus: int,
             for p in range(1, cpus // tp + 1):
                 for d in range(1, (cpus - p * tp) // td + 1):
                     out.append(Candidate("disaggregated", (p, tp), (d, td), base.max_num_batched_tokens))
+    if images:
+        te = threads[0]
+        out += [replace(c, encode=(e, te)) for c in list(out) for e in range(1, MAX_ENCODERS + 1)
+                if c.cpus + e * te <= cpus]
     return out
 
 
@@ -200,7 +211,7 @@ def plan(base: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], ob
             log(f"  [{len(tried)}] {candidate.name:42s} {candidate.cpus} CPU(s): goodput {result.goodput.rate:.2f} "
                 f"req/s{carries}")
 
-    run(candidates(base, profile, cpus, threads))
+    run(candidates(base, profile, cpus, threads, images=any(s.images for s in shapes)))
     bar = target_rate or max(e.goodput.rate for e in tried)
     near = [e.candidate for e in tried if e.goodput.rate > 0 and e.goodput.rate >= bar * (1 - TUNE_WITHIN)]
     variants = list(dict.fromkeys(t for c in near for t in tunings(c, base, shapes)))  # two may tune alike

@@ -17,6 +17,10 @@ draft model's passes), whose fits are kept as measured; with a draft model, the 
 with the draft's beside them (a prefill worker that sends the draft's KV). The decode table is
 measured without speculation either way: the simulator scales it by the verify fit.
 
+For a vision-language model, for each number of threads, its image pass (`costs.EncodeCost`): the
+vision tower and projector alone, as an encode worker loads them, over 1 to 3 fresh images of each
+size of the workloads' image mix; a line over images and their tokens.
+
 Then, for each KV transport, a 1P+1D cluster of the manifest on this machine (local prefill off):
 prompts of several lengths one at a time, and from each one's lifetime events the handoff (prefill
 end to decode start, every cost of the transfer in it; a line over prompt length), the dispatch (the
@@ -44,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.cluster.plan.costs import (DecodeTable, DraftPassCost, HardwareProfile, SpeculationCosts, TransferCost,
-                                        WorkerCosts)
+from pdserve.cluster.plan.costs import (DecodeTable, DraftPassCost, EncodeCost, HardwareProfile, SpeculationCosts,
+                                        TransferCost, WorkerCosts)
 from pdserve.engine.cost_model import StepCost, fit_nonnegative
 from pdserve.wire import LifetimeEvent
 
@@ -54,6 +58,7 @@ DECODE_CONTEXTS = (16, 128, 512)
 DECODE_STEPS = 16  # decode steps timed per cell (after one warm-up step): a shared machine is noisy
 TRANSFER_PROMPTS = (16, 64, 128, 256, 512, 900)
 PREFILL_PASSES = 5  # passes timed per prompt shape (after one warm-up pass)
+ENCODE_IMAGES = (1, 2, 3)  # images per timed image pass
 BURST = 8  # requests sent at once to measure what serving adds per decoding sequence
 
 
@@ -226,6 +231,48 @@ def _prompt_pass_fit(p: _EngineProfiler, label: str, fresh_only: bool = False) -
     return fit, errors
 
 
+def profile_encoder(model_dir: Any, threads: int, dtype: str, device: str, seed: int,
+                    log: Callable[[str], None]) -> tuple[EncodeCost, int] | None:
+    """A vision-language model's image pass at `threads` (vision tower and projector, as an encode
+    worker runs it: `load_encoder`) over 1 to 3 images of each size of the workloads' mix, and the bytes
+    of an embedding row; None for a text model."""
+    import torch
+    from PIL import Image
+    from transformers import AutoConfig
+
+    from pdserve.cluster.bench.workload import IMAGE_SIZES
+    from pdserve.engine.multimodal.images import DecodedImage
+    from pdserve.engine.multimodal.vision import FAMILIES, load_encoder
+
+    if AutoConfig.from_pretrained(model_dir).model_type not in FAMILIES:
+        return None
+    torch.set_num_threads(threads)
+    vision = load_encoder(model_dir, getattr(torch, dtype), device)
+    rng = np.random.default_rng(seed)
+
+    def image(width: int, height: int) -> Any:
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        return vision.prepare(DecodedImage(Image.fromarray(pixels), rng.bytes(16)))
+
+    samples = []
+    for count in ENCODE_IMAGES:
+        for size in IMAGE_SIZES:
+            prepared = [image(*size) for _ in range(count)]
+            seconds = []
+            for _ in range(PREFILL_PASSES + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                encoded = vision.encode_images(prepared)
+                seconds.append(time.perf_counter() - started)
+            samples.append((count, sum(e.num_tokens for e in encoded), statistics.median(seconds[1:])))
+    data = np.array(samples, dtype=float)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    fit = EncodeCost(*fit_nonnegative(features, data[:, 2]).tolist())
+    errors = (features @ np.array([fit.a, fit.per_image, fit.per_token])) / data[:, 2] - 1
+    log(f"  {threads} thread(s): image passes a={fit.a * 1e3:.2f} ms, {fit.per_image * 1e3:.2f} ms/image, "
+        f"{fit.per_token * 1e6:.1f} us/token from {len(samples)} shapes (median error {np.median(np.abs(errors)):.1%})")
+    return fit, encoded[0].embeddings.shape[-1] * encoded[0].embeddings.element_size()
+
+
 def profile_speculation(model_dir: Any, threads: int, engine_config: dict[str, Any], seed: int,
                         log: Callable[[str], None]) -> SpeculationCosts:
     """What the manifest's speculative decoding (`engine_config["speculative"]`) adds at `threads`."""
@@ -359,10 +406,15 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
     # cells up on whatever the profile's random prompts repeat); what speculation adds, apart.
     speculative = engine_config.pop("speculative")
     workers, checks = {}, {}
+    embedding_bytes = 0  # a text model's
     log(f"profiling {manifest.model} on {machine()}")
     for t in threads:
         workers[t], checks[f"threads_{t}"] = profile_threads(model_dir, t, {**engine_config, "speculative": None},
                                                              seed, log)
+        image_pass = profile_encoder(model_dir, t, manifest.dtype, engine_config["device"], seed, log)
+        if image_pass is not None:
+            workers[t] = replace(workers[t], encode=image_pass[0])
+            embedding_bytes = image_pass[1]
         if speculative is not None:
             measured = profile_speculation(model_dir, t, {**engine_config, "speculative": speculative}, seed, log)
             workers[t] = replace(workers[t], speculation=measured)
@@ -381,5 +433,5 @@ def profile(manifest: Any, threads: tuple[int, ...], transports: tuple[str, ...]
         step_overhead_s=serving.step_overhead_s if serving else 0.0,
         step_overhead_per_seq_s=serving.step_overhead_per_seq_s if serving else 0.0,
         router_cpu_s_per_token=serving.router_cpu_s_per_token if serving else 0.0, cores=os.cpu_count() or 0,
-        device=engine_config["device"], checks=checks,
+        embedding_bytes_per_token=embedding_bytes, device=engine_config["device"], checks=checks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -54,6 +54,7 @@ class SimSequence:
     plain_blocks: int = 0  # blocks it holds that no hash names
     draft_computed: int = 0  # tokens of its context a draft model holds KV of (speculative decoding)
     refs: list[bytes] = field(default_factory=list)  # cached blocks it holds, in order (its leading blocks)
+    tower_s: float = 0.0  # its images' pass, run on the engine loop as it is added (none encoded elsewhere)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.prompt_len
@@ -111,6 +112,7 @@ class SimEngine:
         self.importing: set[SimSequence] = set()  # blocks reserved, KV not yet committed
         self._calls: deque[Callable[[float], None]] = deque()  # run when the step ends
         self.busy = False  # a step is running
+        self.holding = False  # a call holds the engine loop (a vision-tower pass): no step, no other call
         self.busy_s = 0.0
         self.steps = 0
         self.preemptions = 0
@@ -127,7 +129,7 @@ class SimEngine:
 
     def check_drained(self) -> None:
         """After a run: every block back, nothing held (a leak in the simulation is a bug)."""
-        if self.num_requests or self._calls or self.in_use or self.free_blocks != self.limits.total_blocks:
+        if self.num_requests or self._calls or self.holding or self.in_use or self.free_blocks != self.limits.total_blocks:
             raise RuntimeError(f"{self.name}: the run ended holding {self.num_requests} requests, "
                                f"{self.limits.total_blocks - self.free_blocks} blocks and {len(self._calls)} calls")
 
@@ -139,16 +141,45 @@ class SimEngine:
         self.add_many([seq], now)
 
     def add_many(self, seqs: list[SimSequence], now: float) -> None:
-        """Queue `seqs` at once: an idle engine's next step can take them all."""
+        """Queue `seqs` at once: an idle engine's next step can take them all. Their images not encoded
+        elsewhere are encoded first, on the engine loop, between steps (`hold`)."""
+        tower_s = sum(seq.tower_s for seq in seqs)
+        if tower_s:
+            self.call(lambda t: self.hold(tower_s, lambda t2: self._queue(seqs, t2), t), now)
+        else:
+            self._queue(seqs, now)
+
+    def _queue(self, seqs: list[SimSequence], now: float) -> None:
         self.waiting.extend(seqs)
         self.kick(now)
 
     def call(self, command: Callable[[float], None], now: float) -> None:
         """Run `command` as the engine loop runs a worker's call: between steps (now, when idle)."""
-        if self.busy:
+        if self.busy or self.holding:
             self._calls.append(command)
         else:
             command(now)
+
+    def hold(self, seconds: float, then: Callable[[float], None], now: float) -> None:
+        """From a call: the engine loop is held for `seconds` (a request's images encoded as it is added,
+        on the loop), then `then` runs; steps and other calls wait. Its cores count as a step's do."""
+        self.holding = True
+        seconds *= self.listener.step_started(self)
+        self.busy_s += seconds
+
+        def end(t: float) -> None:
+            self.holding = False
+            then(t)
+            self.listener.step_ended(self, t)
+            self._run_calls(t)
+            self.kick(t)
+
+        self._schedule_at(now + seconds, end)
+
+    def _run_calls(self, now: float) -> None:
+        """The calls queued meanwhile, in order, until one holds the loop (the rest wait for it)."""
+        while self._calls and not self.holding:
+            self._calls.popleft()(now)
 
     def reserve_import(self, seq: SimSequence) -> bool:
         """Take the blocks of an incoming sequence's prompt KV, its cached leading blocks shared; False
@@ -188,7 +219,7 @@ class SimEngine:
 
     def kick(self, now: float) -> None:
         """Start a step if idle with work to do."""
-        if self.busy or not (self.waiting or self.ready or self.running):
+        if self.busy or self.holding or not (self.waiting or self.ready or self.running):
             return
         chunks, preempted = self._schedule()
         while not chunks and preempted:  # what it preempted freed blocks: the engine loop steps again
@@ -328,8 +359,7 @@ class SimEngine:
                 seq.num_tokens += 1 + accepted
             self.listener.sampled(self, seq, 1 + accepted, now)
         self._flush_events()
-        while self._calls:
-            self._calls.popleft()(now)
+        self._run_calls(now)
         self.busy = False
         self.listener.step_ended(self, now)
         self.kick(now)

@@ -13,6 +13,14 @@ and joins its batch when the commit runs there, again between steps. Every reque
 end become a `RequestRecord`, so the figures are `pdserve bench serve`'s own (`serve_metrics`): TTFT
 and TPOT percentiles, attainment, goodput.
 
+Images (a vision-language model's requests): with an encode pool (`pools.encode`), a request's images
+go first to the encoder the router's own choice picks (`router.encoders.EncodePool`: the one holding
+most of them, else the least busy), which runs one image pass at a time, in arrival order, over the
+images its cache (least recently used, `server.images.embedding_cache_mb`) lacks; the request reaches
+its prefill worker a dispatch and an embeddings handoff later (the KV handoff's line at the tokens
+whose KV weighs as much). Without one, the worker that runs the prompt pass runs the image pass on its
+engine loop as the request joins the engine, holding its steps (`SimEngine.hold`).
+
 Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
 that waits past `reserve_wait_s` (it waits here as long as it must; pools too small to pass work on
 make the run raise), codecs, and token values.
@@ -28,20 +36,21 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.cluster.bench.serve_metrics import RequestRecord
 from pdserve.cluster.bench.workload import TraceRequest
-from pdserve.cluster.plan.costs import HardwareProfile, WorkerCosts
+from pdserve.cluster.plan.costs import EncodeCost, HardwareProfile, WorkerCosts
 from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine, SimSequence
 from pdserve.cluster.plan.sim_speculation import Drafting, SimSpeculation
 from pdserve.engine.block_pool import KVPoolStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
 from pdserve.router.admission import Overloaded
+from pdserve.router.encoders import EncodePool, EncoderRef
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import Placement, Router, RoutingSettings
 from pdserve.router.workers import NoHealthyWorker, WorkerRef
@@ -52,13 +61,21 @@ STALL_S = 10.0  # simulated seconds with requests in flight and no step, arrival
 
 
 @dataclass(frozen=True)
+class SimImage:
+    key: bytes  # equal keys: the same picture (an encoder's cache hit)
+    tokens: int
+
+
+@dataclass(frozen=True)
 class SimRequest:
     """One request of a workload: when it arrives (seconds from the start), its prompt's token ids
-    (their blocks decide prefix sharing) and how many tokens it generates."""
+    (their blocks decide prefix sharing; image tokens included), how many tokens it generates, and its
+    images."""
 
     arrival_s: float
     prompt: list[int]
     output_len: int
+    images: tuple[SimImage, ...] = ()
 
 
 def unique_prompt(index: int, length: int) -> list[int]:
@@ -84,8 +101,60 @@ def trace_requests(shapes: Sequence[TraceRequest], arrivals: Sequence[float]) ->
         ids = ids[:shape.prompt_len]
         return ids + (unique_prompt(index, shape.prompt_len - len(ids)) if len(ids) < shape.prompt_len else [])
 
-    return [SimRequest(t, prompt(i + 1, shapes[i % len(shapes)], i // len(shapes)), shapes[i % len(shapes)].output_len)
-            for i, t in enumerate(arrivals)]
+    def images(shape: TraceRequest, lap: int) -> tuple[SimImage, ...]:
+        return tuple(SimImage(f"{lap}:{image.key}".encode(), image.tokens) for image in shape.images)
+
+    return [SimRequest(t, prompt(i + 1, shape, lap), shape.output_len, images(shape, lap))
+            for i, t in enumerate(arrivals) for shape, lap in [(shapes[i % len(shapes)], i // len(shapes))]]
+
+
+class _SimEncoder:
+    """An encode worker: one image pass at a time, in arrival order, over the images its cache lacks."""
+
+    def __init__(self, name: str, cost: EncodeCost, threads: int, cache_tokens: int, sim: ClusterSimulator) -> None:
+        self.ref = EncoderRef(name, handle=None)  # what the router's choice reads (its requests in hand)
+        self.cost = cost
+        self.threads = threads
+        self.cache_tokens = cache_tokens
+        self.cached: OrderedDict[bytes, int] = OrderedDict()  # image -> its tokens, least recently used first
+        self.sim = sim
+        self.queue: deque[_Flight] = deque()
+        self.busy = False
+        self.busy_s = 0.0
+        self.passes = 0
+        self.hits = self.misses = 0
+
+    def put(self, flight: _Flight, now: float) -> None:
+        self.queue.append(flight)
+        if not self.busy:
+            self._next(now)
+
+    def _next(self, now: float) -> None:
+        if not self.queue:
+            return
+        flight = self.queue.popleft()
+        images = flight.spec.images
+        missing = list({image.key: image for image in images if image.key not in self.cached}.values())
+        self.hits += len(images) - len(missing)
+        self.misses += len(missing)
+        seconds = self.cost.pass_s(len(missing), sum(image.tokens for image in missing))
+        seconds *= self.sim.cores_taken(self.threads)
+        self.busy = True
+        self.busy_s += seconds
+        self.passes += bool(missing)
+        self.sim.clock.at(now + seconds, lambda t: self._done(flight, t))
+
+    def _done(self, flight: _Flight, now: float) -> None:
+        self.sim.cores_given_back(self.threads)
+        for image in flight.spec.images:
+            if image.key not in self.cached:
+                self.cached[image.key] = image.tokens
+            self.cached.move_to_end(image.key)
+        while sum(self.cached.values()) > self.cache_tokens:
+            self.cached.popitem(last=False)
+        self.busy = False
+        self.sim.encoded(self, flight, now)
+        self._next(now)
 
 
 @dataclass
@@ -286,6 +355,13 @@ class ClusterSimulator:
         self.flights: dict[str, _Flight] = {}
         self.records: list[RequestRecord] = []
         self._laps: dict[str, tuple[int, int]] = {}  # prefill worker -> (short tokens, chunk)
+        encode = m.pools.encode
+        self.encoders = {f"encode-{i}": _SimEncoder(
+            f"encode-{i}", profile.encode_cost(encode.threads), encode.threads,
+            m.server.images.embedding_cache_mb * 2**20 // max(1, profile.embedding_bytes_per_token), self)
+            for i in range(encode.replicas)}
+        # the router's own choice of encoder (its timeout and retries are for faults, which are left out)
+        self.encode_pool = EncodePool([e.ref for e in self.encoders.values()])
         max_model_len = self.max_model_len
         for role, worker, spec in m.workers():
             costs = profile.costs(spec.threads)
@@ -360,6 +436,7 @@ class ClusterSimulator:
             engine.check_drained()
         workers = {n: WorkerLoad(self.refs[n].pool if self.manifest.mode == "disaggregated" else "colocated",
                                  e.busy_s, e.steps, e.preemptions) for n, e in self.engines.items()}
+        workers.update({n: WorkerLoad("encode", e.busy_s, e.passes, 0) for n, e in self.encoders.items()})
         records = sorted(self.records, key=lambda r: r.send_time)
         return SimResult(records, workers, self.router.snapshot_stats(), self.clock.events,
                          time.perf_counter() - started)
@@ -384,19 +461,39 @@ class ClusterSimulator:
         flight = _Flight(request_id, spec, record, placement)
         flight.events[LifetimeEvent.ACCEPTED] = now
         self.flights[request_id] = flight
+        if spec.images and self.encoders:  # its images to an encoder first, a dispatch away
+            ref = self.encode_pool.choose([image.key for image in spec.images])
+            ref.outstanding += 1
+            self.clock.at(now + self.profile.dispatch_s, lambda t: self.encoders[ref.name].put(flight, t))
+            return
         # the worker hears of it a dispatch later (the router's own work, the Ray call)
         self.clock.at(now + self.profile.dispatch_s, lambda t: self._dispatch(flight, t))
 
-    def _dispatch(self, flight: _Flight, now: float) -> None:
+    def encoded(self, encoder: _SimEncoder, flight: _Flight, now: float) -> None:
+        """An encoder made a request's embeddings: it goes to its worker, which takes them over the
+        KV-transfer layer before its prompt pass."""
+        self._last_progress = now
+        encoder.ref.outstanding -= 1
+        self.encode_pool.remember([image.key for image in flight.spec.images], encoder.ref)
+        flight.events[LifetimeEvent.ENCODED] = now
+        tokens = sum(image.tokens for image in flight.spec.images)
+        handoff = self.profile.embeddings_handoff_s(handoff_transport(self.manifest), tokens)
+        self.clock.at(now + self.profile.dispatch_s + handoff, lambda t: self._dispatch(flight, t, encoded=True))
+
+    def _dispatch(self, flight: _Flight, now: float, encoded: bool = False) -> None:
         placement, spec, request_id = flight.placement, flight.spec, flight.request_id
         hashes = placement.request.block_hashes
         flight.events[LifetimeEvent.PREFILL_QUEUED] = now
+        worker = self.engines[(placement.prefill or placement.decode).name]
+        # images no encoder made are encoded where the prompt pass runs, on its engine loop
+        tower_s = 0.0 if encoded or not spec.images else self.profile.encode_cost(worker.costs.threads).pass_s(
+            len(spec.images), sum(image.tokens for image in spec.images))
         if placement.prefill is None:
             flight.events[LifetimeEvent.PREFILL_START] = now  # as a decode worker records a local prefill
-            self.engines[placement.decode.name].add(SimSequence(request_id, len(spec.prompt), spec.output_len, hashes),
-                                                    now)
+            worker.add(SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, tower_s=tower_s), now)
         else:
-            seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True)
+            seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True,
+                              tower_s=tower_s)
             self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill),
                                                            placement.decode.name, now)
 
@@ -454,7 +551,11 @@ class ClusterSimulator:
 
     # --- what the engines report ----------------------------------------------------------------
     def step_started(self, engine: SimEngine) -> float:
-        self._stepping_threads += engine.costs.threads
+        return self.cores_taken(engine.costs.threads)
+
+    def cores_taken(self, threads: int) -> float:
+        """A step or image pass of `threads` starts: how many times longer than alone it takes."""
+        self._stepping_threads += threads
         if not self.shared_cores:
             return 1.0
         # the router's own CPU: the tokens it streamed over the last second
@@ -486,8 +587,11 @@ class ClusterSimulator:
         elif seq.generated >= seq.output_len:
             self._finish(flight, seen, seq.generated)
 
+    def cores_given_back(self, threads: int) -> None:
+        self._stepping_threads -= threads
+
     def step_ended(self, engine: SimEngine, now: float) -> None:
-        self._stepping_threads -= engine.costs.threads
+        self.cores_given_back(engine.costs.threads)
         self._last_progress = now
         self._after_step(engine, now)
 
@@ -530,7 +634,8 @@ class ClusterSimulator:
         self._report(now)
         if self._outstanding <= 0:
             return
-        idle = not any(e.busy for e in self.engines.values())
+        idle = not any(e.busy or e.holding for e in self.engines.values()) and \
+            not any(e.busy for e in self.encoders.values())
         if self.flights and idle and (not self.clock.pending or now - self._last_progress > STALL_S):
             # requests in flight and nothing for long (a feeder's poll may still tick): a bug, or KV
             # memory too small for the two pools to pass work on (reservations wait here past

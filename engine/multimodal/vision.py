@@ -13,7 +13,8 @@ image processors); this file only says which to call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -178,13 +179,24 @@ class Qwen2VLVision(VisionModel):
 FAMILIES: dict[str, type[VisionModel]] = {"llava": LlavaVision, "qwen2_vl": Qwen2VLVision}
 
 
-def tokens_per_image(model_dir: str | Path, config: PretrainedConfig, side: int = 1024) -> int:
-    """The tokens a side x side image takes in this model's prompts (its image processor's resize, the
-    family's count): the router's estimate of an image's share of a prompt, which it places before any
-    worker has decoded the image."""
+def image_token_counter(model_dir: str | Path, config: PretrainedConfig) -> Callable[[int, int], int]:
+    """tokens(width, height): the tokens an image of that size takes in this model's prompts (its image
+    processor's resize, the family's count)."""
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    inputs = dict(processor(images=[Image.new("RGB", (side, side))], return_tensors="pt"))
-    return FAMILIES[config.model_type].count_tokens(config, inputs)
+    family = FAMILIES[config.model_type]
+
+    @functools.cache
+    def tokens(width: int, height: int) -> int:
+        inputs = dict(processor(images=[Image.new("RGB", (width, height))], return_tensors="pt"))
+        return family.count_tokens(config, inputs)
+
+    return tokens
+
+
+def tokens_per_image(model_dir: str | Path, config: PretrainedConfig, side: int = 1024) -> int:
+    """The tokens a side x side image takes: the router's estimate of an image's share of a prompt,
+    which it places before any worker has decoded the image."""
+    return image_token_counter(model_dir, config)(side, side)
 
 
 def load_encoder(model_dir: str | Path, dtype: torch.dtype, device: str) -> VisionModel:

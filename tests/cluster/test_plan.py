@@ -36,7 +36,7 @@ def manifest(**changes) -> object:
     for key, value in changes.items():
         if key == "pools":
             for pool, spec in value.items():
-                data["pools"][pool].update(spec)
+                data["pools"].setdefault(pool, {}).update(spec)
         elif key == "router":
             data["router"].update(value)
         else:
