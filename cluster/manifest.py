@@ -552,10 +552,15 @@ class Manifest(_Strict):
     @model_validator(mode="after")
     def _nccl_has_gpus(self) -> "Manifest":
         # Whole GPUs: NCCL refuses two ranks on one device, which fractions would let Ray place.
-        no_gpu = [name for name in ("prefill", "decode") if getattr(self.pools, name).num_gpus < 1]
-        if self.mode == "disaggregated" and self.kv_transfer.transport == "nccl" and no_gpu:
-            raise ValueError(f"kv_transfer.transport nccl moves KV from GPU to GPU: pools {' and '.join(no_gpu)} "
-                             "need num_gpus >= 1, a GPU of their own (gloo is the CPU equivalent)")
+        # An encode pool sends its embeddings over the same transport, to either pool's workers.
+        pools = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
+        pools += ("encode",) if self.pools.encode.replicas else ()
+        no_gpu = [name for name in pools if getattr(self.pools, name).num_gpus < 1]
+        if self.kv_transfer.transport == "nccl" and (self.mode == "disaggregated" or self.pools.encode.replicas) \
+                and no_gpu:
+            raise ValueError(f"kv_transfer.transport nccl moves KV and image embeddings from GPU to GPU: pools "
+                             f"{' and '.join(no_gpu)} need num_gpus >= 1, a GPU of their own (gloo is the CPU "
+                             "equivalent)")
         return self
 
     @model_validator(mode="after")

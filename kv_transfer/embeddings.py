@@ -12,8 +12,9 @@ image's index in the prompt, `start_token` and `num_tokens` its rows. Embeddings
 own bytes, in the encoder's dtype): the KV codecs are for K and V, and a lossy one would change the
 tokens sampled. The receiver sizes everything from the specs it reserved for (the router passed on
 the encoder's answer), never from a frame: a frame whose payload is not exactly its rows' bytes is
-refused before the transport reads it. A transfer's lease lasts while frames arrive; the receiving
-worker gives up on one idle for longer (`idle_s`), and then encodes the images itself.
+refused before the transport reads it. The receiving worker waits a lease's time at most (the
+manifest's `kv_transfer.lease_s`; it holds at most `MAX_IN_FLIGHT` reservations), and then encodes the
+images itself.
 
 Transfer ids of embeddings start with `EMBEDDINGS_PREFIX`: a decode worker's transports take both
 kinds, and `SinkByKind` hands each frame to the receiver that holds its transfer.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,13 +39,14 @@ from pdserve.kv_transfer.interface import (CorruptFrame, FrameHeader, FrameSink,
                                            TransferError, shown)
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
-from pdserve.kv_transfer.transports import make_sender
+from pdserve.kv_transfer.transports import forget_moved, make_sender
 
 log = logging.getLogger(__name__)
 
 EMBEDDINGS_PREFIX = "embed-"
 FRAME_BYTES = 4 << 20  # rows of one image go in frames of at most this many bytes (one row at least)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_IN_FLIGHT = 16  # reservations held at once (past it, the worker encodes the images itself)
 ENDED_KEPT = 1024  # transfers remembered after they end, for frames still on their way (`admit_frame`)
 
 
@@ -59,7 +60,6 @@ class _IncomingImages:
     specs: tuple[EmbeddingSpec, ...]
     buffers: list[torch.Tensor]  # [rows, hidden] per image, filled as frames arrive
     written: list[np.ndarray]  # per image: whether each row arrived intact
-    progress_at: float  # time.monotonic() of the reservation or the last frame
     # Frames are written under `lock` while the transfer takes them; `take` and `abort` end that under it.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -94,10 +94,13 @@ class EmbeddingReceiver:
         rows = sum(spec.num_tokens for spec in specs)
         if rows > self.max_rows:
             raise ValueError(f"{rows} image tokens do not fit a prompt of at most {self.max_rows} tokens")
+        with self._lock:
+            if len(self._incoming) >= MAX_IN_FLIGHT:  # each holds up to a prompt's worth of rows
+                raise TransferError(f"{MAX_IN_FLIGHT} embeddings transfers in flight already")
         incoming = _IncomingImages(
             Transfer(transfer_id, request_id), tuple(specs),
             [torch.empty(spec.num_tokens, spec.hidden_size, dtype=DTYPES[spec.dtype]) for spec in specs],
-            [np.zeros(spec.num_tokens, dtype=bool) for spec in specs], time.monotonic())
+            [np.zeros(spec.num_tokens, dtype=bool) for spec in specs])
         incoming.transfer.advance(TransferState.TRANSFERRING)
         with self._lock:
             self._incoming[transfer_id] = incoming
@@ -126,6 +129,8 @@ class EmbeddingReceiver:
                                 f"the image's {rows}")
         if header.codec != "raw" or header.level != 0:
             raise TransferError(f"embeddings travel raw, not in codec {shown(header.codec)} at level {header.level}")
+        if header.num_tokens > rows_per_frame(incoming.row_bytes(header.layer)):
+            raise TransferError(f"frame of {header.num_tokens} rows, more than a frame carries")
         if header.payload_bytes != header.num_tokens * incoming.row_bytes(header.layer):
             raise TransferError(f"frame of {header.payload_bytes} bytes for {header.num_tokens} rows "
                                 f"of {incoming.row_bytes(header.layer)} bytes")
@@ -135,8 +140,6 @@ class EmbeddingReceiver:
             incoming = self._incoming.get(header.transfer_id)
         if payload.nbytes != header.payload_bytes or frame_checksum(header, payload) != header.crc32:
             self._count(corrupt_frames=1)
-            if incoming is not None:  # its sender is alive all the same
-                incoming.progress_at = time.monotonic()
             log.warning("embeddings transfer %s: frame of image %d at row %d dropped: checksum mismatch",
                         shown(header.transfer_id), header.layer, header.start_token)
             raise CorruptFrame(f"checksum mismatch on a frame of image {header.layer}")
@@ -156,14 +159,9 @@ class EmbeddingReceiver:
             incoming.buffers[header.layer][rows].view(torch.uint8).reshape(-1).numpy()[:] = data
             incoming.written[header.layer][rows] = True
             incoming.transfer.bytes_moved += header.payload_bytes
-            incoming.progress_at = time.monotonic()
         self._count(frames=1, bytes=header.payload_bytes)
 
     # --- control plane --------------------------------------------------------------------------
-    def idle_s(self, transfer_id: str) -> float:
-        """Seconds since the transfer's reservation or its last frame (the lease lapses past `lease_s`)."""
-        return time.monotonic() - self._get(transfer_id).progress_at
-
     def take(self, transfer_id: str) -> list[EncodedImage]:
         """The images once every row arrived intact (the transfer is done); TransferError otherwise
         (the transfer is failed: its buffers are let go)."""
@@ -179,12 +177,12 @@ class EmbeddingReceiver:
 
     def abort(self, transfer_id: str, reason: str) -> None:
         """Let the transfer's buffers go (idempotent)."""
-        with self._lock:
-            incoming = self._incoming.get(transfer_id)
-        if incoming is not None:
-            self._take_out(transfer_id)
-            with incoming.lock:  # no frame is being written as it ends
-                incoming.transfer.fail(reason)
+        try:
+            incoming = self._take_out(transfer_id)
+        except TransferError:  # taken or aborted already
+            return
+        with incoming.lock:  # no frame is being written as it ends
+            incoming.transfer.fail(reason)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -214,12 +212,6 @@ class EmbeddingReceiver:
                 self._ended.popitem(last=False)
         return incoming
 
-    def _get(self, transfer_id: str) -> _IncomingImages:
-        with self._lock:
-            incoming = self._incoming.get(transfer_id)
-        if incoming is None:
-            raise TransferError(f"no open embeddings transfer {shown(transfer_id)}")
-        return incoming
 
 
 class SinkByKind:
@@ -250,13 +242,19 @@ class EmbeddingSender:
         self.settings = settings
         self.node_id = node_id
         self._transports: dict[str, SendingTransport] = {}
+        self._peer_addresses: dict[str, dict[str, str]] = {}  # receiving worker -> where it listened last
         self._lock = threading.Lock()
 
     def send(self, lease: Lease, images: list[EncodedImage], timeout_s: float) -> int:
         """Send every row of `images` under `lease` and wait until they are delivered; returns the
         bytes sent. TransferError when the channel fails."""
         name = self.settings.pick(lease.addresses, same_node=lease.node_id == self.node_id)
-        channel = self._transport(name).open(lease.addresses[name], lease.transfer_id)
+        transport = self._transport(name)
+        with self._lock:
+            old, self._peer_addresses[lease.worker_id] = self._peer_addresses.get(lease.worker_id), lease.addresses
+            transports = dict(self._transports)
+        forget_moved(transports, old, lease.addresses)  # a worker that restarted: what was kept for it goes
+        channel = transport.open(lease.addresses[name], lease.transfer_id)
         transfer = Transfer(lease.transfer_id, lease.transfer_id)
         transfer.advance(TransferState.TRANSFERRING)
         try:

@@ -57,7 +57,7 @@ from pdserve.kv_transfer.interface import (PROBE_PREFIX, KVMemoryFull, LayerChan
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.settings import TransferSettings
 from pdserve.kv_transfer.state import Transfer, TransferState
-from pdserve.kv_transfer.transports import make_sender
+from pdserve.kv_transfer.transports import forget_moved, make_sender
 from pdserve.threads import start_guarded
 from pdserve.wire import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
 
@@ -724,10 +724,9 @@ class KVSender:
             old = self._peer_addresses.get(lease.worker_id)
             self._peer_addresses[lease.worker_id] = lease.addresses
             transports = dict(self._transports)
-        for name, address in (old or {}).items():
-            if address != lease.addresses.get(name) and name in transports:
-                log.info("decode worker %s moved from %s: letting go of that address", lease.worker_id, address)
-                transports[name].forget(address)
+        if old is not None and old != lease.addresses:
+            log.info("decode worker %s moved from %s: letting go of those addresses", lease.worker_id, old)
+        forget_moved(transports, old, lease.addresses)
 
 
 def _close_logged(channel: LayerChannel) -> None:

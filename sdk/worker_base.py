@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import resource
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Hashable
@@ -111,15 +112,18 @@ class WorkerBase:
 
     def _receive_embeddings(self, request_id: str, encoded: EncodedImages) -> list[EncodedImage]:
         """Reserve room for the images' embeddings and have their encoder send them; the transfer is
-        given up once no frame came for a lease's time."""
+        given up if they have not all arrived within a lease's time."""
         transfer_id = f"{EMBEDDINGS_PREFIX}{request_id}-{uuid.uuid4().hex[:8]}"
         lease = dataclasses.replace(self.embeddings.reserve(transfer_id, request_id, encoded.images),
                                     addresses=self.kv_addresses, node_id=self.node_id, worker_id=self.worker_id)
+        sent = None
+        deadline = time.monotonic() + lease.lease_s
         try:
             sent = encoded.encoder.send_embeddings.remote(encoded.key, lease)
             while not ray.wait([sent], timeout=EMBEDDINGS_POLL_S)[0]:
-                if self.embeddings.idle_s(transfer_id) > lease.lease_s:
-                    raise TransferError(f"no embeddings frame for {lease.lease_s:g} s")
+                if time.monotonic() > deadline:  # the caller (a prefill worker's feeder) waits no longer
+                    ray.cancel(sent)  # a send still queued does not start
+                    raise TransferError(f"the embeddings did not arrive within {lease.lease_s:g} s")
             ray.get(sent)
             return self.embeddings.take(transfer_id)
         finally:

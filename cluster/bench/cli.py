@@ -81,7 +81,8 @@ def _bench_epd(args: argparse.Namespace) -> int:
     from pdserve.cluster.bench.epd import EPDBenchConfig, run
 
     cfg = EPDBenchConfig(model=args.model, num_requests=args.requests, rate=args.rate,
-                         deployments=tuple(args.deployments), out=Path(args.out))
+                         deployments=tuple(args.deployments), out=Path(args.out),
+                         profile=Path(args.profile) if args.profile else None)
     run(cfg)
     _publish(args, cfg.out)
     return 0
@@ -380,6 +381,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--deployments", nargs="+", default=["epd", "encode-in-prefill", "colocated"],
                     choices=["epd", "encode-in-prefill", "colocated"], help="which to run (default: all three)")
     be.add_argument("--out", default="bench-results/epd.json", help="results file (default: %(default)s)")
+    be.add_argument("--profile", default=None, help="the profile whose simulator predictions go beside the measured "
+                                                    "figures (default: the model's stored one on this machine, if any)")
     _docs_option(be)
     be.set_defaults(func=_bench_epd)
     br = bench_sub.add_parser("replanning", help="the online planner against every static split of the same "

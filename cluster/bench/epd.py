@@ -13,6 +13,7 @@ better with the encode pool than with encoding in the prefill worker.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import random
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import ray
 from PIL import Image
+from transformers import AutoConfig
 
 from pdserve.client import AsyncClient, PDServeError
 from pdserve.cluster.bench.report import provenance
@@ -31,6 +33,10 @@ from pdserve.cluster.bench.serve_metrics import percentile
 from pdserve.cluster.bench.workload import ImageMix, azure_trace_shapes
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import load_manifest
+from pdserve.cluster.plan.costs import HardwareProfile, find_stored_profile, machine
+from pdserve.cluster.plan.simulator import ClusterSimulator, SimImage, SimRequest, unique_prompt
+from pdserve.engine.models.presets import resolve_model
+from pdserve.engine.multimodal.vision import image_token_counter
 
 DEPLOYMENTS = ("epd", "encode-in-prefill", "colocated")
 
@@ -49,6 +55,7 @@ class EPDBenchConfig:
     deployments: tuple[str, ...] = DEPLOYMENTS
     seed: int = 0
     out: Path = Path("bench-results/epd.json")
+    profile: Path | None = None  # for the simulator's predictions (None: the model's stored one, if any)
 
 
 @dataclass(frozen=True)
@@ -147,9 +154,44 @@ def _summary(cfg: EPDBenchConfig, outcomes: list[Outcome], elapsed_s: float) -> 
     return row
 
 
+def _profile(cfg: EPDBenchConfig, log) -> HardwareProfile | None:
+    """The profile for the simulator's predictions: the one named, else this machine's stored one of the
+    model (`pdserve profile`)."""
+    model = cfg.model
+    found = find_stored_profile(model, resolve_model(model), machine()) if cfg.profile is None else (cfg.profile, "")
+    if found is None:
+        log(f"no stored profile of {model} on this machine: `pdserve profile --model {model}` adds the simulator's "
+            "predictions beside the measured figures")
+        return None
+    profile = HardwareProfile.load(found[0])
+    try:  # what the predictions need: the image pass and the handoff, of one-thread workers on one machine
+        profile.encode_cost(1), profile.transfer("shm")
+    except ValueError as e:
+        log(f"no predictions beside the measured figures: {e}")
+        return None
+    return profile
+
+
+def _predict(cfg: EPDBenchConfig, deployment: str, requests: list[BenchRequest], profile: HardwareProfile) -> dict:
+    """What the simulator predicts of one deployment on the same requests, summarized as a run is."""
+    model_dir = resolve_model(cfg.model)
+    tokens_of = image_token_counter(model_dir, AutoConfig.from_pretrained(model_dir))
+    sim_requests = []
+    for i, r in enumerate(requests):
+        images = tuple(SimImage(hashlib.blake2b(data, digest_size=16).digest(), tokens_of(*Image.open(io.BytesIO(data)).size))
+                       for data in r.images)
+        length = len(r.prompt) + sum(image.tokens - 1 for image in images)  # each placeholder expanded
+        sim_requests.append(SimRequest(r.at, unique_prompt(i + 1, length), r.max_tokens, images))
+    result = ClusterSimulator(_manifest(cfg, deployment), profile, deployment).run(sim_requests, cfg.rate)
+    outcomes = [Outcome(len(r.images), rec.ttft, rec.tpot or 0.0) if rec.outcome == "ok" else
+                Outcome(len(r.images), error=rec.outcome) for r, rec in zip(requests, result.records)]
+    return _summary(cfg, outcomes, max((rec.end_time or 0.0 for rec in result.records), default=0.0) or 1.0)
+
+
 def run(cfg: EPDBenchConfig, log=print) -> dict:
-    rows = {}
+    rows, predicted = {}, {}
     requests = source = None
+    profile = _profile(cfg, log)
     for deployment in cfg.deployments:
         manifest = _manifest(cfg, deployment)
         log(f"{deployment}: starting a fresh cluster ...")
@@ -169,9 +211,14 @@ def run(cfg: EPDBenchConfig, log=print) -> dict:
         rows[deployment] = row
         log(f"  TTFT p90 text-only {_ms(row['ttft_p90_s_text_only'])}, with images {_ms(row['ttft_p90_s_with_images'])}, "
             f"SLO attainment {row['slo_attainment']:.0%}, {row['errors']} errors")
+        if profile is not None:
+            predicted[deployment] = _predict(cfg, deployment, requests, profile)
+            log(f"  simulated: TTFT p90 text-only {_ms(predicted[deployment]['ttft_p90_s_text_only'])}, with images "
+                f"{_ms(predicted[deployment]['ttft_p90_s_with_images'])}")
     popular = {"image_share": cfg.image_share, "popular_share": cfg.popular_share}
     result = {"benchmark": "epd", "provenance": provenance(), "workload": source, "mix": popular,
-              "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows}
+              "config": {k: str(v) for k, v in asdict(cfg).items()}, "rows": rows, "predicted": predicted,
+              "profile": None if profile is None else {"created": profile.created, "hardware": profile.hardware}}
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(result, indent=2))
     log(markdown(result))
@@ -212,4 +259,22 @@ def markdown(result: dict) -> str:
             verdict = "met" if ratio >= 2 else f"missed (by {2 / ratio:.2f}x)"
             lines += ["", f"Text-only TTFT p90, encoding in the prefill worker against the encode pool: **{ratio:.2f}x** "
                           f"(target 2x: {verdict})."]
+    predicted = result.get("predicted") or {}
+    if predicted:
+        lines += ["", f"The cluster simulator's prediction of the same requests on each deployment (`pdserve plan`'s "
+                      f"simulator, from the profile measured {result['profile']['created']}), against the measured "
+                      "figures above (error: predicted / measured - 1):", "",
+                  "| deployment | text-only TTFT p90 | with images TTFT p90 | TTFT p50 | met both |", "|---" * 5 + "|"]
+        for name, p in predicted.items():
+            m = rows[name]
+            lines.append(f"| {name} | {_versus(p['ttft_p90_s_text_only'], m['ttft_p90_s_text_only'])} | "
+                         f"{_versus(p['ttft_p90_s_with_images'], m['ttft_p90_s_with_images'])} | "
+                         f"{_versus(p['ttft_p50_s_all'], m['ttft_p50_s_all'])} | "
+                         f"{p['slo_attainment']:.0%} (measured {m['slo_attainment']:.0%}) |")
     return "\n".join(lines)
+
+
+def _versus(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or not measured:
+        return "–"
+    return f"{_ms(predicted)} ({predicted / measured - 1:+.0%})"

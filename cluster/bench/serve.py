@@ -209,10 +209,11 @@ def manifest_for(name: str, cfg: ServeBenchConfig) -> dict[str, Any]:
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
-    """K and V of every layer for one token (float32 by default, as the manifest's dtype)."""
+    """K and V of every layer for one token (float32 by default, as the manifest's dtype); a
+    vision-language model's are its language model's."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_dir)
+    c = AutoConfig.from_pretrained(model_dir).get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes

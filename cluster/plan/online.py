@@ -241,7 +241,8 @@ def split_goodput(q: GoodputQuestion) -> float:
     """The split's goodput (requests/s) on the shapes, simulated as `pdserve plan` does."""
     pools = q.base.pools
     candidate = Candidate("disaggregated", (q.split.prefill, pools.prefill.threads),
-                          (q.split.decode, pools.decode.threads), q.base.max_num_batched_tokens)
+                          (q.split.decode, pools.decode.threads), q.base.max_num_batched_tokens,
+                          encode=(pools.encode.replicas, pools.encode.threads))
     evaluated = evaluate(candidate, q.base, q.profile, q.shapes, q.objective, q.seed, max_runs=MAX_SEARCH_RUNS,
                          min_duration_s=MIN_SIM_DURATION_S, target_rate=q.rate)
     return evaluated.goodput.rate

@@ -17,9 +17,9 @@ draft model's passes), whose fits are kept as measured; with a draft model, the 
 with the draft's beside them (a prefill worker that sends the draft's KV). The decode table is
 measured without speculation either way: the simulator scales it by the verify fit.
 
-For a vision-language model, for each number of threads, its image pass (`costs.EncodeCost`): the
-vision tower and projector alone, as an encode worker loads them, over 1 to 3 fresh images of each
-size of the workloads' image mix; a line over images and their tokens.
+For a vision-language model, for each number of threads, its image pass (`costs.EncodeCost`) as an
+encode worker runs it: PNGs decoded, the image processor, the vision tower and projector, over 1 to 3
+fresh images of each size of the workloads' image mix; a line over images and their tokens.
 
 Then, for each KV transport, a 1P+1D cluster of the manifest on this machine (local prefill off):
 prompts of several lengths one at a time, and from each one's lifetime events the handoff (prefill
@@ -36,6 +36,7 @@ Run it on an otherwise idle machine: what else runs is measured too.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import statistics
@@ -233,15 +234,15 @@ def _prompt_pass_fit(p: _EngineProfiler, label: str, fresh_only: bool = False) -
 
 def profile_encoder(model_dir: Any, threads: int, dtype: str, device: str, seed: int,
                     log: Callable[[str], None]) -> tuple[EncodeCost, int] | None:
-    """A vision-language model's image pass at `threads` (vision tower and projector, as an encode
-    worker runs it: `load_encoder`) over 1 to 3 images of each size of the workloads' mix, and the bytes
-    of an embedding row; None for a text model."""
+    """A vision-language model's image pass at `threads` as an encode worker runs it (decoding the PNGs,
+    the image processor, the vision tower and projector of `load_encoder`) over 1 to 3 images of each
+    size of the workloads' mix, and the bytes of an embedding row; None for a text model."""
     import torch
     from PIL import Image
     from transformers import AutoConfig
 
     from pdserve.cluster.bench.workload import IMAGE_SIZES
-    from pdserve.engine.multimodal.images import DecodedImage
+    from pdserve.engine.multimodal.images import ImageLimits, decode_image
     from pdserve.engine.multimodal.vision import FAMILIES, load_encoder
 
     if AutoConfig.from_pretrained(model_dir).model_type not in FAMILIES:
@@ -250,18 +251,19 @@ def profile_encoder(model_dir: Any, threads: int, dtype: str, device: str, seed:
     vision = load_encoder(model_dir, getattr(torch, dtype), device)
     rng = np.random.default_rng(seed)
 
-    def image(width: int, height: int) -> Any:
-        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        return vision.prepare(DecodedImage(Image.fromarray(pixels), rng.bytes(16)))
+    def png(width: int, height: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+        return out.getvalue()
 
     samples = []
     for count in ENCODE_IMAGES:
         for size in IMAGE_SIZES:
-            prepared = [image(*size) for _ in range(count)]
+            images = [png(*size) for _ in range(count)]
             seconds = []
             for _ in range(PREFILL_PASSES + 1):  # the first is a warm-up
-                started = time.perf_counter()
-                encoded = vision.encode_images(prepared)
+                started = time.perf_counter()  # what an encode worker does: decode, process, encode
+                encoded = vision.encode_images([vision.prepare(decode_image(data, ImageLimits())) for data in images])
                 seconds.append(time.perf_counter() - started)
             samples.append((count, sum(e.num_tokens for e in encoded), statistics.median(seconds[1:])))
     data = np.array(samples, dtype=float)

@@ -55,6 +55,7 @@ class SimSequence:
     draft_computed: int = 0  # tokens of its context a draft model holds KV of (speculative decoding)
     refs: list[bytes] = field(default_factory=list)  # cached blocks it holds, in order (its leading blocks)
     tower_s: float = 0.0  # its images' pass, run on the engine loop as it is added (none encoded elsewhere)
+    fetch_s: float = 0.0  # its images' embeddings, taken from their encoder before it is added
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.prompt_len
@@ -140,18 +141,23 @@ class SimEngine:
     def add(self, seq: SimSequence, now: float) -> None:
         self.add_many([seq], now)
 
-    def add_many(self, seqs: list[SimSequence], now: float) -> None:
-        """Queue `seqs` at once: an idle engine's next step can take them all. Their images not encoded
-        elsewhere are encoded first, on the engine loop, between steps (`hold`)."""
+    def add_many(self, seqs: list[SimSequence], now: float,
+                 added: Callable[[float], None] = lambda now: None) -> None:
+        """Queue `seqs` at once: an idle engine's next step can take them all; `added` runs once they are
+        queued (the call that adds them has returned). Their images not encoded elsewhere are encoded
+        first, on the engine loop, between steps (`hold`)."""
         tower_s = sum(seq.tower_s for seq in seqs)
-        if tower_s:
-            self.call(lambda t: self.hold(tower_s, lambda t2: self._queue(seqs, t2), t), now)
-        else:
-            self._queue(seqs, now)
+        if not tower_s:
+            self.waiting.extend(seqs)
+            added(now)
+            self.kick(now)
+            return
 
-    def _queue(self, seqs: list[SimSequence], now: float) -> None:
-        self.waiting.extend(seqs)
-        self.kick(now)
+        def queued(t: float) -> None:
+            self.waiting.extend(seqs)
+            added(t)
+
+        self.call(lambda t: self.hold(tower_s, queued, t), now)
 
     def call(self, command: Callable[[float], None], now: float) -> None:
         """Run `command` as the engine loop runs a worker's call: between steps (now, when idle)."""
@@ -162,7 +168,8 @@ class SimEngine:
 
     def hold(self, seconds: float, then: Callable[[float], None], now: float) -> None:
         """From a call: the engine loop is held for `seconds` (a request's images encoded as it is added,
-        on the loop), then `then` runs; steps and other calls wait. Its cores count as a step's do."""
+        on the loop); then `then` runs (it must not step the engine), then the calls queued meanwhile,
+        then the next step, as the loop runs them. Its cores count as a step's do."""
         self.holding = True
         seconds *= self.listener.step_started(self)
         self.busy_s += seconds

@@ -17,13 +17,17 @@ Images (a vision-language model's requests): with an encode pool (`pools.encode`
 go first to the encoder the router's own choice picks (`router.encoders.EncodePool`: the one holding
 most of them, else the least busy), which runs one image pass at a time, in arrival order, over the
 images its cache (least recently used, `server.images.embedding_cache_mb`) lacks; the request reaches
-its prefill worker a dispatch and an embeddings handoff later (the KV handoff's line at the tokens
-whose KV weighs as much). Without one, the worker that runs the prompt pass runs the image pass on its
-engine loop as the request joins the engine, holding its steps (`SimEngine.hold`).
+its prefill worker a dispatch later, and its embeddings an embeddings handoff after that (the KV
+handoff's line at the tokens
+whose KV weighs as much), taken as its job starts (a prefill worker's feeder takes its jobs' embeddings
+one after another). Without one, the worker that runs the prompt pass runs the image pass on its
+engine loop as the request joins the engine, holding its steps and its feeder (`SimEngine.hold`).
 
 Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
 that waits past `reserve_wait_s` (it waits here as long as it must; pools too small to pass work on
-make the run raise), codecs, and token values.
+make the run raise), codecs, and token values. The router here places a request with images by its
+prompt's exact length (the real one counts each image as a 1024x1024 one's tokens, as it places a
+request before any image is decoded).
 
 Speculative decoding (the manifest's `speculative`) needs the workload's drafting (`drafting`: how
 often its decode steps verify drafts, how long, and how many are accepted) and a profile measured with it
@@ -117,6 +121,7 @@ class _SimEncoder:
         self.threads = threads
         self.cache_tokens = cache_tokens
         self.cached: OrderedDict[bytes, int] = OrderedDict()  # image -> its tokens, least recently used first
+        self.cached_tokens = 0
         self.sim = sim
         self.queue: deque[_Flight] = deque()
         self.busy = False
@@ -146,12 +151,14 @@ class _SimEncoder:
 
     def _done(self, flight: _Flight, now: float) -> None:
         self.sim.cores_given_back(self.threads)
-        for image in flight.spec.images:
-            if image.key not in self.cached:
+        for image in flight.spec.images:  # as `EmbeddingCache.put`: one larger than the cache is not kept
+            if image.key in self.cached:
+                self.cached.move_to_end(image.key)
+            elif image.tokens <= self.cache_tokens:
                 self.cached[image.key] = image.tokens
-            self.cached.move_to_end(image.key)
-        while sum(self.cached.values()) > self.cache_tokens:
-            self.cached.popitem(last=False)
+                self.cached_tokens += image.tokens
+                while self.cached_tokens > self.cache_tokens:
+                    self.cached_tokens -= self.cached.popitem(last=False)[1]
         self.busy = False
         self.sim.encoded(self, flight, now)
         self._next(now)
@@ -286,8 +293,9 @@ class _PrefillSide:
             # The feeder sets their transfers up, then waits while the engine loop takes the prompts
             # in between two steps: it takes nothing more meanwhile.
             self._setting_up = True
-            self.clock.at(now + self.setup_s,
-                          lambda t, jobs=jobs: self.engine.call(lambda t2: self._joined(jobs, t2), t))
+            # one job after another, each takes its images' embeddings first (the feeder's thread)
+            set_up = self.setup_s + sum(seq.fetch_s for seq in jobs)
+            self.clock.at(now + set_up, lambda t, jobs=jobs: self.engine.call(lambda t2: self._joined(jobs, t2), t))
             return
         if self.queues.length_aware and self.queues.queued and self._poll_at is None:
             # shorts gather for a window that no event ends: look again, as the worker's feeder polls
@@ -295,8 +303,10 @@ class _PrefillSide:
             self.clock.at(self._poll_at, self._poll)
 
     def _joined(self, jobs: list[SimSequence], now: float) -> None:
+        self.engine.add_many(jobs, now, self._fed)  # (after their image passes, where the loop runs them)
+
+    def _fed(self, now: float) -> None:
         self._setting_up = False
-        self.engine.add_many(jobs, now)
         self.feed(now)
 
     def _poll(self, now: float) -> None:
@@ -476,24 +486,25 @@ class ClusterSimulator:
         encoder.ref.outstanding -= 1
         self.encode_pool.remember([image.key for image in flight.spec.images], encoder.ref)
         flight.events[LifetimeEvent.ENCODED] = now
-        tokens = sum(image.tokens for image in flight.spec.images)
-        handoff = self.profile.embeddings_handoff_s(handoff_transport(self.manifest), tokens)
-        self.clock.at(now + self.profile.dispatch_s + handoff, lambda t: self._dispatch(flight, t, encoded=True))
+        self.clock.at(now + self.profile.dispatch_s, lambda t: self._dispatch(flight, t, encoded=True))
 
     def _dispatch(self, flight: _Flight, now: float, encoded: bool = False) -> None:
         placement, spec, request_id = flight.placement, flight.spec, flight.request_id
         hashes = placement.request.block_hashes
         flight.events[LifetimeEvent.PREFILL_QUEUED] = now
         worker = self.engines[(placement.prefill or placement.decode).name]
-        # images no encoder made are encoded where the prompt pass runs, on its engine loop
-        tower_s = 0.0 if encoded or not spec.images else self.profile.encode_cost(worker.costs.threads).pass_s(
-            len(spec.images), sum(image.tokens for image in spec.images))
+        # images an encoder made: their embeddings are taken before the prompt joins the engine; the
+        # others are encoded where the prompt pass runs, on its engine loop
+        image_tokens = sum(image.tokens for image in spec.images)
+        fetch_s = self.profile.embeddings_handoff_s(handoff_transport(self.manifest), image_tokens) if encoded else 0.0
+        tower_s = 0.0 if encoded or not spec.images else \
+            self.profile.encode_cost(worker.costs.threads).pass_s(len(spec.images), image_tokens)
+        seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=placement.prefill is not None,
+                          tower_s=tower_s, fetch_s=fetch_s)
         if placement.prefill is None:
             flight.events[LifetimeEvent.PREFILL_START] = now  # as a decode worker records a local prefill
-            worker.add(SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, tower_s=tower_s), now)
+            self.clock.at(now + fetch_s, lambda t: worker.add(seq, t))  # (on the Ray call's own thread)
         else:
-            seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=True,
-                              tower_s=tower_s)
             self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill),
                                                            placement.decode.name, now)
 

@@ -87,3 +87,11 @@ def start_receiver(name: str, sink: FrameSink, host: str = "127.0.0.1", tls: dic
 
         return P2PReceiver(sink, name, host, secret, _payload_device(name), on_crash)
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORT_NAMES)}")
+
+
+def forget_moved(transports: dict[str, SendingTransport], old: dict[str, str] | None, new: dict[str, str]) -> None:
+    """A receiving worker that restarted listens on new addresses (`new`): what the sending halves hold
+    for its old ones (idle shm segments, tcp connections, a process group) is let go."""
+    for name, address in (old or {}).items():
+        if address != new.get(name) and name in transports:
+            transports[name].forget(address)

@@ -37,6 +37,9 @@ def test_default_manifest_is_valid():
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"decode": {"num_gpus": 1}}}, "pools prefill need num_gpus >= 1"),
         ({"kv_transfer": {"transport": "nccl"}, "pools": {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 0.5}}},
          "pools decode need num_gpus >= 1"),
+        ({"kv_transfer": {"transport": "nccl"}, "pools": {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1},
+                                                           "encode": {"replicas": 1}}},
+         "pools encode need num_gpus >= 1"),  # its embeddings go over the same transport
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"router": {"policy": "pdserve"}}, "router.policy: Value error, 'pdserve' is this policy's old name: it is "
                                             "now called 'estimated_ttft'"),

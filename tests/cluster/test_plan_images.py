@@ -5,34 +5,22 @@ encoded where the prompt pass runs holding that engine's loop, and `pdserve plan
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 import yaml
-from plan_helpers import synthetic_profile
+from plan_helpers import RARE_LONG_TOWER, TOWER, synthetic_profile, vision_profile
 from test_plan import manifest
 
 from pdserve.cluster.bench.serve_metrics import Objective, percentile
 from pdserve.cluster.bench.workload import ImageMix, TraceImage, TraceRequest, with_images
 from pdserve.cluster.manifest import load_manifest
-from pdserve.cluster.plan.costs import EncodeCost, HardwareProfile
+from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.planner import Candidate, candidates, evaluate
 from pdserve.cluster.plan.profiler import profile_encoder
 from pdserve.cluster.plan.simulator import ClusterSimulator, SimImage, SimRequest, trace_requests, unique_prompt
 from pdserve.engine.cost_model import StepCost
 from pdserve.wire import LifetimeEvent
-
-TOWER = EncodeCost(a=0.01, per_image=0.15, per_token=0.0)  # an image pass far longer than a prompt pass
-RARE_LONG_TOWER = EncodeCost(a=0.0, per_image=0.6, per_token=0.0)
-
-
-def vision_profile(threads: tuple[int, ...] = (1,), tower: EncodeCost = TOWER) -> HardwareProfile:
-    profile = synthetic_profile(StepCost(0.002, 0.00005, 0.0), decode_s=0.004, threads=threads)
-    profile.workers = {t: replace(c, encode=tower) for t, c in profile.workers.items()}
-    profile.embedding_bytes_per_token = 256
-    return profile
-
 
 def requests_with_images(n: int, rate: float, seed: int = 3, share: float = 0.6) -> list[SimRequest]:
     """Poisson arrivals; a `share` of requests carry one new image of 64 tokens (a 100-token prompt besides)."""

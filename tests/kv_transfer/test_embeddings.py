@@ -131,3 +131,47 @@ def test_held_embeddings_are_let_go_past_their_bound():
         held.get("a")  # the oldest, past the bound
     assert [held.get(k)[0].content_hash for k in "bcd"] == [ord(k).to_bytes(16, "little") for k in "bcd"]
     assert held.bytes == 3 * 10 * HIDDEN * 4
+
+
+def test_a_frame_of_more_rows_than_a_frame_carries_is_refused(monkeypatch):
+    monkeypatch.setattr(embeddings, "FRAME_BYTES", 4 * HIDDEN * 4)  # 4 rows of float32 a frame
+    receiver = EmbeddingReceiver(HIDDEN, max_rows=100, lease_s=30)
+    img = image(11, 10)
+    tid = reserved(receiver, img)
+    receiver.admit_frame(rows_frame(tid, 0, img, 0, 4)[0])
+    with pytest.raises(TransferError, match="more than a frame carries"):
+        receiver.admit_frame(rows_frame(tid, 0, img, 0, 6)[0])
+
+
+def test_reservations_in_flight_are_bounded():
+    receiver = EmbeddingReceiver(HIDDEN, max_rows=100, lease_s=30)
+    for i in range(embeddings.MAX_IN_FLIGHT):
+        reserved(receiver, image(i, 2), transfer_id=f"{EMBEDDINGS_PREFIX}{i}")
+    with pytest.raises(TransferError, match="in flight"):
+        reserved(receiver, image(99, 2), transfer_id=f"{EMBEDDINGS_PREFIX}one-more")
+    receiver.abort(f"{EMBEDDINGS_PREFIX}0", "done with it")
+    receiver.abort(f"{EMBEDDINGS_PREFIX}0", "twice: nothing")
+    reserved(receiver, image(99, 2), transfer_id=f"{EMBEDDINGS_PREFIX}one-more")
+
+
+def test_the_encoder_lets_go_of_a_restarted_workers_old_address():
+    """A receiving worker that restarted listens elsewhere: the sending half forgets the old address."""
+    images = [image(12, 3)]
+    sender = EmbeddingSender(TransferSettings(transport="tcp", host="127.0.0.1"), node_id="node")
+    forgotten: list[str] = []
+    listening = []
+    try:
+        for attempt in range(2):
+            receiver = EmbeddingReceiver(HIDDEN, max_rows=100, lease_s=30)
+            listening.append(start_receiver("tcp", receiver, "127.0.0.1"))
+            lease = dataclasses.replace(receiver.reserve(f"{EMBEDDINGS_PREFIX}{attempt}", "r", (images[0].spec,)),
+                                        addresses={"tcp": listening[-1].address}, node_id="node", worker_id="w")
+            sender.send(lease, images, timeout_s=30)
+            assert torch.equal(receiver.take(lease.transfer_id)[0].embeddings, images[0].embeddings)
+            if attempt == 0:
+                sender._transports["tcp"].forget = forgotten.append  # what the sender lets go of, recorded
+                listening[0].stop()  # the worker restarts: a new receiver, a new address
+        assert forgotten == [listening[0].address]
+    finally:
+        sender.close()
+        listening[-1].stop()
