@@ -8,7 +8,9 @@ KVSender`, which holds each transfer's state machine and its threads). Each requ
        \\_________\\______> done (cancelled or failed)
 
 `prefill` only queues the job (bounded: past `max_queued` the request fails at once with
-RESOURCE_EXHAUSTED). The feeder thread takes jobs when they are due (FCFS: when the engine has less
+RESOURCE_EXHAUSTED); a request with images has them placed first, on that call's thread (their
+embeddings taken from the encode worker that made them, or the images decoded for the engine to
+encode), so that the feeder never waits on them. The feeder thread takes jobs when they are due (FCFS: when the engine has less
 than one step's budget of work ahead, so a reservation is made as the prompt pass starts, not while
 the job queues; LAPS: a long prompt when the one before is on its last chunk; a batch of shorts
 together) and starts them: each job's transfer (its reservation on its decode worker, beside the
@@ -65,7 +67,7 @@ class _Job:
     kv: OutgoingKV | None = None  # its transfer, once started
     arrived: float = field(default_factory=time.time)
     prefill_started: float = 0.0
-    prompt: ImagePrompt | None = None  # its images decoded and placed (a vision-language model's request)
+    prompt: ImagePrompt | None = None  # its images placed, as it was queued (a vision-language model's request)
 
     @property
     def request_id(self) -> str:
@@ -147,6 +149,13 @@ class PrefillWorker(WorkerBase):
         """Queue one request's prefill and handoff; the outcome reaches the router as token messages.
         `new_tokens`: the part of the prompt the router expects this worker not to cache (its queue)."""
         new_tokens = len(work.prompt_token_ids) if new_tokens is None else new_tokens
+        prompt = None
+        if work.images:  # before it queues, on this call's thread: the feeder never waits on another's images
+            try:  # (their embeddings taken from the encoder that made them, or decoded for the engine to encode)
+                prompt = self.image_prompt(work)
+            except Exception as e:  # this request's images (even one that failed their processor)
+                self.sink.send(work.request_id, error=f"prefill could not start: {e}", error_code=_code(e))
+                return
         peer = self._peer(decode)
         not_answering = self.sender.refusal(peer)
         with self._lock:  # the lock `abort` takes too: a cancel lands before or after, never between
@@ -162,7 +171,8 @@ class PrefillWorker(WorkerBase):
                 refusal = (f"prefill worker {self.worker_id} has {waiting} requests waiting for their prompt "
                            f"pass (max_queued {self.max_queued})", RESOURCE_EXHAUSTED)
             else:
-                job = self._jobs[work.request_id] = _Job(work, peer, new_tokens, self.queues.is_short(new_tokens))
+                job = self._jobs[work.request_id] = _Job(work, peer, new_tokens, self.queues.is_short(new_tokens),
+                                                          prompt=prompt)
         if refusal is not None:
             self.sink.send(work.request_id, error=refusal[0], error_code=refusal[1])
             return
@@ -229,11 +239,7 @@ class PrefillWorker(WorkerBase):
         started = []
         for job in jobs:
             work = job.work
-            try:  # images first: their placeholders are expanded in the prompt the decode worker reserves for
-                job.prompt = self.image_prompt(work) if work.images else None
-            except Exception as e:  # this request's images (even one that failed their processor): the rest go on
-                self._finish(job, error=f"prefill could not start: {e}", code=_code(e))
-                continue
+            # with images, their placeholders expanded: the prompt the decode worker reserves for
             token_ids = work.prompt_token_ids if job.prompt is None else job.prompt.token_ids
             try:
                 kv = self.sender.start(work.request_id, token_ids, work.params, job.new_tokens, job.peer, job.arrived,

@@ -121,7 +121,7 @@ class WorkerBase:
         try:
             sent = encoded.encoder.send_embeddings.remote(encoded.key, lease)
             while not ray.wait([sent], timeout=EMBEDDINGS_POLL_S)[0]:
-                if time.monotonic() > deadline:  # the caller (a prefill worker's feeder) waits no longer
+                if time.monotonic() > deadline:  # the call that brought the request waits no longer
                     ray.cancel(sent)  # a send still queued does not start
                     raise TransferError(f"the embeddings did not arrive within {lease.lease_s:g} s")
             ray.get(sent)

@@ -55,7 +55,6 @@ class SimSequence:
     draft_computed: int = 0  # tokens of its context a draft model holds KV of (speculative decoding)
     refs: list[bytes] = field(default_factory=list)  # cached blocks it holds, in order (its leading blocks)
     tower_s: float = 0.0  # its images' pass, run on the engine loop as it is added (none encoded elsewhere)
-    fetch_s: float = 0.0  # its images' embeddings, taken from their encoder before it is added
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.prompt_len

@@ -17,10 +17,9 @@ Images (a vision-language model's requests): with an encode pool (`pools.encode`
 go first to the encoder the router's own choice picks (`router.encoders.EncodePool`: the one holding
 most of them, else the least busy), which runs one image pass at a time, in arrival order, over the
 images its cache (least recently used, `server.images.embedding_cache_mb`) lacks; the request reaches
-its prefill worker a dispatch later, and its embeddings an embeddings handoff after that (the KV
-handoff's line at the tokens
-whose KV weighs as much), taken as its job starts (a prefill worker's feeder takes its jobs' embeddings
-one after another). Without one, the worker that runs the prompt pass runs the image pass on its
+its prefill worker a dispatch later, and is queued there an embeddings handoff after that (the KV
+handoff's line at the tokens whose KV weighs as much: the worker takes them as the call that brings
+the request runs). Without one, the worker that runs the prompt pass runs the image pass on its
 engine loop as the request joins the engine, holding its steps and its feeder (`SimEngine.hold`).
 
 Left out, as they do not shape latency at a steady state: worker faults and retries, a reservation
@@ -293,9 +292,8 @@ class _PrefillSide:
             # The feeder sets their transfers up, then waits while the engine loop takes the prompts
             # in between two steps: it takes nothing more meanwhile.
             self._setting_up = True
-            # one job after another, each takes its images' embeddings first (the feeder's thread)
-            set_up = self.setup_s + sum(seq.fetch_s for seq in jobs)
-            self.clock.at(now + set_up, lambda t, jobs=jobs: self.engine.call(lambda t2: self._joined(jobs, t2), t))
+            self.clock.at(now + self.setup_s,
+                          lambda t, jobs=jobs: self.engine.call(lambda t2: self._joined(jobs, t2), t))
             return
         if self.queues.length_aware and self.queues.queued and self._poll_at is None:
             # shorts gather for a window that no event ends: look again, as the worker's feeder polls
@@ -493,20 +491,20 @@ class ClusterSimulator:
         hashes = placement.request.block_hashes
         flight.events[LifetimeEvent.PREFILL_QUEUED] = now
         worker = self.engines[(placement.prefill or placement.decode).name]
-        # images an encoder made: their embeddings are taken before the prompt joins the engine; the
-        # others are encoded where the prompt pass runs, on its engine loop
+        # images an encoder made: the worker takes their embeddings as the call that brings the request
+        # runs, before the request queues; the others are encoded where the prompt pass runs, on its loop
         image_tokens = sum(image.tokens for image in spec.images)
         fetch_s = self.profile.embeddings_handoff_s(handoff_transport(self.manifest), image_tokens) if encoded else 0.0
         tower_s = 0.0 if encoded or not spec.images else \
             self.profile.encode_cost(worker.costs.threads).pass_s(len(spec.images), image_tokens)
         seq = SimSequence(request_id, len(spec.prompt), spec.output_len, hashes, prefill_only=placement.prefill is not None,
-                          tower_s=tower_s, fetch_s=fetch_s)
+                          tower_s=tower_s)
         if placement.prefill is None:
             flight.events[LifetimeEvent.PREFILL_START] = now  # as a decode worker records a local prefill
-            self.clock.at(now + fetch_s, lambda t: worker.add(seq, t))  # (on the Ray call's own thread)
+            self.clock.at(now + fetch_s, lambda t: worker.add(seq, t))
         else:
-            self.prefill_sides[placement.prefill.name].put(seq, placement.request.new_tokens(placement.prefill),
-                                                           placement.decode.name, now)
+            side, new_tokens = self.prefill_sides[placement.prefill.name], placement.request.new_tokens(placement.prefill)
+            self.clock.at(now + fetch_s, lambda t: side.put(seq, new_tokens, placement.decode.name, t))
 
     def _prefill_started(self, seq: SimSequence, now: float) -> None:
         """A job taken from the queues: its transfer asks the decode worker for a reservation."""
