@@ -269,15 +269,17 @@ def receiving(tmp_path_factory):
 
 
 @st.composite
-def frames(draw: st.DrawFn, current: str, layers: int, token_bytes: int) -> tuple[FrameHeader, bytes]:
+def frames(draw: st.DrawFn, current: str, layers: int, token_bytes: int, intact: bool = False) -> tuple[FrameHeader, bytes]:
     """A raw frame of the 40-token transfer `current`, checksummed as a sender does, then valid or
-    with any of its fields broken (the checksum among them)."""
+    with any of its fields broken (the checksum among them); `intact`: valid."""
     start = draw(st.integers(0, 39))
     n = draw(st.integers(1, 40 - start))
     payload = draw(st.binary(min_size=n * token_bytes, max_size=n * token_bytes)) if draw(st.booleans()) \
         else bytes(n * token_bytes)
     sent = FrameHeader(current, draw(st.integers(0, layers - 1)), start, n, "raw", 0, 0, len(payload))
     fields = dataclasses.asdict(dataclasses.replace(sent, crc32=frame_checksum(sent, payload)))
+    if intact:
+        return FrameHeader(**fields), payload
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)):
         texts = {"transfer_id": ODD_TEXT, "codec": st.sampled_from(["int8", "cachegen", "?"]) | ODD_TEXT}
         fields[name] = draw(texts.get(name, U32))  # numbers over their whole range: level too, as gRPC carries it
@@ -340,7 +342,7 @@ def receiving_embeddings():
         return opened[-1]
 
     yield receiver, open_transfer
-    assert receiver.num_in_flight == 1  # one open; every taken one ended
+    assert receiver.num_in_flight <= 1  # every transfer taken (or refused as incomplete) ended
 
 
 @fuzz_settings(MIN_PER_PARSER)
@@ -420,8 +422,12 @@ def test_grpc_kv_stream_ends_on_a_malformed_message_and_says_why(grpc_kv, receiv
     server, push = grpc_kv
     receiver, open_transfer, engine = receiving
     current = open_transfer()
-    items = data.draw(st.lists(kvframe_messages(current, *_layout(engine)), min_size=4, max_size=10))
-    stream = [message for item in items for message in item]
+    if data.draw(st.integers(0, 3)) == 0:  # a call of intact frames: the good path, whatever else is drawn
+        stream = [_kvframe(*frame) for frame in data.draw(st.lists(frames(current, *_layout(engine), intact=True),
+                                                                   min_size=4, max_size=10))]
+    else:
+        items = data.draw(st.lists(kvframe_messages(current, *_layout(engine)), min_size=4, max_size=10))
+        stream = [message for item in items for message in item]
     before, counters = server.service.malformed, Counter(receiver.counters)
     try:
         ack, failed = push(stream, current), None
@@ -689,8 +695,8 @@ def test_zz_totals():
     least = {name: 300 if name == "tcp_kv_handshake" else MIN_PER_PARSER for name in parsers}  # a connection each
     assert all(counts[name] >= least[name] for name in parsers), counts
     # Not vacuous: many messages were bad, and many good ones got through (fewer over gRPC, where a
-    # call ends at its first bad message and only a call answered counts its frames: 14 to 20 and more
-    # of its 300 calls, from one run to the next, with the same examples).
+    # call ends at its first bad message and only a call answered counts its frames: a quarter of its
+    # calls carry intact frames only, so that a draw of mostly broken streams cannot leave it untested).
     assert min(SENT["token_stream_bad"], SENT["token_stream_delivered"], SENT["kv_events_bad"],
                SENT["receive_frame_taken"], SENT["receive_embedding_frame_taken"],
                SENT["tcp_kv_reached_the_sink"]) >= 50, SENT
