@@ -102,14 +102,16 @@ class Placement:
     # The decode worker the request is being moved to, KV and all (`Router.moved` makes it `decode`):
     # touched, since it may hold the request already; depended on only once the move is done.
     moving_to: WorkerRef | None = None
+    # The worker that runs (or ran) the prompt pass: a locally prefilled request's first decode worker,
+    # even after a move took it elsewhere.
+    prefiller: WorkerRef = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prefiller = self.prefill or self.decode
 
     @property
     def touched(self) -> list[WorkerRef]:
         return [w for w in (self.prefill, self.decode, self.moving_to) if w is not None]
-
-    @property
-    def prefiller(self) -> WorkerRef:
-        return self.prefill or self.decode
 
     @property
     def local(self) -> bool:

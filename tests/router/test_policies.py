@@ -302,6 +302,20 @@ def test_approximate_index_learns_from_the_routers_own_decisions():
     assert router.stats.oracle_cached_tokens == 0  # the exact index (no events here) knows nothing
 
 
+def test_a_moved_request_keeps_the_worker_that_prefilled_it_and_its_load_moves():
+    p, d0, d1 = worker("p"), worker("d0", "decode"), worker("d1", "decode")
+    router = make_router([p], [d0, d1], local_prefill_tokens=100)
+    placement = router.place(work(list(range(40))))  # prefilled on its decode worker
+    first = placement.decode
+    other = d1 if first is d0 else d0
+    router.first_token(placement)
+    placement.handed_over()
+    router.moved(placement, other)
+    assert placement.decode is other and placement.depends_on == [other]
+    assert placement.prefiller is first  # who served the prompt (metrics, the lifetime log) stays
+    assert (first.outstanding, other.outstanding) == (0, 1)
+
+
 def test_a_move_goes_to_a_worker_with_room_first_and_to_a_full_one_rather_than_nowhere():
     p, d0 = worker("p"), worker("d0", "decode")
     full, roomy = worker("d1", "decode", outstanding=2), worker("d2", "decode", outstanding=1, free=2)
