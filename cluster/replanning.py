@@ -5,8 +5,9 @@ router's event loop in this process never waits on them): one worker changes rol
 requests moved with their KV; `Cluster.switch_role`), is added (`Cluster.add_worker`: it asks for its
 pool's resources, which Ray's autoscaler, where there is one, starts a node for) or is removed
 (`Cluster.remove_worker`: drained first, then stopped; the autoscaler stops its node once idle). A
-decode worker to become prefill or to go is the one holding the fewest requests; a prefill worker, the
-one with the fewest prompts waiting.
+worker to change role or to go is one that stopped serving, else one with the fewest other workers on
+its node (removed, it may leave that node idle, for the autoscaler to stop), else, of the decode pool,
+the one holding the fewest requests; of the prefill pool, the one with the fewest prompts waiting.
 
 Every decision is logged as one JSON line on the `pdserve.planner` logger (INFO), a change also on the
 launcher's log; counted on /metrics (`pdserve_planner_decisions_total{action}`,
@@ -137,10 +138,13 @@ class ReplanLoop:
 
     def _worker_to_take(self, pool: str) -> WorkerRef:
         """The worker of `pool` to remove or switch: one that stopped serving first (its restarts spent,
-        say), else the one holding the least."""
-        members = [w for w in self.cluster.workers if w.pool == pool]
+        say), else one with the fewest other workers on its node (removed, it may leave its node idle,
+        which the autoscaler then stops), else the one holding the least."""
+        workers = list(self.cluster.workers)
+        on_node = Counter(w.status.node_id for w in workers if w.status is not None)
+        members = [w for w in workers if w.pool == pool]
         load = (lambda w: w.outstanding) if pool == "decode" else (lambda w: len(w.queued))
-        return min(members, key=lambda w: (w.healthy, load(w)))
+        return min(members, key=lambda w: (w.healthy, on_node[w.status.node_id] if w.status else 0, load(w)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.planner.settings.interval_s):

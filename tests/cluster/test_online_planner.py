@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import yaml
 from cluster_helpers import manifest
-from helpers import random_prompts
+from helpers import random_prompts, worker_status
 from plan_helpers import synthetic_profile
 
 from pdserve.client import Client
@@ -121,6 +121,24 @@ def test_no_decision_without_enough_requests_and_none_during_the_cooldown():
     assert planner.decide(60.0, window(CHAT, 60.0), Split(2, 2)).action == "change"
     cooling = planner.decide(90.0, window(SUMMARIES, 90.0), Split(1, 3))
     assert cooling.action == "wait" and "the last change was 30 s ago" in cooling.reason
+
+
+def test_the_worker_to_remove_or_switch_is_a_failed_one_then_one_alone_on_its_node_then_the_least_held():
+    from types import SimpleNamespace
+
+    from pdserve.cluster.replanning import ReplanLoop
+    from pdserve.router.workers import WorkerRef
+
+    def on(node: str, name: str, pool: str = "decode", outstanding: int = 0) -> WorkerRef:
+        return WorkerRef(name, pool, handle=None, status=worker_status(node_id=node), outstanding=outstanding)
+
+    shared_a, shared_b, alone = on("head", "d0"), on("head", "d1"), on("added", "d2", outstanding=3)
+    workers = [shared_a, shared_b, alone, on("head", "p0", "prefill"), on("added2", "p1", "prefill")]
+    loop = ReplanLoop(SimpleNamespace(workers=workers), planner=None, say=lambda _: None)
+    assert loop._worker_to_take("decode") is alone  # busier, but its node goes idle without it
+    assert loop._worker_to_take("prefill").name == "p1"
+    shared_b.healthy = False
+    assert loop._worker_to_take("decode") is shared_b  # one that stopped serving, first
 
 
 def test_the_manifest_refuses_an_online_planner_with_nothing_to_reshape():
