@@ -255,9 +255,7 @@ class EmbeddingSender:
             transports = dict(self._transports)
         forget_moved(transports, old, lease.addresses)  # a worker that restarted: what was kept for it goes
         channel = transport.open(lease.addresses[name], lease.transfer_id)
-        transfer = Transfer(lease.transfer_id, lease.transfer_id)
-        transfer.advance(TransferState.TRANSFERRING)
-        try:
+        try:  # the receiver's state machine decides the transfer: it takes the images whole, or none
             for index, image in enumerate(images):
                 rows = image.embeddings.contiguous()
                 step = rows_per_frame(rows.shape[1] * rows.element_size())
@@ -266,14 +264,9 @@ class EmbeddingSender:
                     header, payload = make_frame(lease.transfer_id, index, start, chunk.shape[0], "raw", 0,
                                                  tensor_bytes(chunk), channel.device)
                     channel.send(header, payload)
-            transfer.advance(TransferState.COMMITTING)
             channel.finish(timeout_s)
-        except Exception as e:
-            transfer.fail(str(e))
-            raise
         finally:
             channel.close()
-        transfer.advance(TransferState.DONE)
         return channel.bytes_sent
 
     def _transport(self, name: str) -> SendingTransport:
