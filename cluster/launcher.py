@@ -21,7 +21,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
 from pdserve.cluster.plan.online import OnlinePlanner
-from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, answered_by_ray
+from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, SimulationPool
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, SEND_GROUP, SEND_THREADS, EncodeWorker
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
@@ -85,6 +85,7 @@ class Cluster:
         self._reshaping = threading.RLock()
         self._stored_profile: HardwareProfile | None = None  # the model's `pdserve profile` here, if one was found
         self._replanning: ReplanLoop | None = None
+        self._simulations = SimulationPool()  # the online planner's, started at its first decision
         self._started_ray = False
         self._model: ModelSource | None = None
         self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
@@ -141,7 +142,7 @@ class Cluster:
                 raise ValueError("planner.online simulates with the model's stored profile, and none was found: run "
                                  "`pdserve profile --manifest MANIFEST` on this machine first, or set `profile:` to "
                                  "the file it wrote")
-            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile, goodputs=answered_by_ray),
+            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile, goodputs=self._simulations),
                                           self.log)
             collectors.append(PlannerCollector(self._replanning))
         self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
@@ -325,6 +326,10 @@ class Cluster:
     def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
         """Start one more worker of `role` (prefill or decode, with its pool's resources) and, once it has
         measured itself, let the router place on it. Returns it."""
+        return self._admit(self._start_worker(role), timeout_s)
+
+    def _start_worker(self, role: str) -> WorkerRef:
+        """A new worker of `role` asked for (its actor starting); not yet known to the router."""
         m = self.manifest
         if m.mode == "colocated" or role not in ("prefill", "decode"):
             raise ValueError(f"a worker's role is prefill or decode, in a disaggregated deployment (got {role!r} "
@@ -334,6 +339,11 @@ class Cluster:
             raise ValueError(f"the {role} pool has {MAX_POOL_WORKERS} workers, the most it takes")
         worker = self._spawn(role, f"{role}-{self._next_index}", spec, self._model)
         self._next_index += 1
+        return worker
+
+    def _admit(self, worker: WorkerRef, timeout_s: float) -> WorkerRef:
+        """Wait for a started worker to be ready and measured, then let the router place on it (it is
+        stopped if it fails to)."""
         try:
             self._wait_ready([worker], timeout_s)
             worker.status = ray.get(worker.handle.profile.remote(), timeout=timeout_s)
@@ -345,7 +355,7 @@ class Cluster:
         else:
             self.workers.append(worker)
         self.router.add_worker(worker)
-        self.log(f"{worker.name} joined the {role} pool")
+        self.log(f"{worker.name} joined the {worker.pool} pool")
         return worker
 
     @_one_change_at_a_time
@@ -372,12 +382,21 @@ class Cluster:
     @_one_change_at_a_time
     def switch_role(self, worker_name: str, role: str, timeout_s: float = 300.0) -> WorkerRef:
         """Turn a worker into one of `role`: drained (nothing dropped, nothing repeated), stopped, and a
-        worker of the new role started in its place with its resources. Returns the new worker."""
+        worker of the new role started in its place with its resources. Returns the new worker.
+
+        The new worker is asked for first: its start (a process, the model, a warm-up: seconds) runs
+        while the old one drains where the cluster has room for both, else as soon as the old one's
+        resources are let go."""
         worker = self._worker(worker_name)
         if worker.pool == role:
             return worker
-        self.remove_worker(worker_name, timeout_s)
-        return self.add_worker(role, timeout_s)
+        started = self._start_worker(role)
+        try:
+            self.remove_worker(worker_name, timeout_s)
+        except BaseException:
+            ray.kill(started.handle)
+            raise
+        return self._admit(started, timeout_s)
 
     def _worker(self, name: str) -> WorkerRef:
         for worker in self.workers:
@@ -497,6 +516,7 @@ class Cluster:
         if self._replanning is not None:  # first: it would change roles on a cluster going down
             self._replanning.stop()
             self._replanning = None
+            self._simulations.close()
         if self._supervisor is not None:
             self._supervisor.stop()
             self._supervisor = None

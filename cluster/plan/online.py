@@ -1,23 +1,27 @@
-"""The online planner's decisions: from the requests of the last minutes, the split of the workers
-between the prefill and the decode pool that carries the traffic best, how many workers it takes, and
-whether to move toward it now.
+"""The online planner's decisions: from the requests of the last minutes, the split of the workers between
+the prefill and the decode pool that carries the traffic best, how many workers it takes, and whether to
+move toward it now.
 
 Its settings are the manifest's `planner` section. Every `interval_s` the cluster hands
 `OnlinePlanner.decide` what it measured over the last `window_s` (each request's arrival, prompt and
 output length, and its prompt's block ids, so that prefix reuse is simulated as it was served; the
-requests still running count with the tokens they have so far: left out, a phase of long outputs
-would look short until its requests end) and its current split. Each split of the same workers (P prefill + D decode,
-P and D at least 1), and of one more and one fewer where the budget (`min_workers`, `max_workers`)
-allows, is simulated on the window's shapes at fresh Poisson arrivals, and its goodput found as
-`pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both objectives),
-the search starting at the measured rate. The number of workers grows when the current ones are
-predicted to carry less than `headroom` times the measured rate (and one more helps by `margin`), and
-shrinks when one fewer would carry twice `margin` more than that; of that number, the best split is the
-target. A change is made only when the target has been the same in `confirmations` decisions in a row,
-no change was made in the last `cooldown_s`, and (a split of the same workers) it beats the current one
-by `margin`: hysteresis, so that a stationary workload, whose goodputs differ by noise, never makes it
-flap. One worker is added, removed (drained first: its requests move with their KV) or switched per
-decision, so a wrong step costs one change.
+requests still running count with the tokens they have so far: left out, a phase of long outputs would
+look short until its requests end) and its current split. Each split of the same workers (P prefill + D
+decode, P and D at least 1), and of one more and one fewer where the budget (`min_workers`,
+`max_workers`) allows, is simulated on the window's shapes at fresh Poisson arrivals, and its goodput
+found as `pdserve plan` finds it (DistServe's: the highest rate at which 90% of requests meet both
+objectives), the search starting at the measured rate; a window whose mix (length percentiles, prefix
+reuse) is within `MIX_TOLERANCE` of the last simulated one's, which kept the split, takes over its
+goodputs instead, for a few decisions in a row (the simulations' CPU is the workers' idle time). The
+number of workers grows when the current ones are predicted to carry less than `headroom` times the
+measured rate (and one more helps by `margin`), and shrinks when one fewer would carry twice `margin`
+more than that; of that number, the best split is the target. A change is made only when the target has
+been the same in `confirmations` decisions in a row (or at once when the current split is predicted to
+carry less than the measured rate: it loses requests while it waits), no change was made in the last
+`cooldown_s`, and (a split of the same workers) it beats the current one by `margin`: hysteresis, so
+that a stationary workload, whose goodputs differ by noise, never makes it flap. One worker is added,
+removed (drained first: its requests move with their KV) or switched per decision, so a wrong step costs
+one change.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ from pdserve.router.frontend import ObservedRequest
 
 MAX_SEARCH_RUNS = 6  # simulated runs per split and decision (the goodput search's budget)
 MIN_SIM_DURATION_S = 20.0  # of simulated arrivals per run
+# A window whose mix is this close to the last simulated one's (length quantiles relative, prefix reuse
+# absolute) reuses its goodputs: the simulations' CPU comes out of the workers' idle time, and on a
+# stationary mix they would only repeat themselves...
+MIX_TOLERANCE = 0.1
+RESIMULATE_AFTER = 5  # ... for at most this many decisions in a row
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,38 @@ class Decision:
     requests: int = 0
     goodputs: dict[str, float] = field(default_factory=dict)  # predicted, requests/s, by split
     reason: str = ""
+    simulated: bool = False  # the goodputs were simulated for this decision (else those of an earlier one, same mix)
+
+
+@dataclass(frozen=True)
+class MixSignature:
+    """What a window's goodputs depend on: its prompt and output lengths (10th, 50th and 90th
+    percentiles) and its prefix reuse. The rate does not: a split's goodput is the most it carries."""
+
+    prompt: tuple[float, float, float]
+    output: tuple[float, float, float]
+    reuse: float
+
+    @classmethod
+    def of(cls, shapes: Sequence[TraceRequest]) -> MixSignature:
+        def deciles(values: list[int]) -> tuple[float, float, float]:
+            cuts = statistics.quantiles(values, n=10) if len(values) > 1 else list(values) * 9
+            return cuts[0], cuts[4], cuts[8]
+        return cls(deciles([r.prompt_len for r in shapes]), deciles([r.output_len for r in shapes]), _reuse(shapes))
+
+    def near(self, other: MixSignature, tolerance: float) -> bool:
+        lengths = zip((*self.prompt, *self.output), (*other.prompt, *other.output))
+        return (all(abs(a - b) <= tolerance * max(a, b, 1.0) for a, b in lengths)
+                and abs(self.reuse - other.reuse) <= tolerance)
+
+
+@dataclass(frozen=True)
+class _Simulated:
+    """The last goodputs simulated, for the mix and splits they were simulated for."""
+
+    signature: MixSignature
+    goodputs: dict[Split, float]
+    reused: int = 0  # decisions since, that took them over
 
 
 class OnlinePlanner:
@@ -87,6 +128,7 @@ class OnlinePlanner:
                              f"{sorted(profile.transfers)} only: run `pdserve profile --transports {transport}` (with "
                              "the others it should keep)")
         self.last_change_at: float | None = None
+        self._simulated: _Simulated | None = None
         self._streak: tuple[Split | None, int] = (None, 0)  # the best split of the last decisions, how many in a row
 
     def decide(self, now: float, observed: Sequence[ObservedRequest], current: Split) -> Decision:
@@ -103,33 +145,48 @@ class OnlinePlanner:
         rate = len(window) / span
         shapes = [_shape(r) for r in window]
         splits = self._splits(current)
-        questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
-                     for split in splits]
-        goodputs = dict(zip(splits, self.goodputs(questions)))
+        signature = MixSignature.of(shapes)
+        last = self._simulated
+        if (last is not None and set(last.goodputs) == set(splits) and last.reused < RESIMULATE_AFTER
+                and last.signature.near(signature, MIX_TOLERANCE)):
+            goodputs, simulated = last.goodputs, False
+            self._simulated = replace(last, reused=last.reused + 1)
+        else:
+            questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
+                         for split in splits]
+            goodputs, simulated = dict(zip(splits, self.goodputs(questions))), True
+            self._simulated = _Simulated(signature, goodputs)
         best = self._target(goodputs, current, rate)
         previous, streak = self._streak
         self._streak = (best, streak + 1 if best == previous else 1)
         shown = {str(split): round(g, 3) for split, g in goodputs.items()}
-        decision = Decision(now, "keep", current, best, rate=rate, requests=len(window), goodputs=shown)
-        mix = (f"{rate:.2f} req/s, median prompt {statistics.median(r.prompt_len for r in window):.0f} and output "
-               f"{statistics.median(r.output_len for r in window):.0f} tokens, {_reuse(shapes):.0%} of prompt blocks "
-               "seen before")
+        decision = Decision(now, "keep", current, best, rate=rate, requests=len(window), goodputs=shown,
+                            simulated=simulated)
+        mix = (f"{rate:.2f} req/s, median prompt {signature.prompt[1]:.0f} and output {signature.output[1]:.0f} "
+               f"tokens, {signature.reuse:.0%} of prompt blocks seen before"
+               f"{'' if simulated else '; goodputs of an earlier decision, the mix unchanged'}")
         why = self._why(goodputs, current, best, rate)
         if why is None:
             self._streak = (None, 0)  # a change must be wanted in consecutive decisions
             return replace(decision, reason=f"{current} is predicted to carry {goodputs[current]:.2f} req/s "
                                             f"({rate * s.headroom:.2f} wanted) and is best or within {s.margin:.0%} "
                                             f"of the best ({mix})")
-        if self._streak[1] < s.confirmations:
+        self._simulated = None  # a change wanted is confirmed by simulations of its own, never a copy
+        # Confirmations guard a split that carries the traffic against noise; one predicted to carry less
+        # than the measured rate loses requests every second it is kept.
+        overloaded = goodputs[current] < rate
+        if self._streak[1] < s.confirmations and not overloaded:
             return replace(decision, action="wait", reason=f"{why} ({mix}); best {self._streak[1]} of "
                                                          f"{s.confirmations} times in a row")
         if self.last_change_at is not None and now - self.last_change_at < s.cooldown_s:
             return replace(decision, action="wait", reason=f"{why} ({mix}); the last change was "
                                                          f"{now - self.last_change_at:.0f} s ago")
+        unconfirmed = self._streak[1] < s.confirmations
+        at_once = f", at once: {current} is predicted to carry less than the measured rate" if unconfirmed else ""
         step = _step_toward(current, best)
         self.last_change_at = now
         self._streak = (None, 0)
-        return replace(decision, action="change", step=step, reason=f"{why} ({mix}); {_said(current, step)}")
+        return replace(decision, action="change", step=step, reason=f"{why} ({mix}); {_said(current, step)}{at_once}")
 
     def _splits(self, current: Split) -> list[Split]:
         """Every split of the current number of workers, and of one more and one fewer where the budget

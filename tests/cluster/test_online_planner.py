@@ -1,5 +1,6 @@
 """The online planner's decisions, on a profile with known costs: it moves toward the split a shifted
-mix needs, one worker at a time and only when confirmed, and never flaps on a stationary workload."""
+mix needs, one worker at a time and only when confirmed (at once when the current split cannot carry the
+traffic), and never flaps on a stationary workload."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
 from pdserve.cluster.status import fetch_health
 from pdserve.engine.model_store import model_digest
-from pdserve.cluster.plan.online import OnlinePlanner, Split
+from pdserve.cluster.plan.online import RESIMULATE_AFTER, OnlinePlanner, Split, split_goodput
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.cost_model import StepCost
 from pdserve.router.frontend import ObservedRequest
@@ -64,6 +65,16 @@ def test_a_shifted_mix_moves_one_worker_toward_its_split_once_confirmed(mix, dir
     assert better >= 1.15 * second.goodputs["2P+2D"] and "moving one worker" in second.reason
 
 
+def test_a_split_that_cannot_carry_the_traffic_is_changed_at_once():
+    """Confirmations guard a split that carries the traffic; one predicted to carry less than the
+    measured rate loses requests while it waits, so the first decision moves."""
+    planner = OnlinePlanner(base(), PROFILE)
+    decision = planner.decide(60.0, window(SUMMARIES, 60.0, rate=8.0), Split(2, 2))
+    assert decision.goodputs["2P+2D"] < 8.0, decision
+    assert decision.action == "change" and decision.step == Split(3, 1), decision
+    assert "at once: 2P+2D is predicted to carry less than the measured rate" in decision.reason
+
+
 def test_a_stationary_workload_never_flaps():
     """Ten decisions over the same mix, each change applied, with room to add and remove workers: the
     changes all go one way (no worker added then removed, none switched and switched back), and then
@@ -78,6 +89,28 @@ def test_a_stationary_workload_never_flaps():
             split = decision.step
     assert not any((-dp, -dd) in steps for dp, dd in steps), steps
     assert planner.decide(500.0, window(CHAT, 500.0, seed=99), split).action == "keep"
+
+
+def test_an_unchanged_mix_reuses_the_last_goodputs_and_a_shifted_one_is_simulated_again():
+    """The simulations cost the workers' idle CPU: a window whose mix is the last simulated one's (the
+    split kept) takes its goodputs over, at most RESIMULATE_AFTER times in a row; a shifted mix, or a
+    change wanted, is simulated afresh."""
+    asked: list[int] = []
+
+    def counted(questions):
+        asked.append(len(questions))
+        return [split_goodput(q) for q in questions]
+
+    planner = OnlinePlanner(base(), PROFILE, goodputs=counted)
+    decisions = [planner.decide(60.0 + 30 * i, window(CHAT, 60.0 + 30 * i, seed=i), Split(1, 3))
+                 for i in range(RESIMULATE_AFTER + 2)]
+    assert [d.action for d in decisions] == ["keep"] * len(decisions), decisions
+    assert [d.simulated for d in decisions] == [True] + [False] * RESIMULATE_AFTER + [True]
+    assert "goodputs of an earlier decision, the mix unchanged" in decisions[1].reason
+    assert len(asked) == 2
+    shifted = planner.decide(600.0, window(SUMMARIES, 600.0), Split(1, 3))
+    assert shifted.simulated and shifted.action == "wait", shifted  # a change wanted: confirmed by a new simulation
+    assert planner.decide(630.0, window(SUMMARIES, 630.0, seed=1), Split(1, 3)).simulated
 
 
 @pytest.mark.parametrize("mix, rate, grows", [(CHAT, 6.0, "decode"), (SUMMARIES, 3.0, "prefill")])

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import ray
 from cluster_helpers import manifest, pdserve
+from helpers import wait_until
 
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.pool_client import AdminRefused, change
@@ -66,3 +68,12 @@ def test_workers_are_drained_reopened_and_switched_from_the_command_line(cluster
     last = pdserve("workers", "remove", "decode-1", "--token", TOKEN, "--address", address)
     assert last.returncode == 2 and "last decode worker" in last.stderr
     assert "decode-1" in roles(cluster)
+
+    # A switch asks for its new worker before draining the old: refused, the new one is stopped again
+    # (its CPUs come back) and nothing changes.
+    refused = pdserve("workers", "role", "decode-1", "prefill", "--token", TOKEN, "--address", address)
+    assert refused.returncode == 2 and "last decode worker" in refused.stderr
+    assert roles(cluster) == {"prefill-0": "prefill", "prefill-3": "prefill", "decode-1": "decode"}
+    held = 0.25 * len(cluster.workers)  # each worker's num_cpus
+    assert wait_until(lambda: abs(ray.available_resources().get("CPU", 0.0) + held - ray.cluster_resources()["CPU"])
+                      < 1e-6, timeout=30)
