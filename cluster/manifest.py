@@ -472,7 +472,8 @@ class PlannerSpec(_Strict):
     min_requests: int = Field(20, ge=2, description="Fewer requests in the window (finished or running): no decision.")
     margin: float = Field(0.15, ge=0, description="Another split must carry this share more (predicted goodput) "
                                                   "than the current one...")
-    confirmations: int = Field(2, ge=1, description="... in this many decisions in a row...")
+    confirmations: int = Field(2, ge=1, description="... in this many decisions in a row (in one, when the current "
+                                                    "split is predicted to carry less than the measured rate)...")
     cooldown_s: float = Field(60.0, ge=0, description="... and no role change for this long (seconds), before "
                                                       "one worker changes role.")
     min_workers: int | None = Field(None, ge=2, description="The fewest workers (prefill and decode together) it "

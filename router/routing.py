@@ -214,7 +214,7 @@ class Router:
                 or not cost.measured):
             return False
         compute = cost.compute_s(request.new_tokens(decode), request.cached_tokens(decode))
-        if compute > min(cost.a, self.transfer.predict(request.num_prompt_tokens)):
+        if compute > min(decode.fixed_step_s(), self.transfer.predict(request.num_prompt_tokens)):
             return False
         return self.local_estimate_s(request, decode) <= remote_estimate_s
 
@@ -226,7 +226,8 @@ class Router:
         cost, transfer = decode.step_cost, self.transfer
         if self.settings.prefill_policy != "estimated_ttft" or not cost.measured:
             return 0
-        return cost.max_tokens_within(lambda n: min(cost.a, transfer.predict(n)), self.settings.max_model_len)
+        fixed = decode.fixed_step_s()
+        return cost.max_tokens_within(lambda n: min(fixed, transfer.predict(n)), self.settings.max_model_len)
 
     def _route_request(self, work: WorkRequest, generated: list[int] = ()) -> RouteRequest:
         """What the policies see of `work`; a resumed request's "prompt" is its prompt + `generated`."""

@@ -9,6 +9,7 @@ first token, and KV blocks its requests may hold. Policies (`router.policies`) c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +42,20 @@ class WorkerRef:
     queued: dict[str, QueuedPrefill] = field(default_factory=dict)  # request id -> its prompt work here
     active_blocks: int = 0  # KV blocks the requests placed here may hold (prompt + max_tokens)
     draining: bool = False  # takes no new request; those it holds move away (`Frontend.drain`)
+    least_fixed_step_s: float = math.inf  # the lowest fixed step cost its fits have shown (`fixed_step_s`)
 
     @property
     def step_cost(self) -> StepCost:
         return self.status.step_cost
+
+    def fixed_step_s(self) -> float:
+        """Its step's fixed cost: the least its fitted step costs have shown. A fit under load is
+        inflated by what shares its cores and its batches, and a bound that grew with that (local
+        prefills kept within it) would load the worker further: the bound ran away to whole prompts
+        of a thousand tokens and decode steps of seconds in a loaded 2P+1D cluster."""
+        if self.step_cost.measured:
+            self.least_fixed_step_s = min(self.least_fixed_step_s, self.step_cost.a)
+        return self.least_fixed_step_s if math.isfinite(self.least_fixed_step_s) else self.step_cost.a
 
     @property
     def total_blocks(self) -> int:

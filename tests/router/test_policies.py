@@ -219,6 +219,20 @@ def test_measured_local_prefill_threshold_is_where_compute_overtakes_transfer():
     assert make_router([p], [d], prefill_policy="least_loaded").local_prefill_limit(d) == 0
 
 
+def test_a_step_cost_inflated_by_load_does_not_raise_the_local_prefill_bound():
+    """A decode worker's fit under load gains a large fixed cost (its cores shared, its batches big):
+    the bound stays at the least fixed cost it showed, or local prefills would load it further."""
+    p, d = worker("p"), worker("d", "decode")
+    router = make_router([p], [d])
+    router.transfer.observe(16, 0.3)
+    router.transfer.observe(256, 0.5)  # slow transfers: the decode step's fixed cost bounds it
+    idle = router.local_prefill_limit(d)
+    assert idle == StepCost(*COST).max_tokens_within(COST[0], 2048)
+    d.status = dataclasses.replace(d.status, step_cost=StepCost(0.2, COST[1], COST[2]))
+    assert router.local_prefill_limit(d) == idle
+    assert not router.place(work(list(range(idle + 1)))).local
+
+
 def test_a_decode_worker_with_no_measured_costs_prefills_nothing_itself():
     p, d = worker("p"), worker("d", "decode", step_cost=StepCost())
     router = make_router([p], [d])
