@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
+from ray.exceptions import RayError
 from transformers import AutoConfig
 
 from pdserve.cluster.audit import AuditCollector, IdleAudit
@@ -363,10 +364,7 @@ class Cluster:
         """Drain a worker (`drain`: what it decodes moves to the other decode workers with its KV, its
         prompts finish), then stop it and let its resources go. The last decode worker stays."""
         worker = self._worker(worker_name)
-        if worker.pool == "decode" and not any(w.pool == "decode" and w is not worker and w.healthy and not w.draining
-                                               for w in self.workers):
-            raise ValueError(f"{worker_name} is the last decode worker taking requests: the cluster could not serve "
-                             "without it")
+        self._check_removable(worker)
         report = self.drain(worker_name, timeout_s)
         self.router.remove_worker(worker)
         if self._supervisor is not None:
@@ -385,18 +383,27 @@ class Cluster:
         worker of the new role started in its place with its resources. Returns the new worker.
 
         The new worker is asked for first: its start (a process, the model, a warm-up: seconds) runs
-        while the old one drains where the cluster has room for both, else as soon as the old one's
-        resources are let go."""
+        while the old one drains where the cluster has room for both (with an autoscaler, that may be a
+        node it starts for it), else as soon as the old one's resources are let go."""
         worker = self._worker(worker_name)
         if worker.pool == role:
             return worker
+        self._check_removable(worker)  # before a worker is started for nothing
         started = self._start_worker(role)
         try:
             self.remove_worker(worker_name, timeout_s)
         except BaseException:
-            ray.kill(started.handle)
+            with contextlib.suppress(RayError):  # the removal's error is the one to raise
+                ray.kill(started.handle)
             raise
         return self._admit(started, timeout_s)
+
+    def _check_removable(self, worker: WorkerRef) -> None:
+        """Raises ValueError when the cluster could not serve without `worker` (the last decode worker)."""
+        if worker.pool == "decode" and not any(w.pool == "decode" and w is not worker and w.healthy and not w.draining
+                                               for w in self.workers):
+            raise ValueError(f"{worker.name} is the last decode worker taking requests: the cluster could not serve "
+                             "without it")
 
     def _worker(self, name: str) -> WorkerRef:
         for worker in self.workers:

@@ -30,7 +30,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -42,6 +42,7 @@ from pdserve.threads import start_guarded
 
 log = logging.getLogger("pdserve.planner")
 KEPT = 256  # the last decisions kept
+MAX_SIMULATORS = 8  # kept simulating processes at most
 
 
 class Reshapable(Protocol):
@@ -158,6 +159,8 @@ class ReplanLoop:
             self.decide_once()
 
     def _crashed(self, error: BaseException) -> None:
+        if self._stop.is_set():  # the cluster is stopping: its simulations were stopped under the decision
+            return
         self.failure = f"{type(error).__name__}: {error}"
         self.say(f"planner stopped: {self.failure}; the cluster serves on with its current split")
 
@@ -175,7 +178,7 @@ class _Simulator:
 
 
 def run_only_when_idle() -> None:
-    """Let this thread have a CPU only when no other task wants it. Nice 19 is not enough: a worker
+    """Let this thread have a CPU only when no other task wants it (all but a sliver). Nice 19 is not enough: a worker
     waking between two steps waits for a niced task to finish its time slice (measured with two
     simulating processes beside a 2P+1D cluster on 2 cores: code-completion goodput 9.5 -> 7.2 req/s at
     nice 19), while SCHED_IDLE yields at once. Where the policy does not exist, nice 19."""
@@ -186,23 +189,44 @@ def run_only_when_idle() -> None:
 
 
 class SimulationPool:
-    """The splits' goodputs, simulated at once by up to one process per CPU of the launcher's node (on
-    that node: the serving nodes' CPUs stay theirs), started at the first decision and kept."""
+    """The splits' goodputs, simulated at once by up to one process per CPU this process may use (at
+    most `MAX_SIMULATORS`), on the launcher's node (the serving nodes' CPUs stay theirs), started at the
+    first decision and kept. Simulators that died (memory, their node) are replaced once per call."""
 
     def __init__(self) -> None:
         self._simulators: list[Any] = []
+        self._lock = threading.Lock()  # `close` (the cluster stopping) against a decision under way
+        self._closed = False
 
     def __call__(self, questions: list[GoodputQuestion]) -> list[float]:
-        wanted = min(len(questions), os.cpu_count() or 1)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self._simulators += [_Simulator.options(scheduling_strategy=here).remote()
-                             for _ in range(wanted - len(self._simulators))]
-        return ray.get([self._simulators[i % len(self._simulators)].goodput.remote(q) for i, q in enumerate(questions)])
+        try:
+            return ray.get(self._ask(questions))
+        except RayActorError:
+            self._kill_all()
+            return ray.get(self._ask(questions))
 
     def close(self) -> None:
-        for simulator in self._simulators:
+        with self._lock:
+            self._closed = True
+        self._kill_all()
+
+    def _ask(self, questions: list[GoodputQuestion]) -> list[ray.ObjectRef]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the planner's simulations were stopped: the cluster is stopping")
+            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            wanted = min(len(questions), usable, MAX_SIMULATORS)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self._simulators += [_Simulator.options(scheduling_strategy=here).remote()
+                                 for _ in range(wanted - len(self._simulators))]
+            simulators = list(self._simulators)
+        return [simulators[i % len(simulators)].goodput.remote(q) for i, q in enumerate(questions)]
+
+    def _kill_all(self) -> None:
+        with self._lock:
+            simulators, self._simulators = self._simulators, []
+        for simulator in simulators:
             ray.kill(simulator)
-        self._simulators = []
 
 
 class PlannerCollector:

@@ -53,7 +53,7 @@ class WorkerRef:
         inflated by what shares its cores and its batches, and a bound that grew with that (local
         prefills kept within it) would load the worker further: the bound ran away to whole prompts
         of a thousand tokens and decode steps of seconds in a loaded 2P+1D cluster."""
-        if self.step_cost.measured:
+        if self.step_cost.measured and self.step_cost.a > 0:  # a fit with no intercept says nothing of it
             self.least_fixed_step_s = min(self.least_fixed_step_s, self.step_cost.a)
         return self.least_fixed_step_s if math.isfinite(self.least_fixed_step_s) else self.step_cost.a
 

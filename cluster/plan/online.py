@@ -79,7 +79,7 @@ class Decision:
 @dataclass(frozen=True)
 class MixSignature:
     """What a window's goodputs depend on: its prompt and output lengths (10th, 50th and 90th
-    percentiles) and its prefix reuse. The rate does not: a split's goodput is the most it carries."""
+    percentiles) and its prefix reuse. The rate only sets where a split's goodput search starts."""
 
     prompt: tuple[float, float, float]
     output: tuple[float, float, float]
@@ -88,7 +88,7 @@ class MixSignature:
     @classmethod
     def of(cls, shapes: Sequence[TraceRequest]) -> MixSignature:
         def deciles(values: list[int]) -> tuple[float, float, float]:
-            cuts = statistics.quantiles(values, n=10) if len(values) > 1 else list(values) * 9
+            cuts = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else list(values) * 9
             return cuts[0], cuts[4], cuts[8]
         return cls(deciles([r.prompt_len for r in shapes]), deciles([r.output_len for r in shapes]), _reuse(shapes))
 
@@ -146,17 +146,12 @@ class OnlinePlanner:
         shapes = [_shape(r) for r in window]
         splits = self._splits(current)
         signature = MixSignature.of(shapes)
-        last = self._simulated
-        if (last is not None and set(last.goodputs) == set(splits) and last.reused < RESIMULATE_AFTER
-                and last.signature.near(signature, MIX_TOLERANCE)):
-            goodputs, simulated = last.goodputs, False
-            self._simulated = replace(last, reused=last.reused + 1)
-        else:
-            questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
-                         for split in splits]
-            goodputs, simulated = dict(zip(splits, self.goodputs(questions))), True
-            self._simulated = _Simulated(signature, goodputs)
+        goodputs, simulated = self._goodputs(splits, shapes, signature, rate)
         best = self._target(goodputs, current, rate)
+        if not simulated and self._why(goodputs, current, best, rate) is not None:
+            # a change wanted is decided on simulations of its own, never on a copy
+            goodputs, simulated = self._goodputs(splits, shapes, signature, rate, fresh=True)
+            best = self._target(goodputs, current, rate)
         previous, streak = self._streak
         self._streak = (best, streak + 1 if best == previous else 1)
         shown = {str(split): round(g, 3) for split, g in goodputs.items()}
@@ -171,7 +166,7 @@ class OnlinePlanner:
             return replace(decision, reason=f"{current} is predicted to carry {goodputs[current]:.2f} req/s "
                                             f"({rate * s.headroom:.2f} wanted) and is best or within {s.margin:.0%} "
                                             f"of the best ({mix})")
-        self._simulated = None  # a change wanted is confirmed by simulations of its own, never a copy
+        self._simulated = None  # the next decision simulates too: confirmations are fresh evidence
         # Confirmations guard a split that carries the traffic against noise; one predicted to carry less
         # than the measured rate loses requests every second it is kept.
         overloaded = goodputs[current] < rate
@@ -187,6 +182,21 @@ class OnlinePlanner:
         self.last_change_at = now
         self._streak = (None, 0)
         return replace(decision, action="change", step=step, reason=f"{why} ({mix}); {_said(current, step)}{at_once}")
+
+    def _goodputs(self, splits: list[Split], shapes: list[TraceRequest], signature: MixSignature, rate: float,
+                  fresh: bool = False) -> tuple[dict[Split, float], bool]:
+        """Each split's predicted goodput, and whether it was simulated now: the last simulated goodputs
+        when the mix and the splits are theirs (and they were not taken over too often), unless `fresh`."""
+        last = self._simulated
+        if (not fresh and last is not None and set(last.goodputs) == set(splits) and last.reused < RESIMULATE_AFTER
+                and last.signature.near(signature, MIX_TOLERANCE)):
+            self._simulated = replace(last, reused=last.reused + 1)
+            return last.goodputs, False
+        questions = [GoodputQuestion(self.base, self.profile, split, shapes, self.objective, self.seed, rate)
+                     for split in splits]
+        goodputs = dict(zip(splits, self.goodputs(questions)))
+        self._simulated = _Simulated(signature, goodputs)
+        return goodputs, True
 
     def _splits(self, current: Split) -> list[Split]:
         """Every split of the current number of workers, and of one more and one fewer where the budget

@@ -69,8 +69,8 @@ def test_workers_are_drained_reopened_and_switched_from_the_command_line(cluster
     assert last.returncode == 2 and "last decode worker" in last.stderr
     assert "decode-1" in roles(cluster)
 
-    # A switch asks for its new worker before draining the old: refused, the new one is stopped again
-    # (its CPUs come back) and nothing changes.
+    # A switch asks for its new worker before draining the old one; refused, it starts none (or stops
+    # it again): Ray's free CPUs are what the three workers leave, and nothing changes.
     refused = pdserve("workers", "role", "decode-1", "prefill", "--token", TOKEN, "--address", address)
     assert refused.returncode == 2 and "last decode worker" in refused.stderr
     assert roles(cluster) == {"prefill-0": "prefill", "prefill-3": "prefill", "decode-1": "decode"}
