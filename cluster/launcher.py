@@ -22,7 +22,7 @@ from pdserve.cluster.audit import AuditCollector, IdleAudit
 from pdserve.cluster.manifest import Manifest, PoolSpec
 from pdserve.cluster.plan.costs import HardwareProfile, check_profile, find_stored_profile, machine
 from pdserve.cluster.plan.online import OnlinePlanner
-from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, SimulationPool
+from pdserve.cluster.replanning import PlannerCollector, ReplanLoop, answered_by_ray
 from pdserve.cluster.supervisor import HEALTH_GROUP, WATCH_GROUP, Supervisor
 from pdserve.encode_worker.worker import ENCODER_CONCURRENCY, SEND_GROUP, SEND_THREADS, EncodeWorker
 from pdserve.decode_worker.worker import MIGRATE_GROUP, MIGRATE_THREADS, RESERVE_GROUP, RESERVE_THREADS, DecodeWorker
@@ -86,7 +86,6 @@ class Cluster:
         self._reshaping = threading.RLock()
         self._stored_profile: HardwareProfile | None = None  # the model's `pdserve profile` here, if one was found
         self._replanning: ReplanLoop | None = None
-        self._simulations = SimulationPool()  # the online planner's, started at its first decision
         self._started_ray = False
         self._model: ModelSource | None = None
         self.router_stack: RouterStack | None = None  # the router, from its channels up to its servers
@@ -143,7 +142,7 @@ class Cluster:
                 raise ValueError("planner.online simulates with the model's stored profile, and none was found: run "
                                  "`pdserve profile --manifest MANIFEST` on this machine first, or set `profile:` to "
                                  "the file it wrote")
-            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile, goodputs=self._simulations),
+            self._replanning = ReplanLoop(self, OnlinePlanner(m, self._stored_profile, goodputs=answered_by_ray),
                                           self.log)
             collectors.append(PlannerCollector(self._replanning))
         self.address = stack.serve(collectors, pool_control=self, planner_status=self._planner_health)
@@ -523,7 +522,6 @@ class Cluster:
         if self._replanning is not None:  # first: it would change roles on a cluster going down
             self._replanning.stop()
             self._replanning = None
-            self._simulations.close()
         if self._supervisor is not None:
             self._supervisor.stop()
             self._supervisor = None

@@ -1,7 +1,7 @@
 """The online planner at work in a running cluster (`ReplanLoop`): every `planner.interval_s` it hands the
 requests the router finished lately or serves now, and the current split, to
 `plan.online.OnlinePlanner`, and carries out its decision (the splits' simulations run in processes of
-their own, `SimulationPool`, so the router's event loop in this process never waits on them): one worker
+their own, Ray tasks, so the router's event loop in this process never waits on them): one worker
 changes role (drained first, its requests moved with their KV; `Cluster.switch_role`), is added
 (`Cluster.add_worker`: it asks for its pool's resources, which Ray's autoscaler, where there is one,
 starts a node for) or is removed (`Cluster.remove_worker`: drained first, then stopped; the autoscaler
@@ -27,11 +27,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Protocol
 
 import ray
-from ray.exceptions import RayActorError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.exceptions import RayError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.cluster.plan.online import Decision, GoodputQuestion, OnlinePlanner, Split, split_goodput
@@ -42,7 +41,6 @@ from pdserve.threads import start_guarded
 
 log = logging.getLogger("pdserve.planner")
 KEPT = 256  # the last decisions kept
-MAX_SIMULATORS = 8  # kept simulating processes at most
 
 
 class Reshapable(Protocol):
@@ -159,22 +157,19 @@ class ReplanLoop:
             self.decide_once()
 
     def _crashed(self, error: BaseException) -> None:
-        if self._stop.is_set():  # the cluster is stopping: its simulations were stopped under the decision
+        if self._stop.is_set():  # the cluster is stopping: Ray went down under the decision
             return
         self.failure = f"{type(error).__name__}: {error}"
         self.say(f"planner stopped: {self.failure}; the cluster serves on with its current split")
 
 
 @ray.remote(num_cpus=0)  # the workers keep their CPUs
-class _Simulator:
-    """Answers goodput questions in a process of its own: a split's simulation holds the GIL for a
-    second or more, which the router's event loop, in the launcher's process, must not wait out. An
-    actor, kept: Ray stops an idle task's process at once where actors fill its worker limit, and a new
-    process per decision costs the serving workers a second of CPU each."""
-
-    def goodput(self, question: GoodputQuestion) -> float:
-        run_only_when_idle()
-        return split_goodput(question)
+def _answer(question: GoodputQuestion) -> float:
+    # In a process of its own: a split's simulation holds the GIL for a second or more, which the
+    # router's event loop, in the launcher's process, must not wait out. A task, not a kept actor: a
+    # process kept on a node would keep the autoscaler from stopping it.
+    run_only_when_idle()
+    return split_goodput(question)
 
 
 def run_only_when_idle() -> None:
@@ -188,45 +183,9 @@ def run_only_when_idle() -> None:
         os.nice(19 - os.nice(0))
 
 
-class SimulationPool:
-    """The splits' goodputs, simulated at once by up to one process per CPU this process may use (at
-    most `MAX_SIMULATORS`), on the launcher's node (the serving nodes' CPUs stay theirs), started at the
-    first decision and kept. Simulators that died (memory, their node) are replaced once per call."""
-
-    def __init__(self) -> None:
-        self._simulators: list[Any] = []
-        self._lock = threading.Lock()  # `close` (the cluster stopping) against a decision under way
-        self._closed = False
-
-    def __call__(self, questions: list[GoodputQuestion]) -> list[float]:
-        try:
-            return ray.get(self._ask(questions))
-        except RayActorError:
-            self._kill_all()
-            return ray.get(self._ask(questions))
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._kill_all()
-
-    def _ask(self, questions: list[GoodputQuestion]) -> list[ray.ObjectRef]:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the planner's simulations were stopped: the cluster is stopping")
-            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            wanted = min(len(questions), usable, MAX_SIMULATORS)
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            self._simulators += [_Simulator.options(scheduling_strategy=here).remote()
-                                 for _ in range(wanted - len(self._simulators))]
-            simulators = list(self._simulators)
-        return [simulators[i % len(simulators)].goodput.remote(q) for i, q in enumerate(questions)]
-
-    def _kill_all(self) -> None:
-        with self._lock:
-            simulators, self._simulators = self._simulators, []
-        for simulator in simulators:
-            ray.kill(simulator)
+def answered_by_ray(questions: list[GoodputQuestion]) -> list[float]:
+    """The splits' goodputs, simulated in Ray worker processes at once."""
+    return ray.get([_answer.remote(q) for q in questions])
 
 
 class PlannerCollector:
