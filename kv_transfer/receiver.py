@@ -4,7 +4,8 @@ A reservation shares the leading blocks the decode worker's prefix cache already
 says how many: the sender skips them) and agrees on a codec: the first of those offered that this
 side can decode, else raw. It waits a bounded time (`reserve_wait_s`) for free blocks before it gives
 up with `KVMemoryFull`, so a full decode pool slows prefill down instead of failing requests at once.
-A lease starts at the reservation, which the prefill side makes as the prompt pass starts, and
+A lease starts at the reservation, which the prefill side makes beside the prompt pass (or as it
+ends, for a prompt whose KV goes after it), and
 every frame that arrives (a damaged or undecodable one too: its sender is alive) and every `renew`
 extends it: it cannot expire under a transfer that makes progress.
 

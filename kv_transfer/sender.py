@@ -15,8 +15,8 @@ Threads (both started here; their failures fail the worker through `on_crash`):
 
 One transfer's way (any failure, in any state, ends it FAILED through `end`):
 
-    BOOTSTRAPPING  the reservation is asked for beside the prompt pass; the layers the pass writes
-         |         meanwhile are recorded
+    BOOTSTRAPPING  the reservation is asked for beside the prompt pass where its layers may go beside
+         |         it, else as the pass ends (`pass_started`); the layers the pass writes are recorded
          | lease granted (refused, or unanswered past the bound: FAILED)
     TRANSFERRING   a channel is opened on the link, unless recomputing the KV on the decode worker is
          |         expected to be faster than sending it; layers go as the pass writes them (passes of
@@ -120,9 +120,9 @@ class OutgoingKV:
     new_tokens: int  # the tokens this worker computes (its prefix cache holds the rest); a move computes none
     peer: DecodePeer
     link: _Link
-    reservation: Future[Lease]
-    reserve_deadline: float  # monotonic
+    reservation: Future[Lease]  # answered once the decode worker grants the lease (or refuses)
     objective_deadline: float | None  # wall clock: when the request's TTFT objective ends, if it has one
+    reserve_deadline: float = float("inf")  # monotonic: the reservation's answer is due (once asked for)
     lock: threading.Lock = field(default_factory=threading.Lock)
     written: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # layer -> (final up to, block ids)
     lease: Lease | None = None
@@ -143,6 +143,7 @@ class OutgoingKV:
     times: dict[str, float] = field(default_factory=dict)  # wall clock: first and last frame, pass end, delivery
     finishing: bool = False  # its channel's finish waits for the decode worker's answers
     ended: bool = False
+    unasked: Callable[[], Future[Lease]] | None = None  # the reservation call, until `KVSender.ask` sends it
 
     @property
     def request_id(self) -> str:
@@ -270,26 +271,58 @@ class KVSender:
     # --- the worker's calls ------------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, new_tokens: int,
               peer: DecodePeer, arrived: float | None, output_token_ids: list[int] | None = None,
-              images: PromptImages | None = None) -> OutgoingKV:
-        """Ask `peer` to reserve for the request (beside its prompt pass, which the caller starts).
-        `arrived`: when the request came (wall clock), which its TTFT objective counts from (None: no
-        objective applies, as for a move). `output_token_ids`: a decoding request moved with its KV:
-        the tokens it has sampled (the KV of all but the last goes; the caller records every layer
-        written, with no pass to wait for). `images`: a multimodal prompt's (its placeholders expanded)."""
+              images: PromptImages | None = None, ask_now: bool = True) -> OutgoingKV:
+        """Start the request's transfer: ask `peer` to reserve for it. `arrived`: when the request came
+        (wall clock), which its TTFT objective counts from (None: no objective applies, as for a move).
+        `output_token_ids`: a decoding request moved with its KV: the tokens it has sampled (the KV of
+        all but the last goes; the caller records every layer written, with no pass to wait for).
+        `images`: a multimodal prompt's (its placeholders expanded). `ask_now` False (a prompt pass
+        follows): the transfer records the layers written from now on, and the reservation is asked
+        for by `pass_started` where its layers may go beside the pass, else once `prompt_done`."""
         transfer = Transfer(uuid.uuid4().hex, request_id)
         num_kv_tokens = len(prompt_token_ids) + max(0, len(output_token_ids or ()) - 1)
-        reservation = peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
-                                   offers(self.codecs), self.draft.identity if self.draft is not None else None,
-                                   output_token_ids=output_token_ids[:-1] if output_token_ids is not None else None,
-                                   images=images)
+
+        def reserve() -> Future[Lease]:
+            return peer.reserve(transfer.transfer_id, request_id, prompt_token_ids, params, num_kv_tokens,
+                                offers(self.codecs), self.draft.identity if self.draft is not None else None,
+                                output_token_ids=output_token_ids[:-1] if output_token_ids is not None else None,
+                                images=images)
+
         slo = self.settings.ttft_slo_s
-        kv = OutgoingKV(transfer, num_kv_tokens, params, new_tokens, peer, self._link(peer), reservation,
-                        time.monotonic() + self.settings.deadlines.reservation_bound_s,
-                        arrived + slo if slo is not None and arrived is not None else None)
+        kv = OutgoingKV(transfer, num_kv_tokens, params, new_tokens, peer, self._link(peer), Future(),
+                        arrived + slo if slo is not None and arrived is not None else None, unasked=reserve)
         with self._lock:
             self._active.add(kv)
-        reservation.add_done_callback(lambda _: self._wake.set())
+        kv.reservation.add_done_callback(lambda _: self._wake.set())
+        if ask_now:
+            self._ask(kv)
         return kv
+
+    def pass_started(self, kv: OutgoingKV) -> None:
+        """The transfer's prompt pass is in the engine: its reservation is asked for now if its layers
+        may go beside the pass (a long prompt's, or any under an objective a codec's levels adapt to).
+        A short prompt's KV goes once the pass ends, so its reservation is asked for then: both
+        sides' work on it (Ray's call, the decode worker's blocks, the lease's channel) would share the
+        cores and the GIL with the pass, about 7% of a 60-token prompt's TTFT on 2 cores, where asking
+        after costs its second token one round trip (about 2 ms)."""
+        adaptive = kv.objective_deadline is not None and any(c.num_levels > 1 for c in self.codecs.values())
+        if kv.new_tokens >= self.settings.layerwise_min_tokens or adaptive:
+            self._ask(kv)
+
+    def _ask(self, kv: OutgoingKV) -> None:
+        """Send the transfer's reservation call (once; never for a transfer that ended before)."""
+        with kv.lock:
+            reserve, kv.unasked = kv.unasked, None
+            if reserve is not None:
+                kv.reserve_deadline = time.monotonic() + self.settings.deadlines.reservation_bound_s
+        if reserve is None:
+            return
+        try:
+            answer = reserve()
+        except Exception as e:  # the call could not be sent: the loop fails the transfer with it
+            kv.reservation.set_exception(e)
+            return
+        answer.add_done_callback(lambda done: _pass_on(done, kv.reservation))
 
     def layer_written(self, kv: OutgoingKV, layer: int, end: int, block_ids: list[int]) -> None:
         """On the engine's thread: `layer`'s KV of every token before `end` is final (held in
@@ -306,7 +339,7 @@ class KVSender:
         with kv.lock:
             kv.handoff = handoff
             kv.times["prompt_done"] = time.time()
-        self._wake.set()
+        self._wake.set()  # the loop asks for the reservation where `pass_started` did not
 
     def end(self, kv: OutgoingKV, reason: str) -> bool:
         """End the transfer, once, from any thread (a cancel, a fault, a job finished at its first
@@ -322,10 +355,11 @@ class KVSender:
                 return False
             kv.ended = True
             cutter, finishing = kv.cutter, kv.finishing
+            asked, kv.unasked = kv.unasked is None, None  # a reservation never asked for is never asked
         with self._lock:
             self._active.discard(kv)
         failed = kv.transfer.fail(reason)  # from here on no frame is read: its blocks may be another's soon
-        if failed:
+        if failed and asked:
             kv.peer.abort(kv.transfer.transfer_id, reason)
         if cutter is not None and failed and finishing:  # its delivery waits on the decode worker: cut it short
             _close_logged(cutter.channel)
@@ -343,8 +377,8 @@ class KVSender:
         """The decode workers with a reservation still unanswered: the next prompts bound for them
         wait in the queues, where the feeder starts other decode workers' prompts."""
         with self._lock:
-            return {kv.peer.key for kv in self._active
-                    if kv.transfer.state is TransferState.BOOTSTRAPPING and not kv.reservation.done()}
+            return {kv.peer.key for kv in self._active if kv.transfer.state is TransferState.BOOTSTRAPPING
+                    and kv.unasked is None and not kv.reservation.done()}
 
     def num_transfers(self) -> int:
         with self._lock:
@@ -412,6 +446,10 @@ class KVSender:
         if kv.ended or state.is_terminal:
             return
         if state is TransferState.BOOTSTRAPPING:
+            if kv.unasked is not None:  # asked for once the pass is over (on this thread, not the engine's)
+                if kv.handoff is not None:
+                    self._ask(kv)
+                return
             if kv.reservation.done():
                 self._take_lease(kv, now)
             elif now > kv.reserve_deadline:
@@ -763,3 +801,12 @@ def _reason(error: BaseException) -> str:
         text = str(error).strip()
         return text.splitlines()[-1] if text else type(error).__name__
     return _reason(cause)
+
+
+def _pass_on(answered: Future, into: Future) -> None:
+    """Hand a peer call's outcome on to the future the loop watches."""
+    error = answered.exception() if not answered.cancelled() else TransferError("the reservation call was cancelled")
+    if error is not None:
+        into.set_exception(error)
+    else:
+        into.set_result(answered.result())

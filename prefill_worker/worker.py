@@ -11,10 +11,12 @@ KVSender`, which holds each transfer's state machine and its threads). Each requ
 RESOURCE_EXHAUSTED); a request with images has them placed first, on that call's thread (their
 embeddings taken from the encode worker that made them, or the images decoded for the engine to
 encode), so that the feeder never waits on them. The feeder thread takes jobs when they are due (FCFS: when the engine has less
-than one step's budget of work ahead, so a reservation is made as the prompt pass starts, not while
+than one step's budget of work ahead, so a reservation is made for the prompt pass, not while
 the job queues; LAPS: a long prompt when the one before is on its last chunk; a batch of shorts
-together) and starts them: each job's transfer (its reservation on its decode worker, beside the
-pass), then their prompts in one engine command, so a batch shares a step. A decode worker with a
+together) and starts them: each job's transfer, then their prompts in one engine command, so a
+batch shares a step. A transfer's reservation on its decode worker is asked for beside the pass where
+its KV streams beside it (long prompts), else as the pass ends (`KVSender.pass_started`): never before
+the pass, which never waits for it. A decode worker with a
 reservation still unanswered holds back only the prompts bound for it: the feeder starts the others'
 meanwhile. The engine's layer hook hands each layer of each chunk to the job's transfer as soon as it
 is written; the pass's end (its first token) goes to the router and to the transfer, which commits
@@ -228,8 +230,8 @@ class PrefillWorker(WorkerBase):
             self._start(jobs)
 
     def _start(self, jobs: list[_Job]) -> None:
-        """Start the transfers of jobs released together (their reservations go beside the pass
-        instead of before it), then their prompts, in one engine command so that they share a step.
+        """Start the transfers of jobs released together, then their prompts, in one engine command so
+        that they share a step (their reservations go beside the pass or after it, never before).
         Returns once the prompts are in the engine, so the next room check counts them."""
         with self._lock:  # all marked at once: a ping or the queues' checks see the batch whole
             jobs = [job for job in jobs if self._owns(job) and not self._stop.is_set()]  # not cancelled since
@@ -243,7 +245,7 @@ class PrefillWorker(WorkerBase):
             token_ids = work.prompt_token_ids if job.prompt is None else job.prompt.token_ids
             try:
                 kv = self.sender.start(work.request_id, token_ids, work.params, job.new_tokens, job.peer, job.arrived,
-                                       images=None if job.prompt is None else job.prompt.images)
+                                       images=None if job.prompt is None else job.prompt.images, ask_now=False)
             except Exception as e:
                 self._finish(job, error=f"prefill could not start: {e}", code=UNAVAILABLE)
                 continue
@@ -266,6 +268,7 @@ class PrefillWorker(WorkerBase):
             if error is not None:
                 self._finish(job, error=f"prefill could not start: {error}", code=_code(error))
                 continue
+            self.sender.pass_started(job.kv)  # (nothing when the job ended meanwhile)
             with self._lock:
                 owned = self._owns(job)
             if not owned:  # ended meanwhile: its engine command may have preceded the add

@@ -435,7 +435,7 @@ class ActiveRequest:
             if msg.error:
                 code = msg.error_code or UNAVAILABLE
                 # A pool found full once the client has tokens (the reservation runs beside the prompt
-                # pass) is waited out by a retry, which resumes from them: not an error mid-stream.
+                # pass, or after it) is waited out by a retry, which resumes from them: not an error mid-stream.
                 # A failed hub fails every attempt: no retry then.
                 busy_mid_stream = code == RESOURCE_EXHAUSTED and bool(self.generated)
                 if (code in RETRYABLE or busy_mid_stream) and frontend.hub.error is None:

@@ -185,7 +185,7 @@ class LifetimeEvent(StrEnum):
     ENCODED = "encoded"  # router: an encode worker made its images' embeddings (requests with images)
     PREFILL_QUEUED = "prefill_queued"  # the worker that runs its prompt pass queued it
     PREFILL_START = "prefill_start"
-    KV_RESERVED = "kv_reserved"  # decode worker: it reserved the KV's blocks (asked for at the pass's start)
+    KV_RESERVED = "kv_reserved"  # decode worker: it reserved the KV's blocks (asked for beside the pass or as it ends)
     TRANSFER_START = "transfer_start"  # decode worker: its KV transfer's first frame
     PREFILL_END = "prefill_end"
     FIRST_TOKEN = "first_token"  # router: its first token reached the stream

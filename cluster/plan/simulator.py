@@ -5,7 +5,8 @@ control and prefix index: the objects a cluster's router uses, over `WorkerRef`s
 the simulator writes every `ping_interval_s`, as the supervisor does); prefill workers queue their
 prompts in the worker's own queues (`prefill_worker.queues`, LAPS included, on the simulated clock)
 and run them in simulated engines (`sim_engine`). The KV protocol's timing is the sender's: a job
-taken from the queues asks its decode worker to reserve the prompt's blocks, which that worker's
+whose KV streams beside its pass (`layerwise_min_tokens`) asks its decode worker to reserve the
+prompt's blocks as it is taken from the queues, any other as its pass ends; that worker's
 engine loop answers between its steps (waiting for room when its pool is full), and no other job for
 that decode worker starts while the reservation is unanswered (the sender's `reserving`); the KV
 reaches the decode worker the profiled handoff time after both the last pass and the reservation,
@@ -190,7 +191,7 @@ class _Flight:
     spec: SimRequest
     record: RequestRecord  # its `events` are the request's lifetime events, in simulated seconds
     placement: Placement
-    reservation: _Reservation | None = None  # its KV's on its decode worker, asked for when its pass starts
+    reservation: _Reservation | None = None  # its KV's on its decode worker, from when its pass starts
     prefilled: SimSequence | None = None  # its prefill worker's sequence, past its pass (its KV to send)
 
     @property
@@ -205,6 +206,7 @@ class _Reservation:
     side: _PrefillSide  # the prefill worker that asked: its next jobs for that decode worker wait for the answer
     decode: str
     blocks: SimSequence  # the decode engine's sequence for the import
+    asked: bool = False  # beside the pass where its KV streams beside it, else as the pass ends
     answered: bool = False
     dropped: bool = False  # the request ended before the answer (the sender ended the transfer)
 
@@ -507,14 +509,23 @@ class ClusterSimulator:
             self.clock.at(now + fetch_s, lambda t: side.put(seq, new_tokens, placement.decode.name, t))
 
     def _prefill_started(self, seq: SimSequence, now: float) -> None:
-        """A job taken from the queues: its transfer asks the decode worker for a reservation."""
+        """A job taken from the queues: its transfer asks the decode worker for a reservation now if
+        its KV streams beside the pass, else as the pass ends (`KVSender.pass_started`)."""
         flight = self.flights[seq.request_id]
         flight.events[LifetimeEvent.PREFILL_START] = now
-        side, decode = self.prefill_sides[flight.placement.prefill.name], flight.placement.decode.name
-        flight.reservation = _Reservation(side, decode, SimSequence(seq.request_id, seq.prompt_len, seq.output_len,
-                                                                    seq.block_hashes))
-        side.asked(decode)
-        self._on_engine_loop(self.engines[decode], lambda t: self._reserve(flight, t), now)
+        placement = flight.placement
+        flight.reservation = _Reservation(self.prefill_sides[placement.prefill.name], placement.decode.name,
+                                          SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes))
+        if placement.request.new_tokens(placement.prefill) >= self.manifest.kv_transfer.layerwise_min_tokens:
+            self._ask(flight, now)
+
+    def _ask(self, flight: _Flight, now: float) -> None:
+        r = flight.reservation
+        if r.asked:
+            return
+        r.asked = True
+        r.side.asked(r.decode)
+        self._on_engine_loop(self.engines[r.decode], lambda t: self._reserve(flight, t), now)
 
     def _on_engine_loop(self, engine: SimEngine, command: Callable[[float], None], now: float) -> None:
         """A call that reaches `engine`'s worker after the current event (a step it starts now goes
@@ -544,6 +555,9 @@ class ClusterSimulator:
         """The request ended at its first token: the sender ends its transfer, freeing the reservation
         (an abort the decode worker runs between steps) or ending its wait."""
         r = flight.reservation
+        if not r.asked:  # the sender never asks for a transfer that ended first
+            r.dropped = True
+            return
         if r.answered:
             decode = self.engines[r.decode]
 
@@ -591,6 +605,7 @@ class ClusterSimulator:
                 self._finish(flight, seen, 1)
             else:
                 flight.prefilled = seq
+                self._ask(flight, now)  # (where the pass's start did not)
                 if flight.reservation.answered:  # else the KV goes once the decode worker answers
                     self._send_kv(flight, now)
         elif seq.generated >= seq.output_len:

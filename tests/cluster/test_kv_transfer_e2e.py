@@ -475,34 +475,26 @@ def test_a_prefill_worker_offers_only_the_codecs_it_can_encode_with(cluster, tmp
     assert on_worker(prefill, usable, ("cachegen", "int8"), str(tmp_path)) == ["int8", "raw"]
 
 
-def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference, frames):
-    """The prefill worker's stream stops in the middle of the prompt pass, with layer 0 sent (none, its
-    frames held for the pass's end), and nothing else happens (a cut link): the decode worker's lease on
-    the (half-)filled reservation expires;
-    when the prefill side resumes, its transfer is gone and it reports the failure; the router tries
-    the request again, which completes with exactly the undisturbed tokens, and both pools are free."""
-    def stall_after_layer_0(self):
-        original, self.test_gate = self._push_layer, threading.Event()
+def stall_after_layer_0(self) -> None:
+    """On the prefill worker: its next forward pass stops after layer 0 until `resume`."""
+    original, self.test_gate, self.test_stalled = self._push_layer, threading.Event(), threading.Event()
 
-        def push(layer, chunks):
-            original(layer, chunks)
-            if layer == 0:
-                self.test_gate.wait(60)  # the forward pass does not get to layer 1 until the gate opens
+    def push(layer, chunks):
+        original(layer, chunks)
+        if layer == 0:
+            self.test_stalled.set()
+            self.test_gate.wait(60)  # the forward pass does not get to layer 1 until the gate opens
 
-        self.engine.runner.layer_hook = push
-        self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
+    self.engine.runner.layer_hook = push
+    self.test_restore = lambda: setattr(self.engine.runner, "layer_hook", original)
 
-    def resume(self):
-        self.test_restore()
-        self.test_gate.set()
 
-    prefill = worker(cluster, "prefill")
-    expired_before = counters(cluster, "decode").get("leases_expired", 0)
-    on_worker(prefill, stall_after_layer_0)
-    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36 if frames == "layerwise" else 136)[0]
-    outcomes: list[object] = []
-    retries = cluster.router.stats.retries
+def resume(self) -> None:
+    self.test_restore()
+    self.test_gate.set()
 
+
+def generate_in_background(cluster, prompt, outcomes: list) -> threading.Thread:
     def call():
         with Client(cluster.address) as client:
             try:
@@ -512,6 +504,22 @@ def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_referenc
 
     caller = threading.Thread(target=call)
     caller.start()
+    return caller
+
+
+def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):
+    """The prefill worker's stream stops in the middle of the prompt pass, with layer 0 sent (its layers
+    go beside the pass: the module's manifest), and nothing else happens (a cut link): the decode
+    worker's lease on the half-filled reservation expires; when the prefill side resumes, its transfer
+    is gone and it reports the failure; the router tries the request again, which completes with
+    exactly the undisturbed tokens, and both pools are free."""
+    prefill = worker(cluster, "prefill")
+    expired_before = counters(cluster, "decode").get("leases_expired", 0)
+    on_worker(prefill, stall_after_layer_0)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36)[0]
+    outcomes: list[object] = []
+    retries = cluster.router.stats.retries
+    caller = generate_in_background(cluster, prompt, outcomes)
     try:
         deadline = time.time() + cluster.manifest.kv_transfer.lease_s + 15
         while counters(cluster, "decode").get("leases_expired", 0) == expired_before:
@@ -522,6 +530,29 @@ def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_referenc
         caller.join(90)
     assert outcomes == [hf_reference[ARCH].greedy(prompt, 4)], outcomes
     assert cluster.router.stats.retries == retries + 1
+    assert_idle(cluster)
+
+
+def test_a_pass_whose_kv_goes_after_it_holds_nothing_on_its_decode_worker_until_it_ends(cluster, hf_reference):
+    """A short prompt's frames go once its pass ends (`layerwise_min_tokens`), so its reservation is
+    asked for only then: while the pass stalls, its decode worker holds nothing of it (no lease to
+    lapse), and once the pass goes on the request completes exactly, without a retry."""
+    prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
+    before = on_worker(prefill, set_layerwise_min_tokens, 10**6)
+    on_worker(prefill, stall_after_layer_0)
+    prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=136)[0]
+    outcomes: list[object] = []
+    retries = cluster.router.stats.retries
+    caller = generate_in_background(cluster, prompt, outcomes)
+    try:
+        assert wait_until(lambda: on_worker(prefill, lambda self: self.test_stalled.is_set()), 30)
+        assert on_worker(decode, lambda self: self.receiver.num_in_flight) == 0
+    finally:
+        on_worker(prefill, resume)
+        caller.join(90)
+        on_worker(prefill, set_layerwise_min_tokens, before)
+    assert outcomes == [hf_reference[ARCH].greedy(prompt, 4)], outcomes
+    assert cluster.router.stats.retries == retries
     assert_idle(cluster)
 
 

@@ -198,7 +198,7 @@ def hold_reservations(self) -> None:
 
 def release_reservations(self) -> bool:
     """Release them once one is held (bounded: on a loaded machine the reservation, sent beside the
-    prompt pass, can reach the decode worker after the first token reached the client); whether one had
+    prompt pass or after it, can reach the decode worker after the first token reached the client); whether one had
     been granted before."""
     self.holding.wait(30)
     granted = self.reserved.is_set()

@@ -491,14 +491,19 @@ def test_what_serving_adds_lands_where_it_is_measured():
     assert serving.tpot - plain.tpot == pytest.approx(0.004)
 
 
-def test_simulated_records_carry_lifetime_events_in_order():
+@pytest.mark.parametrize("layerwise_min_tokens", [0, 1024], ids=["beside the pass", "after the pass"])
+def test_simulated_records_carry_lifetime_events_in_order(layerwise_min_tokens):
+    """The reservation is asked for as the pass starts where the KV streams beside it, else as it ends
+    (the sender's `pass_started`): the decode worker answers between its (idle) steps, at once."""
     profile = synthetic_profile(StepCost(0.005, 0.0, 0.0), decode_s=0.002, handoff=TransferCost(0.003, 0.0))
     profile.dispatch_s = 0.001
-    m = manifest(router={"local_prefill_tokens": 0, "length_aware": False})  # no short-batch window
+    m = manifest(router={"local_prefill_tokens": 0, "length_aware": False},  # no short-batch window
+                 kv_transfer={"layerwise_min_tokens": layerwise_min_tokens})
     events = ClusterSimulator(m, profile).run([SimRequest(0.0, unique_prompt(1, 64), 4)]).records[0].events
-    order = ["accepted", "prefill_queued", "prefill_start", "kv_reserved", "prefill_end", "first_token", "decode_start",
-             "finished"]
+    reserved = events.pop("kv_reserved")
+    order = ["accepted", "prefill_queued", "prefill_start", "prefill_end", "first_token", "decode_start", "finished"]
     assert list(sorted(events, key=events.get)) == order
+    assert reserved == pytest.approx(events["prefill_start"] if layerwise_min_tokens == 0 else events["prefill_end"])
     assert events["prefill_start"] - events["accepted"] == pytest.approx(0.001)
     assert events["decode_start"] - events["prefill_end"] == pytest.approx(0.003)
 

@@ -119,17 +119,21 @@ class Sides:
     senders: list[KVSender]
 
     def transfer(self, prompt: list[int], peer: LocalPeer | None = None, done: bool = True,
-                 sender: KVSender | None = None) -> tuple[OutgoingKV, str]:
+                 sender: KVSender | None = None, as_prefill_worker: bool = False) -> tuple[OutgoingKV, str]:
         """Start a request's transfer and its prompt pass here, every written layer handed over as the
-        engine writes it, and (`done`) the pass's end."""
+        engine writes it, and (`done`) the pass's end. `as_prefill_worker`: the reservation asked for
+        as the prefill worker has it (`pass_started` once the prompt is in the engine), else at once."""
         sender = sender or self.sender
         request_id = f"r{len(self.ended)}-{time.monotonic_ns()}"
-        kv = sender.start(request_id, prompt, GREEDY, len(prompt), peer or self.peer, time.time())
+        kv = sender.start(request_id, prompt, GREEDY, len(prompt), peer or self.peer, time.time(),
+                          ask_now=not as_prefill_worker)
         self.prefill.set_layer_hook(lambda layer, chunks: [
             sender.layer_written(kv, layer, c.seq.num_computed_tokens + c.num_tokens,
                                  self.prefill.layer_blocks(c.seq, layer))
             for c in chunks])
         self.prefill.add_request(prompt, GREEDY, request_id, prefill_only=True)
+        if as_prefill_worker:
+            sender.pass_started(kv)
         while self.prefill.has_unfinished_requests():
             self.prefill.step()
         if done:
@@ -244,6 +248,36 @@ def test_a_transfer_goes_through_every_state_to_done_and_decodes_exactly(sides, 
     assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
     record = sender.transfer_log[-1]
     assert record["bytes"] > 0 and record["layerwise"] == (layerwise_min_tokens == 0) and not record["recomputed"]
+    sides.assert_idle()
+
+
+@pytest.mark.parametrize("layerwise_min_tokens", [0, 10_000], ids=["layer by layer", "after the pass"])
+def test_a_passes_reservation_is_asked_for_beside_it_only_where_its_kv_streams_beside_it(sides, hf_reference,
+                                                                                        layerwise_min_tokens):
+    sender = sides.make(layerwise_min_tokens=layerwise_min_tokens)
+    prompt = prompt_of(sides, 150, seed=11)
+    kv, request_id = sides.transfer(prompt, sender=sender, done=False, as_prefill_worker=True)
+    if layerwise_min_tokens == 0:
+        assert wait_until(lambda: kv.transfer.state is TransferState.TRANSFERRING)
+        assert sides.peer.calls == ["reserve"]
+    else:  # the pass wrote every layer with no call to the decode worker, and nothing asks one until it ends
+        assert sender.reserving() == set()
+        assert sides.peer.calls == []
+        assert kv.transfer.state is TransferState.BOOTSTRAPPING
+    sender.prompt_done(kv, sides.prefill.export_handoff(request_id))
+    assert sides.outcome(kv) == TransferOutcome()
+    assert sides.peer.calls == ["reserve", "commit"]
+    assert sides.decoded_tokens(request_id) == hf_reference[ARCH].greedy(prompt, NEW_TOKENS)
+    sides.assert_idle()
+
+
+def test_a_transfer_that_ends_before_its_reservation_is_asked_for_never_calls_the_decode_worker(sides):
+    sender = sides.make(layerwise_min_tokens=10_000)
+    kv, _ = sides.transfer(prompt_of(sides, 40, seed=12), sender=sender, done=False, as_prefill_worker=True)
+    assert not sender.end(kv, "request finished at prefill")  # (as one done at its first token)
+    assert kv.transfer.state is TransferState.FAILED and kv.transfer.error == "request finished at prefill"
+    sender.prompt_done(kv, sides.prefill.export_handoff(kv.request_id))  # a late pass's end asks nothing either
+    assert sides.peer.calls == []
     sides.assert_idle()
 
 
