@@ -420,7 +420,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bk.add_argument("--transports", nargs="+", default=["shm", "tcp", "grpc", "gloo"],
                     help="of shm, tcp, grpc, gloo, nccl (nccl needs two GPUs)")
     bk.add_argument("--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths")
-    bk.add_argument("--repeats", type=int, default=5, help="repeats, transports in turn within each "
+    bk.add_argument("--repeats", type=int, default=20, help="repeats, transports in turn within each "
                                                           "(default: %(default)s)")
     bk.add_argument("--runs", type=int, default=1, help="whole transport runs, each setting every transport up "
                                                         "afresh, shown side by side (default: %(default)s)")

@@ -58,7 +58,7 @@ class KVBenchConfig:
     model: str = "pystd-llama"
     transports: tuple[str, ...] = ("shm", "tcp", "grpc", "gloo")
     prompt_tokens: tuple[int, ...] = (2048, 16384)
-    repeats: int = 5
+    repeats: int = 20  # a 2K-token prompt's KV takes milliseconds: fewer left one run's median to a hiccup
     runs: int = 1  # whole transport runs, each setting every transport up afresh; shown side by side
     # KV bytes per token and layer of the transports' frames (None: the model's). A frame is FRAME_TOKENS
     # tokens of one layer, so this sets the frame size: 4096 for an 8B-class layout (8 KV heads x 128, bf16).
