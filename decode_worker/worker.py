@@ -239,7 +239,7 @@ class DecodeWorker(WorkerBase):
         try:
             kv = self.mover.start(request_id, handoff.prompt_token_ids, handoff.params, 0, RayDecodePeer(target),
                                   None, output_token_ids=handoff.output_token_ids, images=handoff.images)
-        except Exception as e:  # the Ray call could not even be sent
+        except Exception as e:  # the sender is closing (a call that cannot be sent fails the transfer later)
             self.loop.post(lambda engine: _resume_if_held(engine, request_id))
             return MoveOutcome(False, f"the move could not start: {type(e).__name__}: {e}")
         with self._moves_lock:

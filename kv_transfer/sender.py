@@ -143,7 +143,7 @@ class OutgoingKV:
     times: dict[str, float] = field(default_factory=dict)  # wall clock: first and last frame, pass end, delivery
     finishing: bool = False  # its channel's finish waits for the decode worker's answers
     ended: bool = False
-    unasked: Callable[[], Future[Lease]] | None = None  # the reservation call, until `KVSender.ask` sends it
+    unasked: Callable[[], Future[Lease]] | None = None  # the reservation call, until `KVSender._ask` sends it
 
     @property
     def request_id(self) -> str:
@@ -449,6 +449,8 @@ class KVSender:
             if kv.unasked is not None:  # asked for once the pass is over (on this thread, not the engine's)
                 if kv.handoff is not None:
                     self._ask(kv)
+                else:  # this side's lease: a pass that stops writing layers (a hung engine) ends it
+                    self._keep_leases(kv, now)
                 return
             if kv.reservation.done():
                 self._take_lease(kv, now)
@@ -596,7 +598,8 @@ class KVSender:
     def _reservation_unanswered(self, kv: OutgoingKV, now: float) -> None:
         """The decode worker left the reservation unanswered past the bound: its link takes no new
         transfer until it answers that one, and this one fails (the router places it elsewhere), with
-        every other still waiting for a lease from it."""
+        every other still waiting for a lease from it or yet to ask it for one (a short prompt in its
+        pass, which would ask it next)."""
         bound = self.settings.deadlines.reservation_bound_s
         if kv.link.unanswered is None:
             self.counters["reservations_unanswered"] += 1

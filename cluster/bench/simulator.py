@@ -292,7 +292,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Where the time to the first token goes (medians from each request's lifetime events, "
                       "measured / simulated, ms): placed to its prompt pass's start (queues included), the pass "
                       "(its transfer's set-up included), the KV handoff after it, and the decode worker's answer to "
-                      "the KV reservation asked for at the pass's start (reserved).", "",
+                      "the KV reservation, from the pass's start (reserved: asked for beside the pass, or as it ends "
+                      "for a prompt whose KV goes after it).", "",
                   "| trace | deployment | load | " + " | ".join(name for name, _, _ in PHASES) + " |",
                   "|---|---|---|" + "---|" * len(PHASES)]
         for d, row in phased:

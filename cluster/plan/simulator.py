@@ -516,7 +516,9 @@ class ClusterSimulator:
         placement = flight.placement
         flight.reservation = _Reservation(self.prefill_sides[placement.prefill.name], placement.decode.name,
                                           SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes))
-        if placement.request.new_tokens(placement.prefill) >= self.manifest.kv_transfer.layerwise_min_tokens:
+        kv = self.manifest.kv_transfer
+        adaptive = self.manifest.router.ttft_slo_s is not None and "cachegen" in kv.codecs  # (its levels adapt)
+        if placement.request.new_tokens(placement.prefill) >= kv.layerwise_min_tokens or adaptive:
             self._ask(flight, now)
 
     def _ask(self, flight: _Flight, now: float) -> None:

@@ -3,6 +3,7 @@ code inside a worker actor (Ray's `__ray_call__`) to gate or break it, and the `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -74,6 +75,13 @@ def wait_clean_audit(cluster: Cluster, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"no clean idle audit within {timeout_s} s: {last}"
         time.sleep(0.2)
+
+
+def set_layerwise_min_tokens(self, tokens: int) -> int:
+    """Inside the prefill worker: the passes streamed layer by layer from now on; the setting before."""
+    before = self.sender.settings.layerwise_min_tokens
+    self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=tokens)
+    return before
 
 
 def record_engine_aborts(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 import ray
 from transformers import AutoConfig
 from cluster_helpers import (assert_idle, install_gate, lifetime_records, manifest, on_worker, open_gate,
-                             prefill_job_states, worker)
+                             prefill_job_states, set_layerwise_min_tokens, worker)
 from helpers import random_prompts, wait_until
 
 from pdserve.client import Client, DeadlineExceeded, PDServeError, Unavailable
@@ -39,13 +39,6 @@ NEW_TOKENS = 8
 def cluster(model_dirs):
     with Cluster(manifest(model_dirs[ARCH], transport="shm"), log=lambda _: None) as c:
         yield c
-
-
-def set_layerwise_min_tokens(self, tokens: int) -> int:
-    """Inside the prefill worker: the passes streamed layer by layer from now on; the setting before."""
-    before = self.sender.settings.layerwise_min_tokens
-    self.sender.settings = dataclasses.replace(self.sender.settings, layerwise_min_tokens=tokens)
-    return before
 
 
 @pytest.fixture(params=["layerwise", "held"])
@@ -273,8 +266,8 @@ def test_transfers_failed_mid_prompt_leave_their_shm_segment_to_the_next(cluster
 
 
 def slow_first_layer_with_threshold(self, layerwise_min_tokens: int | None) -> None:
-    """Each prompt pass pauses before handing over its first layer, so the lease (reserved beside the
-    pass) is taken before any layer is written; and prompts of at least `layerwise_min_tokens` stream
+    """Each prompt pass pauses before handing over its first layer, so a long prompt's lease (asked for
+    beside its pass) is taken before any layer is written; and prompts of at least `layerwise_min_tokens` stream
     layer by layer. None: both as they were."""
     if layerwise_min_tokens is None:
         self.sender.settings, self.engine.runner.layer_hook = self.test_kept

@@ -15,7 +15,8 @@ import grpc
 import pytest
 import ray
 from cluster_helpers import (assert_aborted, assert_idle, attribute_owner, install_gate, manifest, on_worker,
-                             open_gate, prefill_job_states, record_engine_aborts, wait_until_idle, worker)
+                             open_gate, prefill_job_states, record_engine_aborts, set_layerwise_min_tokens,
+                             wait_until_idle, worker)
 from helpers import random_prompts, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -127,8 +128,8 @@ def test_duplicate_client_request_ids_are_harmless(cluster, hf_reference):
 
 
 # Where the request is held when its deadline passes: (pool, method gated, the prefill job's states
-# there). The prompt pass runs beside the reservation: held there, the job is "committing" (waiting
-# for the lease) as soon as its short prompt is done.
+# there). A short prompt's reservation is asked for as its pass ends: held there, the job waits in
+# "bootstrapping" with its first token out.
 # phase -> (the pool gated, the callable held there, the states the job is seen in meanwhile: "queued",
 # or its transfer's state)
 PHASES = {
@@ -224,13 +225,19 @@ def stream_releasing_reservations(cluster, decode, prompt: list[int]) -> tuple[l
     return tokens, granted
 
 
-def test_the_prompt_pass_runs_beside_the_reservation(cluster, hf_reference):
-    """The first token comes while the decode worker's reservation is held up; the layers written
+@pytest.mark.parametrize("layerwise_min_tokens", [0, 1024], ids=["asked beside the pass", "asked as it ends"])
+def test_the_prompt_pass_never_waits_for_the_reservation(cluster, hf_reference, layerwise_min_tokens):
+    """The first token comes while the decode worker's reservation is held up, whether it was asked
+    for beside the pass (a prompt whose KV streams beside it) or as the pass ended; the layers written
     before the lease came are sent when it does, and the output is exact."""
-    decode = worker(cluster, "decode")
+    prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 70, 70, seed=21)[0]
+    before = on_worker(prefill, set_layerwise_min_tokens, layerwise_min_tokens)
     on_worker(decode, hold_reservations)
-    tokens, granted_before_first_token = stream_releasing_reservations(cluster, decode, prompt)
+    try:
+        tokens, granted_before_first_token = stream_releasing_reservations(cluster, decode, prompt)
+    finally:
+        on_worker(prefill, set_layerwise_min_tokens, before)
     assert granted_before_first_token is False, "the first token waited for the reservation"
     assert tokens == hf_reference[ARCH].greedy(prompt, 8)
     assert_idle(cluster)

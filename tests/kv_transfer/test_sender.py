@@ -419,6 +419,18 @@ def test_a_pass_that_goes_on_keeps_the_lease_alive_and_one_that_stops_loses_it(s
     sides.assert_idle()
 
 
+def test_a_pass_that_stops_before_its_reservation_is_asked_for_loses_this_sides_lease(sides):
+    """A short prompt's reservation is asked for as its pass ends: a pass that stops writing layers
+    before that (a hung engine) still ends its transfer here, by this side's lease, with nothing asked
+    of or held on the decode worker."""
+    sender = sides.make(lease_s=0.6, layerwise_min_tokens=10_000)
+    kv, _ = sides.transfer(prompt_of(sides, 40, seed=13), done=False, sender=sender, as_prefill_worker=True)
+    outcome = sides.outcome(kv)
+    assert "lease expired" in outcome.error and "the prompt pass" in outcome.error, outcome
+    assert sides.peer.calls == [] and sender.counters["leases_expired"] == 1
+    sides.assert_idle()
+
+
 def test_a_commit_refused_fails_the_transfer(sides):
     sides.peer.refuse("commit", TransferError("transfer t was aborted while committing"))
     kv, _ = sides.transfer(prompt_of(sides, 40, seed=9))
