@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -487,7 +488,14 @@ def resume(self) -> None:
     self.test_gate.set()
 
 
-def generate_in_background(cluster, prompt, outcomes: list) -> threading.Thread:
+@contextlib.contextmanager
+def stalled_request(cluster, prompt: list[int]) -> Iterator[list]:
+    """A request for `prompt` (greedy, 4 tokens) sent from a thread while the prefill worker's next pass
+    stalls after layer 0; on exit the pass resumes and the request ends. Yields its outcome's list
+    (the tokens or the error, once it ended)."""
+    prefill, outcomes = worker(cluster, "prefill"), []
+    on_worker(prefill, stall_after_layer_0)
+
     def call():
         with Client(cluster.address) as client:
             try:
@@ -497,7 +505,11 @@ def generate_in_background(cluster, prompt, outcomes: list) -> threading.Thread:
 
     caller = threading.Thread(target=call)
     caller.start()
-    return caller
+    try:
+        yield outcomes
+    finally:
+        on_worker(prefill, resume)
+        caller.join(90)
 
 
 def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_reference):
@@ -506,21 +518,14 @@ def test_a_stream_cut_off_mid_transfer_ends_in_lease_expiry(cluster, hf_referenc
     worker's lease on the half-filled reservation expires; when the prefill side resumes, its transfer
     is gone and it reports the failure; the router tries the request again, which completes with
     exactly the undisturbed tokens, and both pools are free."""
-    prefill = worker(cluster, "prefill")
     expired_before = counters(cluster, "decode").get("leases_expired", 0)
-    on_worker(prefill, stall_after_layer_0)
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=36)[0]
-    outcomes: list[object] = []
     retries = cluster.router.stats.retries
-    caller = generate_in_background(cluster, prompt, outcomes)
-    try:
+    with stalled_request(cluster, prompt) as outcomes:
         deadline = time.time() + cluster.manifest.kv_transfer.lease_s + 15
         while counters(cluster, "decode").get("leases_expired", 0) == expired_before:
             assert time.time() < deadline, "the lease never expired"
             time.sleep(0.2)
-    finally:
-        on_worker(prefill, resume)
-        caller.join(90)
     assert outcomes == [hf_reference[ARCH].greedy(prompt, 4)], outcomes
     assert cluster.router.stats.retries == retries + 1
     assert_idle(cluster)
@@ -532,17 +537,13 @@ def test_a_pass_whose_kv_goes_after_it_holds_nothing_on_its_decode_worker_until_
     lapse), and once the pass goes on the request completes exactly, without a retry."""
     prefill, decode = worker(cluster, "prefill"), worker(cluster, "decode")
     before = on_worker(prefill, set_layerwise_min_tokens, 10**6)
-    on_worker(prefill, stall_after_layer_0)
     prompt = random_prompts(1, hf_reference[ARCH].vocab_size, 120, 120, seed=136)[0]
-    outcomes: list[object] = []
     retries = cluster.router.stats.retries
-    caller = generate_in_background(cluster, prompt, outcomes)
     try:
-        assert wait_until(lambda: on_worker(prefill, lambda self: self.test_stalled.is_set()), 30)
-        assert on_worker(decode, lambda self: self.receiver.num_in_flight) == 0
+        with stalled_request(cluster, prompt) as outcomes:
+            assert wait_until(lambda: on_worker(prefill, lambda self: self.test_stalled.is_set()), 30)
+            assert on_worker(decode, lambda self: self.receiver.num_in_flight) == 0
     finally:
-        on_worker(prefill, resume)
-        caller.join(90)
         on_worker(prefill, set_layerwise_min_tokens, before)
     assert outcomes == [hf_reference[ARCH].greedy(prompt, 4)], outcomes
     assert cluster.router.stats.retries == retries
