@@ -8,10 +8,11 @@ not checked; `pdserve bench cluster`'s probes time the whole path, checksums, de
 into blocks included). Beside each, the same bytes over a plain TCP socket on loopback (`socket`),
 read straight into the same kind of buffer with no copy: the ceiling. `nccl` (asked for with
 `--transports`, on
-a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. All are set up at once and
-timed in turn, each repeat in a shuffled order, after one warm-up each (connections, groups and
-segments set up): medians of `repeats` runs, and each transport's share of the socket is the median
-of its per-repeat ratios.
+a machine with two GPUs) sends frames from GPU 0 into a buffer on GPU 1. Each transport is set up
+with a socket of its own beside it (and no other transport: their receiving halves alive at once cost
+the socket a third of its speed here, and not the transports) and the two timed in turn, each repeat
+in a shuffled order, after one warm-up each (connections, groups and segments set up): medians of
+`repeats` runs, and each transport's share of the socket is the median of its per-repeat ratios.
 
 Codecs, on the trained model: held-out text windows; the first half's KV is encoded and decoded
 frame by frame, then the model continues from it. Bits per KV element count every byte a frame puts
@@ -147,40 +148,38 @@ class _TransportRun:
 
 
 def bench_transports(cfg: KVBenchConfig, layout: KVLayout, log=print) -> list[dict]:
-    """Per prompt length, every transport and the plain socket set up at once, then timed in turn: each
-    repeat runs each of them once, in a shuffled order, so the machine's drift falls on all alike; a
-    transport's share of the socket is the median of its per-repeat ratios. One warm-up each first
+    """Per prompt length and transport: that transport and a plain socket set up together (and nothing
+    else: with every transport's receiving half alive at once, the socket alone lost a third of its
+    speed here), then timed in turn, each repeat in a shuffled order, so the machine's drift falls on
+    both alike; its share of the socket is the median of the per-repeat ratios. One warm-up each first
     (connections, groups and segments set up)."""
     rows = []
     order_rng = random.Random(0)
-    kinds = ["socket", *cfg.transports]
     per_token = cfg.token_bytes or layout.bytes_per_token_layer
     for num_tokens in cfg.prompt_tokens:
         frames = _frames(layout.num_layers, per_token, num_tokens)
         total = sum(d.nbytes for _, d in frames)
-        with ExitStack() as stack:
-            runs = {}
-            for kind in kinds:
-                runs[kind] = _TransportRun(kind, frames)
-                stack.callback(runs[kind].close)
-            seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
-            for repeat in range(cfg.repeats + 1):
-                order = list(kinds)
-                order_rng.shuffle(order)
-                for kind in order:
-                    s = runs[kind].once()
-                    if repeat:  # the first is the warm-up
-                        seconds[kind].append(s)
-        socket_s = statistics.median(seconds["socket"])
-        for kind in kinds[1:]:
-            s = statistics.median(seconds[kind])
+        for kind in cfg.transports:
+            pair = ("socket", kind)
+            with ExitStack() as stack:
+                runs = {}
+                for each in pair:
+                    runs[each] = _TransportRun(each, frames)
+                    stack.callback(runs[each].close)
+                seconds: dict[str, list[float]] = {each: [] for each in pair}
+                for repeat in range(cfg.repeats + 1):
+                    for each in order_rng.sample(pair, len(pair)):
+                        s = runs[each].once()
+                        if repeat:  # the first is the warm-up
+                            seconds[each].append(s)
+            s, socket_s = statistics.median(seconds[kind]), statistics.median(seconds["socket"])
             share = statistics.median(t / k for t, k in zip(seconds["socket"], seconds[kind]))
             rows.append({"transport": kind, "tokens": num_tokens, "bytes": total, "frames": len(frames),
                          "frame_bytes": max(d.nbytes for _, d in frames),
                          "seconds": s, "gb_per_s": total / s / 1e9, "socket_gb_per_s": total / socket_s / 1e9,
                          "share_of_socket": share})
             log(f"  {kind:10s} {num_tokens:6d} tokens ({total / 2**20:.0f} MiB): {total / s / 1e9:.2f} GB/s, "
-                f"plain socket {total / socket_s / 1e9:.2f} GB/s (per repeat, {share:.0%} of it)")
+                f"plain socket beside it {total / socket_s / 1e9:.2f} GB/s (per repeat, {share:.0%} of it)")
     return rows
 
 
@@ -351,7 +350,8 @@ def markdown(result: dict) -> str:
     lines = [f"Transports alone ({result['model']}, {result['kv_per_token_layer']}, frames of {FRAME_TOKENS} tokens): "
              "a prompt's KV sent from this process into a receiving half in a child process, whose sink copies "
              "each frame into a buffer, beside the same bytes over a plain TCP socket read straight into one "
-             f"(the ceiling). {runs} run(s), each setting every transport up afresh; within a run, medians of the "
+             "(the ceiling), set up with each transport and timed in turn with it. "
+             f"{runs} run(s), each setting every transport up afresh; within a run, medians of the "
              "repeats, and the share is the median of per-repeat ratios. GB/s: the median over the runs.", "",
              "| transport | prompt tokens | KV (MiB) | GB/s | plain socket GB/s | share of the socket, per run |",
              "|---|---|---|---|---|---|"]
