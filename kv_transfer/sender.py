@@ -303,8 +303,9 @@ class KVSender:
         may go beside the pass (a long prompt's, or any under an objective a codec's levels adapt to).
         A short prompt's KV goes once the pass ends, so its reservation is asked for then: both
         sides' work on it (Ray's call, the decode worker's blocks, the lease's channel) would share the
-        cores and the GIL with the pass, about 7% of a 60-token prompt's TTFT on 2 cores, where asking
-        after costs its second token one round trip (about 2 ms)."""
+        cores and the GIL with the pass, about 7% of a 60-token prompt's TTFT on 2 cores. Asking after
+        costs the handoff (its second token) the reservation's round trip and the channel's opening:
+        5-9 ms more in `pdserve bench cluster` here, where the first token came 2-4 ms sooner."""
         adaptive = kv.objective_deadline is not None and any(c.num_levels > 1 for c in self.codecs.values())
         if kv.new_tokens >= self.settings.layerwise_min_tokens or adaptive:
             self._ask(kv)
