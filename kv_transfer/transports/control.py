@@ -338,10 +338,61 @@ class ControlClient:
         if self.closed:
             raise TransferError("the KV channel was closed")
 
+    @property
+    def in_step(self) -> bool:
+        """Open, every message answered, none refused: another channel may take it over."""
+        return not self.closed and not self.unanswered and not self.failures
+
     def close(self) -> None:
         self.closed = True  # an owner's wait stops at its next poll and lets go of the lock
         with self._lock:
             self._socket.close()
+
+
+class ClientPool:
+    """A sending half's idle clients per receiving address, so that sequential channels to one peer
+    reuse a connected socket: a new one's CURVE handshake comes before its first answer, 1.3 to 1.9 ms
+    on a 2-vCPU host, on every transfer's path to its first token. Holds at most as many per address as
+    channels ran there at once."""
+
+    def __init__(self, secret: ClusterSecret | None) -> None:
+        self.secret = secret
+        self._idle: dict[str, list[ControlClient]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.made = 0
+
+    def take(self, address: str, on_answer: Callable[[Any], None]) -> ControlClient:
+        with self._lock:
+            idle = self._idle.get(address)
+            client = idle.pop() if idle else None
+            self.made += client is None
+        if client is None:
+            return ControlClient(address, on_answer, self.secret)
+        client.on_answer, client.corrupt = on_answer, 0  # in step: nothing else of its last channel's is left
+        return client
+
+    def give_back(self, address: str, client: ControlClient) -> None:
+        """Keep `client` for the next channel to `address` if it is in step; else close it."""
+        if client.in_step:
+            with self._lock:
+                if not self._closed:
+                    self._idle.setdefault(address, []).append(client)
+                    return
+        client.close()
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            idle = self._idle.pop(address, [])
+        for client in idle:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            addresses = list(self._idle)
+        for address in addresses:
+            self.forget(address)
 
 
 def notify(address: str, kind: bytes, parts: list[bytes], secret: ClusterSecret | None = None) -> None:

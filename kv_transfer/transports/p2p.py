@@ -59,8 +59,8 @@ import zmq
 
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.side_streams import GROUP_PRIORITY
-from pdserve.kv_transfer.transports.control import (ControlClient, ControlServer, Deferred, deliver, frame_header,
-                                                     notify)
+from pdserve.kv_transfer.transports.control import (ClientPool, ControlClient, ControlServer, Deferred, deliver,
+                                                     frame_header, notify)
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:
@@ -250,12 +250,20 @@ class P2PChannel:
         self.transfer_id = transfer_id
         self.device = sender.device  # where payloads must be (`LayerChannel.device`)
         self.bytes_sent = 0
-        self.control = ControlClient(address, secret=sender.secret)
+        self.control = sender.clients.take(address, on_answer=lambda tag: None)
         self._pending: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # sends in flight, with their buffers
         self._pending_lock = threading.Lock()  # sends post from the sending thread; close comes from any
+        self._lock = threading.Lock()  # the owner's send and finish
+        self._closing = threading.Lock()  # two closes at once: one acts
+        self._closed = False
 
     def send(self, header: FrameHeader, payload: Payload | torch.Tensor) -> None:
         tensor = self._as_tensor(payload)  # held until the send completes
+        with self._lock:
+            self._check_open()
+            self._send(header, tensor)
+
+    def _send(self, header: FrameHeader, tensor: torch.Tensor) -> None:
         if self.device is None:
             self._post(header, tensor)
             self._keep_within_window()
@@ -320,7 +328,13 @@ class P2PChannel:
             raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
 
     def finish(self, timeout: float) -> None:
-        self._settle(lambda: not self.control.unanswered, timeout)
+        with self._lock:
+            self._check_open()
+            self._settle(lambda: not self.control.unanswered, timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:  # its control client may be another channel's by now
+            raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
 
     def _settle(self, answered: Callable[[], bool], timeout: float) -> None:
         """Take the receiver's answers until `answered()`, then wait for the pending sends. A frame
@@ -362,8 +376,22 @@ class P2PChannel:
             self.sender.drop_group(self.address, self.group)
 
     def close(self) -> None:
-        self._leave_pending()  # not finished: sends may be left without receives
-        self.control.close()
+        """A channel whose frames were all answered gives its control client back for the next; with
+        a send or finish under way, the client closes, which ends that one's wait within one poll."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+        owner_idle = self._lock.acquire(blocking=False)
+        try:
+            self._leave_pending()  # not finished: sends may be left without receives
+            if owner_idle:
+                self.sender.clients.give_back(self.address, self.control)
+            else:
+                self.control.close()
+        finally:
+            if owner_idle:
+                self._lock.release()
 
 
 class P2PSender:
@@ -376,6 +404,7 @@ class P2PSender:
         self.name = self.backend = backend
         self.host = host  # where this side's store listens and its gloo device binds
         self.secret = secret  # authenticates the control channel (the process group itself cannot be)
+        self.clients = ClientPool(secret)
         self.device = device
         self._groups: dict[str, _Group] = {}
         self._forming: dict[str, threading.Lock] = {}  # per peer: one group formation at a time
@@ -434,6 +463,7 @@ class P2PSender:
             self._forming.pop(address, None)
         if group is not None:
             self.drop_group(address, group)
+        self.clients.forget(address)
 
     def close(self) -> None:
         """Drop every group, after waiting up to SETTLE_STOP_S for the sends being settled (a process
@@ -443,6 +473,7 @@ class P2PSender:
             thread.join(max(0.0, deadline - time.monotonic()))
         for address in list(self._groups):
             self.forget(address)
+        self.clients.close()
 
 
 class _Joined(NamedTuple):

@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from pdserve.kv_transfer.interface import FrameHeader, FrameSink, Payload, TransferError
-from pdserve.kv_transfer.transports.control import ControlClient, ControlServer, deliver, frame_header, notify
+from pdserve.kv_transfer.transports.control import ClientPool, ControlServer, deliver, frame_header, notify
 
 if TYPE_CHECKING:
     from pdserve.wire import ClusterSecret
@@ -115,16 +115,16 @@ class ShmChannel:
         self.address = address
         self.transfer_id = transfer_id
         self.bytes_sent = 0
-        self.control = ControlClient(address, on_answer=self._answered, secret=transport.secret)
+        self.control = transport.clients.take(address, on_answer=self._answered)
         try:
             self.segment = transport.take_segment(address)
         except BaseException:
-            self.control.close()
+            transport.clients.give_back(address, self.control)
             raise
         self._closed = False
         self._announced = False  # a frame named the segment to the receiver (which may have mapped it)
         self._closing = threading.Lock()  # two closes at once (a resend's and a lease expiry's): one acts
-        self._lock = threading.Lock()  # the owner sends; a cancel may close from another thread
+        self._lock = threading.Lock()  # the owner's send and finish; a close from another thread cuts in
 
     def send(self, header: FrameHeader, payload: Payload) -> None:
         view = memoryview(payload).cast("B")
@@ -155,15 +155,22 @@ class ShmChannel:
             self.segment.unlink()  # the receiver has mapped it
 
     def finish(self, timeout: float) -> None:
-        self.control.wait(lambda: not self.control.unanswered, timeout)
+        with self._lock:
+            if self._closed:  # its control client may be another channel's by now
+                raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
+            self.control.wait(lambda: not self.control.unanswered, timeout)
 
     def close(self) -> None:
+        """A channel whose messages were all answered gives its control client back for the next;
+        a send or finish under way is cut short (its wait stops within one poll)."""
         with self._closing:
             if self._closed:
                 return
             self._closed = True
-        self.control.close()  # a send waiting for a slot stops within one poll
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            self.control.close()
+            self._lock.acquire()
+        try:
             # No frame named it: the segment is as it was taken (a fresh one, still named, is mapped by
             # the receiver of the next frame that uses it), so it goes back to the pool.
             if self._announced and (self.control.unanswered or self.segment.path is not None
@@ -174,6 +181,9 @@ class ShmChannel:
                 self.transport.release(self.address, self.segment)
             else:
                 self.transport.return_segment(self.address, self.segment)
+            self.transport.clients.give_back(self.address, self.control)
+        finally:
+            self._lock.release()
 
 
 def sweep_orphan_segments(directory: Path = SHM_DIR) -> int:
@@ -211,6 +221,7 @@ class ShmSender:
         if removed := sweep_orphan_segments():
             log.warning("removed %d shared memory segment(s) left in %s by a KV sender that died", removed, SHM_DIR)
         self.secret = secret  # proves this side's membership on the control channel
+        self.clients = ClientPool(secret)
         if frame_bytes is not None and frame_bytes <= 0:
             raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
         fitted = SLOT_BYTES if frame_bytes is None else -(-frame_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
@@ -250,10 +261,12 @@ class ShmSender:
             segments = self._pools.pop(address, [])
         for segment in segments:
             self.release(address, segment)
+        self.clients.forget(address)
 
     def close(self) -> None:
         for address in list(self._pools):
             self.forget(address)
+        self.clients.close()
 
 
 class ShmReceiver:

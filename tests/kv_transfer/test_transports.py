@@ -292,6 +292,78 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
     assert not segment.exists()
 
 
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_sequential_channels_to_a_peer_reuse_one_control_socket_and_only_one_in_step(kind):
+    """A control socket costs its CURVE handshake before the first answer: channels in turn to one
+    receiver share one. A channel whose frame was refused, or that was closed mid-send from another
+    thread, hands its socket to nobody, and a closed channel's finish cannot touch a socket it gave
+    back; every transfer after each still arrives whole."""
+    from pdserve.wire import ClusterSecret
+
+    secret = ClusterSecret.generate()
+    release = threading.Event()
+    kept = RecordingSink()
+
+    def sink(header, payload):
+        if header.transfer_id == "refused":
+            raise TransferError("transfer aborted")
+        if header.transfer_id == "slow":
+            release.wait(10)
+        kept.receive_frame(header, payload)
+
+    receiver = start_receiver(kind, FunctionSink(sink), secret=secret)
+    sender = make_sender(kind, secret=secret)
+
+    def transfer(transfer_id: str, seed: int) -> tuple[FrameHeader, bytes]:
+        channel = sender.open(receiver.address, transfer_id)
+        header, data = frame(0, 1000, seed=seed, transfer_id=transfer_id)
+        channel.send(header, data)
+        channel.finish(timeout=10)
+        channel.close()
+        return header, data.tobytes()
+
+    try:
+        sent = [transfer(f"t{i}", i) for i in range(4)]
+        assert sender.clients.made == 1
+        refused = sender.open(receiver.address, "refused")
+        with pytest.raises(TransferError, match="transfer aborted"):
+            refused.send(*frame(0, 1000, seed=9, transfer_id="refused"))
+            refused.finish(timeout=10)
+        refused.close()
+        sent.append(transfer("t4", 4))
+        assert sender.clients.made == 2
+
+        slow = sender.open(receiver.address, "slow")
+        errors: list[BaseException] = []
+
+        def send_and_finish():
+            try:
+                slow.send(*frame(0, 1000, seed=10, transfer_id="slow"))
+                slow.finish(timeout=10)
+            except TransferError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=send_and_finish)
+        thread.start()
+        assert wait_until(lambda: slow.control.unanswered, 10)
+        slow.close()  # a cancel while the owner waits for the answer
+        thread.join(5)
+        assert not thread.is_alive() and len(errors) == 1
+        release.set()
+        sent.append(transfer("t5", 5))
+        assert sender.clients.made == 3
+        with pytest.raises(TransferError, match="closed"):
+            slow.finish(timeout=1)
+        sent.append(transfer("t6", 6))
+        assert sender.clients.made == 3
+        assert wait_until(lambda: len(kept.frames) == len(sent) + 1, 10)  # the slow one's frame is taken too
+        assert [f for f in kept.frames if f[0].transfer_id != "slow"] == sent
+    finally:
+        release.set()
+        sender.close()
+        receiver.stop()
+
+
 def test_shm_slots_hold_the_frames_the_sender_expects_and_larger_ones_wait_their_turn():
     """Told its frames' size (a model whose frames pass the default 8 MiB slot), the sender makes slots
     that hold them, so they are copied into a slot, not sent inline; a frame larger still (a lossy
