@@ -39,6 +39,13 @@ FRAME_TOKENS = 1536  # CacheGen's context chunk: large enough to code well, smal
 LAYERWISE_MIN_TOKENS = 1024
 
 
+def streams_beside_pass(new_tokens: int, layerwise_min_tokens: int, adaptive: bool) -> bool:
+    """Whether a prompt's KV goes layer by layer beside its pass (its reservation asked for as the pass
+    starts), else all at once as the pass ends: a long prompt's, or any whose codec's levels adapt to a
+    TTFT objective (the level controller paces its frames against the pass)."""
+    return new_tokens >= layerwise_min_tokens or adaptive
+
+
 @dataclass
 class LevelSizes:
     """Measured encoded bytes per (token × layer) at each level of one codec, kept per worker.

@@ -51,7 +51,7 @@ from pdserve.engine.llm_engine import RequestHandoff
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.codecs import Codec, offers
-from pdserve.kv_transfer.frames import FrameCutter, LevelController, LevelSizes, make_frame
+from pdserve.kv_transfer.frames import FrameCutter, LevelController, LevelSizes, make_frame, streams_beside_pass
 from pdserve.kv_transfer.interface import (PROBE_PREFIX, KVMemoryFull, LayerChannel, Lease, SendingTransport,
                                           TransferError)
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -307,7 +307,7 @@ class KVSender:
         costs the handoff (its second token) the reservation's round trip and the channel's opening:
         5-9 ms more in `pdserve bench cluster` here, where the first token came 2-4 ms sooner."""
         adaptive = kv.objective_deadline is not None and any(c.num_levels > 1 for c in self.codecs.values())
-        if kv.new_tokens >= self.settings.layerwise_min_tokens or adaptive:
+        if streams_beside_pass(kv.new_tokens, self.settings.layerwise_min_tokens, adaptive):
             self._ask(kv)
 
     def _ask(self, kv: OutgoingKV) -> None:
@@ -497,7 +497,8 @@ class KVSender:
             if kv.ended:
                 return
             kv.lease, kv.recompute = lease, recompute
-            kv.layerwise = not recompute and (kv.new_tokens >= self.settings.layerwise_min_tokens or by_objective)
+            kv.layerwise = not recompute and streams_beside_pass(kv.new_tokens, self.settings.layerwise_min_tokens,
+                                                                 by_objective)
             kv.transfer.advance(TransferState.TRANSFERRING)
             kv.progress_at = kv.contacted_at = now
         if recompute:

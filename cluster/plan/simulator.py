@@ -52,6 +52,7 @@ from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine,
 from pdserve.cluster.plan.sim_speculation import Drafting, SimSpeculation
 from pdserve.engine.block_pool import KVPoolStatus
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.frames import streams_beside_pass
 from pdserve.prefill_worker.queues import PrefillQueues, laps_settings
 from pdserve.router.admission import Overloaded
 from pdserve.router.encoders import EncodePool, EncoderRef
@@ -518,7 +519,7 @@ class ClusterSimulator:
                                           SimSequence(seq.request_id, seq.prompt_len, seq.output_len, seq.block_hashes))
         kv = self.manifest.kv_transfer
         adaptive = self.manifest.router.ttft_slo_s is not None and "cachegen" in kv.codecs  # (its levels adapt)
-        if placement.request.new_tokens(placement.prefill) >= kv.layerwise_min_tokens or adaptive:
+        if streams_beside_pass(placement.request.new_tokens(placement.prefill), kv.layerwise_min_tokens, adaptive):
             self._ask(flight, now)
 
     def _ask(self, flight: _Flight, now: float) -> None:

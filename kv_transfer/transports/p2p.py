@@ -328,9 +328,13 @@ class P2PChannel:
             raise TransferError(f"p2p transfer to {self.address} failed: {e}") from e
 
     def finish(self, timeout: float) -> None:
-        with self._lock:
+        if not self._lock.acquire(timeout=timeout):  # a send waits on its window: the receiver is slow or stuck
+            raise TransferError(f"transfer {self.transfer_id}: frames still being sent after {timeout:g} s")
+        try:
             self._check_open()
             self._settle(lambda: not self.control.unanswered, timeout)
+        finally:
+            self._lock.release()
 
     def _check_open(self) -> None:
         if self._closed:  # its control client may be another channel's by now

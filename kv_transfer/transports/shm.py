@@ -155,10 +155,14 @@ class ShmChannel:
             self.segment.unlink()  # the receiver has mapped it
 
     def finish(self, timeout: float) -> None:
-        with self._lock:
+        if not self._lock.acquire(timeout=timeout):  # a send waits for a slot: the receiver is stuck
+            raise TransferError(f"transfer {self.transfer_id}: frames still being sent after {timeout:g} s")
+        try:
             if self._closed:  # its control client may be another channel's by now
                 raise TransferError(f"transfer {self.transfer_id}: the channel is closed")
             self.control.wait(lambda: not self.control.unanswered, timeout)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """A channel whose messages were all answered gives its control client back for the next;

@@ -256,7 +256,8 @@ def test_mutual_tls_takes_only_senders_of_its_ca(tmp_path, kind):
 
 def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_nothing(tmp_path):
     """A cancel closes the channel while its sender waits for a free shared-memory slot (the receiver
-    is slow): the send ends with TransferError at once, and no segment file is left behind."""
+    is slow): the send ends with TransferError at once, and no segment file is left behind. A finish
+    meanwhile (a drain) fails within its own timeout."""
     from pdserve.kv_transfer.transports.shm import SHM_DIR, SLOTS
 
     release = threading.Event()
@@ -281,6 +282,8 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
         thread = threading.Thread(target=send_many)
         thread.start()
         assert wait_until(lambda: not channel.segment.free, 10)  # every slot taken: the sender waits
+        with pytest.raises(TransferError, match="still being sent"):  # within its timeout, not the send's 30 s
+            channel.finish(timeout=0.2)
         channel.close()
         thread.join(5)  # the receiver holds its frames for 10 s: only the close ends the send before
         assert not thread.is_alive()
@@ -295,9 +298,10 @@ def test_a_channel_closed_from_another_thread_ends_its_send_promptly_and_leaks_n
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
 def test_sequential_channels_to_a_peer_reuse_one_control_socket_and_only_one_in_step(kind):
     """A control socket costs its CURVE handshake before the first answer: channels in turn to one
-    receiver share one. A channel whose frame was refused, or that was closed mid-send from another
-    thread, hands its socket to nobody, and a closed channel's finish cannot touch a socket it gave
-    back; every transfer after each still arrives whole."""
+    receiver share one. A channel whose frame was refused, that was closed mid-send from another
+    thread, or whose receiver's address was forgotten while it was open, hands its socket to nobody,
+    and a closed channel's finish cannot touch a socket it gave back; every transfer after each still
+    arrives whole."""
     from pdserve.wire import ClusterSecret
 
     secret = ClusterSecret.generate()
@@ -352,10 +356,22 @@ def test_sequential_channels_to_a_peer_reuse_one_control_socket_and_only_one_in_
         release.set()
         sent.append(transfer("t5", 5))
         assert sender.clients.made == 3
-        with pytest.raises(TransferError, match="closed"):
-            slow.finish(timeout=1)
+
+        done_with = sender.open(receiver.address, "done-with")
+        done_with.close()  # idle: its socket goes to the next channel
+        busy = sender.open(receiver.address, "busy")
+        assert busy.control is done_with.control
+        header, data = frame(0, 1000, seed=11, transfer_id="busy")
+        busy.send(header, data)
+        with pytest.raises(TransferError, match="transfer done-with: the channel is closed"):
+            done_with.finish(timeout=1)  # not a wait on the socket the busy channel now owns
+        busy.finish(timeout=10)
+        sent.append((header, data.tobytes()))
+
+        sender.forget(receiver.address)  # the receiver moved (restarted) while a channel to it was open
+        busy.close()
         sent.append(transfer("t6", 6))
-        assert sender.clients.made == 3
+        assert sender.clients.made == 4  # the forgotten address's socket was closed, not kept
         assert wait_until(lambda: len(kept.frames) == len(sent) + 1, 10)  # the slow one's frame is taken too
         assert [f for f in kept.frames if f[0].transfer_id != "slow"] == sent
     finally:
