@@ -1,6 +1,6 @@
 """Vision-language models through a running cluster: images over gRPC (the SDK) and the OpenAI chat
 API, encoded where the prompt pass runs or on an encode pool (their embeddings sent to the prompt
-pass over the cluster's transport), their KV handed to decode over each transport, outputs equal to
+pass over the cluster's transport), their KV handed to decode over shm and tcp, outputs equal to
 transformers' own; bad images refused by name while the cluster keeps serving; a decode worker
 killed mid-stream loses no token (the request is encoded again where it resumes)."""
 
@@ -25,10 +25,10 @@ NEW_TOKENS = 8
 A, B = noise_png(11, 120, 90), noise_png(12, 64, 200)
 
 
-# (family, mode, transport, where images are encoded); tests/cluster/test_encode_pool.py has an encode pool on tcp
+# (family, mode, transport, where images are encoded); tests/cluster/test_encode_pool.py has an encode pool on
+# tcp, and tests/kv_transfer/test_embeddings.py sends embeddings over every transport
 @pytest.fixture(scope="module", params=[
     ("tiny-qwen2-vl", "disaggregated", "shm", "encode-pool"), ("tiny-qwen2-vl", "disaggregated", "tcp", "in-prefill"),
-    ("tiny-qwen2-vl", "disaggregated", "gloo", "encode-pool"), ("tiny-qwen2-vl", "disaggregated", "grpc", "encode-pool"),
     ("tiny-llava", "disaggregated", "tcp", "in-prefill"), ("tiny-llava", "colocated", "shm", "encode-pool")],
     ids=lambda p: "-".join(p))
 def cluster(request, vision_models):
