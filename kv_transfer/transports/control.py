@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, CorruptFrame, FrameHeader, FrameSink, TransferError
+from pdserve.kv_transfer.transports.idle import IdlePool
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:  # only its methods are used: pdserve.wire's own imports stay out of the transports
@@ -51,7 +52,6 @@ SWEEP_S = 5.0  # how often the loop runs its owner's sweep
 LANE_IDLE_S = 10.0  # a lane's thread ends after this long without a message
 LANE_STOP_S = 2.0  # how long `stop` waits for the lanes' work under way
 LINGER_MS = 1000  # a last message (release, leave) still goes out after close
-IDLE_REUSE_S = 60.0  # an idle client is reused only this long (`ClientPool`)
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (64 << 10)  # a frame's payload and its header
 
 
@@ -351,61 +351,36 @@ class ControlClient:
 
 
 class ClientPool:
-    """A sending half's idle clients per receiving address, so that sequential channels to one peer
-    reuse a connected socket: a new one's CURVE handshake comes before its first answer, 1.3 to 1.9 ms
-    on a 2-vCPU host, on every transfer's path to its first token. Holds at most as many per address as
-    channels ran there at once, each for IDLE_REUSE_S at most (a peer gone for good, or a connection
-    a middlebox dropped while idle, costs a socket that long, not for the sender's life)."""
+    """A sending half's control clients, each given back to the next channel to its receiver (`IdlePool`)
+    when it is in step: a new one's CURVE handshake comes before its first answer, 1.3 to 1.9 ms on a
+    2-vCPU host, on every transfer's path to its first token."""
 
     def __init__(self, secret: ClusterSecret | None) -> None:
         self.secret = secret
-        # address -> idle clients, each with when it went idle; an address is known from its first
-        # `take` until `forget`: a client given back to a forgotten one is closed
-        self._idle: dict[str, list[tuple[ControlClient, float]]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
+        self._idle: IdlePool[ControlClient] = IdlePool()
         self.made = 0
 
     def take(self, address: str, on_answer: Callable[[Any], None]) -> ControlClient:
-        now = time.monotonic()
-        with self._lock:
-            stale = [c for idle in self._idle.values() for c, since in idle if now - since > IDLE_REUSE_S]
-            for idle in self._idle.values():
-                idle[:] = [(c, since) for c, since in idle if now - since <= IDLE_REUSE_S]
-            idle = self._idle.setdefault(address, [])
-            client = idle.pop()[0] if idle else None
-            self.made += client is None
-        for old in stale:
-            old.close()
+        client = self._idle.take(address)
         if client is None:
+            self.made += 1
             return ControlClient(address, on_answer, self.secret)
         client.on_answer, client.corrupt = on_answer, 0  # in step: nothing else of its last channel's is left
         return client
 
     def give_back(self, address: str, client: ControlClient) -> None:
-        """Keep `client` for the next channel to `address` if it is in step and the address is not
-        forgotten; else close it."""
-        if client.in_step:
-            client.on_answer = _ignore  # its channel is done with: not kept alive by an idle socket
-            with self._lock:
-                idle = None if self._closed else self._idle.get(address)
-                if idle is not None:
-                    idle.append((client, time.monotonic()))
-                    return
-        client.close()
+        """Keep `client` for the next channel to `address` if it is in step; else close it."""
+        if not client.in_step:
+            client.close()
+            return
+        client.on_answer = _ignore  # its channel is done with: not kept alive by an idle socket
+        self._idle.give_back(address, client)
 
     def forget(self, address: str) -> None:
-        with self._lock:
-            idle = self._idle.pop(address, [])
-        for client, _ in idle:
-            client.close()
+        self._idle.forget(address)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            addresses = list(self._idle)
-        for address in addresses:
-            self.forget(address)
+        self._idle.close()
 
 
 def _ignore(tag: Any) -> None:

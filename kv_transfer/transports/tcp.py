@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 from pdserve.kv_transfer.interface import (MAX_FRAME_BYTES, CorruptFrame, FrameHeader, FrameSink, Payload,
                                           TransferError, shown)
 from pdserve.kv_transfer.transports.gate import AUTH_DEADLINE_S, ConnectionBudget, RefusalLog, Slot
+from pdserve.kv_transfer.transports.idle import IdlePool
 from pdserve.threads import start_guarded
 
 if TYPE_CHECKING:
@@ -66,7 +67,6 @@ _LENGTH = struct.Struct("<H")
 MAX_HEADER_BYTES = 4096  # a FrameHeader packs to ~60 bytes and two names
 CONNECT_TIMEOUT_S = 10.0  # connecting and proving membership, on the sending side
 SEND_TIMEOUT_S = 30.0  # a write the receiver does not take for this long: it is stuck or gone
-IDLE_REUSE_S = 60.0  # an idle connection is reused only this long (the receiver keeps it MEMBER_IDLE_S)
 MEMBER_IDLE_S = 300.0  # a member's connection that sends nothing for this long is closed
 ACCEPT_POLL_S = 0.25  # how often the accepting thread looks at its stop flag and the handshakes' deadlines
 SCRATCH_BYTES = 256 << 10  # a refused frame's payload is read through this much, and dropped
@@ -194,13 +194,10 @@ class _Connection:
             raise TransferError(f"KV receiver at {address}: setting the connection up failed: {e}") from e
         sock.settimeout(SEND_TIMEOUT_S)
         self.sock = sock
-        self.idle_since = time.monotonic()
 
     def fresh(self) -> bool:
-        """Whether an idle connection can take a channel: not idle too long, and nothing to read (a
-        receiver that closed it, or sent what no channel asked for)."""
-        if time.monotonic() - self.idle_since > IDLE_REUSE_S:
-            return False
+        """Whether an idle connection can take a channel: nothing to read (a receiver that closed it,
+        or sent what no channel asked for)."""
         pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()
         return not pending and not select.select([self.sock], [], [], 0)[0]
 
@@ -311,51 +308,30 @@ class TcpSender:
     def __init__(self, tls: dict[str, str] | None = None, secret: ClusterSecret | None = None) -> None:
         self._tls = tls_context(tls, server_side=False) if tls else None
         self._key = _key(secret)
-        self._idle: dict[str, list[_Connection]] = {}  # receiver address -> idle connections, last used last
+        self._idle: IdlePool[_Connection] = IdlePool()
         self._lock = threading.Lock()
-        self._closed = False
         self.connections_made = 0
 
     def open(self, address: str, transfer_id: str) -> TcpChannel:
         return TcpChannel(self, address, transfer_id)
 
     def take_connection(self, address: str) -> _Connection:
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise TransferError("the KV sender is closed")
-                idle = self._idle.get(address)
-                connection = idle.pop() if idle else None
-            if connection is None:
-                break
-            if connection.fresh():
-                return connection
-            connection.close()
+        connection = self._idle.take(address, usable=_Connection.fresh)
+        if connection is not None:
+            return connection
         connection = _Connection(address, self._tls, self._key)
         with self._lock:
             self.connections_made += 1
         return connection
 
     def give_back(self, connection: _Connection) -> None:
-        connection.idle_since = time.monotonic()
-        with self._lock:
-            if not self._closed:
-                self._idle.setdefault(connection.address, []).append(connection)
-                return
-        connection.close()
+        self._idle.give_back(connection.address, connection)
 
     def forget(self, address: str) -> None:
-        with self._lock:
-            idle = self._idle.pop(address, [])
-        for connection in idle:
-            connection.close()
+        self._idle.forget(address)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            addresses = list(self._idle)
-        for address in addresses:
-            self.forget(address)
+        self._idle.close()
 
 
 # --- the receiving half -------------------------------------------------------------------------
