@@ -10,7 +10,7 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import worker_status
+from helpers import wait_until, worker_status
 
 from pdserve.client import Client
 from pdserve.cluster.manifest import load_manifest
@@ -66,5 +66,6 @@ def test_the_stack_places_and_serves_as_the_manifest_says(stack):
     assert ports <= listening_ports()
     stack.close()
     # This process's own listeners, not "nobody answers there": another test process may bind a freed port.
-    assert not ports & listening_ports()
+    # libzmq's I/O thread closes a socket's listener after `close` returns: waited for, bounded.
+    assert wait_until(lambda: not ports & listening_ports(), 5), ports & listening_ports()
     assert stack.loop.loop.is_closed()
