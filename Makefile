@@ -21,7 +21,7 @@ demo: install
 # Two test processes (pytest-xdist), a file at a time each: the cluster tests wait on Ray, sockets and
 # timeouts much of the time, so two share the CI machine's two cores well. Each has its own Ray runtime.
 test: install
-	$(PYTHON) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: install
 	pdserve bench engine

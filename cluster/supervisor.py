@@ -194,6 +194,7 @@ class Supervisor:
         if status.alive:
             self._restarting.discard(worker.name)
             if not status.profiled:  # restarted by Ray: it measures itself before taking work
+                worker.restarted()
                 self._profile(worker)
                 return False
             worker.status, worker.reported_at = status, time.monotonic()  # free blocks, step cost: what placement reads

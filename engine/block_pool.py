@@ -16,6 +16,7 @@ the router knows exactly which prefixes it holds.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes
     """Chained hash of a full block: stable across processes, so workers can report it to a router."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"\x00" * 16)
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # each id as 4 little-endian bytes
     if extra:  # after the fixed-size token bytes, so no extra can pass for other tokens
         h.update(extra)
     return h.digest()

@@ -57,6 +57,11 @@ class WorkerRef:
             self.least_fixed_step_s = min(self.least_fixed_step_s, self.step_cost.a)
         return self.least_fixed_step_s if math.isfinite(self.least_fixed_step_s) else self.step_cost.a
 
+    def restarted(self) -> None:
+        """Its process was started afresh (by Ray, perhaps on another node): what its earlier fits
+        showed no longer bounds its costs."""
+        self.least_fixed_step_s = math.inf
+
     @property
     def total_blocks(self) -> int:
         return self.status.kv.total_blocks

@@ -85,7 +85,8 @@ class WorkRequest:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
         ids = self.prompt_token_ids
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        # (the types counted at C speed: a prompt of thousands of ids is checked for every request)
+        if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
             raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")

@@ -20,6 +20,13 @@ from pdserve.router.event_loop import EventLoopThread
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cluster tests first. `make test` hands whole files to its two processes in collection order
+    (`--no-loadscope-reorder`); a long cluster file handed out last would leave the other process
+    idle while it runs, and the short files after them fill the gaps."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/cluster/"))
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -268,18 +268,21 @@ class SimEngine:
         lim = self.limits
         chunks: list[tuple[SimSequence, int]] = []
         budget, preempted, index = lim.step_budget, False, 0
+        block_size = lim.block_size
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            n = min(seq.uncomputed, budget, lim.chunk_limit)
-            need = self._blocks_needed(seq, n)
-            while not self._allocate(need):
+            n = min(seq.num_tokens - seq.computed, budget, lim.chunk_limit)
+            # (`_blocks_needed`, inline: this loop runs for every running sequence at every step)
+            need = -(-(seq.computed + n) // block_size) - seq.plain_blocks - len(seq.refs)
+            while need > 0 and not self._allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                seq.plain_blocks += need
+                if need > 0:
+                    seq.plain_blocks += need
                 chunks.append((seq, n))
                 budget -= n
                 index += 1
@@ -348,7 +351,8 @@ class SimEngine:
         command the engine loop holds runs before it steps again), then the next step."""
         for seq, n in chunks:
             seq.computed += n
-            self._publish(seq)
+            if len(seq.refs) < len(seq.block_hashes):  # (a decoding sequence has published its prompt)
+                self._publish(seq)
             if seq.computed < seq.num_tokens:
                 continue
             drafted, by_model = drafts.get(seq, (0, False))

@@ -282,6 +282,8 @@ class _PrefillSide:
         self.decode_of.pop(seq.request_id, None)
 
     def feed(self, now: float) -> None:
+        if not self.queues.queued:  # (called after each of its engine's steps: most often nothing waits)
+            return
         budget = self.engine.limits.step_budget
         while not self._setting_up:
             if not self.queues.length_aware and self.engine.pending_tokens >= budget:

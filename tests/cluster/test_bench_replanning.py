@@ -20,7 +20,7 @@ def test_the_replanning_benchmark_serves_every_split_and_the_planner_and_writes_
                       model_digest=model_digest(model), max_model_len=1024)
     profile.save(tmp_path / "profile.json")
     out = tmp_path / "replanning.json"
-    result = run(ReplanBenchConfig(profile=tmp_path / "profile.json", model=str(model), phase_s=4, load=0.5,
+    result = run(ReplanBenchConfig(profile=tmp_path / "profile.json", model=str(model), phase_s=2, load=0.5,
                                    ttft_slo_s=2.0, tpot_slo_s=0.2, interval_s=1, window_s=3, max_model_len=512,
                                    out=out), log=lambda _: None)
     assert [r["name"] for r in result["runs"]] == ["static 1P+2D", "static 2P+1D", "online planner"]

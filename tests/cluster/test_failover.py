@@ -95,6 +95,7 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
             if len(streamed) >= 20:
                 break
         victim = first_worker(cluster, "decode", lambda self: len(self.engine.requests) > 0)  # one stream runs
+        victim.least_fixed_step_s = 0.0  # a bound no fit of its next process shows
         os.kill(on_worker(victim, worker_pid), signal.SIGKILL)
         t0 = time.monotonic()
         for chunk in stream:
@@ -106,6 +107,7 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token(cluster, hf_reference,
         assert cluster.router.stats.retries == retries + 1
         assert time.monotonic() - t0 < 30
     wait_healthy(cluster)  # Ray restarted it; it measured itself and rejoined
+    assert victim.least_fixed_step_s > 0  # its old process's fits bound its costs no more
     wait_clean_audit(cluster)
 
 

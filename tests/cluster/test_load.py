@@ -354,7 +354,7 @@ def test_overload_ends_in_completions_or_resource_exhausted(model_dirs, hf_refer
     limits = {"router": {"max_queued_prefills": 8, "max_active_decodes": 24}, "kv_memory_mb": 4,
               "pools": quarter_core_pools()}
     distinct = random_prompts(12, hf_reference[ARCH].vocab_size, 10, 120, seed=23)
-    prompts = [distinct[i % len(distinct)] for i in range(300)]
+    prompts = [distinct[i % len(distinct)] for i in range(120)]
     with Cluster(manifest(model_dirs[ARCH], **limits), log=lambda _: None) as c:
         async def burst():
             async with AsyncClient(c.address, timeout=60) as client:

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.own_ray  # the driver joins the fake cluster, not the t
 @pytest.fixture(scope="module")
 def ray_nodes(tmp_path_factory):
     """The fake cluster, stopped by pid afterwards."""
-    head, address = start_fake_cluster(CONFIG, tmp_path_factory.mktemp("fake-multinode"))
+    # The autoscaler launches the nodes at its next update: each second, not each five
+    head, address = start_fake_cluster(CONFIG, tmp_path_factory.mktemp("fake-multinode"),
+                                       env={"AUTOSCALER_UPDATE_INTERVAL_S": "1"})
     try:
         ray.init(address=address, logging_level="ERROR")  # joined once to watch the nodes come (a join costs ~1 s)
         try:
