@@ -83,7 +83,7 @@ def test_kv_crosses_a_veth_between_namespaces_over_tcp_with_exact_outputs(namesp
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(8, 80))] for _ in range(4)]
     manifest = {"model": str(model_dirs[ARCH]), "kv_memory_mb": 16, "max_model_len": 512,
-                "kv_transfer": {"transport": "auto"}, "router": {"local_prefill_tokens": 0},
+                "kv_transfer": {"transport": "auto", "recompute": False}, "router": {"local_prefill_tokens": 0},
                 "server": {"address": "127.0.0.1:0", "http_address": None},
                 "pools": {"prefill": {"num_cpus": 0.5, "resources": {"prefill": 1}},
                           "decode": {"num_cpus": 0.5, "resources": {"decode": 1}}},
