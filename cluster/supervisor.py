@@ -194,6 +194,7 @@ class Supervisor:
         if status.alive:
             self._restarting.discard(worker.name)
             if not status.profiled:  # restarted by Ray: it measures itself before taking work
+                worker.healthy = False  # first: placement reads no old fit into the bound forgotten next
                 worker.restarted()
                 self._profile(worker)
                 return False
