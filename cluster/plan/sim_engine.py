@@ -268,21 +268,18 @@ class SimEngine:
         lim = self.limits
         chunks: list[tuple[SimSequence, int]] = []
         budget, preempted, index = lim.step_budget, False, 0
-        block_size = lim.block_size
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            n = min(seq.num_tokens - seq.computed, budget, lim.chunk_limit)
-            # (`_blocks_needed`, inline: this loop runs for every running sequence at every step)
-            need = -(-(seq.computed + n) // block_size) - seq.plain_blocks - len(seq.refs)
-            while need > 0 and not self._allocate(need):
+            n = min(seq.uncomputed, budget, lim.chunk_limit)
+            need = self._blocks_needed(seq, n)
+            while need and not self._allocate(need):  # (most decode steps need no block)
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                if need > 0:
-                    seq.plain_blocks += need
+                seq.plain_blocks += need
                 chunks.append((seq, n))
                 budget -= n
                 index += 1
