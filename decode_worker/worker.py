@@ -263,8 +263,12 @@ class DecodeWorker(WorkerBase):
             in_doubt = TransferState.COMMITTING.value in kv.transfer.events
             return MoveOutcome(False, outcome.error if outcome is not None else "the worker is shutting down",
                                in_doubt=in_doubt)
+        pause_s = time.perf_counter() - held_at  # the target decodes it from here on
+        # Its blocks go before the router hears it moved: a drain that has moved everything leaves
+        # nothing of its requests on this worker.
+        self.loop.call(lambda engine: engine.abort_request(request_id))
         return MoveOutcome(True, recomputed=kv.recompute, kv_tokens=kv.num_kv_tokens, kv_bytes=kv.transfer.bytes_moved,
-                           pause_s=time.perf_counter() - held_at, events=self._events.pop(request_id, {}))
+                           pause_s=pause_s, events=self._events.pop(request_id, {}))
 
     def _move_ended(self, kv: OutgoingKV, outcome: TransferOutcome) -> None:
         """The mover ended a move's transfer (on its thread): committed, the blocks here go (the
@@ -275,9 +279,7 @@ class DecodeWorker(WorkerBase):
         # (`move.kv` is still None when the transfer failed before `start` returned)
         if move is None or move.kv not in (None, kv):
             return
-        if kv.transfer.state is TransferState.DONE:
-            self.loop.post(lambda engine: engine.abort_request(request_id))
-        else:
+        if kv.transfer.state is not TransferState.DONE:  # moved, `_move` frees its blocks here
             self.loop.post(lambda engine: _resume_if_held(engine, request_id))
         move.outcome = outcome
         move.ended.set()
