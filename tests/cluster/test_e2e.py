@@ -6,10 +6,7 @@ import asyncio
 import logging
 import os
 import re
-import shutil
 import signal
-import subprocess
-import time
 import urllib.request
 
 import grpc
@@ -27,8 +24,6 @@ from pdserve.client import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
-    Unauthenticated,
-    Unavailable,
 )
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -217,44 +212,6 @@ def test_a_decode_worker_killed_mid_stream_costs_no_token_over_each_transport(cl
     assert cluster.router.stats.retries > retries
     assert wait_until(lambda: all(w.healthy for w in cluster.workers), 90)
     wait_clean_audit(cluster)
-
-
-def self_signed_cert(tmp_path):
-    """A certificate for 127.0.0.1, made here with openssl (no network, valid for one day)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
-
-
-def test_tls_auth_and_unavailable_without_a_worker(model_dirs, tmp_path):
-    cert, key = self_signed_cert(tmp_path)
-    server = {"auth_token": "sesame", "tls_cert": str(cert), "tls_key": str(key)}
-    with Cluster(manifest(model_dirs[ARCH], server=server), log=lambda _: None) as cluster:
-        roots = cert.read_bytes()
-        with Client(cluster.address, timeout=30, root_certificates=roots) as anonymous, pytest.raises(Unauthenticated):
-            anonymous.generate("hello", max_tokens=2)
-        with Client(cluster.address, timeout=5) as plaintext, pytest.raises(Unavailable):
-            plaintext.generate("hello", max_tokens=2)  # the server speaks TLS only
-        with Client(cluster.address, timeout=30, token="sesame", root_certificates=roots) as client:
-            assert len(client.generate("hello", max_tokens=2, ignore_eos=True).token_ids) == 2
-            by_pool = {w.pool: w for w in cluster.workers}
-            for pool in ("prefill", "decode"):
-                ray.kill(by_pool[pool].handle)
-                deadline = time.time() + 5
-                while by_pool[pool].healthy and time.time() < deadline:  # the cluster supervisor notices
-                    time.sleep(0.05)
-                if pool == "prefill":  # with no prefill worker left, the decode worker prefills
-                    reply = client.generate("hello " * 60, max_tokens=2, ignore_eos=True)
-                    assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
-                    assert cluster.router_stack.server.serving()  # health checks do not drain a cluster that serves
-            assert not cluster.router_stack.server.serving()
-            # Refused at once: a request waiting for a worker would end in DEADLINE_EXCEEDED instead.
-            with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
-                client.generate("hello", max_tokens=2)
 
 
 @pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-gemma2"])

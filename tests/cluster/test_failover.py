@@ -351,7 +351,9 @@ def test_a_stream_on_a_killed_worker_resumes_at_once_not_at_the_next_ping_round(
     """Ping rounds 20 s apart: a decode worker killed mid-stream is known lost when its process dies
     (the supervisor's watch call fails), and the stream resumes on the other decode worker then, not
     when a ping round or the stream's own look would find it."""
-    pools = {"prefill": {"replicas": 1, "num_cpus": 0.25}, "decode": {"replicas": 2, "num_cpus": 0.25}}
+    # The victim stays dead: the stream's resumption, not the worker's, is what is timed.
+    pools = {"prefill": {"replicas": 1, "num_cpus": 0.25},
+             "decode": {"replicas": 2, "num_cpus": 0.25, "max_restarts": 0}}
     faults = {"stall_every_steps": 1, "stall_ms": STALL_MS, "workers": WORKERS_1P2D[1:]}
     slow_pings = {"ping_interval_s": 20, "ping_timeout_s": 5}
     m = manifest(model_dirs[ARCH], pools=pools, faults=faults, supervision=slow_pings, kv_transfer={"lease_s": 60})

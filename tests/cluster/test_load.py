@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -38,8 +39,8 @@ def inject_exception(self, path: str) -> None:
 
 
 def quarter_core_pools(**extra) -> dict:
-    """Pools asking Ray for a quarter core per worker: this module keeps up to four small clusters up at
-    once in one 2-CPU Ray instance (Ray's CPUs are logical: the workers still use what they need)."""
+    """Pools asking Ray for a quarter core per worker: this module keeps up to three small clusters up at
+    once (Ray's CPUs are logical: the workers still use what they need)."""
     return {pool: {"num_cpus": 0.25, **extra} for pool in ("prefill", "decode")}
 
 
@@ -52,7 +53,8 @@ def wait_healthy(cluster: Cluster, timeout_s: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with Cluster(manifest(model_dirs[ARCH]), log=lambda _: None) as c:
+    """The module's cluster. The faults at the end of the file cost its workers a restart each."""
+    with Cluster(manifest(model_dirs[ARCH], pools=quarter_core_pools(max_restarts=10)), log=lambda _: None) as c:
         yield c
 
 
@@ -143,11 +145,13 @@ PHASES = {
 
 # Over shm every prompt streams its KV layer by layer beside its pass; over gRPC these short prompts'
 # KV leaves when the pass ends (the default `layerwise_min_tokens`): a cancel meets either path.
-@pytest.fixture(scope="module", params=[("shm", 0), ("grpc", 1024)], ids=["shm-layerwise", "grpc-held"])
+@pytest.fixture(scope="module", params=["shm-layerwise", "grpc-held"])
 def transport_cluster(request, model_dirs):
-    transport, layerwise_min_tokens = request.param
-    with Cluster(manifest(model_dirs[ARCH], transport=transport, pools=quarter_core_pools(),
-                          kv_transfer={"layerwise_min_tokens": layerwise_min_tokens}), log=lambda _: None) as c:
+    if request.param == "shm-layerwise":  # the module's cluster streams every prompt's KV layer by layer
+        yield request.getfixturevalue("cluster")
+        return
+    with Cluster(manifest(model_dirs[ARCH], transport="grpc", pools=quarter_core_pools(),
+                          kv_transfer={"layerwise_min_tokens": 1024}), log=lambda _: None) as c:
         yield c
 
 
@@ -390,13 +394,16 @@ FAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def faulty_cluster(model_dirs):
-    pools = quarter_core_pools(max_restarts=10)  # every fault below costs its worker one restart
-    # Retries off: the request that met the fault must end with an explicit error naming it
-    # (tests/cluster/test_failover.py shows the retries).
-    with Cluster(manifest(model_dirs[ARCH], pools=pools, router={"max_retries": 0}), log=lambda _: None) as c:
-        yield c
+@pytest.fixture
+def faulty_cluster(cluster):
+    """The module's cluster with retries off: the request that met the fault must end with an
+    explicit error naming it (tests/cluster/test_failover.py shows the retries). These tests come
+    last in the file: each costs a worker a restart, and the last breaks the router's token hub."""
+    frontend = cluster.router_stack.frontend
+    budget = frontend.retry
+    frontend.retry = replace(budget, max_retries=0)
+    yield cluster
+    frontend.retry = budget
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

@@ -12,6 +12,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -21,7 +22,7 @@ from cluster_helpers import (assert_aborted, assert_idle, manifest, on_worker, r
 from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.client import Client
+from pdserve.client import Client, Unauthenticated, Unavailable
 from pdserve.cluster.launcher import Cluster
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.wire import LifetimeEvent
@@ -354,7 +355,7 @@ def test_metrics_families_and_counts_agree_with_what_was_served(cluster, api, gr
     assert blocks["used"] + blocks["free"] > 0 and blocks["cached"] >= 0
 
 
-# --- a second cluster for overload, an unhealthy pool, and TLS on the HTTP API -----------------------
+# --- a second cluster: overload, an unhealthy pool, TLS on both APIs, no worker left ---------------------
 @pytest.fixture(scope="module")
 def tls_cluster(model_dirs, tmp_path_factory):
     import trustme
@@ -365,8 +366,8 @@ def tls_cluster(model_dirs, tmp_path_factory):
     cert.private_key_pem.write_to_path(d / "key.pem")
     cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
     ca.cert_pem.write_to_path(d / "ca.pem")
-    m = manifest(model_dirs[ARCH], server={"tls_cert": str(d / "cert.pem"), "tls_key": str(d / "key.pem")},
-                 router={"max_active_decodes": 1})
+    m = manifest(model_dirs[ARCH], server={"tls_cert": str(d / "cert.pem"), "tls_key": str(d / "key.pem"),
+                                           "auth_token": TOKEN}, router={"max_active_decodes": 1})
     c = Cluster(m, log=lambda _: None)
     c.start()
     yield c, str(d / "ca.pem")
@@ -376,7 +377,7 @@ def tls_cluster(model_dirs, tmp_path_factory):
 def test_https_overload_is_429_with_retry_after_and_a_dead_pool_is_503(tls_cluster, model_dirs):
     cluster, ca = tls_cluster
     base = f"https://{cluster.http_address}"
-    api = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+    api = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0,
                         http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=ca)))
     model = cluster.manifest.served_name
     assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0).usage.completion_tokens
@@ -400,3 +401,31 @@ def test_https_overload_is_429_with_retry_after_and_a_dead_pool_is_503(tls_clust
     assert wait_until(lambda: decode.healthy, 90), "the restarted worker never rejoined"
     assert call(f"{base}/health", context=ssl.create_default_context(cafile=ca))[0] == 200
     assert_idle(cluster)
+
+
+def test_grpc_over_tls_asks_for_the_token_and_a_cluster_without_workers_refuses_at_once(tls_cluster):
+    """The gRPC API behind TLS and a token; then both workers stopped for good (the last test on this
+    cluster): with the prefill pool gone the decode worker prefills, with both gone every request is
+    refused at once."""
+    cluster, ca = tls_cluster
+    roots = Path(ca).read_bytes()
+    with Client(cluster.address, timeout=30, root_certificates=roots) as anonymous, pytest.raises(Unauthenticated):
+        anonymous.generate("hello", max_tokens=2)
+    with Client(cluster.address, timeout=5) as plaintext, pytest.raises(Unavailable):
+        plaintext.generate("hello", max_tokens=2)  # the server speaks TLS only
+    with Client(cluster.address, timeout=30, token=TOKEN, root_certificates=roots) as client:
+        assert len(client.generate("hello", max_tokens=2, ignore_eos=True).token_ids) == 2
+        by_pool = {w.pool: w for w in cluster.workers}
+        for pool in ("prefill", "decode"):
+            ray.kill(by_pool[pool].handle)
+            deadline = time.time() + 5
+            while by_pool[pool].healthy and time.time() < deadline:  # the cluster supervisor notices
+                time.sleep(0.05)
+            if pool == "prefill":  # with no prefill worker left, the decode worker prefills
+                reply = client.generate("hello " * 60, max_tokens=2, ignore_eos=True)
+                assert len(reply.token_ids) == 2 and "transfer_start" not in reply.events
+                assert cluster.router_stack.server.serving()  # health checks do not drain a cluster that serves
+        assert not cluster.router_stack.server.serving()
+        # Refused at once: a request waiting for a worker would end in DEADLINE_EXCEEDED instead.
+        with pytest.raises(Unavailable, match="no healthy worker in the decode pool"):
+            client.generate("hello", max_tokens=2)
