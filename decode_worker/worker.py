@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine_loop import LoopStopped
 from pdserve.engine.llm_engine import ImagePrompt, RequestHandoff
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.model_store import ModelSource
@@ -265,14 +266,21 @@ class DecodeWorker(WorkerBase):
                                in_doubt=in_doubt)
         pause_s = time.perf_counter() - held_at  # the target decodes it from here on
         # Its blocks go before the router hears it moved: a drain that has moved everything leaves
-        # nothing of its requests on this worker.
-        self.loop.call(lambda engine: engine.abort_request(request_id))
+        # nothing of its requests on this worker. Moved it is either way: a stopped loop's engine
+        # went with the blocks, and a slow loop frees them when it runs the command.
+        def drop(engine: LLMEngine) -> None:
+            engine.abort_request(request_id)
+
+        try:
+            self.loop.call(drop, kind="kv")
+        except (LoopStopped, TimeoutError):
+            self.loop.post(drop, kind="kv")
         return MoveOutcome(True, recomputed=kv.recompute, kv_tokens=kv.num_kv_tokens, kv_bytes=kv.transfer.bytes_moved,
                            pause_s=pause_s, events=self._events.pop(request_id, {}))
 
     def _move_ended(self, kv: OutgoingKV, outcome: TransferOutcome) -> None:
-        """The mover ended a move's transfer (on its thread): committed, the blocks here go (the
-        request is the target's); failed, the request goes back into this batch."""
+        """The mover ended a move's transfer (on its thread): failed, the request goes back into this
+        batch (committed, `_move` frees it here)."""
         request_id = kv.request_id
         with self._moves_lock:
             move = self._moves.get(request_id)
