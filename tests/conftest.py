@@ -21,10 +21,11 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The cluster tests first. `make test` hands whole files to its two processes in collection order
-    (`--no-loadscope-reorder`); a long cluster file handed out last would leave the other process
-    idle while it runs, and the short files after them fill the gaps."""
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/cluster/"))
+    """The cluster tests first, then the fuzz tests (the longest of the rest, about 100 s). `make test`
+    hands whole files to its two processes in collection order (`--no-loadscope-reorder`); a long file
+    handed out last would leave the other process idle while it runs, and the short files after them
+    fill the gaps."""
+    items.sort(key=lambda item: (not item.nodeid.startswith("tests/cluster/"), "fuzz" not in item.nodeid))
 
 
 @pytest.fixture(scope="session")
