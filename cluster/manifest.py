@@ -332,6 +332,9 @@ class ServerSpec(_Strict):
         MAX_MESSAGE_BYTES, ge=2**10, lt=2**31,
         description="The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) "
                     "and a gRPC message (RESOURCE_EXHAUSTED).")
+    max_http_connections: int = Field(
+        1024, ge=1, description="HTTP connections open at once (one more is closed as it is accepted); each must "
+                                "send a request's headers within 10 s of opening or of its last answer.")
     images: ImagesSpec = Field(ImagesSpec(), description="Bounds on the images of a vision-language model's "
                                                          "requests, and the encode workers' embedding cache.")
 

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.diagnostics import shown
+
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 # What one request may ask of every engine step it runs in: each step looks the sequence's newest token
 # up in its stop_token_ids and searches its output text for each stop string, so a request with a
@@ -86,42 +88,33 @@ class SamplingParams:
         # takes any JSON integer) would fail the engine step of every request in the batch.
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
             raise BadParameter("top_k", f"top_k must be an integer >= 0 and < 2**63 (0 disables it), got "
-                                        f"{_short(self.top_k)}")
+                                        f"{shown(self.top_k)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise BadParameter("max_tokens", f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
+            raise BadParameter("max_tokens", f"max_tokens must be an integer >= 1, got {shown(self.max_tokens)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise BadParameter("seed", f"seed must be an integer in [0, 2**63), got {_short(self.seed)}")
+            raise BadParameter("seed", f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
         for name in ("ignore_eos", "logprobs", "speculative"):  # flags: a count (OpenAI's logprobs=5 alternatives) is refused
             if not isinstance(getattr(self, name), bool):
-                raise BadParameter(name, f"{name} must be true or false, got {_short(getattr(self, name))}")
+                raise BadParameter(name, f"{name} must be true or false, got {shown(getattr(self, name))}")
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise BadParameter("proposer", f"proposer must be one of {', '.join(PROPOSERS)} (or unset: the "
-                                           f"deployment's), got {_short(self.proposer)}")
+                                           f"deployment's), got {shown(self.proposer)}")
         # Errors name the first bad entry, not the whole list: a client's list may be huge.
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise BadParameter("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
                                                  f"{MAX_STOP_TOKEN_IDS} are allowed")
         for i, t in enumerate(self.stop_token_ids):
             if not isinstance(t, int) or t < 0:
-                raise BadParameter("stop_token_ids", f"stop_token_ids must be non-negative integers, got {_short(t)} "
+                raise BadParameter("stop_token_ids", f"stop_token_ids must be non-negative integers, got {shown(t)} "
                                                      f"at index {i}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise BadParameter("stop", f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise BadParameter("stop", f"stop must be a list of non-empty strings, got {_short(s)} at index {i}")
+                raise BadParameter("stop", f"stop must be a list of non-empty strings, got {shown(s)} at index {i}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise BadParameter("stop", f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; the "
                                            f"one at index {i} has {len(s)}")
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """A client's value for an error message, cut to about `limit` characters: a message must stay
-    readable, and a gRPC status's message travels in a header of at most 16 KiB."""
-    if isinstance(value, int) and value.bit_length() > 256:  # repr fails past 4300 digits
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_real(x: object) -> bool:
@@ -145,7 +138,7 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise BadParameter("prompt", f"prompt token ids must be integers in [0, {vocab_size}); got "
-                                 f"{', '.join(_short(t) for t in bad[:5])}")
+                                 f"{', '.join(shown(t) for t in bad[:5])}")
 
 
 def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:

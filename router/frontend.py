@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pdserve.diagnostics import shown
 from pdserve.engine.multimodal.images import ImageLimits, check_image_header
 from pdserve.engine.sampling_params import (
     BadParameter,
@@ -86,6 +87,8 @@ COMPLETED_KEPT = 65536  # the requests that ended last, for the online planner's
 MOVES_AT_ONCE = 8  # a drain's moves in flight (a decode worker runs 16 at once: `MIGRATE_THREADS`)
 MOVE_TRIES = 3  # moves of one request that failed before a drain moves it by recompute instead
 DRAIN_POLL_S = 0.05  # how often a drain looks for requests to move while its moves run
+# A client's request id is echoed in every response and logged (as its repr, where a line could be forged).
+MAX_REQUEST_ID_CHARS = 256
 
 
 class RequestFailed(Exception):
@@ -205,8 +208,7 @@ class Frontend:
 
     def check_model(self, name: str) -> None:
         if name and name != self.model.name:
-            shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"  # a readable error
-            raise RequestFailed(NOT_FOUND, f"unknown model {shown}; this server serves {self.model.name!r}",
+            raise RequestFailed(NOT_FOUND, f"unknown model {shown(name)}; this server serves {self.model.name!r}",
                                 param="model")
 
     async def off_loop(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -372,6 +374,13 @@ class Frontend:
             raise RequestFailed(UNAVAILABLE, f"could not dispatch the request: {type(e).__name__}: {e}") from None
         self.active.add(active)
         return active
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse a client's request id too long to echo in every response (checked right after the model)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise BadParameter("request_id", f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters, got "
+                                         f"{len(request_id)}")
 
 
 class ActiveRequest:
@@ -541,7 +550,8 @@ class ActiveRequest:
             raise RequestFailed(UNAVAILABLE, f"request failed{tried}: {cause}")
         self.retry_causes.append(cause)
         attempt = len(self.retry_causes)
-        log.warning("request %s: %s; attempt %d of %d", self.request_id, cause, attempt + 1, budget.max_retries + 1)
+        log.warning("request %s: %s; attempt %d of %d", shown(self.request_id), cause, attempt + 1,
+                    budget.max_retries + 1)
         failed = self.placement.touched
         self._end_attempt(aborted=True)
         self.work = dataclasses.replace(self.work, request_id=f"{self.request_id}.{attempt}")

@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -40,10 +40,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.client import MAX_MESSAGE_BYTES
+from pdserve.diagnostics import shown
 from pdserve.engine.sampling_params import BadParameter, SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2
 from pdserve.router.image_urls import ImageFetch
-from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed
+from pdserve.router.frontend import ActiveRequest, Frontend, RequestFailed, check_request_id
 from pdserve.router.pool_admin import PoolAdmin
 from pdserve.router.health_report import HealthReport
 from pdserve.router.metrics import CONTENT_TYPE
@@ -62,6 +63,10 @@ STATUS = {
     "UNAVAILABLE": (503, "service_unavailable_error"),
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
 }
+# Validation stops at a list's first bad element: each error costs the loop time and memory, and a body
+# of a million bad elements would make a million of them.
+FAIL_FAST = Field(fail_fast=True)
+MAX_PROBLEMS_SHOWN = 3  # of a body's validation errors, in the message
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 # vLLM's and SGLang's extensions that change what is generated, with the value that changes nothing: a
 # request may send that value (clients often do), any other is refused rather than dropped unseen.
@@ -90,8 +95,8 @@ class _Body(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1)  # vLLM's and SGLang's -1, like 0: no cut
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
+    stop_token_ids: Annotated[list[int], FAIL_FAST] | None = None
     ignore_eos: bool | None = None
     speculative: bool | None = None  # pdserve's: false turns speculative decoding off for the request
     proposer: str | None = None  # pdserve's: "suffix" or "draft_model" where the deployment runs both
@@ -101,7 +106,7 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # refused unless empty: its values are never read
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
@@ -135,7 +140,8 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (str | Annotated[list[int], FAIL_FAST] | Annotated[list[str], FAIL_FAST]
+             | Annotated[list[Annotated[list[int], FAIL_FAST]], FAIL_FAST])
     logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None
     suffix: str | None = None
@@ -160,7 +166,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
 
     @field_validator("content")
     @classmethod
@@ -174,7 +180,7 @@ class ChatMessage(BaseModel):
             if kind == "image_url" and isinstance(image, dict) and isinstance(image.get("url"), str):
                 continue
             raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": ...}} or {{\"type\": "
-                             f"\"image_url\", \"image_url\": {{\"url\": ...}}}}, got a part of type {kind!r}")
+                             f"\"image_url\", \"image_url\": {{\"url\": ...}}}}, got a part of type {shown(kind)}")
         return v
 
     def images_as_parts(self, fetch: ImageFetch) -> tuple[dict[str, Any], list[bytes]]:
@@ -189,7 +195,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -279,6 +285,7 @@ class _OpenAIApi:
             with frontend.refusals(API):
                 body = _parse(body_type, await _read_body(request, self.max_body_bytes))
                 frontend.check_model(body.model)
+                check_request_id(request.headers.get("x-request-id", ""))
                 body.check_supported()
                 fmt = fmt_type(frontend, body)
                 await fmt.read_prompt()
@@ -333,7 +340,7 @@ class _OpenAIApi:
         except RequestFailed as e:
             yield _sse(_error_body(e))
         except Exception as e:  # a bug: the client still gets an error event and the stream's end
-            log.exception("request %s: the HTTP stream failed", active.request_id)
+            log.exception("request %s: the HTTP stream failed", shown(active.request_id))
             yield _sse(_error_body(_as_bug(e)))
         finally:
             active.finish()
@@ -556,15 +563,23 @@ class _RequestStream(StreamingResponse):
 
 
 def _parse(body_type: type[_Body], raw: bytes) -> _Body:
-    """The request body, validated; BadParameter naming each bad field (`param`: the first)."""
+    """The request body, validated; BadParameter naming its first bad fields (`param`: the first). A
+    field's path holds the client's own keys: each part is shown shortened."""
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as e:
-        fields, problems = [], []
-        for err in e.errors():
-            fields.append(".".join(str(p) for p in err["loc"]) or "body")
-            problems.append(f"{fields[-1]}: {err['msg']}")
-        raise BadParameter(fields[0], "invalid request: " + "; ".join(problems)) from None
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        fields = [".".join(map(_path_part, err["loc"])) or "body" for err in errors[:MAX_PROBLEMS_SHOWN]]
+        problems = [f"{field}: {err['msg'][:300]}" for field, err in zip(fields, errors)]  # (no client text)
+        more = f" (and {len(errors) - len(problems)} more)" if len(errors) > len(problems) else ""
+        raise BadParameter(fields[0], "invalid request: " + "; ".join(problems) + more) from None
+
+
+def _path_part(part: str | int) -> str:
+    """A part of a bad field's path: a client's key is shown as given only when short and printable."""
+    if isinstance(part, int) or (part.isprintable() and len(part) <= 40):
+        return str(part)
+    return shown(part, 40)
 
 
 def _timings(r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:

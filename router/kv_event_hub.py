@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pdserve.diagnostics import shown
 from pdserve.kv_events import KVEventBatch, parse_kv_event_batch
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.zmq_pull import PullHub
@@ -172,7 +173,7 @@ class KVEventHub(PullHub):
             state.last_seq = first + len(batch.events) - 1
 
     def _start_resync(self, worker: str, state: _Worker, requests: list[str]) -> None:
-        log.info("KV events of %s lost (last applied %d): resyncing from a snapshot", worker, state.last_seq)
+        log.info("KV events of %s lost (last applied %d): resyncing from a snapshot", shown(worker), state.last_seq)
         self.resyncs += 1
         state.resyncing = True
         self._want_snapshot(worker, state, requests)
@@ -198,7 +199,7 @@ class KVEventHub(PullHub):
             try:
                 self._request_snapshot(worker)
             except Exception:
-                log.exception("requesting a KV snapshot of %s failed; asking again on its next batch", worker)
+                log.exception("requesting a KV snapshot of %s failed; asking again on its next batch", shown(worker))
                 with self._lock:
                     state = self._workers.get(worker)
                     if state is not None:

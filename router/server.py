@@ -23,6 +23,7 @@ from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.health_report import (HealthReport, ModelHealth, PlannerHealth, PoolHealth, encoder_health,
                                            worker_health)
 from pdserve.router.http_api import create_app
+from pdserve.router.http_connections import bounded_h11
 from pdserve.router.pool_admin import PoolAdmin, PoolControl
 from pdserve.router.service import RouterService, add_to_server
 
@@ -43,17 +44,20 @@ def _log_failure(future: Future) -> None:
 
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer TOKEN` on every call except health checks (compared in
-    constant time); `on_deny` hears of each refusal."""
+    constant time); `on_deny` hears of each refusal.
+
+    A refused call is answered by a handler that streams its requests and reads none: gRPC reads a
+    unary call's whole message before its handler runs (up to `max_request_bytes` for each call a
+    stranger opens), a streaming handler's only as it asks for them."""
 
     def __init__(self, token: str, on_deny: Callable[[], None]) -> None:
         self._expected = token.encode()
         self._on_deny = on_deny
 
-        async def deny(request, context):
+        async def deny(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         given = dict(details.invocation_metadata or ()).get("authorization", "")
@@ -62,13 +66,14 @@ class TokenAuth(grpc.aio.ServerInterceptor):
                 scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)):
             return await continuation(details)
         self._on_deny()
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny_unary
+        return self._deny
 
 
 class RouterServer:
     def __init__(self, service: RouterService, loop: EventLoopThread, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
                  client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES,
+                 max_http_connections: int = 1024,
                  pool_control: PoolControl | None = None, admin_token: str | None = None,
                  planner_status: Callable[[], PlannerHealth | None] = lambda: None) -> None:
         """`pool_control`: the cluster, which the HTTP API's admin routes reshape (`pool_admin`) for callers
@@ -84,6 +89,7 @@ class RouterServer:
         self.client_ca = client_ca  # PEM of the CA whose certificates clients must present (gRPC and HTTPS)
         self.auth_token = auth_token
         self.max_request_bytes = max_request_bytes  # the largest HTTP body and gRPC message taken
+        self.max_http_connections = max_http_connections
         self.address: str | None = None
         self.http_address: str | None = None  # HOST:PORT once started; None without an HTTP API
         self._http: uvicorn.Server | None = None
@@ -141,8 +147,8 @@ class RouterServer:
         tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])} if self.tls else {}
         if self.client_ca is not None:  # mutual TLS: the handshake fails without a certificate the CA signed
             tls.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, **tls)
+        config = uvicorn.Config(app, http=bounded_h11(self.max_http_connections), log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=2, **tls)
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.ensure_future(_serve(self._http, sock))
         deadline = asyncio.get_running_loop().time() + timeout_s

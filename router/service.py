@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.frontend import Frontend, RequestFailed
+from pdserve.router.frontend import Frontend, RequestFailed, check_request_id
 
 MAX_DETAILS_CHARS = 500  # a status message travels in a header (16 KiB at most, non-ASCII percent-encoded)
 
@@ -44,9 +44,12 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             self.frontend.check_model(request.model)
+            ids = await self.frontend.prompt_ids(request.text)  # text too long for any context: refused untokenized
+        except ValueError as e:
+            await abort(context, RequestFailed.bad_input(e))
         except RequestFailed as e:
             await abort(context, e)
-        return pdserve_pb2.TokenizeResponse(token_ids=await self.frontend.tokenize(request.text))
+        return pdserve_pb2.TokenizeResponse(token_ids=ids)
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -56,6 +59,7 @@ class RouterService(pdserve_pb2_grpc.PDServeServicer):
                 if isinstance(request, Undecodable):
                     raise ValueError(request.message)
                 frontend.check_model(request.model)
+                check_request_id(request.request_id)
                 kind = request.WhichOneof("prompt")
                 if kind is None:
                     raise ValueError("prompt is missing: set text or token_ids")

@@ -75,8 +75,8 @@ class RouterStack:
         tls = (s.tls_cert, s.tls_key) if s.tls_cert is not None else None
         self.server = RouterServer(RouterService(frontend), self.loop, s.address, tls=tls, auth_token=s.token,
                                    http_address=s.http_address, client_ca=s.tls_client_ca,
-                                   max_request_bytes=s.max_request_bytes, pool_control=pool_control, admin_token=s.admin,
-                                   planner_status=planner_status)
+                                   max_request_bytes=s.max_request_bytes, max_http_connections=s.max_http_connections,
+                                   pool_control=pool_control, admin_token=s.admin, planner_status=planner_status)
         return self.server.start()
 
     @property

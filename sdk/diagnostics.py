@@ -14,6 +14,17 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """A peer's value for a log line or an error message: its repr (control characters such as a newline
+    escaped, so it cannot forge a line), cut to about `limit` characters (a message stays readable, and
+    a gRPC status's message travels in a header of at most 16 KiB)."""
+    if isinstance(value, int) and value.bit_length() > 256:  # repr fails past 4300 digits
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    length = len(value) if isinstance(value, str) else len(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({length} characters)"
+
+
 class _DiagnosticsHandler(logging.StreamHandler):
     """The handler `configure_diagnostics` installs (found again by its type: configuring twice adds none)."""
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from pdserve.diagnostics import shown
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, CorruptFrame, FrameHeader, FrameSink, TransferError
 from pdserve.kv_transfer.transports.idle import IdlePool
 from pdserve.threads import start_guarded
@@ -241,7 +242,7 @@ class ControlServer:
             status, text = REFUSED, f"{type(error.__cause__ or error).__name__}: {error}"
         else:
             if not isinstance(error, TransferError):
-                log.error("KV %s receiver: message %r failed", self.name, kind, exc_info=error)
+                log.error("KV %s receiver: message %s failed", self.name, shown(kind), exc_info=error)
             status, text = FAILED, f"{type(error).__name__}: {error}"
         return [bytes([status]), text.encode()]
 

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from pdserve.diagnostics import shown
 from pdserve.kv_transfer.interface import MAX_FRAME_BYTES, FrameHeader, FrameSink, Payload, TransferError
 from pdserve.kv_transfer.side_streams import GROUP_PRIORITY
 from pdserve.kv_transfer.transports.control import (ClientPool, ControlClient, ControlServer, Deferred, deliver,
@@ -600,7 +601,7 @@ class P2PReceiver:
             joined.store.check([group_id])
         except RuntimeError as e:  # DistNetworkError: its connection is closed
             log.info("KV %s receiver: the sender of group %s is gone (%s); group torn down",
-                     self.backend, group_id, (str(e).splitlines() or ["no reason given"])[0][:200])
+                     self.backend, shown(group_id), (str(e).splitlines() or ["no reason given"])[0][:200])
             self._tear_down(group_id, joined)
         finally:
             with self._lock:

@@ -1,7 +1,8 @@
 """The client APIs against what a hostile or careless client sends, on a real cluster (colocated, one
 worker: the cheapest real setup) through the real clients: text too long for the context is refused
 before it is tokenized, and tokenizing never holds up the event loop that serves every other request;
-requests past the size limit are answered unread; sampling parameters are bounded; the SDK refuses
+requests past the size limit are answered unread, and a call without the token before its message is
+read; a body of many bad values gets a short answer; request ids and sampling parameters are bounded; the SDK refuses
 text it cannot send as its own InvalidArgument, and warns when its token would cross the network in
 clear text."""
 
@@ -83,6 +84,7 @@ def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(grpc_cl
         "completions": lambda: api.completions.create(model="", prompt=HUGE_TEXT, max_tokens=1),
         "chat": lambda: api.chat.completions.create(model="", messages=[{"role": "user", "content": HUGE_TEXT}],
                                                     max_tokens=1),
+        "tokenize": lambda: grpc_client.tokenize(HUGE_TEXT),  # it once took 13 s of a tokenizer thread
     }
     for api_name, call in calls.items():
         # The count of characters, not of tokens: the text was never tokenized.
@@ -215,6 +217,69 @@ def test_requests_past_the_size_limit_are_refused_unread(cluster, grpc_client, a
     finally:
         channel.close()
     assert len(grpc_client.generate(IDS, max_tokens=2).token_ids) == 2  # and the server serves on
+
+
+def test_a_call_without_the_token_is_refused_before_its_message_is_read(cluster):
+    """gRPC reads a unary call's whole message before its handler runs, and a stranger's calls were
+    refused by such a handler: each made the router buffer up to 16 MiB first. A call that never sends
+    its message is now refused at once (it used to wait for the message until its deadline); with the
+    token, the same call waits for its message as every call does."""
+    release = threading.Event()
+
+    def never_sent() -> Iterator[bytes]:  # a call whose message is still coming
+        release.wait(30)
+        yield b""
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        for method in ("/pdserve.v1.PDServe/Generate", "/pdserve.v1.PDServe/Tokenize"):
+            call = channel.stream_stream(method)
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(never_sent(), timeout=20))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, e.value)
+        with pytest.raises(grpc.RpcError) as e:
+            list(channel.stream_stream("/pdserve.v1.PDServe/Tokenize")(
+                never_sent(), timeout=2, metadata=[("authorization", f"Bearer {TOKEN}")]))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    release.set()
+
+
+def post(cluster: Cluster, body: bytes, headers: dict[str, str] | None = None,
+         path: str = "/v1/completions") -> tuple[int, dict]:
+    host, port = cluster.http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", path, body, {"Authorization": f"Bearer {TOKEN}",
+                                                "Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_body_of_many_bad_values_gets_a_short_answer(cluster, grpc_client):
+    """Validation made an error of every bad element of a list, once per type a field may take, and the
+    answer (and the log) joined them all: 300 KB of `{}` in a prompt took 2.4 s of the event loop and a
+    17 MB message. It now stops at a list's first bad element and names the first three problems."""
+    cases = {"prompt": ("/v1/completions", {"prompt": [{}] * 500_000}),
+             "stop_token_ids": ("/v1/completions", {"prompt": IDS, "stop_token_ids": ["x"] * 500_000}),
+             "logit_bias": ("/v1/completions", {"prompt": IDS, "logit_bias": {f"{i}": "x" for i in range(100_000)}}),
+             "messages": ("/v1/chat/completions", {"messages": [{"role": "robot"}] * 100_000})}
+    for name, (path, body) in cases.items():
+        status, reply = post(cluster, json.dumps({"max_tokens": 1, **body}).encode(), path=path)
+        assert status == 400 and len(reply["error"]["message"]) < 500, (name, status, str(reply)[:500])
+        assert reply["error"]["param"].startswith(name), (name, reply)
+    status, reply = post(cluster, json.dumps({"prompt": [[1, "x"] * 100_000], "max_tokens": 1}).encode())
+    assert status == 400 and reply["error"]["message"].endswith("(and 1 more)"), reply
+    assert len(grpc_client.generate(IDS, max_tokens=2).token_ids) == 2
+
+
+def test_a_request_id_is_bounded(grpc_client, cluster):
+    """A client's request id is echoed in every response and logged: an 8 MiB one went into each."""
+    message = refusal(lambda: grpc_client.generate(IDS, max_tokens=1, request_id="r" * 300))
+    assert message == "request_id may have at most 256 characters, got 300", message
+    status, reply = post(cluster, json.dumps({"prompt": IDS, "max_tokens": 1}).encode(), {"x-request-id": "r" * 300})
+    assert status == 400 and reply["error"]["param"] == "request_id", reply
+    assert grpc_client.generate(IDS, max_tokens=1, request_id="r" * 256).request_id == "r" * 256
 
 
 # --- sampling parameters ----------------------------------------------------------------------------

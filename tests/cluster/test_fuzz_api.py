@@ -28,6 +28,7 @@ from pdserve.engine.models.presets import make_model
 from pdserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
+from pdserve.router.frontend import MAX_REQUEST_ID_CHARS
 
 SENT: Counter[str] = Counter()  # generated requests per API, checked by test_zz_totals
 MAX_DETAILS = 600  # a refusal's message is short enough to read (and to travel in a gRPC header)
@@ -53,6 +54,8 @@ def problems(request: pb.GenerateRequest, info: pb.ModelInfo, tokenizer) -> list
     found = []
     if request.model and request.model != info.name:
         found.append("unknown model")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        found.append("request_id")
     kind = request.WhichOneof("prompt")
     if kind is None:
         found.append("prompt")
@@ -105,7 +108,7 @@ def generate_requests(draw: st.DrawFn, info: pb.ModelInfo) -> pb.GenerateRequest
         "stop": (st.lists(ODD_TEXT.filter(bool), max_size=3),
                  st.lists(ODD_TEXT, max_size=4) | st.just(["x" * 1000] * 200 + [""])
                  | st.just(["\U0001F600" * 300] * 50)),
-        "request_id": (ODD_TEXT, st.just("r" * 100_000)),
+        "request_id": (ODD_TEXT.filter(lambda t: len(t) <= MAX_REQUEST_ID_CHARS), st.just("r" * 100_000)),
     }
     broken = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
     value = {name: draw(bad if name in broken else good) for name, (good, bad) in fields.items()}
@@ -154,15 +157,19 @@ def test_generate_refuses_bad_requests_clearly_and_serves_good_ones(served, data
 
 @fuzz_settings(300)
 @given(model=st.sampled_from(["", "m" * 100_000]) | ODD_TEXT, text=ODD_TEXT | HUGE_TEXT)
-def test_tokenize_refuses_unknown_models_and_takes_any_text(served, model, text):
+def test_tokenize_refuses_unknown_models_and_text_too_long_for_the_context_and_takes_the_rest(served, model, text):
     cluster, channel, stub, tokenizer, info = served
+    model_info = cluster.router_stack.server.service.frontend.model
+    too_long = len(text) > (info.max_model_len - 1) * model_info.max_token_chars  # refused untokenized
     try:
         ids = stub.Tokenize(pb.TokenizeRequest(model=model, text=text), timeout=30).token_ids
     except grpc.RpcError as e:
-        assert model and model != info.name, (e.code(), e.details())
-        check_refusal(e.code(), e.details(), ["unknown model"])
+        wrong_model = bool(model) and model != info.name
+        assert wrong_model or too_long, (e.code(), e.details())
+        check_refusal(e.code(), e.details(), ["unknown model" if wrong_model else "characters, more than the"])
     else:
-        assert (not model or model == info.name) and list(ids) == tokenizer.encode(text, add_special_tokens=False)
+        assert (not model or model == info.name) and not too_long
+        assert list(ids) == tokenizer.encode(text, add_special_tokens=False)
     SENT["grpc_tokenize"] += 1
 
 
