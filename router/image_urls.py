@@ -4,14 +4,19 @@ manifest allows (`server.images.url_hosts`), fetched with bounds.
 An open fetcher would let any client make the router request any address it can reach (cloud metadata
 services, internal hosts): so a host must be named exactly (with its port, when not the scheme's own),
 URLs with user info are refused, and so are redirects (one could lead off
-the allowed host), and the body is read against a byte limit and an overall deadline (a server that
-drips bytes cannot hold the thread longer). Runs on the router's tokenizer threads, never its event loop.
+the allowed host), and the body is read against a byte limit, all of it against an overall deadline (a
+server that drips its headers or its body cannot hold the thread longer: urllib's timeout bounds each
+read, not the fetch, so the socket is shut at the deadline). Runs on the router's tokenizer threads,
+never its event loop.
 """
 
 from __future__ import annotations
 
 import binascii
+import functools
 import http.client
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -47,9 +52,11 @@ class ImageFetch:
 
     def _fetch(self, url: str, host: str) -> bytes:
         deadline = time.monotonic() + self.timeout_s
-        opener = urllib.request.build_opener(_NoRedirects)
+        watchdog = _Watchdog(self.timeout_s)
+        opener = urllib.request.build_opener(_NoRedirects, _WatchedHTTP(watchdog), _WatchedHTTPS(watchdog))
         try:
-            with opener.open(urllib.request.Request(url, headers={"Accept": "image/*"}), timeout=self.timeout_s) as r:
+            with watchdog, opener.open(urllib.request.Request(url, headers={"Accept": "image/*"}),
+                                       timeout=self.timeout_s) as r:
                 declared = r.headers.get("content-length")
                 if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
                     raise BadParameter("messages", f"the image at {host} has {declared} bytes, more than the "
@@ -62,6 +69,8 @@ class ImageFetch:
                                                        "bytes allowed")
                     if time.monotonic() > deadline:
                         raise TimeoutError
+                if watchdog.expired:  # the socket was shut: what came is not the whole image
+                    raise TimeoutError
                 return bytes(body)
         except BadParameter:
             raise
@@ -69,7 +78,8 @@ class ImageFetch:
             e.close()
             raise BadParameter("messages", f"the image at {host} could not be fetched (HTTP {e.code})") from None
         except (OSError, ValueError, http.client.HTTPException) as e:  # refused, unreachable, timed out, malformed
-            raise BadParameter("messages", f"the image at {host} could not be fetched ({type(e).__name__})") from None
+            why = "TimeoutError" if watchdog.expired else type(e).__name__
+            raise BadParameter("messages", f"the image at {host} could not be fetched ({why})") from None
 
 
 def _host(url: str) -> str | None:
@@ -91,3 +101,77 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, *args: object, **kwargs: object) -> None:
         return None
+
+
+class _Watchdog:
+    """Shuts a fetch's socket down when its time is up, which ends whatever read waits on it. A timer
+    thread does it: the fetching thread is blocked in that read."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            self._socket = sock
+            if self.expired:
+                _shut(sock)
+        return sock
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            if self._socket is not None:
+                _shut(self._socket)
+
+    def __enter__(self) -> _Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+
+
+class _Watched:
+    """A connection whose socket the watchdog holds from the moment it is made (a TLS handshake too)."""
+
+    def __init__(self, *args: object, watchdog: _Watchdog, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = lambda *a, **k: watchdog.watch(socket.create_connection(*a, **k))
+
+
+class _WatchedConnection(_Watched, http.client.HTTPConnection):
+    pass
+
+
+class _WatchedTLSConnection(_Watched, http.client.HTTPSConnection):
+    pass
+
+
+class _WatchingHandler:
+    """A urllib handler that opens its connections watched."""
+
+    def __init__(self, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self._watchdog = watchdog
+
+
+class _WatchedHTTP(_WatchingHandler, urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_WatchedConnection, watchdog=self._watchdog), req)
+
+
+class _WatchedHTTPS(_WatchingHandler, urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_WatchedTLSConnection, watchdog=self._watchdog), req,
+                            context=self._context)

@@ -37,6 +37,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(bytes(4096))
         elif self.path == "/garbage":
             self.wfile.write(b"SECRET-BANNER of another service\r\n\r\n")  # not HTTP
+        elif self.path == "/drip-headers":  # its status line, then a header byte at a time
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for _ in range(40):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
         elif self.path == "/drip":
             self.send_response(200)
             self.end_headers()
@@ -95,11 +101,12 @@ def test_only_allowed_hosts_are_fetched_and_nothing_is_asked_of_others(server):
 
 @pytest.mark.parametrize(("path", "why"), [
     ("/redirect", r"HTTP 302"), ("/big", "more than the 1024"), ("/big-undeclared", "more than the 1024"),
-    ("/missing", "HTTP 404"), ("/drip", "TimeoutError"), ("/garbage", r"\(BadStatusLine\)$")])
+    ("/missing", "HTTP 404"), ("/drip", "TimeoutError"), ("/drip-headers", "TimeoutError"),
+    ("/garbage", r"\(BadStatusLine\)$")])
 def test_redirects_sizes_and_slow_servers_are_bounded(server, path, why):
     fetch = ImageFetch(frozenset({server.removeprefix("http://")}), max_bytes=1024, timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(BadParameter, match=why):  # never the peer's own text
         fetch.image_bytes(server + path)
-    assert time.monotonic() - started < 2.5  # the drip (4 s of bytes) is cut at the deadline
+    assert time.monotonic() - started < 2.5  # a drip (4 s of bytes, of the body or the headers) is cut at the deadline
     assert "/image.png" not in _Handler.requests  # a redirect is never followed
