@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pdserve.client import MAX_MESSAGE_BYTES
 from pdserve.deadlines import Deadlines, HealthDeadlines, KVDeadlines
 from pdserve.engine.multimodal.images import ImageLimits
+from pdserve.router.http_connections import MAX_CONNECTIONS
 from pdserve.router.image_urls import ImageFetch
 from pdserve.engine.speculative.config import SpeculativeConfig
 from pdserve.diagnostics import LogLevel
@@ -333,8 +334,10 @@ class ServerSpec(_Strict):
         description="The largest request either API takes: an HTTP body (past it: 413, and no more of it is read) "
                     "and a gRPC message (RESOURCE_EXHAUSTED).")
     max_http_connections: int = Field(
-        1024, ge=1, description="HTTP connections open at once (one more is closed as it is accepted); each must "
-                                "send a request's headers within 10 s of opening or of its last answer.")
+        MAX_CONNECTIONS, ge=1, le=2**16,
+        description="HTTP connections open at once (one more is closed as it is accepted; under TLS, once its "
+                    "handshake is done); each must send a request's headers within 10 s of opening or of its last "
+                    "answer, and its body within 60 s.")
     images: ImagesSpec = Field(ImagesSpec(), description="Bounds on the images of a vision-language model's "
                                                          "requests, and the encode workers' embedding cache.")
 

@@ -141,7 +141,7 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, 
                                  f"{', '.join(shown(t) for t in bad[:5])}")
 
 
-def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int) -> None:
+def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int, param: str = "prompt") -> None:
     """Raise ValueError when `text` cannot fit max_model_len whatever it tokenizes to, without tokenizing
     it (seconds for a long text): no token stands for more than `max_token_chars` characters, so text
     longer than (max_model_len - 1) x max_token_chars holds too many tokens for check_prompt to pass.
@@ -150,7 +150,7 @@ def check_prompt_text(text: str, max_token_chars: int | None, max_model_len: int
         return
     limit = (max_model_len - 1) * max_token_chars
     if len(text) > limit:
-        raise BadParameter("prompt", f"prompt has {len(text)} characters, more than the {limit} that can fit the "
+        raise BadParameter(param, f"{param} has {len(text)} characters, more than the {limit} that can fit the "
                                      f"context limit of {max_model_len} tokens (max_model_len, which must leave room "
                                      f"for one generated token; no token of this model stands for more than "
                                      f"{max_token_chars} characters)")

@@ -221,11 +221,12 @@ class Frontend:
         """`text`'s token ids, as the Tokenize API gives them (no special tokens added)."""
         return await self.off_loop(self.model.tokenizer.encode, text, add_special_tokens=False)
 
-    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids. Text that cannot fit the context is refused (ValueError) untokenized."""
+    async def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """A prompt's token ids. Text that cannot fit the context is refused (ValueError naming `param`)
+        untokenized."""
         if not isinstance(prompt, str):
             return list(prompt)
-        check_prompt_text(prompt, self.model.max_token_chars, self.model.info.max_model_len)
+        check_prompt_text(prompt, self.model.max_token_chars, self.model.info.max_model_len, param)
         return await self.tokenize(prompt)
 
     def default_max_tokens(self, ids: list[int], default: int) -> int:

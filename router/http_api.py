@@ -67,6 +67,9 @@ STATUS = {
 # of a million bad elements would make a million of them.
 FAIL_FAST = Field(fail_fast=True)
 MAX_PROBLEMS_SHOWN = 3  # of a body's validation errors, in the message
+# A request's whole body, from its headers' end (which `http_connections` bounds): 16 MiB at 2.2 Mbit/s.
+# A peer that sends headers and then nothing would otherwise hold its connection, one of those capped.
+BODY_TIMEOUT_S = 60.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 # vLLM's and SGLang's extensions that change what is generated, with the value that changes nothing: a
 # request may send that value (clients often do), any other is refused rather than dropped unseen.
@@ -509,26 +512,38 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
-class BodyTooLarge(RequestFailed):
-    """A request body past the server's limit: 413."""
+class BodyRefused(RequestFailed):
+    """A request body refused before it was all read: `status` (413: too large, 408: too slow) and
+    OpenAI's error `code` say why."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__("INVALID_ARGUMENT", f"the request body is larger than {limit} bytes, the most this server "
-                                             "takes (server.max_request_bytes)")
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__("INVALID_ARGUMENT", message)
+        self.status = status
+        self.openai_code = code
+
+
+def _too_large(limit: int) -> BodyRefused:
+    return BodyRefused(413, "request_too_large", f"the request body is larger than {limit} bytes, the most this "
+                                                 "server takes (server.max_request_bytes)")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, read as it comes up to `limit` bytes; past that BodyTooLarge, with no more of it
-    read (none when its Content-Length says more). Starlette's own limit would answer in plain text,
-    where OpenAI's clients expect their error format."""
+    """The request body, read as it comes up to `limit` bytes and within BODY_TIMEOUT_S; past either, a
+    BodyRefused, with no more of it read (none when its Content-Length says too much). Starlette's own
+    limit would answer in plain text, where OpenAI's clients expect their error format."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
+        raise _too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(limit)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(limit)
+    except TimeoutError:
+        raise BodyRefused(408, "request_timeout", f"the request body did not all come within {BODY_TIMEOUT_S:.0f} s "
+                                                  f"({len(body)} bytes came)") from None
     return bytes(body)
 
 
@@ -563,23 +578,17 @@ class _RequestStream(StreamingResponse):
 
 
 def _parse(body_type: type[_Body], raw: bytes) -> _Body:
-    """The request body, validated; BadParameter naming its first bad fields (`param`: the first). A
-    field's path holds the client's own keys: each part is shown shortened."""
+    """The request body, validated; BadParameter naming its first bad fields (`param`: the first)."""
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as e:
         errors = e.errors(include_url=False, include_context=False, include_input=False)
-        fields = [".".join(map(_path_part, err["loc"])) or "body" for err in errors[:MAX_PROBLEMS_SHOWN]]
-        problems = [f"{field}: {err['msg'][:300]}" for field, err in zip(fields, errors)]  # (no client text)
+        # A path is field names, union members and list indices (no client's key: every dict field takes
+        # any key); a message is pydantic's, or one of ours that shows a client's value cut short.
+        fields = [".".join(str(part) for part in err["loc"]) or "body" for err in errors[:MAX_PROBLEMS_SHOWN]]
+        problems = [f"{field}: {err['msg'][:300]}" for field, err in zip(fields, errors)]
         more = f" (and {len(errors) - len(problems)} more)" if len(errors) > len(problems) else ""
         raise BadParameter(fields[0], "invalid request: " + "; ".join(problems) + more) from None
-
-
-def _path_part(part: str | int) -> str:
-    """A part of a bad field's path: a client's key is shown as given only when short and printable."""
-    if isinstance(part, int) or (part.isprintable() and len(part) <= 40):
-        return str(part)
-    return shown(part, 40)
 
 
 def _timings(r: pdserve_pb2.GenerateResponse) -> dict[str, Any]:
@@ -596,14 +605,14 @@ def _sse(data: dict[str, Any]) -> str:
 def _error_body(e: RequestFailed) -> dict[str, Any]:
     """OpenAI's error object: the message in the gRPC API's words, the request field at fault in `param`."""
     status, kind = STATUS.get(e.code, (500, "internal_error"))
-    code = "request_too_large" if isinstance(e, BodyTooLarge) else e.code.lower()
+    code = e.openai_code if isinstance(e, BodyRefused) else e.code.lower()
     if e.code == "NOT_FOUND" and e.param == "model":  # OpenAI's answer to a model it does not serve
         kind, code = "invalid_request_error", "model_not_found"
     return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
 
 
 def error_response(e: RequestFailed) -> JSONResponse:
-    status = 413 if isinstance(e, BodyTooLarge) else STATUS.get(e.code, (500, "internal_error"))[0]
+    status = e.status if isinstance(e, BodyRefused) else STATUS.get(e.code, (500, "internal_error"))[0]
     headers = {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))

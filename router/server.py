@@ -8,7 +8,7 @@ import hmac
 import logging
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from pdserve.router.event_loop import EventLoopThread
 from pdserve.router.health_report import (HealthReport, ModelHealth, PlannerHealth, PoolHealth, encoder_health,
                                            worker_health)
 from pdserve.router.http_api import create_app
-from pdserve.router.http_connections import bounded_h11
+from pdserve.router.http_connections import MAX_CONNECTIONS, bounded_h11
 from pdserve.router.pool_admin import PoolAdmin, PoolControl
 from pdserve.router.service import RouterService, add_to_server
 
@@ -54,7 +54,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         self._expected = token.encode()
         self._on_deny = on_deny
 
-        async def deny(requests, context):
+        async def deny(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
 
         self._deny = grpc.stream_stream_rpc_method_handler(deny)
@@ -73,7 +73,7 @@ class RouterServer:
     def __init__(self, service: RouterService, loop: EventLoopThread, address: str, tls: tuple[Path, Path] | None = None,
                  auth_token: str | None = None, http_address: str | None = None,
                  client_ca: Path | None = None, max_request_bytes: int = MAX_MESSAGE_BYTES,
-                 max_http_connections: int = 1024,
+                 max_http_connections: int = MAX_CONNECTIONS,
                  pool_control: PoolControl | None = None, admin_token: str | None = None,
                  planner_status: Callable[[], PlannerHealth | None] = lambda: None) -> None:
         """`pool_control`: the cluster, which the HTTP API's admin routes reshape (`pool_admin`) for callers

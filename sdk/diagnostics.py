@@ -20,9 +20,10 @@ def shown(value: object, limit: int = 80) -> str:
     a gRPC status's message travels in a header of at most 16 KiB)."""
     if isinstance(value, int) and value.bit_length() > 256:  # repr fails past 4300 digits
         return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > limit:  # (no repr of all of a huge value)
+        return f"{repr(value[:limit])[:limit]}... ({len(value)} characters)"
     text = repr(value)
-    length = len(value) if isinstance(value, str) else len(text)
-    return text if len(text) <= limit else f"{text[:limit]}... ({length} characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _DiagnosticsHandler(logging.StreamHandler):

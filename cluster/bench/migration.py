@@ -49,6 +49,7 @@ class _Stream:
     """One streaming request, consumed on a thread: when each chunk arrived, and how many tokens."""
 
     def __init__(self, address: str, prompt: list[int], max_tokens: int) -> None:
+        self.max_tokens = max_tokens
         self.arrivals: list[float] = []
         self.tokens: list[int] = []
         self.failure: Exception | None = None
@@ -109,7 +110,8 @@ def _one(cluster: Cluster, cfg: MigrationBenchConfig, prompt: list[int], way: st
     if way == "moved":
         outcome = stack.loop.run(_move(active, cluster))
         if not outcome.moved:
-            raise RuntimeError(f"the move failed: {outcome.reason}")
+            ended = "; the request had ended (raise tokens_after)" if len(stream.tokens) >= stream.max_tokens else ""
+            raise RuntimeError(f"the move failed: {outcome.reason}{ended}")
         extra = {"worker_pause_s": outcome.pause_s, "kv_bytes": outcome.kv_bytes, "kv_tokens": outcome.kv_tokens}
     else:
         stack.loop.loop.call_soon_threadsafe(active.resume_elsewhere, "moved by recompute (benchmark)")

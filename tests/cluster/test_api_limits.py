@@ -29,6 +29,7 @@ from pdserve.cluster.launcher import Cluster
 from pdserve.engine.models.presets import make_model
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc
+from pdserve.router import http_api
 from pdserve.router.frontend import Frontend
 
 ARCH = "tiny-llama"
@@ -241,6 +242,24 @@ def test_a_call_without_the_token_is_refused_before_its_message_is_read(cluster)
                 never_sent(), timeout=2, metadata=[("authorization", f"Bearer {TOKEN}")]))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     release.set()
+
+
+def test_a_body_that_stops_coming_is_answered_408(cluster, monkeypatch):
+    """Headers, then a body that never came all: the connection was held for good, and the HTTP API caps
+    its connections. The body now has `BODY_TIMEOUT_S` to come (60 s; here 1 s)."""
+    monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 1.0)
+    host, port = cluster.http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        connection.putrequest("POST", "/v1/completions")
+        for name, value in (("Authorization", f"Bearer {TOKEN}"), ("Content-Type", "application/json"),
+                            ("Content-Length", "100")):
+            connection.putheader(name, value)
+        connection.endheaders(b'{"prompt": ')
+        response = connection.getresponse()
+        assert (response.status, json.loads(response.read())["error"]["code"]) == (408, "request_timeout")
+    finally:
+        connection.close()
 
 
 def post(cluster: Cluster, body: bytes, headers: dict[str, str] | None = None,

@@ -11,8 +11,10 @@ from pdserve.cluster.bench.report import key_of, publish
 
 def test_the_migration_benchmark_moves_streams_both_ways_and_writes_its_section(tmp_path, model_dirs):
     out = tmp_path / "migration.json"
+    # 32 tokens after the move's start: with 8, a loaded machine once let a request end before its move
+    # reached the worker ("it is not decoding").
     result = run(MigrationBenchConfig(model=str(model_dirs["tiny-llama"]), contexts=(64, 160), repeats=2,
-                                      tokens_before=8, tokens_after=8, out=out), log=lambda _: None)
+                                      tokens_before=8, tokens_after=32, out=out), log=lambda _: None)
     assert [r["context"] for r in result["rows"]] == [64, 160]
     for row in result["rows"]:
         ways = [r["way"] for r in row["runs"]]

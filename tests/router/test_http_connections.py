@@ -1,7 +1,8 @@
 """The HTTP API's connections before a request is read, on a real uvicorn server on loopback with the
-router's protocol (`bounded_h11`): a connection that sends no request, or drips its headers, is closed
-at the deadline; one past the cap is closed as it is accepted; a request whose headers came is never
-cut, however slowly its body follows, and a connection kept alive serves its next request."""
+router's protocol (`bounded_h11`): a connection that sends no request, or drips its headers (before its
+first request or after an answer), is closed at the deadline; one past the cap is closed as it is
+accepted; a request whose headers came is never cut, however slowly its body follows, and a connection
+kept alive serves its next request."""
 
 from __future__ import annotations
 
@@ -116,6 +117,26 @@ def test_a_request_whose_headers_came_is_not_cut_and_the_connection_serves_the_n
         client.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")  # kept alive
         assert status_of_response(client) == b"HTTP/1.1 200 OK"
         assert closed_by_server(client, 10)  # and after it, the deadline holds again
+
+
+def test_after_an_answer_the_next_request_s_headers_are_timed_again(quick_deadline):
+    """A byte that arrives stops uvicorn's own keep-alive timer: headers dripped after an answer are cut
+    by the deadline the answer set again."""
+    with socket.create_connection(quick_deadline) as client:
+        client.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert status_of_response(client) == b"HTTP/1.1 200 OK"
+        started = time.monotonic()
+        client.settimeout(0.1)
+        for byte in b"POST /echo HTTP/1.1\r\nX-Pad: " + b"a" * 1000:  # a byte every 0.1 s: 100 s in all
+            try:
+                client.send(bytes([byte]))
+                if client.recv(1) == b"":
+                    break
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        assert time.monotonic() - started < 4  # within the deadline, not uvicorn's 5 s keep-alive
 
 
 def test_a_connection_past_the_cap_is_closed_as_it_is_accepted():
