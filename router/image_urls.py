@@ -17,7 +17,6 @@ import functools
 import http.client
 import socket
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -51,7 +50,6 @@ class ImageFetch:
         return self._fetch(url, host)
 
     def _fetch(self, url: str, host: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
         watchdog = _Watchdog(self.timeout_s)
         opener = urllib.request.build_opener(_NoRedirects, _WatchedHTTP(watchdog), _WatchedHTTPS(watchdog))
         try:
@@ -62,13 +60,11 @@ class ImageFetch:
                     raise BadParameter("messages", f"the image at {host} has {declared} bytes, more than the "
                                                    f"{self.max_bytes} allowed")
                 body = bytearray()
-                while chunk := r.read1(CHUNK_BYTES):  # what has arrived: the deadline is checked between
+                while chunk := r.read1(CHUNK_BYTES):  # what has arrived (the watchdog ends a read at the deadline)
                     body += chunk
                     if len(body) > self.max_bytes:
                         raise BadParameter("messages", f"the image at {host} has more than the {self.max_bytes} "
                                                        "bytes allowed")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
                 if watchdog.expired:  # the socket was shut: what came is not the whole image
                     raise TimeoutError
                 return bytes(body)
