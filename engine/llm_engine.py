@@ -29,6 +29,7 @@ import torch
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_prompt_blocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost_model import StepCostModel
+from pdserve.engine.detokenizer import StopStrings
 from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
@@ -405,11 +406,10 @@ class LLMEngine:
         return "prefilled" if seq.prefill_only else None
 
     def _match_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        if cuts:
-            seq.stop_text_len = min(cuts)
-        return bool(cuts)
+        if seq.stop_strings is None:  # a request moved here brings its output: its first search reads it all
+            seq.stop_strings = StopStrings(self.tokenizer, seq.params.stop)
+        seq.stop_text_len = seq.stop_strings.find(seq.output_token_ids)
+        return seq.stop_text_len is not None
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         finished = seq.is_finished

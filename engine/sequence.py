@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.engine.detokenizer import StopStrings
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative.draft import AcceptanceRecord
@@ -42,6 +43,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    stop_strings: StopStrings | None = None  # its output text searched for them, from its first check on
     num_preemptions: int = 0
     # False once its KV came through a lossy codec: its blocks (and those computed on top of them)
     # never enter the prefix cache, where another request would take them for exact KV.

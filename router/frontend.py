@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve.diagnostics import shown
+from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.multimodal.images import ImageLimits, check_image_header
 from pdserve.engine.sampling_params import (
     BadParameter,
@@ -656,16 +657,14 @@ class Detokenizer:
     """Text deltas from token ids, holding back what a stop string could still cut off."""
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.text = TextStream(tokenizer)
         self.sent = ""
         self.hold = max((len(s) for s in params.stop), default=1) - 1
 
     def add(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
-        stable = text[: len(text) - self.hold] if self.hold else text
+        self.text.add(tokens)
+        text = self.text.text
+        stable = text[: max(0, len(text) - self.hold)]  # (a text shorter than the hold: none of it)
         if not stable.startswith(self.sent) or len(stable) <= len(self.sent):
             return ""
         delta, self.sent = stable[len(self.sent) :], stable
