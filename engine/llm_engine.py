@@ -29,7 +29,7 @@ import torch
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_prompt_blocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost_model import StepCostModel
-from pdserve.engine.detokenizer import StopStrings
+from pdserve.engine.detokenizer import StopStrings, cut_at_stop
 from pdserve.engine.kv_cache import KVBlocks, PagedKVCache
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.model_runner import LayerHook, ModelRunner
@@ -408,14 +408,15 @@ class LLMEngine:
     def _match_stop_string(self, seq: Sequence) -> bool:
         if seq.stop_strings is None:  # a request moved here brings its output: its first search reads it all
             seq.stop_strings = StopStrings(self.tokenizer, seq.params.stop)
-        seq.stop_text_len = seq.stop_strings.find(seq.output_token_ids)
-        return seq.stop_text_len is not None
+        return seq.stop_strings.found(seq.output_token_ids)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         finished = seq.is_finished
         text = ""
         if finished:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)[: seq.stop_text_len]
+            # Cut where the whole text has a stop string (where a stream of bytes that are not UTF-8 showed
+            # them otherwise, the stream's text may have had it elsewhere).
+            text = cut_at_stop(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True), seq.params.stop)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.engine.detokenizer import StopStrings
 from pdserve.engine.multimodal.placement import PromptImages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative.draft import AcceptanceRecord
@@ -14,6 +13,8 @@ from pdserve.engine.speculative.draft import AcceptanceRecord
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from pdserve.engine.detokenizer import StopStrings
 
 REQUEST_RECORD_DECAY = 0.97  # per engine step: a request's record is mostly of its last 30 steps
 
@@ -42,7 +43,6 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_text_len: int | None = None  # output text is cut here when a stop string matched
     stop_strings: StopStrings | None = None  # its output text searched for them, from its first check on
     num_preemptions: int = 0
     # False once its KV came through a lossy codec: its blocks (and those computed on top of them)

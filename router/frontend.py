@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve.diagnostics import shown
-from pdserve.engine.detokenizer import TextStream
+from pdserve.engine.detokenizer import GrowingText, TextStream
 from pdserve.engine.multimodal.images import ImageLimits, check_image_header
 from pdserve.engine.sampling_params import (
     BadParameter,
@@ -658,20 +658,24 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
         self.text = TextStream(tokenizer)
-        self.sent = ""
+        self._sent = GrowingText()
+        self._agrees = True  # what was sent is the start of the text
         self.hold = max((len(s) for s in params.stop), default=1) - 1
 
     def add(self, tokens: list[int]) -> str:
         self.text.add(tokens)
-        text = self.text.text
-        stable = text[: max(0, len(text) - self.hold)]  # (a text shorter than the hold: none of it)
-        if not stable.startswith(self.sent) or len(stable) <= len(self.sent):
+        if self.text.rewritten or not self._agrees:  # (only a text decoded whole changes before its end)
+            self._agrees = self.text.text.startswith(str(self._sent))
+        end = self.text.settled_length - self.hold
+        if not self._agrees or end <= self._sent.length:
             return ""
-        delta, self.sent = stable[len(self.sent) :], stable
+        delta = self.text.tail(self._sent.length)[: end - self._sent.length]
+        self._sent.append(delta)
         return delta
 
     def finish(self, final_text: str) -> str:
-        return final_text[len(self.sent) :] if final_text.startswith(self.sent) else ""
+        sent = str(self._sent)
+        return final_text[len(sent) :] if final_text.startswith(sent) else ""
 
 
 def timings(ev: dict[str, float]) -> pdserve_pb2.Timings:

@@ -11,13 +11,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.engine.detokenizer import StopStrings, TextStream
+from pdserve.engine.detokenizer import GrowingText, StopStrings, TextStream
 from pdserve.engine.model_loader import load_tokenizer
 from pdserve.engine.models.presets import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.frontend import Detokenizer
 
-TEXTS = ["def f(x):\n    return x + 1  # é ü 日本語 🙂\n", "  leading spaces\tand\ttabs\n\nthen text.", "Hello, world!"]
+TEXTS = ["def f(x):\n    return x + 1  # é ü 日本語 🙂\n", "  leading spaces\tand\ttabs\n\nthen text.",
+         "He said : it 's fine , do n't ask ! Hello, world?"]
 
 
 def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
@@ -39,15 +40,25 @@ def tokenizers(model_dirs) -> dict[str, PreTrainedTokenizerFast]:
     found["shipped"] = load_tokenizer(resolve_model("pystd-llama"))
     found["byte-fallback"] = byte_fallback_tokenizer()
     cleaning = load_tokenizer(model_dirs["tiny-llama"])
-    cleaning.clean_up_tokenization_spaces = True  # " ." becomes "." after decoding: the stream cannot follow
+    # " ." becomes "." after decoding (transformers skips it for BPE unless forced): the stream cannot follow
+    cleaning.clean_up_tokenization_spaces = True
+    cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     found["cleaning-up"] = cleaning
     return found
 
 
+def text_ids(tokenizer) -> list[list[int]]:
+    """Real text's ids, one text long enough to fold `GrowingText`."""
+    return [tokenizer.encode(t, add_special_tokens=False) for t in [*TEXTS, "".join(TEXTS) * 12]]
+
+
+def random_ids(tokenizer, rng: random.Random, count: int) -> list[list[int]]:
+    """Random ids: special tokens and byte tokens that are not UTF-8 among them."""
+    return [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 48))] for _ in range(count)]
+
+
 def id_lists(tokenizer, rng: random.Random, count: int = 150) -> list[list[int]]:
-    """Real text's ids, and random ids (special tokens and byte tokens that are not UTF-8 among them)."""
-    texts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    return texts + [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 48))] for _ in range(count)]
+    return text_ids(tokenizer) + random_ids(tokenizer, rng, count)
 
 
 def chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
@@ -61,24 +72,51 @@ def chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
 
 
 def test_the_text_is_every_token_decoded_again_without_an_incomplete_end(tokenizers):
-    """At every token for byte-level tokenizers. A byte-fallback one decodes a run of byte tokens that is
-    not all UTF-8 as one � per byte, the complete characters in it too: on text, the stream has those
-    characters at once, and the same text when the run is complete; on bytes that are not UTF-8 the two
-    show them differently (and the stream restarts where tokenizers' raises)."""
+    """At every run of tokens for byte-level tokenizers. A byte-fallback one decodes a run of byte tokens
+    that is not all UTF-8 as one � per byte, the complete characters in it too: on text, the stream has
+    those characters at once, and the same text when the run is complete; on bytes that are not UTF-8
+    the stream and decoding again may show them differently."""
     rng = random.Random(0)
     for name, tokenizer in tokenizers.items():
         for ids in id_lists(tokenizer, rng):
             final = tokenizer.decode(ids, skip_special_tokens=True)
-            if name == "byte-fallback" and "\ufffd" in final:
-                TextStream(tokenizer).add(ids)
-                continue
-            stream, fed = TextStream(tokenizer), []
+            stream, fed, checked = TextStream(tokenizer), [], 0
             for run in chunks(ids, rng):
                 stream.add(run)
                 fed += run
+                if len(fed) - checked < 50 and len(ids) > 100:
+                    continue  # a long text: checked every 50 tokens or so, each check decoding it all
+                checked = len(fed)
                 whole = tokenizer.decode(fed, skip_special_tokens=True).rstrip("\ufffd")
-                assert stream.text == whole or (name == "byte-fallback" and stream.text.startswith(whole)), (name, fed)
-            assert stream.text == final.rstrip("\ufffd"), (name, ids)
+                if name != "byte-fallback":
+                    assert stream.text == whole and stream.length == len(whole), (name, fed)
+                elif "\ufffd" not in final:
+                    assert stream.text.startswith(whole), (name, fed)
+            if name != "byte-fallback" or "\ufffd" not in final:
+                assert stream.text == final.rstrip("\ufffd"), (name, ids)
+
+
+def test_a_stream_that_tokenizers_cannot_follow_is_decoded_whole_from_then_on():
+    """tokenizers raises where the text of a byte run stops being the start of the next text; the text
+    is then the whole decode's, with no piece of it twice."""
+    tokenizer = byte_fallback_tokenizer()
+    byte = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xFF)}
+    stream = TextStream(tokenizer)
+    for run in ([byte[0xC3], byte[0xA9]], [byte[0xFF], tokenizer.convert_tokens_to_ids("a"), byte[0xC3]], [byte[0xA9]]):
+        stream.add(run)
+        assert stream.text == tokenizer.decode(stream.ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert stream.text == "\ufffd" * 3 + "aé"
+
+
+def test_growing_text_reads_its_end_across_folds():
+    text, plain = GrowingText(), ""
+    for i in range(3 * GrowingText.FOLD + 7):
+        piece = f"{i}é" if i % 3 else ""
+        text.append(piece)
+        plain += piece
+        start = max(0, len(plain) - (i % 17))
+        assert text.tail(start) == plain[start:] and text.length == len(plain)
+    assert str(text) == plain and text.tail(0) == plain and text.tail(len(plain) + 5) == ""
 
 
 def test_the_byte_fallback_tokenizer_makes_tokenizers_stream_raise():
@@ -95,38 +133,49 @@ def test_the_byte_fallback_tokenizer_makes_tokenizers_stream_raise():
 
 
 def test_stop_strings_are_found_where_searching_the_whole_text_finds_them(tokenizers):
+    """Output given one token or several at a time (a sequence moved here brings all of its output)."""
     rng = random.Random(2)
     for name, tokenizer in tokenizers.items():
-        if name == "byte-fallback":  # the stream sees a character sooner than decoding again (above)
+        if name == "byte-fallback":  # the stream may see a character sooner than decoding again (above)
             continue
         for ids in id_lists(tokenizer, rng, 60):
+            if len(ids) > 100:
+                continue  # the long text: every prefix of it would be decoded whole
             text = tokenizer.decode(ids, skip_special_tokens=True)
             stops = [text[i : i + rng.randint(1, 4)] for i in sorted(rng.sample(range(len(text)), min(2, len(text))))]
             stops = [s for s in stops if s and "\ufffd" not in s] or ["never in the text"]
-            search = StopStrings(tokenizer, stops)
-            for k in range(1, len(ids) + 1):
+            search, k = StopStrings(tokenizer, stops), 0
+            while k < len(ids):
+                k = min(len(ids), k + rng.choice([1, 1, 2, 5]))
                 whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
-                cuts = [i for i in (whole.find(s) for s in stops) if i >= 0]
-                assert search.find(ids[:k]) == (min(cuts) if cuts else None), (name, ids[:k], stops)
-                if cuts:
+                expected = any(s in whole for s in stops)
+                assert search.found(ids[:k]) == expected, (name, ids[:k], stops)
+                if expected:
                     break
 
 
+def stream_through_router(tokenizer, ids: list[int], stop: list[str], rng: random.Random) -> str:
+    """What a client receives of `ids`: the deltas, then the rest of the worker's final text. Asserts on
+    the way that no delta runs past where a stop string could still cut the text."""
+    hold = max((len(s) for s in stop), default=1) - 1
+    detok, received, fed = Detokenizer(tokenizer, SamplingParams(stop=stop)), "", []
+    for run in chunks(ids, rng):
+        received += detok.add(run)
+        fed += run
+        assert len(received) <= max(0, len(tokenizer.decode(fed, skip_special_tokens=True)) - hold)
+    return received + detok.finish(tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def test_the_routers_deltas_and_its_final_part_make_the_final_text(tokenizers):
-    """The deltas a client receives, then the rest of the worker's final text, are that text; with stop
-    strings, no delta runs past where a stop string could still cut the text."""
+    """On text cut after any token (`max_tokens` may end a request inside a character), and on random
+    ids (bytes that are not UTF-8 aside, for the byte-fallback tokenizer)."""
     rng = random.Random(3)
     for name, tokenizer in tokenizers.items():
-        for ids in id_lists(tokenizer, rng, 60):
-            stop = rng.choice([[], ["\n\n"], ["zzzz", "q"]])
-            hold = max((len(s) for s in stop), default=1) - 1
-            detok, received, fed = Detokenizer(tokenizer, SamplingParams(stop=stop)), "", []
-            for run in chunks(ids, rng):
-                received += detok.add(run)
-                fed += run
-                shown = tokenizer.decode(fed, skip_special_tokens=True).rstrip("\ufffd")
-                assert len(received) <= max(0, len(shown) - hold) or name == "byte-fallback", (name, fed)
+        texts = [ids for ids in text_ids(tokenizer) if len(ids) <= 100]
+        cases = [ids[:end] for ids in texts for end in range(1, len(ids) + 1)] + random_ids(tokenizer, rng, 60)
+        for ids in cases:
             final = tokenizer.decode(ids, skip_special_tokens=True)
-            if name == "byte-fallback" and "\ufffd" in final:
-                continue  # the stream has characters that the final text's run of bytes shows as �
-            assert received + detok.finish(final) == final, (name, ids)
+            if name == "byte-fallback" and "\ufffd" in final and not any(ids == t[: len(ids)] for t in texts):
+                continue  # random bytes: the stream may show them otherwise than the final text does
+            stop = rng.choice([[], ["\n\n"], ["zzzz", "q"]])
+            assert stream_through_router(tokenizer, ids, stop, rng) == final, (name, ids, stop)
