@@ -103,6 +103,8 @@ def test_headers_dripped_a_byte_at_a_time_are_cut_at_the_deadline(quick_deadline
                     break
             except TimeoutError:
                 pass
+            except ConnectionResetError:  # closed with bytes of ours unread: the kernel resets it
+                break
         assert time.monotonic() - started < 10  # closed long before the 1000 bytes of its header were all sent
 
 
