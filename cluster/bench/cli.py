@@ -93,7 +93,8 @@ def _bench_replanning(args: argparse.Namespace) -> int:
 
     cfg = ReplanBenchConfig(profile=Path(args.profile), model=args.model, workers=args.workers,
                             phase_s=args.phase_s, load=args.load, ttft_slo_s=args.ttft_slo_ms / 1000,
-                            tpot_slo_s=args.tpot_slo_ms / 1000, out=Path(args.out))
+                            tpot_slo_s=args.tpot_slo_ms / 1000, calibration_runs=args.calibration_runs,
+                            out=Path(args.out))
     run(cfg)
     _publish(args, cfg.out)
     return 0
@@ -404,6 +405,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          "(default: %(default)s)")
     br.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="TTFT objective (default: %(default)s)")
     br.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT objective (default: %(default)s)")
+    br.add_argument("--calibration-runs", type=int, default=8,
+                    help="simulated runs of each split's goodput search per phase; the search starts at 1 request/s "
+                         "and doubles, so fewer runs settle on a lower rate, sooner (default: %(default)s)")
     br.add_argument("--out", default="bench-results/replanning.json", help="results file (default: %(default)s)")
     _docs_option(br)
     br.set_defaults(func=_bench_replanning)

@@ -37,7 +37,6 @@ from pdserve.cluster.plan.planner import Candidate, evaluate
 
 PHASES = ("conversation", "summarisation", "code completion")
 SHAPES_PER_PHASE = 400  # lengths drawn per phase (arrivals reuse them in turn)
-CALIBRATION_RUNS = 8  # simulated runs of each split's goodput search, per phase
 
 
 @dataclass
@@ -51,6 +50,9 @@ class ReplanBenchConfig:
     tpot_slo_s: float = 0.1
     interval_s: float = 10.0  # the online planner's
     window_s: float = 30.0
+    # Simulated runs of each split's goodput search, per phase. The search starts at 1 request/s and
+    # doubles until the objectives fail, then bisects: fewer runs settle on a lower rate, sooner.
+    calibration_runs: int = 8
     max_model_len: int = 1024
     seed: int = 0
     out: Path = Path("bench-results/replanning.json")
@@ -91,7 +93,7 @@ def calibrate(cfg: ReplanBenchConfig, shapes: dict[str, list[TraceRequest]], pro
         for split in _splits(cfg.workers):
             candidate = Candidate("disaggregated", (split.prefill, 1), (split.decode, 1), base.max_num_batched_tokens)
             evaluated = evaluate(candidate, base, profile, phase_requests, objective, cfg.seed,
-                                 max_runs=CALIBRATION_RUNS, min_duration_s=20.0)
+                                 max_runs=cfg.calibration_runs, min_duration_s=20.0)
             predicted[phase][str(split)] = evaluated.goodput.rate
         log(f"  {phase}: predicted goodput {predicted[phase]} req/s")
     return predicted

@@ -35,7 +35,7 @@ class IndexEvent(NamedTuple):
     removed: bool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: read and written at every simulated step)
 class SimSequence:
     """One request in one engine. `num_tokens`: prompt + tokens generated so far (the newest has no KV
     yet while decoding)."""
@@ -100,6 +100,7 @@ class SimEngine:
         self.step_overhead = step_overhead  # what a serving worker adds to a step streaming tokens of this many
         self.costs = costs
         self.limits = limits
+        self._block_size = limits.block_size  # (read at every sequence of every step)
         self.listener = listener
         self._schedule_at = schedule_at  # the simulator's clock: run a callback at a time
         self._on_cache_events = on_cache_events
@@ -237,7 +238,7 @@ class SimEngine:
         decoding: list[SimSequence] = []
         prompt_tokens = prompt_quad = 0
         for seq, n in chunks:
-            if seq.generated and seq.uncomputed == n == 1:
+            if n == 1 and seq.generated and seq.num_tokens - seq.computed == 1:
                 decoding.append(seq)
             else:
                 prompt_tokens += n
@@ -384,7 +385,8 @@ class SimEngine:
 
     # --- blocks ---------------------------------------------------------------------------------
     def _blocks_needed(self, seq: SimSequence, n: int) -> int:
-        return max(0, -(-(seq.computed + n) // self.limits.block_size) - seq.num_blocks)
+        need = -(-(seq.computed + n) // self._block_size) - seq.plain_blocks - len(seq.refs)
+        return need if need > 0 else 0
 
     def _allocate(self, n: int) -> bool:
         if n > self.free_blocks:

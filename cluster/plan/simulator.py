@@ -184,7 +184,7 @@ class SimResult:
     wall_s: float  # the simulation's own time
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Flight:
     """A request between arrival and end."""
 
@@ -200,7 +200,7 @@ class _Flight:
         return self.record.events
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Reservation:
     """A prompt's KV blocks asked of its decode worker (the sender's BOOTSTRAPPING until answered)."""
 

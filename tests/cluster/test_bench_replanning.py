@@ -21,7 +21,8 @@ def test_the_replanning_benchmark_serves_every_split_and_the_planner_and_writes_
     profile.save(tmp_path / "profile.json")
     out = tmp_path / "replanning.json"
     result = run(ReplanBenchConfig(profile=tmp_path / "profile.json", model=str(model), phase_s=2, load=0.5,
-                                   ttft_slo_s=2.0, tpot_slo_s=0.2, interval_s=1, window_s=3, max_model_len=512,
+                                   ttft_slo_s=2.0, tpot_slo_s=0.2, interval_s=1, window_s=3, calibration_runs=3,
+                                   max_model_len=512,
                                    out=out), log=lambda _: None)
     assert [r["name"] for r in result["runs"]] == ["static 1P+2D", "static 2P+1D", "online planner"]
     requests = sum(p["requests"] for p in result["phases"].values())
