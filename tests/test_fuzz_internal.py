@@ -25,7 +25,7 @@ import pytest
 import zmq
 from fuzz_strategies import F32, ODD_TEXT, U32, fuzz_settings, messages
 from helpers import tcp_member, wait_until, write_then_read_to_end
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pdserve.kv_events import KVEvent, KVEventBatch, parse_kv_event_batch
@@ -36,7 +36,8 @@ from pdserve.router.kv_event_hub import KVEventHub
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.token_hub import TokenStreamHub
 from pdserve.proto.pdserve.v1.internal_pb2 import TokenBatch
-from pdserve.wire import ClusterSecret, MalformedMessage, TokenMessage, parse_token_batch
+from pdserve.wire import (ClusterSecret, LifetimeEvent, MalformedMessage, TokenMessage, is_handoff_notice,
+                          parse_token_batch)
 
 MIN_PER_PARSER = 2000
 SENT: Counter[str] = Counter()  # generated messages per parser, checked by test_zz_totals
@@ -103,8 +104,15 @@ def token_hub(secret, router_loop):
     hub.close()
 
 
+def _one_message_batch(**fields) -> tuple[str, bytes]:
+    return "good", TokenBatch(messages=[TokenMessage(request_id=GOOD_ID, **fields)]).SerializeToString()
+
+
 @fuzz_settings(300)
 @given(batch=st.lists(TOKEN_MESSAGES, min_size=5, max_size=12))
+# A handoff notice (no tokens) delivered at once, though it names a position the stream has not reached.
+@example(batch=[_one_message_batch()] * 4 + [_one_message_batch(events={LifetimeEvent.HANDOFF_COMMITTED: 0.0},
+                                                                  first_index=1)])
 def test_token_stream_drops_and_counts_every_malformed_message(token_hub, router_loop, batch):
     hub, socket = token_hub
     good = [data for kind, data in batch if classify(parse_token_batch, kind, data, MalformedMessage)]
@@ -128,17 +136,22 @@ def test_token_stream_drops_and_counts_every_malformed_message(token_hub, router
             hub.unsubscribe(sentinel)
 
     # The request's good messages come through intact (as bytes: NaN != NaN in a message's fields), in
-    # output order: every error; the others as the longest chain from position 0 that they allow.
+    # output order: every error and every notice of a committed handoff, whatever its position (they
+    # act at once); the others as the longest chain from position 0 that they allow.
     delivered_bytes = router_loop.run(exchange())
     sent = mine
+
+    def at_once(m: TokenMessage) -> bool:
+        return bool(m.error) or is_handoff_notice(m)
+
     assert Counter(delivered_bytes) <= Counter(m.SerializeToString(deterministic=True) for m in sent)
     delivered = [TokenMessage.FromString(d) for d in delivered_bytes]
-    assert sum(bool(m.error) for m in delivered) == sum(bool(m.error) for m in sent)
+    assert sum(map(at_once, delivered)) == sum(map(at_once, sent))
     position = 0
-    for m in (m for m in delivered if not m.error):
+    for m in (m for m in delivered if not at_once(m)):
         assert m.first_index == position, (m.first_index, position)
         position += len(m.token_ids)
-    held = [m for m in sent if not m.error and m.SerializeToString(deterministic=True) not in delivered_bytes]
+    held = [m for m in sent if not at_once(m) and m.SerializeToString(deterministic=True) not in delivered_bytes]
     assert all(m.first_index != position for m in held), "a message that continues the chain was held"
     assert hub.error is None
     SENT["token_stream"] += len(batch)
