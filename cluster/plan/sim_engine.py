@@ -100,7 +100,6 @@ class SimEngine:
         self.step_overhead = step_overhead  # what a serving worker adds to a step streaming tokens of this many
         self.costs = costs
         self.limits = limits
-        self._block_size = limits.block_size  # (read at every sequence of every step)
         self.listener = listener
         self._schedule_at = schedule_at  # the simulator's clock: run a callback at a time
         self._on_cache_events = on_cache_events
@@ -238,7 +237,7 @@ class SimEngine:
         decoding: list[SimSequence] = []
         prompt_tokens = prompt_quad = 0
         for seq, n in chunks:
-            if n == 1 and seq.generated and seq.num_tokens - seq.computed == 1:
+            if seq.generated and seq.uncomputed == n == 1:
                 decoding.append(seq)
             else:
                 prompt_tokens += n
@@ -385,8 +384,7 @@ class SimEngine:
 
     # --- blocks ---------------------------------------------------------------------------------
     def _blocks_needed(self, seq: SimSequence, n: int) -> int:
-        need = -(-(seq.computed + n) // self._block_size) - seq.plain_blocks - len(seq.refs)
-        return need if need > 0 else 0
+        return max(0, -(-(seq.computed + n) // self.limits.block_size) - seq.num_blocks)
 
     def _allocate(self, n: int) -> bool:
         if n > self.free_blocks:
