@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.cluster.bench.workload import DEFAULT_TRACE
@@ -265,12 +266,15 @@ def _spec_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
 
 
-def _count(text: str) -> int:
-    """An argparse type: a whole number, 0 or more."""
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
-    return n
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, `minimum` or more."""
+    def whole_number(text: str) -> int:
+        n = int(text)
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, not {n}")
+        return n
+    whole_number.__name__ = "whole number"  # argparse's word for text that is no number
+    return whole_number
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -289,7 +293,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--rate", type=float, default=2.0, help="trace requests per second")
     sk.add_argument("--max-tokens", type=int, default=32, help="cap on the trace's output lengths")
     sk.add_argument("--storm", type=int, default=1000, help="streams opened, then cancelled at once")
-    sk.add_argument("--kills", type=_count, default=2, help="workers SIGKILLed under load, a decode and a prefill worker "
+    sk.add_argument("--kills", type=_at_least(0), default=2, help="workers SIGKILLed under load, a decode and a prefill worker "
                                                          "in turn (default: %(default)s)")
     sk.add_argument("--kv-corrupt-percent", type=float, default=2.0, help="of KV frames, corrupted on the wire")
     sk.add_argument("--seed", type=int, default=0, help="seed of the faults and the workload (default: %(default)s)")
@@ -405,7 +409,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          "(default: %(default)s)")
     br.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="TTFT objective (default: %(default)s)")
     br.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT objective (default: %(default)s)")
-    br.add_argument("--calibration-runs", type=int, default=8,
+    br.add_argument("--calibration-runs", type=_at_least(1), default=8,
                     help="simulated runs of each split's goodput search per phase; the search starts at 1 request/s "
                          "and doubles, so fewer runs settle on a lower rate, sooner (default: %(default)s)")
     br.add_argument("--out", default="bench-results/replanning.json", help="results file (default: %(default)s)")

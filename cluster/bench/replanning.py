@@ -150,6 +150,11 @@ def run(cfg: ReplanBenchConfig, log: Any = print) -> dict[str, Any]:
     log("calibrating each phase's rate on the simulator ...")
     predicted = calibrate(cfg, shapes, profile, log)
     rates = {phase: cfg.load * max(predicted[phase].values()) for phase in PHASES}
+    if not all(rates.values()):
+        missed = ", ".join(p for p, rate in rates.items() if not rate)
+        raise ValueError(f"no split met the objectives on {missed} at any rate the calibration tried (simulated "
+                         f"runs per split and phase: {cfg.calibration_runs}): loosen the objectives or give it more "
+                         "runs (--calibration-runs)")
     requests = trace(cfg, shapes, rates)
     log(f"trace: {len(requests)} requests over {len(PHASES) * cfg.phase_s:.0f} s; rates "
         + ", ".join(f"{p} {r:.2f} req/s" for p, r in rates.items()))
