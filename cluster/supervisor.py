@@ -191,6 +191,7 @@ class Supervisor:
             if worker.healthy:
                 log.warning("worker %s failed its health check: %s", worker.name, e)
             return False
+        worker.fault = status.fault
         if status.alive:
             self._restarting.discard(worker.name)
             if not status.profiled:  # restarted by Ray: it measures itself before taking work

@@ -533,8 +533,14 @@ class ActiveRequest:
 
     def _lost_workers(self) -> str | None:
         """Why the current attempt cannot go on: a worker it waits on is unhealthy; None if none is."""
-        dead = [w.name for w in self.placement.depends_on if not w.healthy]
-        return f"worker {', '.join(dead)} stopped responding while serving the request" if dead else None
+        dead = [w for w in self.placement.depends_on if not w.healthy]
+        if not dead:
+            return None
+        # A worker that reported its fault is named with it: the error the worker itself sends may
+        # come after this check (its restart is under way by then).
+        why = "; ".join(f"worker {w.name} failed ({w.fault})" if w.fault else f"worker {w.name} stopped responding"
+                        for w in dead)
+        return f"{why} while serving the request"
 
     def check_workers(self) -> None:
         """Retry at once if a worker the current attempt waits on became unhealthy: its stream gets the

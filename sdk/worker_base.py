@@ -49,6 +49,10 @@ def _was_restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
+def _loop_fault(error: BaseException) -> str:
+    return f"engine loop failed: {type(error).__name__}: {error}"
+
+
 class WorkerBase:
     def __init__(self, worker_id: str, model: ModelSource, engine_config: dict, token_sink: str,
                  kv_settings: TransferSettings, kv_events: str | None, faults: FaultSettings | None,
@@ -85,9 +89,13 @@ class WorkerBase:
         """The health report: the part every role has, `role` the role's own fields."""
         engine = self.engine
         draft = engine.draft_model
+        # A failed loop is reported from the moment it fails, not only once `_on_fault` has run: a
+        # ping between the two would otherwise show a dead worker that gives no reason.
+        loop_error = self.loop.fatal_error
+        fault = self.fault or (f"{self.worker_id}: {_loop_fault(loop_error)}" if loop_error is not None else None)
         return WorkerStatus(worker_id=self.worker_id, node_id=self.node_id, node_ip=self.node_ip,
-                            model_digest=self.model_digest, alive=self.fault is None and self.loop.running,
-                            fault=self.fault, profiled=self._profiled, kv=engine.pool.status(),
+                            model_digest=self.model_digest, alive=fault is None and self.loop.running,
+                            fault=fault, profiled=self._profiled, kv=engine.pool.status(),
                             requests=len(engine.requests), transfers=transfers,
                             step_cost=engine.step_costs.coefficients,
                             step_budget=engine.config.max_num_batched_tokens,
@@ -175,7 +183,7 @@ class WorkerBase:
         raise NotImplementedError
 
     def _on_loop_fatal(self, error: BaseException) -> None:
-        self._on_fault(f"engine loop failed: {type(error).__name__}: {error}")
+        self._on_fault(_loop_fault(error))
 
     def _on_publisher_crash(self, error: BaseException) -> None:
         self._on_fault(f"KV event publisher failed: {type(error).__name__}: {error}")

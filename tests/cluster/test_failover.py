@@ -305,6 +305,25 @@ def test_a_health_change_whose_report_failed_is_reported_by_the_next_round(clust
         ray.kill(actor)
 
 
+def test_a_worker_that_reports_its_fault_is_out_with_that_reason_until_it_reports_alive(cluster):
+    """A request the worker served is failed by the router's health check or by the worker's own
+    error, whichever comes first: both must name the fault, so the worker's reason is kept."""
+    reason = "w0: engine loop failed: RuntimeError: boom"
+    failed, restarted = Pingable.remote(worker_status(alive=False, fault=reason)), Pingable.remote(worker_status())
+    ref = WorkerRef("w0", "decode", failed)
+    supervisor = Supervisor([ref], on_change=lambda: None)  # not started: the test runs its rounds
+    try:
+        ray.get([failed.pid.remote(), restarted.pid.remote()])  # up: each round's ping is answered in it
+        supervisor.check_once()
+        assert not ref.healthy and ref.fault == reason and supervisor.restarts == {"w0": 1}
+        ref.handle = restarted  # as Ray's restart would have it: the same name, a new process
+        supervisor.check_once()
+        assert ref.healthy and ref.fault is None
+    finally:
+        ray.kill(failed)
+        ray.kill(restarted)
+
+
 def test_a_workers_death_is_known_at_once_not_at_the_next_ping_round(cluster):
     """The supervisor's watch call on a worker fails the moment its process dies: the worker is
     unhealthy, and the router told, long before a ping round (a minute apart here) could see it."""
