@@ -54,7 +54,7 @@ from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, LifetimeEvent, MoveOutcome, WorkerStatus,
                           WorkRequest, token_message)
 from pdserve.diagnostics import LogLevel
-from pdserve.worker_base import RayDecodePeer, WorkerBase
+from pdserve.worker_base import RayDecodePeer, WorkerBase, fault_text
 
 # Reservations get their own threads: one waits up to `reserve_wait_s` for free blocks, and with a full
 # pool enough of them would hold every ordinary thread, so that the commits, lease renewals and aborts
@@ -363,7 +363,7 @@ class DecodeWorker(WorkerBase):
     # --- faults ---------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:
         """Fail every request held here with an explicit error; `ping` now reports the worker dead."""
-        self.fault = self.fault or f"{self.worker_id}: {reason}"
+        self.fault = self.fault or fault_text(self.worker_id, reason)
         with self._moves_lock:
             moving = list(self._moves)
         for request_id in moving:  # no move reads blocks freed below

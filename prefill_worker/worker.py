@@ -54,7 +54,7 @@ from pdserve.threads import start_guarded
 from pdserve.wire import (INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, LifetimeEvent, Tombstones,
                           WorkerStatus, WorkRequest, token_message)
 from pdserve.diagnostics import LogLevel
-from pdserve.worker_base import RayDecodePeer, WorkerBase
+from pdserve.worker_base import RayDecodePeer, WorkerBase, fault_text
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class PrefillWorker(WorkerBase):
 
     def _on_fault(self, reason: str) -> None:
         """Fail every job with an explicit error; `ping` now reports the worker dead (it gets restarted)."""
-        self.fault = self.fault or f"{self.worker_id}: {reason}"
+        self.fault = self.fault or fault_text(self.worker_id, reason)
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:

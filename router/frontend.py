@@ -33,7 +33,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -436,7 +436,7 @@ class ActiveRequest:
             try:
                 msg: TokenMessage = await asyncio.wait_for(self._queue.get(), DEAD_WORKER_CHECK_S)
             except asyncio.TimeoutError:
-                lost = self._lost_workers()
+                lost = lost_workers(self.placement.depends_on)
                 if lost:
                     await self._retry(lost)
                 elif frontend.hub.gap_s(self.work.request_id) > LOST_MESSAGE_S:
@@ -531,21 +531,10 @@ class ActiveRequest:
         worker would have it (counted against its retry budget)."""
         self.frontend.hub.deliver(TokenMessage(request_id=self.work.request_id, error_code=UNAVAILABLE, error=cause))
 
-    def _lost_workers(self) -> str | None:
-        """Why the current attempt cannot go on: a worker it waits on is unhealthy; None if none is."""
-        dead = [w for w in self.placement.depends_on if not w.healthy]
-        if not dead:
-            return None
-        # A worker that reported its fault is named with it: the error the worker itself sends may
-        # come after this check (its restart is under way by then).
-        why = "; ".join(f"worker {w.name} failed ({w.fault})" if w.fault else f"worker {w.name} stopped responding"
-                        for w in dead)
-        return f"{why} while serving the request"
-
     def check_workers(self) -> None:
         """Retry at once if a worker the current attempt waits on became unhealthy: its stream gets the
         error a failed worker would send."""
-        lost = self._lost_workers()
+        lost = lost_workers(self.placement.depends_on)
         if lost:
             self.frontend.hub.deliver(TokenMessage(request_id=self.work.request_id, error_code=UNAVAILABLE, error=lost))
 
@@ -700,3 +689,12 @@ def timings(ev: dict[str, float]) -> pdserve_pb2.Timings:
         e2e_s=done - accepted,
         events=ev,
     )
+
+
+def lost_workers(workers: Iterable[WorkerRef]) -> str | None:
+    """Why an attempt waiting on `workers` cannot go on: each unhealthy one's fault as it reported it
+    (the text of the error it sends its requests, which may come after this check), else that it
+    stopped responding; None while all are healthy."""
+    reasons = [w.fault or f"worker {w.name} stopped responding while serving the request"
+               for w in workers if not w.healthy]
+    return "; ".join(reasons) or None

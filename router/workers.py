@@ -37,7 +37,7 @@ class WorkerRef:
     handle: Any  # Ray actor handle
     healthy: bool = True
     status: WorkerStatus | None = None  # its last health report (`ping`); placement starts after the first
-    fault: str | None = None  # why it is out, as its last health report said (None: it gave no reason)
+    fault: str | None = None  # why it is out, as its last health report said; kept by the supervisor, None while healthy
     reported_at: float = 0.0  # when `status` arrived (monotonic clock)
     outstanding: int = 0  # requests holding an admission slot here (`router.admission`)
     queued: dict[str, QueuedPrefill] = field(default_factory=dict)  # request id -> its prompt work here

@@ -49,8 +49,23 @@ def _was_restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
+def fault_text(worker_id: str, reason: str) -> str:
+    """A worker's fault as it reports it and fails its requests with."""
+    return f"{worker_id}: {reason}"
+
+
 def _loop_fault(error: BaseException) -> str:
     return f"engine loop failed: {type(error).__name__}: {error}"
+
+
+def loop_health(worker_id: str, fault: str | None, loop: EngineLoop) -> tuple[bool, str | None]:
+    """Whether the worker serves, and its fault if it has one. A failed loop is the fault from the moment
+    it fails, not only once the worker's `_on_fault` has run: a ping between the two would show a dead
+    worker that gives no reason. `running` is read first: the loop records its error before it stops."""
+    running = loop.running
+    error = loop.fatal_error
+    fault = fault or (fault_text(worker_id, _loop_fault(error)) if error is not None else None)
+    return running and fault is None, fault
 
 
 class WorkerBase:
@@ -89,13 +104,9 @@ class WorkerBase:
         """The health report: the part every role has, `role` the role's own fields."""
         engine = self.engine
         draft = engine.draft_model
-        # A failed loop is reported from the moment it fails, not only once `_on_fault` has run: a
-        # ping between the two would otherwise show a dead worker that gives no reason.
-        loop_error = self.loop.fatal_error
-        fault = self.fault or (f"{self.worker_id}: {_loop_fault(loop_error)}" if loop_error is not None else None)
+        alive, fault = loop_health(self.worker_id, self.fault, self.loop)
         return WorkerStatus(worker_id=self.worker_id, node_id=self.node_id, node_ip=self.node_ip,
-                            model_digest=self.model_digest, alive=fault is None and self.loop.running,
-                            fault=fault, profiled=self._profiled, kv=engine.pool.status(),
+                            model_digest=self.model_digest, alive=alive, fault=fault, profiled=self._profiled, kv=engine.pool.status(),
                             requests=len(engine.requests), transfers=transfers,
                             step_cost=engine.step_costs.coefficients,
                             step_budget=engine.config.max_num_batched_tokens,

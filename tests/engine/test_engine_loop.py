@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop, LoopStopped
+from pdserve.worker_base import loop_health
 
 ARCH = "tiny-llama"
 GREEDY = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
@@ -35,6 +36,27 @@ def test_an_exception_in_the_output_callback_fails_loudly(engine):
     with pytest.raises(RuntimeError, match="callback bug"):
         loop.call(lambda e: None)  # later commands fail at once, naming the cause
     loop.stop()
+
+
+def test_a_failed_loop_is_the_workers_fault_before_its_requests_are_failed(engine):
+    """Between the loop's failure and the worker's own report (`on_fatal`, which fails its requests), a
+    health check sees the worker out with the loop's error as its fault, never out with no reason."""
+    reporting, release = threading.Event(), threading.Event()
+
+    def on_fatal(error: BaseException) -> None:
+        reporting.set()
+        release.wait(10)
+
+    loop = EngineLoop(engine, lambda outputs: 1 / 0, on_fatal=on_fatal).start()
+    assert loop_health("w0", None, loop) == (True, None)
+    try:
+        loop.submit(lambda e: e.add_request([5, 6, 7], GREEDY, "r1"))
+        assert reporting.wait(10), "the loop's failure was never reported"
+        assert loop_health("w0", None, loop) == (False, "w0: engine loop failed: ZeroDivisionError: division by zero")
+        assert loop_health("w0", "w0: its own words", loop) == (False, "w0: its own words")  # the worker's, once set
+    finally:
+        release.set()
+        loop.stop()
 
 
 def test_an_output_callback_failing_inside_a_command_ends_the_loop_too(engine):
