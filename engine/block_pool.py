@@ -30,23 +30,34 @@ BlockExtra = Callable[[int, int], bytes]
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Chained hash of a full block: stable across processes, so workers can report it to a router."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"\x00" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # each id as 4 little-endian bytes
-    if extra:  # after the fixed-size token bytes, so no extra can pass for other tokens
-        h.update(extra)
-    return h.digest()
+    return _hash_packed(parent_hash, _pack(token_ids), extra)
 
 
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, extra: BlockExtra | None = None) -> list[bytes]:
-    """Hashes of every full block of `token_ids`, each chained on the one before."""
+    """Hashes of every full block of `token_ids`, each chained on the one before: `hash_block`'s, with
+    the prompt packed once (the router hashes every prompt it places)."""
+    full = len(token_ids) // block_size * block_size
+    packed = memoryview(_pack(token_ids[:full]))
     hashes: list[bytes] = []
     parent: bytes | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for start in range(0, full, block_size):
         end = start + block_size
-        parent = hash_block(parent, token_ids[start:end], b"" if extra is None else extra(start, end))
+        parent = _hash_packed(parent, packed[4 * start:4 * end], b"" if extra is None else extra(start, end))
         hashes.append(parent)
     return hashes
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)  # each id as 4 little-endian bytes
+
+
+def _hash_packed(parent_hash: bytes | None, packed: bytes | memoryview, extra: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\x00" * 16)
+    h.update(packed)
+    if extra:  # after the fixed-size token bytes, so no extra can pass for other tokens
+        h.update(extra)
+    return h.digest()
 
 
 @dataclass

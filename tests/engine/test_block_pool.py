@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from helpers import random_prompts
 from helpers import assert_pool_idle, drain, run_all
@@ -28,6 +30,20 @@ def test_chained_hash_depends_on_the_whole_prefix():
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second block, different parent
     assert hash_block(None, range(16)) == a[0]
     assert hash_prompt_blocks(list(range(31)), 16) == a[:1]  # partial blocks are never hashed
+
+
+def test_a_prompts_block_hashes_are_each_blocks_chained_hash_with_its_extra():
+    rng = random.Random(0)
+    for _ in range(50):
+        block_size = rng.choice([1, 4, 16])
+        prompt = [rng.randrange(2**32) for _ in range(rng.randrange(70))]
+        extra = (lambda start, end: b"img%d" % start if start % 3 == 0 else b"") if rng.random() < 0.5 else None
+        want, parent = [], None
+        for start in range(0, len(prompt) // block_size * block_size, block_size):
+            end = start + block_size
+            parent = hash_block(parent, prompt[start:end], extra(start, end) if extra else b"")
+            want.append(parent)
+        assert hash_prompt_blocks(prompt, block_size, extra) == want
 
 
 def test_prefix_lookup_refcounts_and_lru_eviction():
