@@ -70,12 +70,10 @@ class DecodeTable:
     def step_s(self, batch: int, context: float) -> float:
         bi, bj, bw = _interpolate(self.batches, batch)
         ci, cj, cw = _interpolate(self.contexts, context)
-
-        def at(b: int) -> float:
-            row = self.seconds[b]
-            return row[ci] + (row[cj] - row[ci]) * cw
-
-        return max(0.0, at(bi) + (at(bj) - at(bi)) * bw)
+        low, high = self.seconds[bi], self.seconds[bj]  # (no helper: the simulator asks at every step)
+        at_low = low[ci] + (low[cj] - low[ci]) * cw
+        at_high = high[ci] + (high[cj] - high[ci]) * cw
+        return max(0.0, at_low + (at_high - at_low) * bw)
 
 
 @dataclass(frozen=True)

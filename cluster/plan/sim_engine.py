@@ -235,14 +235,14 @@ class SimEngine:
             return  # waiting for blocks a handoff releases (it kicks again)
         # a sequence computing its newest token (not a recomputed chunk of one token after a preemption)
         decoding: list[SimSequence] = []
-        prompt_tokens = prompt_quad = 0
+        prompt_tokens = prompt_quad = decode_context = 0
         for seq, n in chunks:
-            if seq.generated and seq.uncomputed == n == 1:
+            if n == 1 and seq.generated and seq.num_tokens - seq.computed == 1:
                 decoding.append(seq)
+                decode_context += seq.computed + 1
             else:
                 prompt_tokens += n
                 prompt_quad += n * (seq.computed + n)
-        decode_context = sum(seq.computed + 1 for seq in decoding)
         drafts: dict[SimSequence, tuple[int, bool]] = {}  # draft tokens verified, by the draft model
         decode_scale, draft_s = 1.0, 0.0
         if self.speculation is not None and decoding:
@@ -268,12 +268,14 @@ class SimEngine:
         lim = self.limits
         chunks: list[tuple[SimSequence, int]] = []
         budget, preempted, index = lim.step_budget, False, 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            n = min(seq.uncomputed, budget, lim.chunk_limit)
-            need = self._blocks_needed(seq, n)
+        block_size, running = lim.block_size, self.running
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            n = min(seq.num_tokens - seq.computed, budget, lim.chunk_limit)
+            # (`_blocks_needed`, inline: this loop runs for every sequence at every step)
+            need = max(0, -(-(seq.computed + n) // block_size) - seq.plain_blocks - len(seq.refs))
             while need and not self._allocate(need):  # (most decode steps need no block)
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -346,13 +348,14 @@ class SimEngine:
         """The step's outputs (each sequence's accepted draft tokens, then the token sampled after them),
         then the calls queued meanwhile (still busy: what they add waits for the next step, as every
         command the engine loop holds runs before it steps again), then the next step."""
+        sampled = self.listener.sampled
         for seq, n in chunks:
             seq.computed += n
             if len(seq.refs) < len(seq.block_hashes):  # (a decoding sequence has published its prompt)
                 self._publish(seq)
             if seq.computed < seq.num_tokens:
                 continue
-            drafted, by_model = drafts.get(seq, (0, False))
+            drafted, by_model = drafts.get(seq, (0, False)) if drafts else (0, False)
             accepted = self._keep_accepted(seq, self.speculation.accepted(drafted)) if drafted else 0
             seq.computed += accepted
             if by_model:  # its draft KV holds all but the token sampled after the draft (fed with the next one)
@@ -364,7 +367,7 @@ class SimEngine:
                     self._free(seq)
             else:
                 seq.num_tokens += 1 + accepted
-            self.listener.sampled(self, seq, 1 + accepted, now)
+            sampled(self, seq, 1 + accepted, now)
         self._flush_events()
         self._run_calls(now)
         self.busy = False
