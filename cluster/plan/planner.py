@@ -30,7 +30,7 @@ from pdserve.cluster.bench.serve_metrics import (TARGET_ATTAINMENT, Goodput, Goo
 from pdserve.cluster.bench.workload import TraceRequest, run_seed
 from pdserve.cluster.plan.costs import HardwareProfile
 from pdserve.cluster.plan.sim_speculation import Drafting
-from pdserve.cluster.plan.simulator import ClusterSimulator, trace_requests
+from pdserve.cluster.plan.simulator import ClusterSimulator, MissBudget, trace_requests
 
 CHUNKED_BUDGET = 256  # the colocated candidates' chunked step budget (Sarathi-Serve's small chunks)
 TUNED_BUDGETS = (512, 1024)  # a colocated deployment's step budgets tried when it is tuned
@@ -140,18 +140,19 @@ class Plan:
 
 
 def simulated_runs(manifest: Any, profile: HardwareProfile, shapes: Sequence[TraceRequest], seed: int,
-                   name: str = "", min_duration_s: float = MIN_DURATION_S,
-                   drafting: Drafting | None = None) -> Callable[[float], list[RequestRecord]]:
+                   name: str = "", min_duration_s: float = MIN_DURATION_S, drafting: Drafting | None = None,
+                   budget: MissBudget | None = None) -> Callable[[float], list[RequestRecord]]:
     """`measure(rate)` for `GoodputSearch`: the shapes (over again, for runs of at least `min_duration_s`
     of arrivals: a short run at a high rate ends before its queues build up) at Poisson arrivals of
     `rate`, each run fresh (its own prompts and arrivals) on a fresh simulated cluster. `drafting`:
-    the workload's (`ClusterSimulator`), where the manifest decodes speculatively."""
+    the workload's (`ClusterSimulator`), where the manifest decodes speculatively; `budget`: each run
+    stops once it cannot meet the search's target (`MissBudget`)."""
     def measure(rate: float) -> list[RequestRecord]:
         n = max(len(shapes), math.ceil(rate * min_duration_s))
         arrivals = poisson_arrivals(n, rate, run_seed(seed, "plan", rate))
         # every run starts a fresh simulated cluster, whose caches hold nothing of the runs before
         simulator = ClusterSimulator(manifest, profile, name, drafting=drafting, seed=run_seed(seed, "drafts", rate))
-        return simulator.run(trace_requests(shapes, arrivals), rate).records
+        return simulator.run(trace_requests(shapes, arrivals), rate, budget).records
 
     return measure
 
@@ -161,9 +162,11 @@ def evaluate(candidate: Candidate, base: Any, profile: HardwareProfile, shapes: 
              min_duration_s: float = MIN_DURATION_S, target_rate: float | None = None,
              drafting: Drafting | None = None) -> Evaluated:
     manifest = candidate.manifest(base)
-    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s, drafting)
+    # One objective over the search's runs: a run that already cannot meet it stops there.
+    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s, drafting,
+                             MissBudget(objective, TARGET_ATTAINMENT))
     search = GoodputSearch(measure, start_rate=target_rate or 1.0, min_rate=0.01, max_rate=10_000, rel_tol=rel_tol,
-                           max_runs=max_runs)
+                           max_runs=max_runs, target=TARGET_ATTAINMENT)
     carries = None if target_rate is None else attainment(search.records(target_rate), objective) >= TARGET_ATTAINMENT
     return Evaluated(candidate, search.goodput(objective), len(search.runs), carries)
 

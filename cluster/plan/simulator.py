@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.cluster.bench.serve_metrics import RequestRecord
+from pdserve.cluster.bench.serve_metrics import Objective, RequestRecord, meets
 from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.plan.costs import EncodeCost, HardwareProfile, WorkerCosts
 from pdserve.cluster.plan.sim_engine import EngineLimits, IndexEvent, SimEngine, SimSequence
@@ -182,6 +182,24 @@ class SimResult:
     routing: dict[str, Any]  # the router's counts (`Router.snapshot_stats`)
     events: int  # the simulator's events, over
     wall_s: float  # the simulation's own time
+    stopped: bool = False  # stopped past its `MissBudget`: the requests it did not end are recorded as not simulated
+
+
+@dataclass(frozen=True)
+class MissBudget:
+    """A run stops as soon as so many requests have missed `objective` that fewer than `target` of them
+    all can meet it: a goodput search needs only that such a run failed, and an overloaded run, its
+    queues growing to the end, is the costliest to simulate."""
+
+    objective: Objective
+    target: float
+
+
+NOT_SIMULATED = "not simulated: the run had already missed its objective"
+
+
+class _RunFailed(Exception):
+    """The run's `MissBudget` is spent (raised out of the event loop)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -194,6 +212,7 @@ class _Flight:
     placement: Placement
     reservation: _Reservation | None = None  # its KV's on its decode worker, from when its pass starts
     prefilled: SimSequence | None = None  # its prefill worker's sequence, past its pass (its KV to send)
+    missed: bool = False  # counted against the run's `MissBudget` (its first token came late)
 
     @property
     def events(self) -> dict[str, float]:
@@ -410,6 +429,8 @@ class ClusterSimulator:
             for tokens in (16, max_model_len):
                 self.router.transfer.observe(tokens, self.handoff.handoff_s(tokens))
         self._outstanding = 0
+        self._budget: MissBudget | None = None
+        self._requests = self._misses = 0  # with a budget: the run's requests, and those that missed
         self._rate = 0.0
         self._last_progress = 0.0  # the last request's arrival or end, or engine step's end
 
@@ -436,23 +457,48 @@ class ClusterSimulator:
         return costs, SimSpeculation(measured, spec, drafting, sends_draft, seed)
 
     # --- a run ----------------------------------------------------------------------------------
-    def run(self, requests: Sequence[SimRequest], rate: float = 0.0) -> SimResult:
-        """Simulate `requests` to their ends; `rate` labels the records (as a benchmark's run)."""
+    def run(self, requests: Sequence[SimRequest], rate: float = 0.0, budget: MissBudget | None = None) -> SimResult:
+        """Simulate `requests` to their ends, or with `budget` until it is spent; `rate` labels the records
+        (as a benchmark's run)."""
         started = time.perf_counter()
         self._rate = rate
         self._outstanding = len(requests)
+        self._budget, self._requests, self._misses = budget, len(requests), 0
         for i, spec in enumerate(requests):
             self.clock.at(spec.arrival_s, lambda now, i=i, spec=spec: self._arrive(i, spec, now))
         self.clock.at(self.manifest.supervision.ping_interval_s, self._report_tick)
-        self.clock.run()
-        for engine in self.engines.values():
-            engine.check_drained()
+        stopped = False
+        try:
+            self.clock.run()
+        except _RunFailed:
+            stopped = True
+            self._record_not_simulated(requests)
+        else:
+            for engine in self.engines.values():
+                engine.check_drained()
         workers = {n: WorkerLoad(self.refs[n].pool if self.manifest.mode == "disaggregated" else "colocated",
                                  e.busy_s, e.steps, e.preemptions) for n, e in self.engines.items()}
         workers.update({n: WorkerLoad("encode", e.busy_s, e.passes, 0) for n, e in self.encoders.items()})
         records = sorted(self.records, key=lambda r: r.send_time)
         return SimResult(records, workers, self.router.snapshot_stats(), self.clock.events,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, stopped)
+
+    def _missed(self) -> None:
+        """A request missed the budget's objective, for certain: stop once the run cannot meet its target."""
+        self._misses += 1
+        if (self._requests - self._misses) / self._requests < self._budget.target:
+            raise _RunFailed
+
+    def _record_not_simulated(self, requests: Sequence[SimRequest]) -> None:
+        """The requests a stopped run did not end, recorded as misses that say why."""
+        for flight in self.flights.values():
+            flight.record.outcome, flight.record.error = "error", NOT_SIMULATED
+        arrived = {r.request_id for r in self.records}
+        for i, spec in enumerate(requests):
+            request_id = f"{self.name}-{i}"
+            if request_id not in arrived:
+                self.records.append(RequestRecord(request_id, self.name, self._rate, spec.arrival_s, len(spec.prompt),
+                                                  spec.output_len, outcome="error", error=NOT_SIMULATED))
 
     def _arrive(self, i: int, spec: SimRequest, now: float) -> None:
         self._last_progress = now
@@ -462,6 +508,8 @@ class ClusterSimulator:
         if len(spec.prompt) + spec.output_len > self.max_model_len:  # the router refuses it, as the API does
             record.outcome, record.error = "error", f"longer than max_model_len {self.max_model_len}"
             self._outstanding -= 1
+            if self._budget is not None:
+                self._missed()
             return
         work = WorkRequest(request_id, spec.prompt, SamplingParams.greedy(max_tokens=spec.output_len, ignore_eos=True))
         try:
@@ -470,6 +518,8 @@ class ClusterSimulator:
             record.outcome = "rejected" if isinstance(e, Overloaded) else "error"
             record.error = str(e)
             self._outstanding -= 1
+            if self._budget is not None:
+                self._missed()
             return
         flight = _Flight(request_id, spec, record, placement)
         flight.events[LifetimeEvent.ACCEPTED] = now
@@ -602,6 +652,9 @@ class ClusterSimulator:
             flight.record.cached_tokens = seq.cached_tokens
             flight.events.update({LifetimeEvent.PREFILL_END: now, LifetimeEvent.FIRST_TOKEN: seen})
             self.router.first_token(flight.placement)
+            if self._budget is not None and seen - flight.record.send_time > self._budget.objective.ttft_s:
+                flight.missed = True
+                self._missed()
         if seq.prefill_only:
             self.prefill_sides[engine.name].first_token(seq)
             if seq.output_len <= 1:  # released once the step that sampled it has ended
@@ -654,6 +707,8 @@ class ClusterSimulator:
         self.router.finished(flight.placement, flight.events)  # it learns each handoff's time, as live
         del self.flights[flight.request_id]
         self._outstanding -= 1
+        if self._budget is not None and not flight.missed and not meets(flight.record, self._budget.objective):
+            self._missed()
 
     def _cache_events(self, worker: str, events: list[IndexEvent]) -> None:
         self.index.apply(worker, events)

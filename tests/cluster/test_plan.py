@@ -14,7 +14,7 @@ import yaml
 from cluster_helpers import manifest as small_cluster_manifest
 from plan_helpers import synthetic_profile
 
-from pdserve.cluster.bench.serve_metrics import Goodput, Objective, summarize
+from pdserve.cluster.bench.serve_metrics import TARGET_ATTAINMENT, Goodput, Objective, attainment, summarize
 from pdserve.cluster.bench.workload import TraceRequest
 from pdserve.cluster.manifest import DEFAULT_MANIFEST, load_manifest
 from pdserve.client import Client
@@ -23,7 +23,8 @@ from pdserve.cluster.plan.costs import (DecodeTable, HardwareProfile, TransferCo
                                         find_stored_profile, machine)
 from pdserve.cluster.plan.planner import Candidate, Evaluated, Infeasible, candidates, choose, plan, tunings
 from pdserve.cluster.plan.profiler import profile_engine
-from pdserve.cluster.plan.simulator import ClusterSimulator, SimRequest, trace_requests, unique_prompt
+from pdserve.cluster.plan.simulator import (NOT_SIMULATED, ClusterSimulator, MissBudget, SimRequest, trace_requests,
+                                            unique_prompt)
 from pdserve.engine.cost_model import StepCost
 from pdserve.engine.model_store import model_digest
 from pdserve.engine.llm_engine import StepStats
@@ -83,6 +84,27 @@ def test_exponential_service_queues_as_m_m_1():
         poisson(20_000, rate, lambda rng: 1 + int(rng.expovariate(1 / mean_tokens)))).records
     mu = 1 / (mean_tokens * per_token)
     assert mean_ttft(records) == pytest.approx(1 / (mu - rate), rel=0.07)
+
+
+@pytest.mark.parametrize("rate, fails", [(60.0, False), (150.0, True)])
+def test_a_run_past_its_miss_budget_stops_there_with_the_full_runs_verdict(rate, fails):
+    """A goodput search needs only whether a run met its target: one that no longer can stops (an
+    overloaded single server: its queue grows to the end), every request recorded; one that can runs
+    to its end, exactly as without the budget."""
+    profile = synthetic_profile(StepCost(0.002, 0.008 / 100, 0.0))  # 10 ms a prompt: 100 req/s at most
+    objective = Objective("ttft", 0.05, 1.0)
+    requests = poisson(2_000, rate, lambda rng: 100)
+    full = ClusterSimulator(single_server(), profile).run(requests, rate)
+    budgeted = ClusterSimulator(single_server(), profile).run(requests, rate, MissBudget(objective, TARGET_ATTAINMENT))
+    assert (attainment(full.records, objective) < TARGET_ATTAINMENT) is fails
+    assert (attainment(budgeted.records, objective) < TARGET_ATTAINMENT) is fails
+    assert budgeted.stopped is fails and len(budgeted.records) == len(requests)
+    if fails:
+        assert budgeted.events < full.events / 2, (budgeted.events, full.events)
+        assert all(r.outcome == "error" and r.error == NOT_SIMULATED
+                   for r in budgeted.records if r.end_time is None and r.first_token_time is None)
+    else:
+        assert budgeted.records == full.records
 
 
 # --- the cluster inside -------------------------------------------------------------------------------
