@@ -34,7 +34,9 @@ def manifest(model_dir, mode="disaggregated", transport="shm", **extra):
     `kv_transfer={"recompute": True}` lets a slow link make the decode worker recompute the KV). Every
     prompt streams its KV layer by layer beside its pass (the path where most threads meet), unless
     the test sets `kv_transfer.layerwise_min_tokens`."""
-    router = {"local_prefill_tokens": 0, **extra.pop("router", {})}
+    # A retry waits up to 90 s for a healthy worker, not the default 30: a killed worker's restart (a
+    # fresh process importing torch and transformers) took longer on the CI machine's two loaded cores.
+    router = {"local_prefill_tokens": 0, "retry_wait_s": 90, **extra.pop("router", {})}
     kv_transfer = {"transport": transport, "lease_s": 5, "recompute": False, "layerwise_min_tokens": 0,
                    **extra.pop("kv_transfer", {})}
     data = {
