@@ -163,11 +163,11 @@ def evaluate(candidate: Candidate, base: Any, profile: HardwareProfile, shapes: 
              drafting: Drafting | None = None) -> Evaluated:
     manifest = candidate.manifest(base)
     # One objective over the search's runs: a run that already cannot meet it stops there.
-    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s, drafting,
-                             MissBudget(objective, TARGET_ATTAINMENT))
+    budget = MissBudget(objective, TARGET_ATTAINMENT)
+    measure = simulated_runs(manifest, profile, shapes, seed, candidate.name, min_duration_s, drafting, budget)
     search = GoodputSearch(measure, start_rate=target_rate or 1.0, min_rate=0.01, max_rate=10_000, rel_tol=rel_tol,
-                           max_runs=max_runs, target=TARGET_ATTAINMENT)
-    carries = None if target_rate is None else attainment(search.records(target_rate), objective) >= TARGET_ATTAINMENT
+                           max_runs=max_runs, target=budget.target)
+    carries = None if target_rate is None else attainment(search.records(target_rate), objective) >= budget.target
     return Evaluated(candidate, search.goodput(objective), len(search.runs), carries)
 
 

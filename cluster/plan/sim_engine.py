@@ -287,29 +287,29 @@ class SimEngine:
                 index += 1
                 continue
             break
-        while self.ready and budget > 0 and not preempted and len(self.running) < lim.max_num_seqs:
+        while self.ready and budget > 0 and not preempted and len(running) < lim.max_num_seqs:
             seq = self.ready[0]
             n = min(seq.uncomputed, budget, lim.chunk_limit)
             need = self._blocks_needed(seq, n)
             # Imports queued behind it give their blocks back (recomputed later); with nothing running
             # to finish, at last the head itself does.
-            while need > self.free_blocks and (len(self.ready) > 1 or not self.running):
+            while need > self.free_blocks and (len(self.ready) > 1 or not running):
                 self._preempt(self.ready.pop())
                 preempted = True
             if not self.ready or not self._allocate(need):
                 break
             self.ready.popleft()
             seq.plain_blocks += need
-            self.running.append(seq)
+            running.append(seq)
             chunks.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and not preempted and len(self.running) < lim.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and len(running) < lim.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
             if not n:
                 break
             self.waiting.popleft()
-            self.running.append(seq)
+            running.append(seq)
             chunks.append((seq, n))
             budget -= n
         return chunks, preempted

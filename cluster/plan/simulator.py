@@ -182,7 +182,9 @@ class SimResult:
     routing: dict[str, Any]  # the router's counts (`Router.snapshot_stats`)
     events: int  # the simulator's events, over
     wall_s: float  # the simulation's own time
-    stopped: bool = False  # stopped past its `MissBudget`: the requests it did not end are recorded as not simulated
+    # Stopped past its `MissBudget`: the requests it did not end are recorded as not simulated, and the
+    # workers' loads and the router's counts are as they stood (a step may have been under way).
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -485,9 +487,14 @@ class ClusterSimulator:
 
     def _missed(self) -> None:
         """A request missed the budget's objective, for certain: stop once the run cannot meet its target."""
+        if self._budget is None:
+            return
         self._misses += 1
         if (self._requests - self._misses) / self._requests < self._budget.target:
             raise _RunFailed
+
+    def _request_id(self, i: int) -> str:
+        return f"{self.name}-{i}"
 
     def _record_not_simulated(self, requests: Sequence[SimRequest]) -> None:
         """The requests a stopped run did not end, recorded as misses that say why."""
@@ -495,21 +502,20 @@ class ClusterSimulator:
             flight.record.outcome, flight.record.error = "error", NOT_SIMULATED
         arrived = {r.request_id for r in self.records}
         for i, spec in enumerate(requests):
-            request_id = f"{self.name}-{i}"
+            request_id = self._request_id(i)
             if request_id not in arrived:
                 self.records.append(RequestRecord(request_id, self.name, self._rate, spec.arrival_s, len(spec.prompt),
                                                   spec.output_len, outcome="error", error=NOT_SIMULATED))
 
     def _arrive(self, i: int, spec: SimRequest, now: float) -> None:
         self._last_progress = now
-        request_id = f"{self.name}-{i}"
+        request_id = self._request_id(i)
         record = RequestRecord(request_id, self.name, self._rate, now, len(spec.prompt), spec.output_len)
         self.records.append(record)
         if len(spec.prompt) + spec.output_len > self.max_model_len:  # the router refuses it, as the API does
             record.outcome, record.error = "error", f"longer than max_model_len {self.max_model_len}"
             self._outstanding -= 1
-            if self._budget is not None:
-                self._missed()
+            self._missed()
             return
         work = WorkRequest(request_id, spec.prompt, SamplingParams.greedy(max_tokens=spec.output_len, ignore_eos=True))
         try:
@@ -518,8 +524,7 @@ class ClusterSimulator:
             record.outcome = "rejected" if isinstance(e, Overloaded) else "error"
             record.error = str(e)
             self._outstanding -= 1
-            if self._budget is not None:
-                self._missed()
+            self._missed()
             return
         flight = _Flight(request_id, spec, record, placement)
         flight.events[LifetimeEvent.ACCEPTED] = now
